@@ -1,0 +1,75 @@
+"""tensorplay.distributed: process groups and collectives with torch.distributed's signatures.
+
+Three backends behind one interface: ``"gloo"`` and ``"nccl"`` (torch's c10d,
+launched with torchrun) and ``"sim"`` (the in-process simulator, see
+:mod:`simulator`).  Code written against ``torch.distributed`` ports by
+changing the import.
+
+Example (run on 4 simulated ranks)::
+
+    import simulator
+    import tensorplay as tp
+    import tensorplay.distributed as dist
+
+    def step():
+        x = tp.tensor([float(dist.get_rank())])
+        dist.all_reduce(x)
+        return x.item()
+
+    assert simulator.run(step, world_size=4) == [6.0] * 4
+"""
+from __future__ import annotations
+
+from .api import (
+    DEFAULT_TIMEOUT,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    gather,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    irecv,
+    is_available,
+    is_initialized,
+    isend,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from .backends import Backend, Work, register_backend
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistRuntimeError,
+    DistTimeoutError,
+    DistTypeError,
+    DistValueError,
+    NotInitializedError,
+    RankNotInGroupError,
+)
+from .group import GroupMember, ProcessGroup, group
+from .reduce_op import ReduceOp
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "Backend", "DistBackendError", "DistError", "DistRuntimeError", "DistTimeoutError",
+    "DistTypeError", "DistValueError", "GroupMember", "NotInitializedError", "ProcessGroup", "RankNotInGroupError",
+    "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single",
+    "barrier", "broadcast", "destroy_process_group", "gather", "get_backend", "get_global_rank", "get_group_rank",
+    "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv",
+    "is_available", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "register_backend", "scatter", "send",
+]

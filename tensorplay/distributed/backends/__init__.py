@@ -1,0 +1,42 @@
+"""Backend registry: one interface (:class:`Backend`), implementations keyed by name.
+
+``gloo`` and ``nccl`` run on torch's c10d (:mod:`.c10d`).  ``sim`` is the
+in-process simulator; it registers itself when :mod:`simulator` is imported,
+and the registry imports it lazily the first time ``"sim"`` is asked for.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Type
+
+from .base import Backend, ChainedWork, CompletedWork, Work
+
+__all__ = ["Backend", "Work", "CompletedWork", "ChainedWork", "register_backend", "get_backend_class", "registered"]
+
+_REGISTRY: dict[str, Type[Backend]] = {}
+# name -> module that registers it on import (kept lazy: importing the
+# simulator or torch's c10d costs time nobody should pay up front)
+_LAZY: dict[str, str] = {
+    "gloo": "tensorplay.distributed.backends.c10d",
+    "nccl": "tensorplay.distributed.backends.c10d",
+    "sim": "simulator",
+}
+
+
+def register_backend(name: str, cls: Type[Backend]) -> None:
+    """Register ``cls`` under ``name`` (lower case); a later registration replaces an earlier one."""
+    _REGISTRY[name.lower()] = cls
+
+
+def get_backend_class(name: str) -> Type[Backend]:
+    key = name.lower()
+    if key not in _REGISTRY and key in _LAZY:
+        importlib.import_module(_LAZY[key])
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise KeyError(name) from None
+
+
+def registered() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_LAZY))

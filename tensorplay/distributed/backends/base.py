@@ -1,0 +1,245 @@
+"""The one backend interface of tensorplay.distributed.
+
+The public API (``tensorplay/distributed/api.py``) validates every argument,
+resolves the group and converts global src/dst to *group* ranks before it
+calls a backend.  A backend therefore receives only well-formed calls:
+
+* ``group`` is a :class:`~tensorplay.distributed.group.ProcessGroup` the
+  calling rank belongs to;
+* ``root`` / ``peer`` are group ranks;
+* ``op`` is a :class:`~tensorplay.distributed.reduce_op.ReduceOp` the dtype
+  allows;
+* list lengths, split sizes, shapes and dtypes are consistent on this rank
+  (cross-rank agreement is the backend's business: the simulator checks it,
+  c10d backends trust the caller like torch does).
+
+Each collective writes its result into the given output tensors (in place, as
+torch.distributed does) and returns ``None`` when ``async_op`` is false, else
+a :class:`Work`.  A backend fills its own gaps (a primitive it lacks is
+emulated inside the backend), so callers never branch on backend names.
+"""
+from __future__ import annotations
+
+import abc
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..group import ProcessGroup
+from ..reduce_op import ReduceOp
+
+__all__ = ["Backend", "Work", "CompletedWork"]
+
+
+class Work(abc.ABC):
+    """Handle of an asynchronous operation (``async_op=True``)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Block until the operation finished; raise its error if it failed."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def source_rank(self) -> int:
+        """For a receive: the sender's rank (a group rank at the backend level)."""
+        raise RuntimeError("source_rank() is only defined for irecv work")
+
+    def result(self) -> list[torch.Tensor]:
+        return []
+
+
+class CompletedWork(Work):
+    """A Work that is already done (the result was produced synchronously)."""
+
+    def __init__(self, source: int | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._source = source
+        self._tensors = list(tensors)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def source_rank(self) -> int:
+        if self._source is None:
+            return super().source_rank()
+        return self._source
+
+    def result(self) -> list[torch.Tensor]:
+        return self._tensors
+
+
+class ChainedWork(Work):
+    """Wait for an inner work, then run a finishing step once (e.g. copy a staging buffer out)."""
+
+    def __init__(self, inner: Any, finish: Callable[[], None]) -> None:
+        self._inner = inner
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True if ok is None else bool(ok)
+
+    def is_completed(self) -> bool:
+        return self._finish is None or self._inner.is_completed()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank() if hasattr(self._inner, "source_rank") else self._inner._source_rank()
+
+
+class Backend(abc.ABC):
+    """A per-rank object that runs collectives for one process (or one simulated rank).
+
+    Subclasses are registered by name with
+    :func:`tensorplay.distributed.backends.register_backend`.
+    """
+
+    #: the name users pass to ``init_process_group``
+    name: str = "?"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- life cycle -------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def create(
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str | None,
+        store: Any,
+        timeout: timedelta,
+    ) -> "Backend":
+        """Join (or create) the world and return this rank's backend."""
+
+    @abc.abstractmethod
+    def world_handle(self) -> Any:
+        """The handle of the world group."""
+
+    @abc.abstractmethod
+    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> Any:
+        """Create the handle for a new group; called on every rank of the world, members or not.
+
+        Returns ``None`` on ranks that are not members.
+        """
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release every resource; the rank may initialise again afterwards."""
+
+    def supports_device(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` can take part in this backend's collectives."""
+        return device.type == "cpu"
+
+    def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:  # noqa: ARG002
+        """Whether the backend reduces ``dtype`` with ``op`` natively (else it emulates)."""
+        return True
+
+    # -- collectives (group ranks, validated arguments) -------------------
+    @abc.abstractmethod
+    def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None: ...
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None: ...
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool) -> Work | None: ...
+
+    @abc.abstractmethod
+    def reduce(
+        self, tensor: torch.Tensor, root: int, op: ReduceOp, group: ProcessGroup, async_op: bool
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def all_gather(
+        self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup, async_op: bool
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None,
+        root: int,
+        group: ProcessGroup,
+        async_op: bool,
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None,
+        root: int,
+        group: ProcessGroup,
+        async_op: bool,
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp,
+        group: ProcessGroup,
+        async_op: bool,
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool
+    ) -> Work | None: ...
+
+    @abc.abstractmethod
+    def all_to_all(
+        self,
+        output_list: list[torch.Tensor],
+        input_list: list[torch.Tensor],
+        group: ProcessGroup,
+        async_op: bool,
+    ) -> Work | None:
+        """List all_to_all; shapes may differ per (sender, receiver) pair (ragged)."""
+
+    @abc.abstractmethod
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        group: ProcessGroup,
+        async_op: bool,
+    ) -> Work | None:
+        """Split sizes are always explicit lists here (the API fills in even splits)."""
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int, group: ProcessGroup, tag: int, async_op: bool) -> Work | None: ...
+
+    @abc.abstractmethod
+    def recv(
+        self, tensor: torch.Tensor, peer: int | None, group: ProcessGroup, tag: int, async_op: bool
+    ) -> Work | int:
+        """Receive into ``tensor``; ``peer=None`` means any source.
+
+        Returns the sender's *group* rank when blocking, else a Work whose
+        ``source_rank()`` gives the sender's *group* rank (the API maps it to
+        a global rank for users).
+        """
