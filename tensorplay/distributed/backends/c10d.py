@@ -1,0 +1,355 @@
+"""The ``gloo`` and ``nccl`` backends, on torch's c10d.
+
+Thin by design: arguments arrive validated and in group ranks, and map onto
+torch.distributed calls with ``group_src``/``group_dst``.  What c10d lacks is
+filled in here, once, for every caller:
+
+* list ``all_to_all`` with ragged shapes runs as a single
+  ``all_to_all_single`` over flattened buffers (torch's gloo path raises, and
+  its emulation costs W scatters);
+* reductions a library cannot do natively (PRODUCT on complex, bitwise ops on
+  NCCL) gather the contributions and reduce locally in rank order;
+* non-contiguous tensors are staged through a contiguous buffer;
+* stacked outputs of all-gather / inputs of reduce-scatter are viewed as the
+  concatenated layout c10d expects.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from .. import _kernels
+from ..errors import DistBackendError, DistTimeoutError, format_message
+from ..group import ProcessGroup
+from ..reduce_op import ReduceOp
+from . import register_backend
+from .base import Backend, ChainedWork, Work
+
+__all__ = ["C10dBackend", "GlooBackend", "NcclBackend"]
+
+_TORCH_OP = {
+    ReduceOp.SUM: tdist.ReduceOp.SUM,
+    ReduceOp.AVG: tdist.ReduceOp.AVG,
+    ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: tdist.ReduceOp.MIN,
+    ReduceOp.MAX: tdist.ReduceOp.MAX,
+    ReduceOp.BAND: tdist.ReduceOp.BAND,
+    ReduceOp.BOR: tdist.ReduceOp.BOR,
+    ReduceOp.BXOR: tdist.ReduceOp.BXOR,
+}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+# torch 2.13 renamed the tensor variants; use the new names where they exist.
+_all_gather_tensor = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
+def _finish(work: Any, async_op: bool, after: Callable[[], None] | None) -> Work | None:
+    """Return torch's work (async) or nothing (blocking), running ``after`` once the data is there."""
+    if not async_op:
+        if after is not None:
+            after()
+        return None
+    if after is None:
+        return work
+    return ChainedWork(work, after)
+
+
+def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous stand-in for ``t`` and the copy-back to run after the op (if one was needed)."""
+    if t.is_contiguous():
+        return t, None
+    buf = t.contiguous()
+    return buf, lambda: t.copy_(buf)
+
+
+def _concat_view(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """``out`` (stacked or concatenated copies of ``inp``) in the concatenated layout c10d expects."""
+    return out.view(-1, *inp.shape[1:]) if inp.dim() else out.view(-1)
+
+
+def _chain(*fns: Callable[[], None] | None) -> Callable[[], None] | None:
+    fns = tuple(f for f in fns if f is not None)
+    if not fns:
+        return None
+    if len(fns) == 1:
+        return fns[0]
+
+    def run() -> None:
+        for f in fns:
+            f()
+
+    return run
+
+
+class C10dBackend(Backend):
+    """Common code of the gloo and nccl backends."""
+
+    name = "c10d"
+
+    def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
+        super().__init__(rank, world_size)
+        self.timeout = timeout
+
+    @classmethod
+    def create(cls, *, rank: int, world_size: int, init_method: str | None, store: Any,
+               timeout: timedelta) -> "C10dBackend":
+        if tdist.is_initialized():
+            raise DistBackendError(format_message(
+                "init_process_group", "torch.distributed is already initialised in this process",
+                values={"backend": tdist.get_backend()},
+                fix="call tensorplay.distributed.destroy_process_group() / torch.distributed.destroy_process_group() "
+                    "first"))
+        kwargs: dict[str, Any] = dict(backend=cls.name, timeout=timeout, world_size=world_size, rank=rank)
+        if store is not None:
+            kwargs["store"] = store
+        elif init_method is not None:
+            kwargs["init_method"] = init_method
+        try:
+            tdist.init_process_group(**kwargs)
+        except (RuntimeError, ValueError) as e:
+            raise DistBackendError(format_message(
+                "init_process_group", f"the {cls.name} backend could not start: {e}",
+                values={"init_method": init_method, "rank": rank, "world_size": world_size},
+                fix="check MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (or init_method) and that every rank starts")) from e
+        return cls(tdist.get_rank(), tdist.get_world_size(), timeout)
+
+    def world_handle(self) -> Any:
+        return tdist.group.WORLD
+
+    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> Any:
+        pg = tdist.new_group(list(ranks), timeout=timeout)
+        return pg if self.rank in ranks else None
+
+    def shutdown(self) -> None:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+    # -- what the library does natively ------------------------------------
+    def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:
+        return not (dtype.is_complex and op is ReduceOp.PRODUCT)
+
+    def _emulated_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool,
+                         root: int | None) -> Work | None:
+        """Gather every contribution and reduce locally, in rank order (same result on every rank)."""
+        w = group.size()
+        src, _ = _staged(tensor)
+        stacked = torch.empty((w, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        work = _all_gather_tensor(_concat_view(stacked, tensor), src, group=group.handle, async_op=async_op)
+
+        def reduce_locally() -> None:
+            if root is None or group.rank() == root:
+                tensor.copy_(_kernels.reduce_stacked(op, stacked))
+
+        return _finish(work, async_op, reduce_locally)
+
+    def _guard(self, name: str, group: ProcessGroup, fn: Callable[[], Work | None]) -> Work | None:
+        """Run a c10d call, turning torch's failures into our errors with context."""
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as e:
+            text = str(e)
+            cls = DistTimeoutError if "timed out" in text.lower() or "timeout" in text.lower() else DistBackendError
+            raise cls(format_message(name, f"the {self.name} backend failed: {text}", group=group.ranks,
+                                     rank=self.rank, fix="check that every rank of the group made the same call"
+                                     )) from e
+
+    # -- collectives ------------------------------------------------------
+    def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._guard("barrier", group, lambda: tdist.barrier(group=group.handle, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
+        def run() -> Work | None:
+            buf, back = _staged(tensor)
+            work = tdist.broadcast(buf, group=group.handle, async_op=async_op, group_src=root)
+            return _finish(work, async_op, back)
+
+        return self._guard("broadcast", group, run)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool) -> Work | None:
+        if not self.supports_op(op, tensor.dtype):
+            return self._guard("all_reduce", group, lambda: self._emulated_reduce(tensor, op, group, async_op, None))
+
+        def run() -> Work | None:
+            buf, back = _staged(tensor)
+            work = tdist.all_reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op)
+            return _finish(work, async_op, back)
+
+        return self._guard("all_reduce", group, run)
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, group: ProcessGroup,
+               async_op: bool) -> Work | None:
+        if not self.supports_op(op, tensor.dtype):
+            return self._guard("reduce", group, lambda: self._emulated_reduce(tensor, op, group, async_op, root))
+
+        def run() -> Work | None:
+            buf, back = _staged(tensor)
+            work = tdist.reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op, group_dst=root)
+            # torch may leave scratch values in non-root buffers; only the root's result is defined
+            return _finish(work, async_op, back if group.rank() == root else None)
+
+        return self._guard("reduce", group, run)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        # one contiguous buffer, one exchange, then views out: cheaper than W staged outputs
+        def run() -> Work | None:
+            src, _ = _staged(tensor)
+            flat = torch.empty((group.size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            work = _all_gather_tensor(_concat_view(flat, tensor), src, group=group.handle, async_op=async_op)
+
+            def unpack() -> None:
+                for o, chunk in zip(output_list, flat):
+                    o.copy_(chunk)
+
+            return _finish(work, async_op, unpack)
+
+        return self._guard("all_gather", group, run)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
+                               async_op: bool) -> Work | None:
+        def run() -> Work | None:
+            src, _ = _staged(input)
+            out, back = _staged(output)
+            work = _all_gather_tensor(_concat_view(out, input), src, group=group.handle, async_op=async_op)
+            return _finish(work, async_op, back)
+
+        return self._guard("all_gather_into_tensor", group, run)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int,
+               group: ProcessGroup, async_op: bool) -> Work | None:
+        def run() -> Work | None:
+            src, _ = _staged(tensor)
+            if gather_list is None:
+                work = tdist.gather(src, None, group=group.handle, async_op=async_op, group_dst=root)
+                return _finish(work, async_op, None)
+            staged = [_staged(t) for t in gather_list]
+            work = tdist.gather(src, [b for b, _ in staged], group=group.handle, async_op=async_op, group_dst=root)
+            return _finish(work, async_op, _chain(*(back for _, back in staged)))
+
+        return self._guard("gather", group, run)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, root: int,
+                group: ProcessGroup, async_op: bool) -> Work | None:
+        def run() -> Work | None:
+            out, back = _staged(tensor)
+            parts = None if scatter_list is None else [t.contiguous() for t in scatter_list]
+            work = tdist.scatter(out, parts, group=group.handle, async_op=async_op, group_src=root)
+            return _finish(work, async_op, back)
+
+        return self._guard("scatter", group, run)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
+                       group: ProcessGroup, async_op: bool) -> Work | None:
+        # packing the list into one tensor serves both the native and the emulated path
+        return self.reduce_scatter_tensor(output, torch.stack(input_list), op, group, async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                              group: ProcessGroup, async_op: bool) -> Work | None:
+        w = group.size()
+        if not self.supports_op(op, output.dtype):
+            # rank j sends its i-th chunk to rank i, which reduces the W chunks it received
+            def emulate() -> Work | None:
+                chunks = input.contiguous().view(w, *output.shape)
+                got = torch.empty_like(chunks)
+                n = [output.numel()] * w
+                work = tdist.all_to_all_single(got.view(-1), chunks.view(-1), n, n, group=group.handle,
+                                               async_op=async_op)
+                return _finish(work, async_op, lambda: output.copy_(_kernels.reduce_stacked(op, got)))
+
+            return self._guard("reduce_scatter", group, emulate)
+
+        def run() -> Work | None:
+            out, back = _staged(output)
+            work = _reduce_scatter_tensor(out, _concat_view(input.contiguous(), output), op=_TORCH_OP[op], group=group.handle, async_op=async_op)
+            return _finish(work, async_op, back)
+
+        return self._guard("reduce_scatter_tensor", group, run)
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        # Ragged shapes in one exchange: flatten every block, send by element counts.
+        def run() -> Work | None:
+            send = torch.cat([t.reshape(-1) for t in input_list])
+            out_n = [t.numel() for t in output_list]
+            recv = torch.empty(sum(out_n), dtype=send.dtype, device=send.device)
+            work = tdist.all_to_all_single(recv, send, out_n, [t.numel() for t in input_list],
+                                           group=group.handle, async_op=async_op)
+
+            def unpack() -> None:
+                for o, chunk in zip(output_list, recv.split(out_n)):
+                    o.copy_(chunk.view(o.shape))
+
+            return _finish(work, async_op, unpack)
+
+        return self._guard("all_to_all", group, run)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
+        def run() -> Work | None:
+            out, back = _staged(output)
+            work = tdist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes,
+                                           group=group.handle, async_op=async_op)
+            return _finish(work, async_op, back)
+
+        return self._guard("all_to_all_single", group, run)
+
+    # -- point to point -----------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer: int, group: ProcessGroup, tag: int, async_op: bool) -> Work | None:
+        src = tensor.contiguous()
+        if async_op:
+            return self._guard("isend", group, lambda: tdist.isend(src, group=group.handle, tag=tag, group_dst=peer))
+        self._guard("send", group, lambda: tdist.send(src, group=group.handle, tag=tag, group_dst=peer))
+        return None
+
+    def recv(self, tensor: torch.Tensor, peer: int | None, group: ProcessGroup, tag: int,
+             async_op: bool) -> Work | int:
+        buf, back = _staged(tensor)
+        if not async_op:
+            sender = self._guard("recv", group, lambda: tdist.recv(buf, group=group.handle, tag=tag, group_src=peer))
+            if back is not None:
+                back()
+            return group.group_rank(sender) if peer is None else peer
+
+        work = self._guard("irecv", group, lambda: tdist.irecv(buf, group=group.handle, tag=tag, group_src=peer))
+        return _RecvWork(work, peer, back)
+
+
+class _RecvWork(ChainedWork):
+    """irecv on c10d: copy out of the staging buffer, and report the sender's group rank."""
+
+    def __init__(self, inner: Any, peer: int | None, back: Callable[[], None] | None) -> None:
+        super().__init__(inner, back or (lambda: None))
+        self._peer = peer
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._peer if self._peer is not None else self._inner._source_rank()
+
+
+class GlooBackend(C10dBackend):
+    """torch's gloo: CPU tensors (and CUDA tensors for the ops gloo supports)."""
+
+    name = "gloo"
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type in ("cpu", "cuda")
+
+
+class NcclBackend(C10dBackend):
+    """torch's NCCL: CUDA tensors only; bitwise reductions are emulated."""
+
+    name = "nccl"
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:
+        return op not in _BITWISE and super().supports_op(op, dtype)
+
+
+register_backend("gloo", GlooBackend)
+register_backend("nccl", NcclBackend)
