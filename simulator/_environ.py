@@ -1,0 +1,86 @@
+"""Per-rank ``os.environ`` for scripts run by ``python -m simulator``.
+
+While a simulated world runs, ``os.environ`` is replaced by a mapping that
+reads and writes the calling rank thread's own dictionary (so ``RANK`` differs
+per rank) and falls back to the real environment outside rank threads.  The
+real ``os.environ`` object is put back when the run ends.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import MutableMapping
+from typing import Iterator
+
+__all__ = ["RankEnviron", "install", "uninstall", "bind", "unbind"]
+
+_local = threading.local()
+_installed: "RankEnviron | None" = None
+_depth = 0
+_lock = threading.Lock()
+
+
+class RankEnviron(MutableMapping):
+    """``os.environ`` stand-in that dispatches to the current rank thread's dict."""
+
+    def __init__(self, real: "os._Environ[str]") -> None:
+        self._real = real
+
+    def _target(self) -> MutableMapping:
+        d = getattr(_local, "env", None)
+        return self._real if d is None else d
+
+    def __getitem__(self, key: str) -> str:
+        return self._target()[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"str expected, not {type(key).__name__ if not isinstance(key, str) else type(value).__name__}")
+        self._target()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._target()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._target()))
+
+    def __len__(self) -> int:
+        return len(self._target())
+
+    def copy(self) -> dict:
+        return dict(self._target())
+
+    def __repr__(self) -> str:
+        return f"RankEnviron({dict(self._target())!r})"
+
+    # os.environ API used by some libraries
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def install() -> None:
+    """Replace ``os.environ`` (nested installs are counted)."""
+    global _installed, _depth
+    with _lock:
+        if _depth == 0:
+            _installed = RankEnviron(os.environ)
+            os.environ = _installed  # type: ignore[assignment]
+        _depth += 1
+
+
+def uninstall() -> None:
+    global _installed, _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0 and _installed is not None:
+            os.environ = _installed._real  # type: ignore[assignment]
+            _installed = None
+
+
+def bind(env: dict[str, str]) -> None:
+    """Give the calling rank thread its own environment (a copy of the real one plus ``env``)."""
+    _local.env = env
+
+
+def unbind() -> None:
+    _local.env = None

@@ -1,0 +1,70 @@
+"""Errors the simulator raises on top of tensorplay.distributed's hierarchy.
+
+Every class is a :class:`tensorplay.distributed.DistError` and a ``RuntimeError``,
+so ``except DistError`` catches anything the simulator reports.
+
+An *incident* is one event that several ranks learn about at once (a mismatch
+in one collective, one deadlock, one rank's failure).  Every rank raises its own
+exception object for it, but they share ``incident`` so :func:`simulator.run`
+reports the incident once.
+"""
+from __future__ import annotations
+
+from tensorplay.distributed.errors import DistError, DistTimeoutError
+
+__all__ = [
+    "SimError",
+    "CollectiveMismatchError",
+    "DeadlockError",
+    "RankFailedError",
+    "InjectedFault",
+    "SimTimeoutError",
+    "ExploreError",
+    "NotReproducibleError",
+]
+
+
+class SimError(DistError, RuntimeError):
+    """Root of the simulator's own errors."""
+
+    #: the shared incident object (see module docstring); ``None`` for one-rank errors
+    incident: object = None
+    #: the global rank that raised it (set by the simulator)
+    rank: int | None = None
+
+
+class CollectiveMismatchError(SimError):
+    """Members of a group called different collectives (or disagree on op, root, dtype, shape, splits)
+    at the same position of the group's sequence.  Raised on every member, with a table of the calls."""
+
+
+class DeadlockError(SimError):
+    """Every live rank is blocked and nothing can make progress; the message says what each waits for."""
+
+
+class RankFailedError(SimError):
+    """Another rank failed; this rank was released from its current (or next) wait.
+
+    ``failed_rank`` is the global rank whose exception started it; ``__cause__``
+    is that exception.
+    """
+
+    failed_rank: int | None = None
+
+
+class InjectedFault(SimError):
+    """Raised on purpose by a :class:`simulator.Crash` fault."""
+
+
+class SimTimeoutError(SimError, DistTimeoutError):
+    """The global ``timeout=`` of a run ran out; the message lists who arrived where."""
+
+
+class ExploreError(SimError):
+    """A run under :func:`simulator.explore` failed; ``seed`` names it and ``__cause__`` is the failure."""
+
+    seed: int | None = None
+
+
+class NotReproducibleError(SimError):
+    """Two runs with the same seed produced different traces or results."""

@@ -1,0 +1,122 @@
+"""The data movement and reductions behind the simulator's collectives.
+
+All functions take every member's tensors in *group-rank order* and write the
+outputs in place.  Reductions fold strictly in group-rank order
+(``((x0 op x1) op x2) ...``), so results are bitwise independent of the order
+in which ranks arrived.  Outputs never alias another rank's input: results are
+computed into fresh memory (or read completely before being written).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tensorplay.distributed.reduce_op import ReduceOp
+
+__all__ = ["reduce_tensors", "reduce_into", "copy_rows", "rows_view"]
+
+# Elements per chunk of the cache-blocked reduction: large enough that the
+# per-chunk Python overhead vanishes, small enough that the accumulator stays
+# in cache while every rank's chunk streams through it once.
+_CHUNK = 1 << 16
+_CHUNKED_MIN = 1 << 18
+
+
+def _fold(acc: torch.Tensor, t: torch.Tensor, op: ReduceOp) -> None:
+    if op is ReduceOp.SUM or op is ReduceOp.AVG:
+        if acc.dtype == torch.bool:
+            acc.logical_or_(t)
+        else:
+            acc.add_(t)
+    elif op is ReduceOp.PRODUCT:
+        if acc.dtype == torch.bool:
+            acc.logical_and_(t)
+        else:
+            acc.mul_(t)
+    elif op is ReduceOp.MIN:
+        torch.minimum(acc, t, out=acc)
+    elif op is ReduceOp.MAX:
+        torch.maximum(acc, t, out=acc)
+    elif op is ReduceOp.BAND:
+        acc.bitwise_and_(t)
+    elif op is ReduceOp.BOR:
+        acc.bitwise_or_(t)
+    elif op is ReduceOp.BXOR:
+        acc.bitwise_xor_(t)
+    else:  # pragma: no cover  (the API validated op)
+        raise ValueError(op)
+
+
+def _finish(acc: torch.Tensor, op: ReduceOp, n: int) -> None:
+    if op is ReduceOp.AVG:
+        acc.div_(n)
+
+
+def reduce_tensors(ins: Sequence[torch.Tensor], op: ReduceOp, device: torch.device | None = None) -> torch.Tensor:
+    """``op`` over ``ins`` folded in order, as a new contiguous tensor."""
+    first = ins[0]
+    dev = first.device if device is None else device
+    acc = torch.empty(first.shape, dtype=first.dtype, device=dev)
+    acc.copy_(first)
+    for t in ins[1:]:
+        _fold(acc, t if t.device == dev else t.to(dev), op)
+    _finish(acc, op, len(ins))
+    return acc
+
+
+def reduce_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], op: ReduceOp) -> None:
+    """Write ``op`` over ``ins`` into every tensor of ``outs`` (which may be some of ``ins``)."""
+    first = ins[0]
+    n = first.numel()
+    if (
+        n >= _CHUNKED_MIN
+        and first.device.type == "cpu"
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in ins)
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in outs)
+    ):
+        _reduce_into_blocked(outs, ins, op, n)
+        return
+    acc = reduce_tensors(ins, op)
+    for o in outs:
+        o.copy_(acc)
+
+
+def _reduce_into_blocked(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], op: ReduceOp, n: int) -> None:
+    # Each chunk of the result depends only on the same chunk of every input,
+    # so chunk c of every input is read before chunk c of any output is
+    # written: in-place outputs (out is in) are safe.
+    flat_in = [t.view(-1) for t in ins]
+    flat_out = [t.view(-1) for t in outs]
+    w = len(ins)
+    acc_buf = torch.empty(min(_CHUNK, n), dtype=ins[0].dtype)
+    for start in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - start)
+        acc = acc_buf[:m]
+        acc.copy_(flat_in[0][start:start + m])
+        for t in flat_in[1:]:
+            _fold(acc, t[start:start + m], op)
+        _finish(acc, op, w)
+        for o in flat_out:
+            o[start:start + m].copy_(acc)
+
+
+def rows_view(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` seen as ``rows`` equal rows (a view when possible, else a reshaped copy)."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(rows, -1)
+
+
+def copy_rows(dst: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Write ``parts`` (each ``dst.numel() / len(parts)`` elements) into ``dst`` row by row."""
+    w = len(parts)
+    if dst.is_contiguous():
+        view = dst.view(w, -1) if dst.numel() else dst.reshape(w, 0)
+        for i, p in enumerate(parts):
+            view[i].copy_(p.reshape(-1))
+    else:
+        staging = torch.empty((w, dst.numel() // max(w, 1)), dtype=dst.dtype, device=dst.device)
+        for i, p in enumerate(parts):
+            staging[i].copy_(p.reshape(-1))
+        dst.copy_(staging.view(dst.shape))

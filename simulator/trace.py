@@ -1,0 +1,180 @@
+"""The event trace of a simulated run, virtual time, and Chrome-trace export.
+
+Every operation a rank issues becomes one :class:`Event`.  Besides wall-clock
+times, each event carries *virtual* times from an alpha-beta network model
+(:class:`CostModel`): a rank's virtual clock advances by the CPU time it spends
+between operations (measured with ``time.thread_time``) and by the modelled
+cost of each operation, which ends at the last member's arrival plus its cost.
+
+Example::
+
+    import simulator, tensorplay as tp, tensorplay.distributed as dist
+
+    def step():
+        x = tp.ones(1 << 20)
+        dist.all_reduce(x)
+
+    simulator.run(step, 4, cost=simulator.CostModel(latency_s=5e-6, bandwidth_Bps=25e9))
+    tr = simulator.last_trace()
+    tr.to_chrome("run.json")          # open in https://ui.perfetto.dev or chrome://tracing
+    print(tr.format_summary())        # predicted communication time per rank
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple
+
+__all__ = ["CostModel", "Event", "Trace"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Alpha-beta cost of each operation (the formulas nccl-tests uses).
+
+    ``n`` is the group size, ``S`` the bytes of one rank's buffer, ``a`` the
+    latency and ``B`` the bandwidth:
+
+    * all_reduce (ring): ``2(n-1)a + 2(n-1)/n * S/B``
+    * reduce_scatter, all_gather, all_to_all: ``(n-1)a + (n-1)/n * S/B``
+      (``S`` = the full, gathered size)
+    * broadcast, reduce, gather, scatter: ``ceil(log2 n)a + S/B``
+    * send/recv: ``a + S/B``; barrier: ``ceil(log2 n)a``.
+
+    ``compute_scale`` multiplies the measured CPU time between operations
+    (0 makes virtual time a pure function of the schedule, hence reproducible).
+    """
+
+    latency_s: float = 5e-6
+    bandwidth_Bps: float = 12.5e9
+    compute_scale: float = 1.0
+
+    def cost(self, op: str, nbytes: int, n: int) -> float:
+        a, b = self.latency_s, self.bandwidth_Bps
+        if n <= 1 and op not in ("send", "recv"):
+            return 0.0
+        if op == "all_reduce":
+            return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
+        if op in ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
+                  "all_to_all", "all_to_all_single"):
+            return (n - 1) * a + (n - 1) / n * nbytes / b
+        if op in ("broadcast", "reduce", "gather", "scatter"):
+            return math.ceil(math.log2(n)) * a + nbytes / b
+        if op in ("send", "recv"):
+            return a + nbytes / b
+        # barrier, new_group: a tree of empty messages
+        return math.ceil(math.log2(n)) * a
+
+
+class Event(NamedTuple):
+    """One operation as one rank saw it.
+
+    ``seq`` is the group's sequence number for collectives (1-based) and the
+    rank's own p2p counter for send/recv.  ``peer`` is the global peer of a
+    send/recv (the actual source for an any-source recv), ``root`` the global
+    root of rooted collectives, else ``None``.
+    """
+
+    rank: int
+    op: str
+    group: tuple[int, ...]
+    seq: int
+    nbytes: int
+    site: str
+    peer: int | None
+    wall_start: float
+    wall_end: float
+    vstart: float
+    vend: float
+    backward: str | None
+
+    def signature(self) -> tuple:
+        """The schedule-determined fields (no times): equal across same-seed runs in coop mode."""
+        return (self.rank, self.op, self.group, self.seq, self.nbytes, self.site, self.peer, self.backward)
+
+
+class Trace:
+    """Every event of one run, in the order the ranks finished them (a total order in coop mode)."""
+
+    def __init__(self, events: Iterable[Event], world_size: int, *, seed: int, mode: str,
+                 cost: CostModel, wall_origin: float, end_vtime: list[float]) -> None:
+        self.events: list[Event] = list(events)
+        self.world_size = world_size
+        self.seed = seed
+        self.mode = mode
+        self.cost = cost
+        self.wall_origin = wall_origin
+        #: each rank's virtual clock when it returned
+        self.end_vtime = list(end_vtime)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def by_rank(self, rank: int) -> list[Event]:
+        return [e for e in self.events if e.rank == rank]
+
+    def signature(self) -> tuple:
+        """Hashable summary of the schedule: equal for two runs with the same seed in coop mode."""
+        return tuple(e.signature() for e in self.events)
+
+    # -- summaries ------------------------------------------------------
+    def summary(self) -> list[dict[str, Any]]:
+        """Per rank: operations, bytes, predicted communication time and virtual end time."""
+        rows = [
+            {"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0, "wait_s": 0.0, "end_s": self.end_vtime[r]}
+            for r in range(self.world_size)
+        ]
+        for e in self.events:
+            row = rows[e.rank]
+            row["ops"] += 1
+            row["bytes"] += e.nbytes
+            dur = e.vend - e.vstart
+            row["comm_s"] += dur
+        return rows
+
+    def format_summary(self) -> str:
+        lines = [f"{'rank':>4} {'ops':>6} {'bytes':>12} {'comm (virtual s)':>17} {'end (virtual s)':>16}"]
+        for row in self.summary():
+            lines.append(f"{row['rank']:>4} {row['ops']:>6} {row['bytes']:>12} {row['comm_s']:>17.6g} {row['end_s']:>16.6g}")
+        return "\n".join(lines)
+
+    # -- Chrome trace / Perfetto ---------------------------------------
+    def chrome_events(self, clock: str = "virtual") -> list[dict[str, Any]]:
+        """Chrome-trace "complete" events, one row (tid) per rank, times in microseconds."""
+        if clock not in ("virtual", "wall"):
+            raise ValueError(f"clock must be 'virtual' or 'wall', got {clock!r}")
+        out: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": f"simulator ({clock} time)"}}
+        ]
+        for r in range(self.world_size):
+            out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        for e in self.events:
+            if clock == "virtual":
+                ts, dur = e.vstart * 1e6, (e.vend - e.vstart) * 1e6
+            else:
+                ts, dur = (e.wall_start - self.wall_origin) * 1e6, (e.wall_end - e.wall_start) * 1e6
+            args: dict[str, Any] = {"group": list(e.group), "seq": e.seq, "bytes": e.nbytes, "site": e.site}
+            if e.peer is not None:
+                args["peer"] = e.peer
+            if e.backward is not None:
+                args["backward_of"] = e.backward
+            out.append({"name": e.op, "cat": "comm", "ph": "X", "pid": 0, "tid": e.rank,
+                        "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3), "args": args})
+        return out
+
+    def to_chrome(self, path: str | None = None, clock: str = "virtual") -> dict[str, Any]:
+        """Return the Chrome-trace JSON object, and write it to ``path`` if given."""
+        doc = {"traceEvents": self.chrome_events(clock), "displayTimeUnit": "ms",
+               "otherData": {"world_size": self.world_size, "seed": self.seed, "mode": self.mode,
+                             "latency_s": self.cost.latency_s, "bandwidth_Bps": self.cost.bandwidth_Bps}}
+        if path is not None:
+            with open(path, "w") as fh:
+                json.dump(doc, fh)
+        return doc
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self.events)} events, world_size={self.world_size}, seed={self.seed}, mode={self.mode!r})"

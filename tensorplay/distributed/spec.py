@@ -1,0 +1,314 @@
+"""Each autograd-aware collective, described once.
+
+A :class:`CollectiveSpec` says what a collective *is*, independent of any
+backend:
+
+* ``reference``: the world-level function in plain torch ops.  It maps every
+  group member's input (indexed by group rank) to every member's output.
+  It is differentiable with torch.autograd, so differentiating it gives the
+  exact world-level vector-Jacobian product the autograd layer must match.
+* ``output_shape``: the shape rule for one rank.
+* ``takes_op`` / ``allowed_ops``: which reduce ops the collective accepts,
+  and which of them carry a gradient.
+* ``root``: ``"src"``, ``"dst"`` or ``None``.
+* ``backward``: the adjoint, stated in words (``adjoint``) and as the name of
+  the collective it is built from.  The autograd Functions in
+  :mod:`tensorplay.distributed.nn.functional` implement it with the same
+  differentiable collectives, so double backward works for the linear cases.
+
+The autograd layer reads ``allowed_ops``/``root``/shape rules for validation,
+the simulator reads the names and fingerprint fields, and the conformance
+suite uses ``reference`` as its expectation.  Nothing here branches on a
+backend.
+
+Reference inputs, per collective (``W`` = group size, ``xs[i]`` = group rank
+``i``'s argument):
+
+=====================  ==========================================================
+collective             ``xs[i]``
+=====================  ==========================================================
+broadcast, reduce,     a tensor
+all_reduce, gather,
+all_gather,
+all_gather_single
+all_to_all_single      a tensor (with ``in_splits[i]`` / ``out_splits[i]``)
+scatter                the src rank: a list of W tensors; other ranks: ``None``
+reduce_scatter         a list of W tensors
+all_to_all             a list of W tensors (``xs[j][i]`` goes to rank ``i``)
+=====================  ==========================================================
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .reduce_op import ReduceOp, dtype_rule
+
+__all__ = [
+    "CollectiveSpec",
+    "SPECS",
+    "DIFFERENTIABLE_OPS",
+    "LINEAR_OPS",
+    "reduce_reference",
+    "get",
+]
+
+#: reduce ops with a defined gradient (bitwise ops have none)
+DIFFERENTIABLE_OPS: frozenset[ReduceOp] = frozenset(
+    {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
+)
+#: reduce ops under which a reducing collective is linear (double backward is defined through them)
+LINEAR_OPS: frozenset[ReduceOp] = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+_BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def reduce_reference(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``op`` over ``xs`` with differentiable torch ops (amax/amin split ties evenly, prod handles zeros)."""
+    stacked = torch.stack(list(xs))
+    if op is ReduceOp.SUM:
+        return stacked.sum(0) if stacked.dtype != torch.bool else stacked.any(0)
+    if op is ReduceOp.AVG:
+        return stacked.mean(0)
+    if op is ReduceOp.PRODUCT:
+        return stacked.prod(0) if stacked.dtype != torch.bool else stacked.all(0)
+    if op is ReduceOp.MIN:
+        return stacked.amin(0)
+    if op is ReduceOp.MAX:
+        return stacked.amax(0)
+    return functools.reduce(_BITWISE[op], list(xs))
+
+
+# --------------------------------------------------------------------------
+# references: world functions over every group rank's input
+# --------------------------------------------------------------------------
+def _ref_broadcast(xs: list[torch.Tensor], *, root: int, **_: Any) -> list[torch.Tensor]:
+    return [xs[root].clone() for _ in xs]
+
+
+def _ref_reduce(xs: list[torch.Tensor], *, root: int, op: ReduceOp = ReduceOp.SUM, **_: Any) -> list[torch.Tensor]:
+    y = reduce_reference(op, xs)
+    # non-root ranks get zeros: a defined value that does not depend on any input
+    return [y if i == root else torch.zeros_like(y) for i in range(len(xs))]
+
+
+def _ref_all_reduce(xs: list[torch.Tensor], *, op: ReduceOp = ReduceOp.SUM, **_: Any) -> list[torch.Tensor]:
+    y = reduce_reference(op, xs)
+    return [y.clone() for _ in xs]
+
+
+def _ref_gather(xs: list[torch.Tensor], *, root: int, **_: Any) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(x.clone() if i == root else torch.zeros_like(x) for x in xs) for i in range(len(xs))]
+
+
+def _ref_scatter(xs: list[Any], *, root: int, **_: Any) -> list[torch.Tensor]:
+    return [t.clone() for t in xs[root]]
+
+
+def _ref_all_gather(xs: list[torch.Tensor], **_: Any) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(x.clone() for x in xs) for _ in xs]
+
+
+def _ref_all_gather_single(xs: list[torch.Tensor], **_: Any) -> list[torch.Tensor]:
+    y = torch.stack(xs) if xs[0].dim() == 0 else torch.cat(xs)
+    return [y.clone() for _ in xs]
+
+
+def _ref_reduce_scatter(xs: list[list[torch.Tensor]], *, op: ReduceOp = ReduceOp.SUM, **_: Any) -> list[torch.Tensor]:
+    w = len(xs)
+    return [reduce_reference(op, [xs[j][i] for j in range(w)]) for i in range(w)]
+
+
+def _ref_all_to_all(xs: list[list[torch.Tensor]], **_: Any) -> list[tuple[torch.Tensor, ...]]:
+    w = len(xs)
+    return [tuple(xs[j][i].clone() for j in range(w)) for i in range(w)]
+
+
+def _ref_all_to_all_single(
+    xs: list[torch.Tensor], *, in_splits: list[list[int]] | None = None, **_: Any
+) -> list[torch.Tensor]:
+    w = len(xs)
+    if in_splits is None:
+        in_splits = [[x.shape[0] // w] * w for x in xs]
+    chunks = [list(torch.split(x, s)) for x, s in zip(xs, in_splits)]
+    return [torch.cat([chunks[j][i] for j in range(w)]) for i in range(w)]
+
+
+# --------------------------------------------------------------------------
+# shape rules for one rank
+# --------------------------------------------------------------------------
+def _same(x: torch.Tensor, **_: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _gather_shape(x: torch.Tensor, *, group_size: int, **_: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(x.shape) for _ in range(group_size))
+
+
+def _gather_single_shape(x: torch.Tensor, *, group_size: int, **_: Any) -> tuple[int, ...]:
+    if x.dim() == 0:
+        return (group_size,)
+    return (group_size * x.shape[0], *x.shape[1:])
+
+
+def _scatter_shape(x: Any, *, like: torch.Tensor, **_: Any) -> tuple[int, ...]:
+    return tuple(like.shape)
+
+
+def _a2a_single_shape(x: torch.Tensor, *, out_split: list[int] | None = None, **_: Any) -> tuple[int, ...]:
+    rows = x.shape[0] if out_split is None else sum(out_split)
+    return (rows, *x.shape[1:])
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """The one description of an autograd-aware collective (see the module docstring)."""
+
+    name: str
+    summary: str
+    reference: Callable[..., list[Any]]
+    output_shape: Callable[..., Any]
+    adjoint: str
+    backward: str
+    root: str | None = None
+    takes_op: bool = False
+    list_input: bool = False
+    tuple_output: bool = False
+    splits: bool = False
+    #: fields every member must agree on (the simulator and the conformance suite fingerprint these)
+    agree_on: tuple[str, ...] = field(default=("name", "group", "dtype"))
+
+    def allowed_ops(self, dtype: torch.dtype, requires_grad: bool = False) -> list[ReduceOp]:
+        """Ops this collective accepts for ``dtype`` (only differentiable ones when a gradient is wanted)."""
+        if not self.takes_op:
+            return []
+        ops = [op for op in ReduceOp if dtype_rule(op, dtype) is None]
+        if requires_grad:
+            ops = [op for op in ops if op in DIFFERENTIABLE_OPS]
+        return ops
+
+    def is_linear(self, op: ReduceOp | None = None) -> bool:
+        """Whether the world function is linear in its inputs (so its backward is differentiable again)."""
+        return not self.takes_op or op in LINEAR_OPS
+
+
+SPECS: dict[str, CollectiveSpec] = {
+    s.name: s
+    for s in [
+        CollectiveSpec(
+            name="broadcast",
+            summary="every rank gets src's tensor",
+            reference=_ref_broadcast,
+            output_shape=_same,
+            root="src",
+            adjoint="reduce",
+            backward="reduce(SUM) of the gradients to src: src gets sum_j g_j, every other rank exactly 0",
+            agree_on=("name", "group", "root", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="reduce",
+            summary="dst gets op over every rank's tensor; other ranks get zeros",
+            reference=_ref_reduce,
+            output_shape=_same,
+            root="dst",
+            takes_op=True,
+            adjoint="broadcast",
+            backward="broadcast of dst's gradient, times the op's local derivative; non-dst gradients never count",
+            agree_on=("name", "group", "root", "op", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="all_reduce",
+            summary="every rank gets op over every rank's tensor",
+            reference=_ref_all_reduce,
+            output_shape=_same,
+            takes_op=True,
+            adjoint="all_reduce",
+            backward="all_reduce(SUM) of the gradients, times the op's local derivative",
+            agree_on=("name", "group", "op", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="gather",
+            summary="dst gets the tuple of every rank's tensor; other ranks get zeros",
+            reference=_ref_gather,
+            output_shape=_gather_shape,
+            root="dst",
+            tuple_output=True,
+            adjoint="scatter",
+            backward="scatter of dst's per-rank gradient slices: rank i gets g_dst[i]",
+            agree_on=("name", "group", "root", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="scatter",
+            summary="rank i gets src's i-th tensor",
+            reference=_ref_scatter,
+            output_shape=_scatter_shape,
+            root="src",
+            list_input=True,
+            adjoint="gather",
+            backward="gather of the gradients to src: src's i-th input gets g_i; non-src inputs get none",
+            agree_on=("name", "group", "root", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="all_gather",
+            summary="every rank gets the tuple of every rank's tensor",
+            reference=_ref_all_gather,
+            output_shape=_gather_shape,
+            tuple_output=True,
+            adjoint="reduce_scatter",
+            backward="reduce_scatter(SUM) of the gradients: rank i gets sum_j g_j[i]",
+            agree_on=("name", "group", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="all_gather_single",
+            summary="every rank gets every rank's tensor concatenated on dim 0 (0-d tensors stacked)",
+            reference=_ref_all_gather_single,
+            output_shape=_gather_single_shape,
+            adjoint="reduce_scatter",
+            backward="reduce_scatter(SUM) of the concatenated gradient",
+            agree_on=("name", "group", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="reduce_scatter",
+            summary="rank i gets op over every rank's i-th tensor",
+            reference=_ref_reduce_scatter,
+            output_shape=_same,
+            takes_op=True,
+            list_input=True,
+            adjoint="all_gather",
+            backward="all_gather of the gradients, times the op's local derivative",
+            agree_on=("name", "group", "op", "dtype", "shape"),
+        ),
+        CollectiveSpec(
+            name="all_to_all",
+            summary="rank i's j-th output is rank j's i-th input (shapes may differ per pair)",
+            reference=_ref_all_to_all,
+            output_shape=_same,
+            list_input=True,
+            tuple_output=True,
+            adjoint="all_to_all",
+            backward="all_to_all of the gradients along the reversed routes",
+            agree_on=("name", "group", "dtype", "shapes"),
+        ),
+        CollectiveSpec(
+            name="all_to_all_single",
+            summary="split dim 0 by in_splits, exchange, concatenate by out_splits",
+            reference=_ref_all_to_all_single,
+            output_shape=_a2a_single_shape,
+            splits=True,
+            adjoint="all_to_all_single",
+            backward="all_to_all_single of the gradient with the two split lists swapped",
+            agree_on=("name", "group", "dtype", "splits"),
+        ),
+    ]
+}
+
+
+def get(name: str) -> CollectiveSpec:
+    """The spec of ``name`` (``KeyError`` lists the known names)."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise KeyError(f"unknown collective {name!r}; known: {sorted(SPECS)}") from None
