@@ -83,6 +83,7 @@ class CoopScheduler(_SchedulerBase):
         self.runnable: list["RankState"] = []
         self.swap_rng = swap_rng
         self.blocked = 0
+        self.current: "RankState | None" = None  # the baton holder
 
     # runnable set with O(1) add/remove; its order is a pure function of the history
     def _add(self, rs: "RankState") -> None:
@@ -117,7 +118,10 @@ class CoopScheduler(_SchedulerBase):
     def enter_rank(self, rs: "RankState") -> None:
         """A rank thread's first step: wait for the baton, then load the rank's RNG state."""
         self._acquire(rs)
+        self.current = rs
         self._load_rng(rs)
+        if rs.pending is not None:  # the run was aborted before this rank started
+            self.check(rs)
 
     def _save_rng(self, rs: "RankState") -> None:
         if self.swap_rng:
@@ -133,6 +137,7 @@ class CoopScheduler(_SchedulerBase):
         self._save_rng(rs)
         nxt.wake.release()
         self._acquire(rs)
+        self.current = rs
         self._load_rng(rs)
 
     # -- scheduling points ------------------------------------------------

@@ -11,10 +11,16 @@ backend:
 * ``takes_op`` / ``allowed_ops``: which reduce ops the collective accepts,
   and which of them carry a gradient.
 * ``root``: ``"src"``, ``"dst"`` or ``None``.
-* ``backward``: the adjoint, stated in words (``adjoint``) and as the name of
-  the collective it is built from.  The autograd Functions in
-  :mod:`tensorplay.distributed.nn.functional` implement it with the same
-  differentiable collectives, so double backward works for the linear cases.
+* ``backward``: the adjoint, stated in words (``backward``) and as the name of
+  the collective it is built from (``adjoint``).
+* ``vjp``: the same backward, executable.  A rule receives a
+  :class:`Collectives` (the differentiable collectives on the call's group),
+  the normalised :class:`Call`, the upstream gradients and, for the
+  non-linear ops, this rank's input and output.  The autograd Functions in
+  :mod:`tensorplay.distributed.nn.functional` run exactly these rules, so
+  double backward works wherever the collective is linear.  The local
+  derivatives of the reduce ops (:func:`exclusive_product`,
+  :func:`tie_mask`) live here too.
 
 The autograd layer reads ``allowed_ops``/``root``/shape rules for validation,
 the simulator reads the names and fingerprint fields, and the conformance
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -54,6 +60,10 @@ __all__ = [
     "LINEAR_OPS",
     "reduce_reference",
     "get",
+    "Call",
+    "Collectives",
+    "exclusive_product",
+    "tie_mask",
 ]
 
 #: reduce ops with a defined gradient (bitwise ops have none)
@@ -163,6 +173,174 @@ def _a2a_single_shape(x: torch.Tensor, *, out_split: list[int] | None = None, **
     return (rows, *x.shape[1:])
 
 
+# --------------------------------------------------------------------------
+# backward rules: the exact world-level VJP of each collective, written with
+# the differentiable collectives themselves (so a backward is differentiable
+# again wherever the collective is linear)
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """One rank's normalised call of a collective: what a backward rule needs besides tensors.
+
+    Every rank number here is a *group* rank; the public API converted global
+    ``src``/``dst`` once, on the way in.  ``group`` is opaque to this module
+    (the autograd layer stores its ProcessGroup there).
+    """
+
+    name: str
+    group: Any
+    size: int
+    me: int
+    root: int | None = None
+    op: ReduceOp | None = None
+    #: all_to_all_single: rows this rank sends to / receives from each group rank
+    in_splits: tuple[int, ...] | None = None
+    out_splits: tuple[int, ...] | None = None
+    #: all_to_all: this rank's block shapes (inputs by receiver, outputs by sender)
+    in_shapes: tuple[tuple[int, ...], ...] | None = None
+    out_shapes: tuple[tuple[int, ...], ...] | None = None
+    #: all_gather_single: the input's shape and the output's shape (concatenated or stacked)
+    shape: tuple[int, ...] | None = None
+    out_shape: tuple[int, ...] | None = None
+
+    def saves_tensors(self) -> bool:
+        """Whether the backward needs this rank's input and output (only the non-linear ops do)."""
+        return self.op is not None and self.op not in LINEAR_OPS
+
+
+class Collectives(Protocol):
+    """The differentiable collectives a backward rule may use, on the call's group, in group ranks.
+
+    Stacked tensors carry one slice per group rank on dim 0.
+    """
+
+    def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor: ...
+    def reduce(self, x: torch.Tensor, root: int, op: ReduceOp) -> torch.Tensor: ...
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+    def gather(self, x: torch.Tensor, root: int) -> torch.Tensor: ...  # stacked on root, zeros elsewhere
+    def scatter(self, parts: Sequence[torch.Tensor] | None, root: int, like: torch.Tensor) -> torch.Tensor:
+        """``parts`` on root, ``None`` elsewhere; ``like`` gives non-root ranks the block's shape, dtype and
+        device, and is their input in the graph (so their backward runs exactly when root's does)."""
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...  # stacked
+    def reduce_scatter(self, stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+    def all_to_all(self, xs: Sequence[torch.Tensor], out_shapes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]: ...
+    def all_to_all_single(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor: ...
+
+
+# -- local derivatives of the reduce ops (no communication) --------------------
+def exclusive_product(stacked: torch.Tensor) -> torch.Tensor:
+    """Slice ``k`` is the product of every dim-0 slice of ``stacked`` except slice ``k``.
+
+    Built from prefix and suffix products, so a zero anywhere is handled
+    exactly; dividing the full product by slice ``k`` would give 0/0 there.
+    """
+    ones = torch.ones_like(stacked[:1])
+    before = torch.cat([ones, stacked[:-1]]).cumprod(0)  # before[k] = prod_{l<k}
+    after = torch.cat([stacked[1:], ones]).flip(0).cumprod(0).flip(0)  # after[k] = prod_{l>k}
+    return before * after
+
+
+def tie_mask(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """1 where ``x`` attains the reduced value ``y`` (MIN/MAX), else 0, in ``x``'s dtype."""
+    return (x == y).to(x.dtype)
+
+
+def _scale(op: ReduceOp, size: int, grad: torch.Tensor) -> torch.Tensor:
+    """The local derivative of the linear ops: SUM passes ``grad`` on, AVG divides it by the group size."""
+    return grad if op is ReduceOp.SUM else grad / size
+
+
+# -- one rule per collective: (collectives, call, upstream grads, (input, output)) -> input grads
+def _vjp_broadcast(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # every output is a copy of src's input: src's input collects every rank's gradient
+    (g,) = grads
+    return (C.reduce(g, c.root, ReduceOp.SUM),)
+
+
+def _vjp_reduce(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # only dst's output depends on the inputs, so only dst's gradient G counts; it travels by broadcast
+    (g,) = grads
+    if c.op in LINEAR_OPS:
+        return (_scale(c.op, c.size, C.broadcast(g, c.root)),)
+    x, y = saved
+    if c.op is ReduceOp.PRODUCT:
+        others = exclusive_product(C.all_gather(x))[c.me]
+        return (C.broadcast(g, c.root) * others.conj(),)
+    # MIN/MAX: y exists on dst only; it rides along with G in the one broadcast
+    G, y = C.broadcast(torch.stack([g, y]), c.root).unbind(0)
+    m = tie_mask(x, y)
+    return (G * m / C.all_reduce(m, ReduceOp.SUM),)
+
+
+def _vjp_all_reduce(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # every rank receives y, so G is the sum of every rank's gradient
+    (g,) = grads
+    if c.op in LINEAR_OPS:
+        return (_scale(c.op, c.size, C.all_reduce(g, ReduceOp.SUM)),)
+    x, y = saved
+    if c.op is ReduceOp.PRODUCT:
+        others = exclusive_product(C.all_gather(x))[c.me]
+        return (C.all_reduce(g, ReduceOp.SUM) * others.conj(),)
+    # MIN/MAX: one all_reduce sums the gradients and counts the tied ranks together
+    m = tie_mask(x, y)
+    G, ties = C.all_reduce(torch.stack([g, m]), ReduceOp.SUM).unbind(0)
+    return (G * m / ties,)
+
+
+def _vjp_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # dst's gradient slice i belongs to rank i's input; other ranks' gradients meet zeros and never count.
+    # Non-dst ranks hand in their own gradient as ``like``, so a double backward reaches them too.
+    (G,) = grads
+    parts = list(G.unbind(0)) if c.me == c.root else None
+    return (C.scatter(parts, c.root, like=G[0]),)
+
+
+def _vjp_scatter(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # rank i's output is src's i-th input: src collects the gradients; non-src ranks have no input
+    (g,) = grads
+    G = C.gather(g, c.root)
+    return tuple(G.unbind(0)) if c.me == c.root else ()
+
+
+def _vjp_all_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # rank i's input appears in every rank's output at slot i: one reduce_scatter sums those slots
+    (G,) = grads
+    return (C.reduce_scatter(G, ReduceOp.SUM),)
+
+
+def _vjp_all_gather_single(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    (g,) = grads
+    return (C.reduce_scatter(g.reshape(c.size, *c.shape), ReduceOp.SUM),)
+
+
+def _vjp_reduce_scatter(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # the input is this rank's blocks stacked (slot i goes to rank i); rank i alone receives y_i
+    (g,) = grads
+    if c.op in LINEAR_OPS:
+        return (_scale(c.op, c.size, C.all_gather(g)),)
+    stacked, y = saved
+    # Non-linear ops: the owner of y_i collects every rank's i-th block, forms each sender's share of
+    # g_i there, and sends the shares back.  Two exchanges of the input's size, nothing W times larger.
+    every = [1] * c.size
+    column = C.all_to_all_single(stacked, every, every)  # column[k] = rank k's block for this rank
+    if c.op is ReduceOp.PRODUCT:
+        share = exclusive_product(column).conj()
+    else:
+        m = tie_mask(column, y)
+        share = m / m.sum(0)
+    return (C.all_to_all_single(g * share, every, every),)
+
+
+def _vjp_all_to_all(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    # pure routing: the gradients go back along the reversed routes, in one exchange
+    return tuple(C.all_to_all(list(grads), c.in_shapes))
+
+
+def _vjp_all_to_all_single(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
+    (g,) = grads
+    return (C.all_to_all_single(g, c.in_splits, c.out_splits),)
+
+
 @dataclass(frozen=True)
 class CollectiveSpec:
     """The one description of an autograd-aware collective (see the module docstring)."""
@@ -180,6 +358,8 @@ class CollectiveSpec:
     splits: bool = False
     #: fields every member must agree on (the simulator and the conformance suite fingerprint these)
     agree_on: tuple[str, ...] = field(default=("name", "group", "dtype"))
+    #: the backward, executable: ``vjp(collectives, call, grads, (input, output)) -> input grads``
+    vjp: Callable[..., tuple] | None = None
 
     def allowed_ops(self, dtype: torch.dtype, requires_grad: bool = False) -> list[ReduceOp]:
         """Ops this collective accepts for ``dtype`` (only differentiable ones when a gradient is wanted)."""
@@ -200,6 +380,7 @@ SPECS: dict[str, CollectiveSpec] = {
     for s in [
         CollectiveSpec(
             name="broadcast",
+            vjp=_vjp_broadcast,
             summary="every rank gets src's tensor",
             reference=_ref_broadcast,
             output_shape=_same,
@@ -210,6 +391,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="reduce",
+            vjp=_vjp_reduce,
             summary="dst gets op over every rank's tensor; other ranks get zeros",
             reference=_ref_reduce,
             output_shape=_same,
@@ -221,6 +403,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_reduce",
+            vjp=_vjp_all_reduce,
             summary="every rank gets op over every rank's tensor",
             reference=_ref_all_reduce,
             output_shape=_same,
@@ -231,6 +414,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="gather",
+            vjp=_vjp_gather,
             summary="dst gets the tuple of every rank's tensor; other ranks get zeros",
             reference=_ref_gather,
             output_shape=_gather_shape,
@@ -242,6 +426,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="scatter",
+            vjp=_vjp_scatter,
             summary="rank i gets src's i-th tensor",
             reference=_ref_scatter,
             output_shape=_scatter_shape,
@@ -253,6 +438,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_gather",
+            vjp=_vjp_all_gather,
             summary="every rank gets the tuple of every rank's tensor",
             reference=_ref_all_gather,
             output_shape=_gather_shape,
@@ -263,6 +449,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_gather_single",
+            vjp=_vjp_all_gather_single,
             summary="every rank gets every rank's tensor concatenated on dim 0 (0-d tensors stacked)",
             reference=_ref_all_gather_single,
             output_shape=_gather_single_shape,
@@ -272,6 +459,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="reduce_scatter",
+            vjp=_vjp_reduce_scatter,
             summary="rank i gets op over every rank's i-th tensor",
             reference=_ref_reduce_scatter,
             output_shape=_same,
@@ -283,6 +471,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_to_all",
+            vjp=_vjp_all_to_all,
             summary="rank i's j-th output is rank j's i-th input (shapes may differ per pair)",
             reference=_ref_all_to_all,
             output_shape=_same,
@@ -294,6 +483,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_to_all_single",
+            vjp=_vjp_all_to_all_single,
             summary="split dim 0 by in_splits, exchange, concatenate by out_splits",
             reference=_ref_all_to_all_single,
             output_shape=_a2a_single_shape,

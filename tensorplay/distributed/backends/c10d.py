@@ -66,9 +66,13 @@ def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     return buf, lambda: t.copy_(buf)
 
 
-def _concat_view(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``out`` (stacked or concatenated copies of ``inp``) in the concatenated layout c10d expects."""
-    return out.view(-1, *inp.shape[1:]) if inp.dim() else out.view(-1)
+def _flat_pair(out: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-d views of a contiguous all-gather output and its input.
+
+    Stacked, concatenated and 0-d-stacked outputs are the same bytes once flat,
+    and gloo rejects a 0-d input otherwise (torch 2.13).
+    """
+    return out.view(-1), inp.view(-1)
 
 
 def _chain(*fns: Callable[[], None] | None) -> Callable[[], None] | None:
@@ -138,7 +142,7 @@ class C10dBackend(Backend):
         w = group.size()
         src, _ = _staged(tensor)
         stacked = torch.empty((w, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        work = _all_gather_tensor(_concat_view(stacked, tensor), src, group=group.handle, async_op=async_op)
+        work = _all_gather_tensor(*_flat_pair(stacked, src), group=group.handle, async_op=async_op)
 
         def reduce_locally() -> None:
             if root is None or group.rank() == root:
@@ -186,10 +190,14 @@ class C10dBackend(Backend):
             return self._guard("reduce", group, lambda: self._emulated_reduce(tensor, op, group, async_op, root))
 
         def run() -> Work | None:
-            buf, back = _staged(tensor)
+            # gloo leaves partial results in non-root buffers; the API promises non-root tensors stay
+            # as they were, so non-root ranks reduce from a scratch copy
+            if group.rank() == root:
+                buf, back = _staged(tensor)
+            else:
+                buf, back = tensor.clone(memory_format=torch.contiguous_format), None
             work = tdist.reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op, group_dst=root)
-            # torch may leave scratch values in non-root buffers; only the root's result is defined
-            return _finish(work, async_op, back if group.rank() == root else None)
+            return _finish(work, async_op, back)
 
         return self._guard("reduce", group, run)
 
@@ -199,7 +207,7 @@ class C10dBackend(Backend):
         def run() -> Work | None:
             src, _ = _staged(tensor)
             flat = torch.empty((group.size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-            work = _all_gather_tensor(_concat_view(flat, tensor), src, group=group.handle, async_op=async_op)
+            work = _all_gather_tensor(*_flat_pair(flat, src), group=group.handle, async_op=async_op)
 
             def unpack() -> None:
                 for o, chunk in zip(output_list, flat):
@@ -214,7 +222,7 @@ class C10dBackend(Backend):
         def run() -> Work | None:
             src, _ = _staged(input)
             out, back = _staged(output)
-            work = _all_gather_tensor(_concat_view(out, input), src, group=group.handle, async_op=async_op)
+            work = _all_gather_tensor(*_flat_pair(out, src), group=group.handle, async_op=async_op)
             return _finish(work, async_op, back)
 
         return self._guard("all_gather_into_tensor", group, run)
@@ -222,6 +230,12 @@ class C10dBackend(Backend):
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int,
                group: ProcessGroup, async_op: bool) -> Work | None:
         def run() -> Work | None:
+            if tensor.is_complex():  # gloo's gather rejects complex dtypes ("Invalid scalar type"); move real pairs
+                real_list = None if gather_list is None else [torch.view_as_real(t) for t in gather_list]
+                return run_on(torch.view_as_real(tensor), real_list)
+            return run_on(tensor, gather_list)
+
+        def run_on(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None) -> Work | None:
             src, _ = _staged(tensor)
             if gather_list is None:
                 work = tdist.gather(src, None, group=group.handle, async_op=async_op, group_dst=root)
@@ -264,8 +278,11 @@ class C10dBackend(Backend):
 
         def run() -> Work | None:
             out, back = _staged(output)
-            work = _reduce_scatter_tensor(out, _concat_view(input.contiguous(), output), op=_TORCH_OP[op], group=group.handle, async_op=async_op)
-            return _finish(work, async_op, back)
+            # flat 1-d views on both sides: gloo segfaults on a 0-d output (torch 2.13)
+            work = _reduce_scatter_tensor(out.view(-1), input.contiguous().view(-1), op=_TORCH_OP[op],
+                                          group=group.handle, async_op=async_op)
+            # always chained: torch's gloo reduce-scatter work never reports is_completed() (torch 2.13)
+            return _finish(work, async_op, back or (lambda: None))
 
         return self._guard("reduce_scatter_tensor", group, run)
 

@@ -1,0 +1,216 @@
+"""What runs on each rank: build this rank's inputs, call the collective, run the backward.
+
+:func:`run_case` is the one function every runner executes on every rank
+(a simulator thread, a gloo or nccl process).  It never raises: whatever
+happens comes back as a :class:`RankOutcome` (outputs, gradients, or the error
+and the stage it happened in), and the parent compares the outcomes of all
+ranks with the expectations (:mod:`conformance.expect`).
+
+The implementation under test is any module with torch.distributed.nn.functional's
+signatures (:data:`DEFAULT_IMPL` by default); ``all_gather_single`` may be
+spelled ``_all_gather_base``.  Groups come from the process-group module
+(``new_group``/``get_rank``/``ReduceOp``): tensorplay.distributed for our
+implementation, torch.distributed for torch's.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .cases import Case, output_buffers, rank_inputs, split_sizes, upstream_grads
+
+__all__ = ["DEFAULT_IMPL", "RankOutcome", "default_dist_module", "load_module", "resolve_function", "run_case"]
+
+DEFAULT_IMPL = "tensorplay.distributed.nn.functional"
+#: names an implementation may use instead of ours
+ALIASES = {"all_gather_single": ("_all_gather_base", "all_gather_base", "all_gather_into_tensor")}
+
+
+def default_dist_module(impl: str) -> str:
+    """The process-group module that goes with ``impl``: torch.distributed for torch's modules."""
+    return "torch.distributed" if impl.startswith("torch.") else "tensorplay.distributed"
+
+
+def load_module(name: str) -> ModuleType:
+    """Import ``name`` (a dotted module name, or a path to a ``.py`` file)."""
+    if name.endswith(".py") or os.sep in name:
+        path = os.path.abspath(name)
+        modname = "conformance_impl_" + os.path.splitext(os.path.basename(path))[0]
+        mod = sys.modules.get(modname)
+        if mod is not None and getattr(mod, "__file__", None) == path:
+            return mod
+        spec = importlib.util.spec_from_file_location(modname, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load a module from {path!r}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    return importlib.import_module(name)
+
+
+def resolve_function(impl: ModuleType, collective: str) -> Any:
+    """``impl``'s function for ``collective`` (trying the known aliases); ``AttributeError`` says which."""
+    for name in (collective, *ALIASES.get(collective, ())):
+        fn = getattr(impl, name, None)
+        if callable(fn):
+            return fn
+    tried = ", ".join((collective, *ALIASES.get(collective, ())))
+    raise AttributeError(f"the implementation {impl.__name__} has no function for {collective} (tried {tried})")
+
+
+@dataclass
+class RankOutcome:
+    """What one rank reports back for one case.
+
+    ``stage`` is where an error happened: ``"setup"`` (groups, inputs),
+    ``"forward"``, ``"backward"``; ``None`` when the rank finished.
+    """
+
+    rank: int
+    member: bool = True
+    outputs: Any = None
+    grads: list[Any] | None = None
+    stage: str | None = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    mutated: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.error_type is not None
+
+
+#: per-process cache of subgroups: every rank creates them in the same order, once
+_GROUPS: dict[tuple[Any, ...], Any] = {}
+_GROUP_GENERATION: list[int] = [0]
+
+
+def _group_for(case: Case, dist: Any, generation: int) -> Any:
+    if case.group is None:
+        return None
+    # every rank of the world calls new_group, members or not, with the ranks in the drawn order
+    if dist.get_backend() == "sim":
+        return dist.new_group(list(case.group))  # a simulated world lives for one case: nothing to reuse
+    if generation != _GROUP_GENERATION[0]:
+        # after a failure the old groups may hold half-finished collectives: start afresh
+        _GROUPS.clear()
+        _GROUP_GENERATION[0] = generation
+    key = (dist.__name__, case.world_size, case.group)
+    g = _GROUPS.get(key)
+    if g is None:
+        g = dist.new_group(list(case.group))
+        _GROUPS[key] = g
+    return g
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detach(v) for v in x) if isinstance(x, tuple) else [_detach(v) for v in x]
+    return x
+
+
+def _flat(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _call(fn: Any, case: Case, x: Any, group: Any, dist: Any, rank: int, device: Any) -> Any:
+    c = case.collective
+    op = getattr(dist.ReduceOp, case.op) if case.op is not None else None
+    if c == "broadcast":
+        return fn(x, case.root, group=group)
+    if c == "reduce":
+        return fn(x, case.root, op=op, group=group)
+    if c == "all_reduce":
+        return fn(x, op=op, group=group)
+    if c == "gather":
+        return fn(x, case.root, group=group)
+    if c == "scatter":
+        return fn(x, case.root, group=group)
+    if c == "all_gather":
+        return fn(x, group=group)
+    if c == "all_gather_single":
+        return fn(output_buffers(case, rank, device), x, group=group)
+    if c == "reduce_scatter":
+        return fn(output_buffers(case, rank, device), x, op=op, group=group)
+    if c == "all_to_all":
+        return fn(output_buffers(case, rank, device), x, group=group)
+    if c == "all_to_all_single":
+        out_splits, in_splits = split_sizes(case, rank)
+        return fn(output_buffers(case, rank, device), x, out_splits, in_splits, group=group)
+    raise ValueError(f"unknown collective {c!r}")
+
+
+def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = None, device: str = "cpu",
+             generation: int = 0) -> RankOutcome:
+    """Run ``case`` on the calling rank and report what happened (never raises).
+
+    Every rank of the world calls this (non-members too: ``new_group`` needs
+    everyone).  A member builds its inputs from the case, calls the
+    collective, checks it did not modify its inputs, then feeds its own
+    upstream gradient to ``torch.autograd.grad`` and returns the results.
+    """
+    out = RankOutcome(rank=-1)
+    stage = "setup"
+    try:
+        dist = load_module(dist_module or default_dist_module(impl))
+        out.rank = rank = dist.get_rank()
+        if device == "cuda" and torch.cuda.is_available():
+            dev: Any = torch.device("cuda", torch.cuda.current_device())
+        else:
+            dev = torch.device(device)
+        group = _group_for(case, dist, generation)
+        if rank not in case.members:
+            out.member = False
+            return out
+        fn = resolve_function(load_module(impl), case.collective)
+        x = rank_inputs(case, rank, dev)
+        leaves = [t for t in _flat(x) if isinstance(t, torch.Tensor)]
+        before = [t.detach().clone() for t in leaves]
+
+        stage = "forward"
+        y = _call(fn, case, x, group, dist, rank, dev)
+        for i, (t, b) in enumerate(zip(leaves, before)):
+            if not torch.equal(t.detach(), b):
+                out.mutated.append("input" if len(leaves) == 1 else f"input[{i}]")
+        out.outputs = _detach(y)
+
+        if case.differentiable:
+            stage = "backward"
+            g = upstream_grads(case, rank, dev)
+            ys, gs = _flat(y), _flat(g)
+            pairs = [(a, b) for a, b in zip(ys, gs) if isinstance(a, torch.Tensor) and a.requires_grad]
+            if not pairs:
+                out.notes.append("no result requires grad, so this rank could not join the backward")
+                out.grads = [None] * len(leaves)
+                return out
+            if len(pairs) < len(ys):
+                out.notes.append(f"{len(ys) - len(pairs)} of {len(ys)} results do not require grad")
+            grads = torch.autograd.grad([a for a, _ in pairs], leaves, [b for _, b in pairs], allow_unused=True) \
+                if leaves else _backward_without_leaves(pairs)
+            out.grads = [_detach(t) for t in grads]
+        return out
+    except BaseException as e:  # noqa: BLE001  every failure goes back to the checker
+        out.stage = stage
+        out.error_type = type(e).__name__
+        out.error = str(e)
+        out.traceback = traceback.format_exc()
+        return out
+
+
+def _backward_without_leaves(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[()]:
+    """A rank with no inputs (scatter's non-src with ``None``) still runs the backward its peers wait for."""
+    torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+    return ()

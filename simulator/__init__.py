@@ -1,0 +1,53 @@
+"""simulator: run N ranks of tensorplay.distributed code in one process, deterministically.
+
+Each rank is a thread with tensorplay.distributed initialised on the ``"sim"``
+backend.  Collectives are matched by (group, sequence number) and checked for
+agreement before any work; deadlocks and failures are reported at once, on
+every rank, with what each rank was doing and where.
+
+Example::
+
+    import simulator, tensorplay as tp, tensorplay.distributed as dist
+
+    def f():
+        x = tp.arange(3.) + dist.get_rank()
+        dist.all_reduce(x)
+        return x
+
+    outs = simulator.run(f, 4)                       # [tensor([6., 10., 14.])] * 4
+    simulator.run(f, 4, seed=3, mode="threads")      # free-running threads
+    simulator.explore(f, 4, seeds=range(20))         # many schedules
+    simulator.last_trace().to_chrome("f.json")       # Perfetto / chrome://tracing timeline
+
+Command line (torchrun-style scripts)::
+
+    python -m simulator --nproc-per-node 4 train.py --epochs 1
+
+See docs/simulator.md for the guide.
+"""
+from __future__ import annotations
+
+from .errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    ExploreError,
+    InjectedFault,
+    NotReproducibleError,
+    RankFailedError,
+    SimError,
+    SimTimeoutError,
+)
+from .faults import Crash, Delay, Fault, random_faults
+from .trace import CostModel, Event, Trace
+from .world import World, current_rank_state, last_trace, rank_device, run
+from .backend import SimBackend  # noqa: E402  (registers the "sim" backend)
+from .explore import ExploreReport, check_reproducible, explore
+
+__all__ = [
+    "run", "World", "explore", "check_reproducible", "ExploreReport", "last_trace", "rank_device",
+    "current_rank_state", "SimBackend",
+    "CostModel", "Trace", "Event",
+    "Crash", "Delay", "Fault", "random_faults",
+    "SimError", "CollectiveMismatchError", "DeadlockError", "RankFailedError", "InjectedFault",
+    "SimTimeoutError", "ExploreError", "NotReproducibleError",
+]

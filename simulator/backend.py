@@ -1,0 +1,680 @@
+"""``SimBackend``: tensorplay.distributed's backend interface on simulated ranks.
+
+How a collective runs:
+
+1. the calling rank reaches a scheduling point (coop mode may switch ranks);
+2. it takes the next sequence number of the group and files a *call* (what it
+   asked for, its tensors and its call site) into the group's slot for that
+   number;
+3. the last member to arrive checks that every call agrees (collective, op,
+   root, dtype, shape, split sizes), computes every member's output with
+   :mod:`simulator.kernels`, stamps the virtual end time and wakes the others;
+4. a disagreement becomes one :class:`CollectiveMismatchError` for every member.
+
+Point-to-point calls are matched by (group, source, destination, tag) in the
+order they were posted; a send completes when its receive is posted (a
+rendezvous), so two ranks that both send first deadlock, as they may on a
+real network, and the simulator says so.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.backends import Backend, Work, register_backend
+from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, format_message
+from tensorplay.distributed.group import ProcessGroup
+from tensorplay.distributed.reduce_op import ReduceOp
+
+from . import kernels
+from .callsite import call_site
+from .errors import CollectiveMismatchError, InjectedFault
+from .faults import Crash, Delay
+from .report import mismatch_message
+from .trace import Event
+from .world import Incident, RankState
+
+__all__ = ["SimBackend"]
+
+_thread_time = time.thread_time
+_perf = time.perf_counter
+
+
+class _Group:
+    """The world-wide identity of a group: its ranks and its open slots."""
+
+    __slots__ = ("gid", "ranks", "size", "index", "slots")
+
+    def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
+        self.gid = gid
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.index = {g: i for i, g in enumerate(ranks)}
+        self.slots: dict[int, _Slot] = {}
+
+    def __repr__(self) -> str:
+        return f"<sim group {self.gid} ranks={list(self.ranks)}>"
+
+
+class _Call:
+    """One rank's part in a collective."""
+
+    __slots__ = ("rs", "key", "data", "site", "vstart", "wall_start", "backward", "nbytes", "detail", "async_op",
+                 "observed")
+
+    def __init__(self, rs: RankState, key: tuple, data: Any, site: str, nbytes: int, async_op: bool,
+                 detail: str | None = None) -> None:
+        self.rs = rs
+        self.key = key
+        self.data = data
+        self.site = site
+        self.vstart = rs.vt
+        self.wall_start = _perf()
+        self.backward = _state.current_backward()
+        self.nbytes = nbytes
+        self.detail = detail
+        self.async_op = async_op
+        self.observed = False
+
+
+class _Slot:
+    """Collective number ``seq`` of a group: filled by the members' calls, completed by the last one."""
+
+    __slots__ = ("group", "seq", "name", "calls", "arrived", "waiters", "done", "error", "vend", "result")
+
+    def __init__(self, group: _Group, seq: int, name: str) -> None:
+        self.group = group
+        self.seq = seq
+        self.name = name
+        self.calls: list[_Call | None] = [None] * group.size
+        self.arrived = 0
+        self.waiters: list[RankState] = []
+        self.done = False
+        self.error: Incident | None = None
+        self.vend = 0.0
+        self.result: Any = None
+
+
+class _P2P:
+    """One posted send or receive."""
+
+    __slots__ = ("kind", "rs", "src", "dst", "group", "tag", "tensor", "site", "vstart", "wall_start", "done",
+                 "error", "source", "vend", "backward", "seq", "observed", "key", "detail", "async_op")
+
+    def __init__(self, kind: str, rs: RankState, src: int | None, dst: int, group: _Group, tag: int,
+                 tensor: torch.Tensor, site: str, async_op: bool) -> None:
+        self.kind = kind
+        self.rs = rs
+        self.src = src
+        self.dst = dst
+        self.group = group
+        self.tag = tag
+        self.tensor = tensor
+        self.site = site
+        self.vstart = rs.vt
+        self.wall_start = _perf()
+        self.done = False
+        self.error: Incident | None = None
+        self.source: int | None = None  # sender's group rank, for receives
+        self.vend = 0.0
+        self.backward = _state.current_backward()
+        rs.p2p_seq += 1
+        self.seq = rs.p2p_seq
+        self.observed = False
+        self.key = (kind, None, None, tensor.dtype, tuple(tensor.shape))
+        self.detail = None
+        self.async_op = async_op
+
+
+# ---------------------------------------------------------------------------
+# work objects
+# ---------------------------------------------------------------------------
+class _CollWork(Work):
+    __slots__ = ("_rs", "_slot", "_call")
+
+    def __init__(self, rs: RankState, slot: _Slot, call: _Call) -> None:
+        self._rs = rs
+        self._slot = slot
+        self._call = call
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        rs, slot = self._rs, self._slot
+        if not slot.done:
+            rs.run.sched.block(rs, slot)
+        _observe_coll(rs, slot, self._call)
+        if slot.error is not None:
+            raise slot.error.make(rs.rank)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._slot.done
+
+    def is_success(self) -> bool:
+        return self._slot.done and self._slot.error is None
+
+    def result(self) -> list[torch.Tensor]:
+        return []
+
+
+class _P2PWork(Work):
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec: _P2P) -> None:
+        self._rec = rec
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        rec = self._rec
+        rs = rec.rs
+        if not rec.done:
+            rs.run.sched.block(rs, rec)
+        _observe_p2p(rs, rec)
+        if rec.error is not None:
+            raise rec.error.make(rs.rank)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._rec.done
+
+    def is_success(self) -> bool:
+        return self._rec.done and self._rec.error is None
+
+    def source_rank(self) -> int:
+        rec = self._rec
+        if rec.kind != "recv":
+            return super().source_rank()
+        self.wait()
+        return rec.source  # type: ignore[return-value]
+
+
+def _observe_coll(rs: RankState, slot: _Slot, call: _Call) -> None:
+    """Record the event once and advance the rank's virtual clock to the collective's end."""
+    if call.observed:
+        return
+    call.observed = True
+    if slot.vend > rs.vt:
+        rs.vt = slot.vend
+    g = slot.group
+    root = call.key[2]
+    rs.run.events.append(Event(rs.rank, slot.name, g.ranks, slot.seq, call.nbytes, call.site,
+                               None if root is None else g.ranks[root], call.wall_start, _perf(),
+                               call.vstart, slot.vend, call.backward))
+    rs.cpu_mark = _thread_time()
+
+
+def _observe_p2p(rs: RankState, rec: _P2P) -> None:
+    if rec.observed:
+        return
+    rec.observed = True
+    if rec.vend > rs.vt:
+        rs.vt = rec.vend
+    if rec.kind == "send":
+        peer = rec.dst
+    else:
+        peer = rec.group.ranks[rec.source] if rec.source is not None else rec.src
+    rs.run.events.append(Event(rs.rank, rec.kind, rec.group.ranks, rec.seq, rec.tensor.numel() * rec.tensor.element_size(),
+                               rec.site, peer, rec.wall_start, _perf(), rec.vstart, rec.vend, rec.backward))
+    rs.cpu_mark = _thread_time()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storages(ts: Sequence[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in ts if t.numel()}
+
+
+def _stage(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Clone the sources when an output shares memory with one (then writes cannot clobber inputs)."""
+    if _storages(srcs) & _storages(outs):
+        return [s.clone() for s in srcs]
+    return srcs
+
+
+# ---------------------------------------------------------------------------
+# agreement checks (run by the last arriver, before any work)
+# ---------------------------------------------------------------------------
+_FIELDS = ("collective", "op", "root", "dtype", "shape")
+
+
+def _disagreement(calls: list[_Call]) -> str | None:
+    k0 = calls[0].key
+    for c in calls:
+        if c.key != k0:
+            for i, field in enumerate(_FIELDS):
+                vals: dict[Any, list[int]] = {}
+                for cc in calls:
+                    vals.setdefault(cc.key[i], []).append(cc.rs.rank)
+                if len(vals) > 1:
+                    parts = []
+                    for v, ranks in list(vals.items())[:8]:
+                        shown = v.name if isinstance(v, ReduceOp) else (str(v).replace("torch.", "") if v is not None else "-")
+                        if field == "shape" and v is not None:
+                            shown = str(tuple(v))
+                        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}"
+                        parts.append(f"{who}: {shown}")
+                    return f"{field} differs ({'; '.join(parts)})"
+    return None
+
+
+def _check_all_to_all(calls: list[_Call]) -> str | None:
+    w = len(calls)
+    for i in range(w):
+        outs_i = calls[i].data[0]
+        for j in range(w):
+            sent = calls[j].data[1][i].shape
+            want = outs_i[j].shape
+            if sent != want:
+                return (f"rank {calls[j].rs.rank} sends a block of shape {tuple(sent)} to rank {calls[i].rs.rank}, "
+                        f"which expects shape {tuple(want)} (input_tensor_list[{i}] on the sender must match "
+                        f"output_tensor_list[{j}] on the receiver)")
+    return None
+
+
+def _check_all_to_all_single(calls: list[_Call]) -> str | None:
+    w = len(calls)
+    for i in range(w):
+        out_splits = calls[i].data[2]
+        for j in range(w):
+            sent = calls[j].data[3][i]
+            if sent != out_splits[j]:
+                return (f"rank {calls[j].rs.rank} sends {sent} rows to rank {calls[i].rs.rank}, which expects "
+                        f"{out_splits[j]} (input_split_sizes[{i}] on rank {calls[j].rs.rank} must equal "
+                        f"output_split_sizes[{j}] on rank {calls[i].rs.rank})")
+    return None
+
+
+# ---------------------------------------------------------------------------
+# kernels per collective: f(calls) writes every member's outputs
+# ---------------------------------------------------------------------------
+def _k_barrier(calls: list[_Call]) -> None:
+    return None
+
+
+def _k_broadcast(calls: list[_Call], root: int) -> None:
+    src = calls[root].data
+    for i, c in enumerate(calls):
+        if i != root:
+            c.data.copy_(src)
+
+
+def _k_all_reduce(calls: list[_Call], op: ReduceOp) -> None:
+    ts = [c.data for c in calls]
+    kernels.reduce_into(ts, ts, op)
+
+
+def _k_reduce(calls: list[_Call], op: ReduceOp, root: int) -> None:
+    kernels.reduce_into([calls[root].data], [c.data for c in calls], op)
+
+
+def _k_all_gather(calls: list[_Call]) -> None:
+    outs = [o for c in calls for o in c.data[0]]
+    srcs = _stage([c.data[1] for c in calls], outs)
+    for c in calls:
+        for o, s in zip(c.data[0], srcs):
+            o.copy_(s)
+
+
+def _k_all_gather_into_tensor(calls: list[_Call]) -> None:
+    srcs = _stage([c.data[1] for c in calls], [c.data[0] for c in calls])
+    for c in calls:
+        kernels.copy_rows(c.data[0], srcs)
+
+
+def _k_gather(calls: list[_Call], root: int) -> None:
+    gl = calls[root].data[1]
+    srcs = _stage([c.data[0] for c in calls], gl)
+    for o, s in zip(gl, srcs):
+        o.copy_(s)
+
+
+def _k_scatter(calls: list[_Call], root: int) -> None:
+    sl = calls[root].data[1]
+    srcs = _stage(list(sl), [c.data[0] for c in calls])
+    for c, s in zip(calls, srcs):
+        c.data[0].copy_(s)
+
+
+def _k_reduce_scatter(calls: list[_Call], op: ReduceOp) -> None:
+    w = len(calls)
+    results = [kernels.reduce_tensors([c.data[1][i] for c in calls], op) for i in range(w)]
+    for c, r in zip(calls, results):
+        c.data[0].copy_(r)
+
+
+def _k_reduce_scatter_tensor(calls: list[_Call], op: ReduceOp) -> None:
+    w = len(calls)
+    rows = [kernels.rows_view(c.data[1], w) for c in calls]
+    results = [kernels.reduce_tensors([r[i] for r in rows], op) for i in range(w)]
+    for c, r in zip(calls, results):
+        out = c.data[0]
+        out.copy_(r.view(out.shape) if r.numel() == out.numel() else r)
+
+
+def _k_all_to_all(calls: list[_Call]) -> None:
+    outs = [o for c in calls for o in c.data[0]]
+    ins = [t for c in calls for t in c.data[1]]
+    if _storages(ins) & _storages(outs):
+        staged = [[t.clone() for t in c.data[1]] for c in calls]
+    else:
+        staged = [c.data[1] for c in calls]
+    for i, c in enumerate(calls):
+        for j, o in enumerate(c.data[0]):
+            o.copy_(staged[j][i])
+
+
+def _k_all_to_all_single(calls: list[_Call]) -> None:
+    w = len(calls)
+    ins = _stage([c.data[1] for c in calls], [c.data[0] for c in calls])
+    in_off = []
+    for c in calls:
+        offs, acc = [], 0
+        for s in c.data[3]:
+            offs.append(acc)
+            acc += s
+        in_off.append(offs)
+    for i, c in enumerate(calls):
+        out, out_splits = c.data[0], c.data[2]
+        off = 0
+        for j in range(w):
+            n = out_splits[j]
+            if n:
+                out.narrow(0, off, n).copy_(ins[j].narrow(0, in_off[j][i], n))
+            off += n
+
+
+# ---------------------------------------------------------------------------
+# the backend
+# ---------------------------------------------------------------------------
+class SimBackend(Backend):
+    """One simulated rank's backend (built by the simulator, never by ``init_process_group``)."""
+
+    name = "sim"
+
+    def __init__(self, rs: RankState, world_group: _Group) -> None:
+        super().__init__(rs.rank, rs.run.n)
+        self._rs = rs
+        self._world_group = world_group
+        self._seq: dict[int, int] = {}
+
+    # -- life cycle -------------------------------------------------------
+    @classmethod
+    def create(cls, *, rank: int, world_size: int, init_method: str | None, store: Any,
+               timeout: timedelta) -> "SimBackend":
+        raise DistRuntimeError(format_message(
+            "init_process_group", "the 'sim' backend only runs inside a simulated world",
+            values={"backend": "sim"},
+            fix="run the code with simulator.run(fn, world_size) or `python -m simulator --nproc-per-node N "
+                "script.py`; inside those, init_process_group() returns at once"))
+
+    def world_handle(self) -> _Group:
+        return self._world_group
+
+    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> _Group | None:
+        rs = self._rs
+        run = rs.run
+
+        def make(calls: list[_Call]) -> _Group:
+            g = _Group(run.next_gid, tuple(ranks))
+            run.next_gid += 1
+            return g
+
+        slot = self._collective(self._world_group, "new_group", ("new_group", None, None, None, tuple(ranks)),
+                                None, 0, False, make, detail=f"ranks={list(ranks)}", return_slot=True)
+        g = slot.result
+        return g if rs.rank in g.index else None
+
+    def shutdown(self) -> None:
+        return None
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+
+    # -- the common path ----------------------------------------------------
+    def _enter(self, rs: RankState, name: str, site: str) -> None:
+        """Scheduling point, compute accounting and fault injection at the start of an operation."""
+        rs.run.sched.point(rs)
+        now = _thread_time()
+        rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
+        rs.cpu_mark = now
+        rs.ops += 1
+        rs.last_site = site
+        if rs.faults is not None:
+            for f in rs.faults:
+                if isinstance(f, Crash):
+                    if f.at == rs.ops:
+                        raise InjectedFault(format_message(
+                            name, f"injected crash of rank {rs.rank} at its operation #{rs.ops}", rank=rs.rank,
+                            values={"fault": f, "site": site},
+                            fix="this failure was requested with faults=[simulator.Crash(...)]"))
+                elif isinstance(f, Delay) and (f.at is None or f.at == rs.ops):
+                    if f.virtual:
+                        rs.vt += f.seconds
+                    if f.real:
+                        time.sleep(f.seconds)
+
+    def _collective(self, g: _Group, name: str, key: tuple, data: Any, nbytes: int, async_op: bool,
+                    kernel: Callable[[list[_Call]], None], detail: str | None = None,
+                    check: Callable[[list[_Call]], str | None] | None = None, return_slot: bool = False) -> Any:
+        rs = self._rs
+        site = call_site(3)
+        self._enter(rs, name, site)
+        seq = self._seq.get(g.gid, 0) + 1
+        self._seq[g.gid] = seq
+        call = _Call(rs, key, data, site, nbytes, async_op, detail)
+        run = rs.run
+        sched = run.sched
+        with sched.lock:
+            slot = g.slots.get(seq)
+            if slot is None:
+                slot = g.slots[seq] = _Slot(g, seq, name)
+            slot.calls[g.index[rs.rank]] = call
+            slot.arrived += 1
+            if slot.arrived == g.size:
+                del g.slots[seq]
+                self._complete(slot, kernel, check)
+            else:
+                slot.waiters.append(rs)
+        work = _CollWork(rs, slot, call)
+        if return_slot:
+            work.wait()
+            return slot
+        if async_op:
+            rs.unflushed.append(work)
+            return work
+        work.wait()
+        return None
+
+    def _complete(self, slot: _Slot, kernel: Callable[[list[_Call]], None],
+                  check: Callable[[list[_Call]], str | None] | None) -> None:
+        calls: list[_Call] = slot.calls  # type: ignore[assignment]
+        run = self._rs.run
+        reason = _disagreement(calls)
+        if reason is None and check is not None:
+            reason = check(calls)
+        if reason is not None:
+            slot.error = Incident(CollectiveMismatchError,
+                                  mismatch_message(slot.name, slot.group, slot.seq, calls, reason))
+        else:
+            try:
+                slot.result = kernel(calls)
+            except Exception as e:  # noqa: BLE001  (a kernel failure fails the collective on every member)
+                slot.error = Incident(DistBackendError, format_message(
+                    slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",
+                    group=slot.group.ranks, fix="check that every rank passes tensors on compatible devices"),
+                    cause=e)
+        start = max(c.vstart for c in calls)
+        slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
+        slot.done = True
+        wake = run.sched.wake
+        for w in slot.waiters:
+            wake(w)
+
+    def _flush_unobserved(self) -> None:
+        for w in self._rs.unflushed:
+            if isinstance(w, _CollWork) and w._slot.done:
+                _observe_coll(self._rs, w._slot, w._call)
+            elif isinstance(w, _P2PWork) and w._rec.done:
+                _observe_p2p(self._rs, w._rec)
+        self._rs.unflushed.clear()
+
+    # -- collectives --------------------------------------------------------
+    def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._collective(group.handle, "barrier", ("barrier", None, None, None, None), None, 0, async_op,
+                                _k_barrier)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._collective(group.handle, "broadcast", ("broadcast", None, root, tensor.dtype, tensor.shape),
+                                tensor, _nbytes(tensor), async_op, lambda calls: _k_broadcast(calls, root))
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._collective(group.handle, "all_reduce", ("all_reduce", op, None, tensor.dtype, tensor.shape),
+                                tensor, _nbytes(tensor), async_op, lambda calls: _k_all_reduce(calls, op))
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, group: ProcessGroup,
+               async_op: bool) -> Work | None:
+        return self._collective(group.handle, "reduce", ("reduce", op, root, tensor.dtype, tensor.shape),
+                                tensor, _nbytes(tensor), async_op, lambda calls: _k_reduce(calls, op, root))
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        return self._collective(group.handle, "all_gather", ("all_gather", None, None, tensor.dtype, tensor.shape),
+                                (output_list, tensor), _nbytes(tensor) * len(output_list), async_op, _k_all_gather)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
+                               async_op: bool) -> Work | None:
+        return self._collective(group.handle, "all_gather_into_tensor",
+                                ("all_gather_into_tensor", None, None, input.dtype, input.shape),
+                                (output, input), _nbytes(output), async_op, _k_all_gather_into_tensor)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
+               async_op: bool) -> Work | None:
+        return self._collective(group.handle, "gather", ("gather", None, root, tensor.dtype, tensor.shape),
+                                (tensor, gather_list), _nbytes(tensor) * group.size(), async_op,
+                                lambda calls: _k_gather(calls, root))
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
+                async_op: bool) -> Work | None:
+        return self._collective(group.handle, "scatter", ("scatter", None, root, tensor.dtype, tensor.shape),
+                                (tensor, scatter_list), _nbytes(tensor) * group.size(), async_op,
+                                lambda calls: _k_scatter(calls, root))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
+                       group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._collective(group.handle, "reduce_scatter",
+                                ("reduce_scatter", op, None, output.dtype, output.shape),
+                                (output, input_list), _nbytes(output) * len(input_list), async_op,
+                                lambda calls: _k_reduce_scatter(calls, op))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group: ProcessGroup,
+                              async_op: bool) -> Work | None:
+        return self._collective(group.handle, "reduce_scatter_tensor",
+                                ("reduce_scatter_tensor", op, None, output.dtype, output.shape),
+                                (output, input), _nbytes(input), async_op,
+                                lambda calls: _k_reduce_scatter_tensor(calls, op))
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        detail = "in=" + ",".join(str(tuple(t.shape)) for t in input_list[:8]) + \
+                 " out=" + ",".join(str(tuple(t.shape)) for t in output_list[:8])
+        return self._collective(group.handle, "all_to_all", ("all_to_all", None, None, input_list[0].dtype, None),
+                                (output_list, input_list), sum(_nbytes(t) for t in input_list), async_op,
+                                _k_all_to_all, detail=detail, check=_check_all_to_all)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
+        detail = f"in_splits={list(input_split_sizes)} out_splits={list(output_split_sizes)} rows={tuple(input.shape[1:])}"
+        return self._collective(group.handle, "all_to_all_single",
+                                ("all_to_all_single", None, None, input.dtype, tuple(input.shape[1:])),
+                                (output, input, list(output_split_sizes), list(input_split_sizes)), _nbytes(input),
+                                async_op, _k_all_to_all_single, detail=detail, check=_check_all_to_all_single)
+
+    # -- point to point -----------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer: int, group: ProcessGroup, tag: int, async_op: bool) -> Work | None:
+        rs = self._rs
+        site = call_site(2)
+        self._enter(rs, "send", site)
+        g: _Group = group.handle
+        dst = g.ranks[peer]
+        rec = _P2P("send", rs, rs.rank, dst, g, tag, tensor, site, async_op)
+        run = rs.run
+        with run.sched.lock:
+            q = run.recvs.get(dst)
+            match = None
+            if q:
+                for i, r in enumerate(q):
+                    if r.group is g and r.tag == tag and (r.src is None or r.src == rs.rank):
+                        match = q.pop(i)
+                        break
+            if match is not None:
+                self._match(rec, match)
+            else:
+                run.sends.setdefault(dst, []).append(rec)
+        return self._p2p_finish(rec, async_op)
+
+    def recv(self, tensor: torch.Tensor, peer: int | None, group: ProcessGroup, tag: int,
+             async_op: bool) -> Work | int:
+        rs = self._rs
+        site = call_site(2)
+        self._enter(rs, "recv", site)
+        g: _Group = group.handle
+        src = None if peer is None else g.ranks[peer]
+        rec = _P2P("recv", rs, src, rs.rank, g, tag, tensor, site, async_op)
+        run = rs.run
+        with run.sched.lock:
+            q = run.sends.get(rs.rank)
+            match = None
+            if q:
+                for i, s in enumerate(q):
+                    if s.group is g and s.tag == tag and (src is None or s.src == src):
+                        match = q.pop(i)
+                        break
+            if match is not None:
+                self._match(match, rec)
+            else:
+                run.recvs.setdefault(rs.rank, []).append(rec)
+        work = self._p2p_finish(rec, async_op)
+        if async_op:
+            return work  # type: ignore[return-value]
+        return rec.source  # type: ignore[return-value]
+
+    def _p2p_finish(self, rec: _P2P, async_op: bool) -> Any:
+        work = _P2PWork(rec)
+        if async_op:
+            self._rs.unflushed.append(work)
+            return work
+        work.wait()
+        return None
+
+    def _match(self, s: _P2P, r: _P2P) -> None:
+        """Complete a send/recv pair (caller holds the scheduler lock)."""
+        run = self._rs.run
+        st, rt = s.tensor, r.tensor
+        if st.dtype != rt.dtype or st.numel() != rt.numel():
+            s.detail = f"to rank {s.dst}, tag {s.tag}"
+            r.detail = f"from rank {'any' if r.src is None else r.src}, tag {r.tag}"
+            reason = (f"rank {s.rs.rank} sends dtype={str(st.dtype).replace('torch.', '')} shape={tuple(st.shape)} "
+                      f"but rank {r.rs.rank} receives into dtype={str(rt.dtype).replace('torch.', '')} "
+                      f"shape={tuple(rt.shape)}")
+            inc = Incident(CollectiveMismatchError, mismatch_message("send/recv", s.group, None, [s, r], reason))
+            s.error = r.error = inc
+        else:
+            try:
+                rt.copy_(st if st.shape == rt.shape else st.reshape(rt.shape))
+            except Exception as e:  # noqa: BLE001
+                s.error = r.error = Incident(DistBackendError, format_message(
+                    "recv", f"the simulator failed to copy the message: {type(e).__name__}: {e}",
+                    group=s.group.ranks, fix="check the devices of the send and recv tensors"), cause=e)
+        r.source = s.group.index[s.rs.rank]
+        end = max(s.vstart, r.vstart) + run.cost.cost("send", _nbytes(st), 2)
+        s.vend = r.vend = end
+        s.done = r.done = True
+        run.sched.wake(s.rs)
+        run.sched.wake(r.rs)
+
+
+register_backend("sim", SimBackend)

@@ -1,0 +1,163 @@
+"""Human-readable reports: the mismatch table and the "who waits for what" description.
+
+Messages follow tensorplay's pattern: what went wrong, the values of every
+rank, then the fix.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from .sched import BLOCKED, DONE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .world import _Run
+
+__all__ = ["mismatch_message", "describe_world", "fmt_ranks"]
+
+_MAX_ROWS = 64
+_BACKWARD_FIX = ("call .backward() on every rank, e.g. y.sum().backward() — non-root outputs are zeros "
+                 "so this is always correct")
+
+
+def fmt_ranks(ranks: Iterable[int], limit: int = 16) -> str:
+    rs = list(ranks)
+    if len(rs) <= limit:
+        return "[" + ", ".join(map(str, rs)) + "]"
+    return "[" + ", ".join(map(str, rs[:limit])) + f", ... ({len(rs)} ranks)]"
+
+
+def group_label(g: Any) -> str:
+    """``[0, 2]``; a subgroup that spans the whole world is told apart from the world by its id."""
+    text = fmt_ranks(g.ranks)
+    if g.gid != 0 and g.ranks == tuple(range(len(g.ranks))):
+        text += f" (subgroup {g.gid})"
+    return text
+
+
+def _and(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    if len(ranks) > 16:
+        return fmt_ranks(ranks)
+    return ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _dtype(d: Any) -> str:
+    return "-" if d is None else str(d).replace("torch.", "")
+
+
+def _row_values(call: Any, group_ranks: tuple[int, ...]) -> list[str]:
+    name, op, root, dtype, shape = call.key
+    return [
+        str(call.rs.rank), name, "-" if op is None else op.name,
+        "-" if root is None else str(group_ranks[root]), _dtype(dtype),
+        call.detail if call.detail is not None else ("-" if shape is None else str(tuple(shape))),
+        call.site,
+    ]
+
+
+def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], reason: str) -> str:
+    """The table of what each rank called, for a :class:`CollectiveMismatchError`."""
+    group_ranks = group.ranks
+    where = f"call #{seq} on group {group_label(group)}" if seq is not None else f"a {kind} on group {group_label(group)}"
+    head = f"tensorplay.distributed ranks disagree in {where}: {reason}"
+    cols = ["rank", "collective", "op", "root", "dtype", "shape", "called at"]
+    rows = [_row_values(c, group_ranks) for c in calls[:_MAX_ROWS]]
+    widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
+    lines = [head, "  " + " | ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines.append("  " + "-+-".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  " + " | ".join(v.ljust(w) for v, w in zip(r, widths)))
+    if len(calls) > _MAX_ROWS:
+        lines.append(f"  ... ({len(calls) - _MAX_ROWS} more ranks)")
+    lines.append("Fix: every member of a group must issue the same collectives in the same order, with the same "
+                 "op, root, dtype and shape (matching split sizes for all_to_all); guard rank-specific code so "
+                 "it does not skip or reorder collectives")
+    return "\n".join(lines)
+
+
+def describe_wait(run: "_Run", rs: Any) -> str:
+    """What ``rs`` waits for, without the leading "rank r"."""
+    from .backend import _P2P, _Slot
+
+    w = rs.waiting
+    if isinstance(w, _Slot):
+        arrived = [c.rs.rank for c in w.calls if c is not None]
+        missing = sorted(set(w.group.ranks) - set(arrived))
+        mine = w.calls[w.group.index[rs.rank]]
+        site = mine.site if mine is not None else "?"
+        how = " (in wait() of an async op)" if mine is not None and mine.async_op else ""
+        return (f"in {w.name} #{w.seq} on group {group_label(w.group)} at {site}{how} "
+                f"(arrived: {fmt_ranks(arrived)}; missing: {fmt_ranks(missing)})")
+    if isinstance(w, _P2P):
+        tail = f"tag {w.tag}, group {fmt_ranks(w.group.ranks)}, at {w.site}"
+        if w.kind == "send":
+            return f"in send to rank {w.dst} ({tail}): no matching recv was posted"
+        src = "any rank" if w.src is None else f"rank {w.src}"
+        return f"in recv from {src} ({tail}): no matching send was posted"
+    return "in an unknown wait"
+
+
+def describe_world(run: "_Run", headline: str) -> str:
+    """One line per distinct situation: who waits where, who returned, who is still running."""
+    from .backend import _P2P, _Slot
+
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    recv_waiters: list[int] = []
+    hints: list[str] = []
+    for rs in run.ranks:
+        if rs.state == BLOCKED:
+            text = "waits " + describe_wait(run, rs)
+            if isinstance(rs.waiting, _P2P) and rs.waiting.kind == "recv":
+                recv_waiters.append(rs.rank)
+        elif rs.state == DONE:
+            text = "has returned" if rs.exc is None else f"has failed ({type(rs.exc).__name__})"
+        else:
+            last = f"last call at {rs.last_site}" if rs.ops else "before its first operation"
+            if getattr(run.sched, "current", rs) is rs:
+                text = f"is running ({last})"
+            else:
+                text = f"is ready, waiting for its turn ({last})"
+        if text not in groups:
+            groups[text] = []
+            order.append(text)
+        groups[text].append(rs.rank)
+    lines = [f"{headline} (world_size={run.n}, mode={run.mode!r}, seed={run.seed})"]
+    for text in order:
+        ranks = groups[text]
+        if len(ranks) == 1:
+            lines.append(f"  rank {ranks[0]} {text}")
+        else:
+            verb = text.replace("waits ", "wait ", 1).replace("has ", "have ", 1).replace("is running", "are running", 1).replace("is ready", "are ready", 1)
+            lines.append(f"  ranks {_and(ranks)} {verb}")
+    if len(recv_waiters) >= 2:
+        both = "both" if len(recv_waiters) == 2 else "all"
+        hints.append(f"ranks {_and(recv_waiters)} {both} wait in recv: each waits for a send nobody issues")
+    # a collective issued inside an autograd backward that another rank never joins
+    seen: set[int] = set()
+    for rs in run.ranks:
+        w = rs.waiting if rs.state == BLOCKED else None
+        if not isinstance(w, _Slot) or id(w) in seen:
+            continue
+        seen.add(id(w))
+        bw = next((c.backward for c in w.calls if c is not None and c.backward), None)
+        arrived = {c.rs.rank for c in w.calls if c is not None}
+        for m in w.group.ranks:
+            if m in arrived:
+                continue
+            other = run.ranks[m]
+            if bw is not None:
+                where = f"the others wait in its {w.name} #{w.seq} on group {group_label(w.group)}"
+                if other.state == DONE:
+                    hints.append(f"rank {m} returned without running the backward of {bw} ({where}); {_BACKWARD_FIX}")
+                elif other.state == BLOCKED:
+                    hints.append(f"rank {m} waits elsewhere instead of running the backward of {bw} ({where}); "
+                                 f"{_BACKWARD_FIX}")
+            if len(hints) > 8:
+                break
+    for h in hints:
+        lines.append("Hint: " + h)
+    lines.append("Fix: every member of a group must reach the same collectives in the same order, and every "
+                 "recv needs a matching send (same group and tag)")
+    return "\n".join(lines)

@@ -1,0 +1,471 @@
+"""A simulated world: N ranks as threads of this process, each with tensorplay.distributed on ``"sim"``.
+
+:func:`run` is the entry point; :class:`World` keeps the settings for repeated
+runs and the trace of the last one.
+
+Example::
+
+    import simulator, tensorplay as tp, tensorplay.distributed as dist
+
+    def f():
+        x = tp.arange(3.) + dist.get_rank()
+        dist.all_reduce(x)
+        return x
+
+    outs = simulator.run(f, 4)                  # outs[r] == [6., 10., 14.] on every rank
+    simulator.last_trace().to_chrome("f.json")  # the timeline of the run
+
+Failures are reported once: when rank ``r`` raises, the others are released
+with :class:`RankFailedError` and ``run`` re-raises rank ``r``'s exception
+(its own type and traceback, with ``.rank`` set and a note naming the rank
+and the seed).  When several ranks fail independently (only possible in
+``mode="threads"``, or when ranks raise before their first operation), ``run``
+raises an ``ExceptionGroup`` of them.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
+
+from . import _environ
+from .errors import DeadlockError, RankFailedError, SimError, SimTimeoutError
+from .faults import Fault, FaultPlan
+from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
+from .trace import CostModel, Event, Trace
+
+__all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
+
+_TORCH_DEFAULT_SEED = 67280421310721  # what torch.initial_seed() is in a fresh process
+_fresh_torch_state: torch.Tensor | None = None
+_last_trace: Trace | None = None
+_local = threading.local()
+
+
+def _fresh_rng_state() -> torch.Tensor:
+    global _fresh_torch_state
+    if _fresh_torch_state is None:
+        g = torch.Generator()
+        g.manual_seed(_TORCH_DEFAULT_SEED)
+        _fresh_torch_state = g.get_state()
+    return _fresh_torch_state
+
+
+def last_trace() -> Trace | None:
+    """The trace of the most recent :func:`run` in this process (``None`` before the first)."""
+    return _last_trace
+
+
+def current_rank_state() -> "RankState | None":
+    """The calling rank thread's state, or ``None`` outside a simulated world."""
+    return getattr(_local, "rs", None)
+
+
+def rank_device() -> torch.device:
+    """The device of the calling rank (``cuda:<rank % device_count>`` under ``device="cuda"``, else cpu)."""
+    rs = current_rank_state()
+    return torch.device("cpu") if rs is None else rs.device
+
+
+class Incident:
+    """One event several ranks learn about; :meth:`make` builds each rank's own exception object."""
+
+    __slots__ = ("cls", "message", "cause", "failed_rank")
+
+    def __init__(self, cls: type, message: str, cause: BaseException | None = None,
+                 failed_rank: int | None = None) -> None:
+        self.cls = cls
+        self.message = message
+        self.cause = cause
+        self.failed_rank = failed_rank
+
+    def make(self, rank: int) -> BaseException:
+        exc = self.cls(self.message)
+        exc.incident = self
+        exc.rank = rank
+        if self.failed_rank is not None:
+            exc.failed_rank = self.failed_rank
+        if self.cause is not None:
+            exc.__cause__ = self.cause
+        return exc
+
+
+class RankState:
+    """Everything the simulator keeps per rank (one per rank thread)."""
+
+    __slots__ = (
+        "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
+        "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
+        "unflushed", "p2p_seq", "last_site", "thread",
+    )
+
+    def __init__(self, rank: int, run: "_Run") -> None:
+        self.rank = rank
+        self.run = run
+        self.backend: Any = None
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.state = 0
+        self.sleeping = False
+        self.waiting: Any = None
+        self.pending: Incident | None = None
+        self.pos = -1
+        self.vt = 0.0
+        self.cpu_mark = 0.0
+        self.ops = 0
+        self.faults: list[Fault] | None = None
+        self.torch_rng: torch.Tensor | None = None
+        self.py_rng: Any = None
+        self.result: Any = None
+        self.exc: BaseException | None = None
+        self.env: dict[str, str] | None = None
+        self.device = torch.device("cpu")
+        self.unflushed: list[Any] = []
+        self.p2p_seq = 0
+        self.last_site = "?"
+        self.thread: threading.Thread | None = None
+
+
+class _Run:
+    """The shared state of one execution of a world."""
+
+    def __init__(self, world: "World") -> None:
+        self.world = world
+        self.n = world.world_size
+        self.seed = world.seed
+        self.mode = world.mode
+        self.cost = world.cost
+        self.deadline = time.monotonic() + world.timeout
+        self.aborted = False
+        self.fatal: Incident | None = None
+        self.live = self.n
+        self.all_done = threading.Event()
+        self.events: list[Event] = []
+        self.wall_origin = time.perf_counter()
+        self.ranks = [RankState(r, self) for r in range(self.n)]
+        if world.mode == "coop":
+            self.sched: Any = CoopScheduler(self, world.seed, swap_rng=world.per_rank_rng)
+        else:
+            self.sched = ThreadScheduler(self)
+        # p2p mailboxes, keyed by destination global rank (lists created on first use)
+        self.sends: dict[int, list] = {}
+        self.recvs: dict[int, list] = {}
+        self.next_gid = 1
+
+    # -- incidents ----------------------------------------------------------
+    def make_error(self, inc: Incident, rs: RankState) -> BaseException:
+        return inc.make(rs.rank)
+
+    def _blocked(self) -> list[RankState]:
+        return [rs for rs in self.ranks if rs.state == BLOCKED]
+
+    def deadlock(self) -> None:
+        """Every live rank is blocked: give each a DeadlockError and wake it (called under the lock)."""
+        from .report import describe_world
+
+        blocked = self._blocked()
+        text = describe_world(self, headline="deadlock: every live rank is blocked and none can make progress")
+        inc = Incident(DeadlockError, text)
+        if self.fatal is None:
+            self.fatal = inc
+        for rs in blocked:
+            rs.pending = inc
+        self.sched.wake_all_blocked(blocked)
+
+    def rank_failed(self, rs: RankState, exc: BaseException) -> None:
+        """``rs``'s function raised: release every other rank with RankFailedError."""
+        with self.sched.lock:
+            if isinstance(exc, RankFailedError) or self.fatal is not None:
+                return
+            msg = (f"rank {rs.rank} failed with {type(exc).__name__}: {exc}; this rank was released "
+                   f"from its current wait. The original error and traceback are on rank {rs.rank} "
+                   f"(simulator.run re-raises it)")
+            inc = Incident(RankFailedError, msg, cause=exc, failed_rank=rs.rank)
+            self.fatal = inc
+            blocked = self._blocked()
+            for b in blocked:
+                b.pending = inc
+            self.sched.wake_all_blocked(blocked)
+
+    def local_timeout(self, rs: RankState) -> None:
+        """A rank's own bound ran out (the main thread normally aborts first)."""
+        raise SimTimeoutError(format_message(
+            "simulator", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
+            fix="raise timeout= or look for a rank stuck in a long computation"))
+
+    def abort_timeout(self) -> SimTimeoutError:
+        """Main thread: the global timeout ran out; fail every rank that is still waiting."""
+        from .report import describe_world
+
+        with self.sched.lock:
+            text = describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s")
+            inc = Incident(SimTimeoutError, text)
+            self.fatal = inc
+            self.aborted = True
+            for rs in self.ranks:
+                if rs.state != DONE:
+                    rs.pending = inc
+                    rs.sleeping = False
+                    try:
+                        rs.wake.release()
+                    except RuntimeError:
+                        pass  # already released
+        return inc.make(-1)  # type: ignore[return-value]
+
+
+class World:
+    """Settings of a simulated world; :meth:`run` executes a function on every rank.
+
+    Args:
+        world_size: number of ranks (threads).
+        seed: picks the schedule in ``coop`` mode (and seeds each rank's ``random`` module).
+        mode: ``"coop"`` (one rank at a time, reproducible) or ``"threads"`` (free-running, faster).
+        timeout: seconds before the whole run is aborted with :class:`SimTimeoutError`.
+        device: ``"cpu"`` or ``"cuda"`` (ranks share the GPUs round-robin).
+        faults: :class:`Crash` / :class:`Delay` objects.
+        cost: the :class:`CostModel` for virtual time.
+        env: extra per-rank environment variables (torchrun-style ``RANK`` & co. are always set while
+            ``torchrun_env=True``).
+        per_rank_rng: in coop mode, give each rank its own torch and ``random`` state (default True).
+        stack_size: thread stack size in bytes (default 256 KiB above 64 ranks, else the platform's).
+
+    After a run, ``world.trace`` is its trace, ``world.errors[r]`` the exception rank ``r`` raised (or
+    ``None``) and ``world.results[r]`` its return value.
+    """
+
+    def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float = 60.0,
+                 device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | None = None,
+                 env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
+                 stack_size: int | None = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise DistTypeError(format_message("simulator.run", "world_size must be an int",
+                                               values={"world_size": world_size}, fix="pass e.g. world_size=4"))
+        if world_size < 1:
+            raise DistValueError(format_message("simulator.run", "world_size must be at least 1",
+                                                values={"world_size": world_size}, fix="pass world_size >= 1"))
+        if mode not in ("coop", "threads"):
+            raise DistValueError(format_message("simulator.run", "unknown mode", values={"mode": mode},
+                                                fix="pass mode='coop' (deterministic) or mode='threads' (fast)"))
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise DistTypeError(format_message("simulator.run", "seed must be an int", values={"seed": seed},
+                                               fix="pass e.g. seed=0"))
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise DistValueError(format_message("simulator.run", "timeout must be a positive number of seconds",
+                                                values={"timeout": timeout}, fix="pass e.g. timeout=60.0"))
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise DistValueError(format_message("simulator.run", "device must be 'cpu' or 'cuda'",
+                                                values={"device": device}, fix="pass device='cpu' or 'cuda'"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise DistValueError(format_message("simulator.run", "device='cuda' but no GPU is available",
+                                                values={"device": device}, fix="pass device='cpu'"))
+        self.world_size = world_size
+        self.seed = seed
+        self.mode = mode
+        self.timeout = float(timeout)
+        self.device = dev
+        self.faults = FaultPlan(list(faults), world_size)
+        self.cost = cost if cost is not None else CostModel()
+        self.env = dict(env or {})
+        self.torchrun_env = torchrun_env
+        self.per_rank_rng = per_rank_rng
+        self.stack_size = stack_size if stack_size is not None else (256 * 1024 if world_size > 64 else 0)
+        #: after a run: the trace, and each rank's exception (None where it returned) and result
+        self.trace: Trace | None = None
+        self.errors: list[BaseException | None] = []
+        self.results: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"World(world_size={self.world_size}, seed={self.seed}, mode={self.mode!r})"
+
+    # ---------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        global _last_trace
+        if not callable(fn):
+            raise DistTypeError(format_message("simulator.run", "fn must be callable",
+                                               values={"fn": type(fn).__name__}, fix="pass a function"))
+        if current_rank_state() is not None:
+            raise DistValueError(format_message("simulator.run", "cannot start a simulated world inside a rank",
+                                                fix="call simulator.run from the main program, not from a rank"))
+        from .backend import SimBackend, _Group
+
+        kwargs = dict(kwargs or {})
+        run = _Run(self)
+        world_group = _Group(0, tuple(range(self.world_size)))
+        ndev = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        for rs in run.ranks:
+            rs.backend = SimBackend(rs, world_group)
+            rs.faults = self.faults.get(rs.rank)
+            rs.torch_rng = _fresh_rng_state()
+            rs.py_rng = random.Random(f"simulator:{self.seed}:{rs.rank}").getstate()
+            if ndev:
+                rs.device = torch.device("cuda", rs.rank % ndev)
+            if self.torchrun_env or self.env:
+                rs.env = self._rank_env(rs.rank)
+        td = timedelta(seconds=self.timeout)
+        saved_torch = torch.get_rng_state()
+        saved_py = random.getstate()
+        env_installed = any(rs.env is not None for rs in run.ranks)
+        if env_installed:
+            _environ.install()
+        run.sched.prepare(run.ranks)
+        threads = []
+        old_stack = threading.stack_size(self.stack_size) if self.stack_size else None
+        try:
+            for rs in run.ranks:
+                t = threading.Thread(target=_rank_main, args=(rs, fn, args, kwargs, td),
+                                     name=f"sim-rank-{rs.rank}", daemon=True)
+                rs.thread = t
+                threads.append(t)
+        finally:
+            if old_stack is not None:
+                threading.stack_size(old_stack)
+        try:
+            for t in threads:
+                t.start()
+            run.sched.kick()
+            finished = run.all_done.wait(max(run.deadline - time.monotonic(), 0.0))
+            timeout_exc = None
+            if not finished:
+                timeout_exc = run.abort_timeout()
+                run.all_done.wait(2.0)
+            else:
+                for t in threads:
+                    t.join(timeout=5.0)
+        finally:
+            if env_installed:
+                _environ.uninstall()
+            torch.set_rng_state(saved_torch)
+            random.setstate(saved_py)
+        trace = Trace(run.events, self.world_size, seed=self.seed, mode=self.mode, cost=self.cost,
+                      wall_origin=run.wall_origin, end_vtime=[rs.vt for rs in run.ranks])
+        self.trace = trace
+        self.errors = [rs.exc for rs in run.ranks]
+        self.results = [rs.result for rs in run.ranks]
+        _last_trace = trace
+        if timeout_exc is not None:
+            raise timeout_exc
+        _raise_failures(self, run.ranks)
+        return [rs.result for rs in run.ranks]
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        import os
+
+        real = os.environ._real if isinstance(os.environ, _environ.RankEnviron) else os.environ  # type: ignore[attr-defined]
+        env = dict(real)
+        if self.torchrun_env:
+            n = str(self.world_size)
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+                        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "simulator"})
+        env.update(self.env)
+        return env
+
+
+def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+               td: timedelta) -> None:
+    from tensorplay.distributed.api import _install_backend
+
+    run = rs.run
+    sched = run.sched
+    _local.rs = rs
+    try:
+        sched.enter_rank(rs)
+    except BaseException as e:  # the run was aborted before this rank got to start
+        rs.exc = e
+        sched.exit(rs)
+        return
+    if rs.env is not None:
+        _environ.bind(rs.env)
+    if rs.device.type == "cuda":
+        torch.cuda.set_device(rs.device)
+    try:
+        _install_backend(rs.backend, td, thread_local=True)
+        rs.cpu_mark = time.thread_time()
+        rs.result = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001  (every failure is reported by run())
+        rs.exc = e
+        run.rank_failed(rs, e)
+    finally:
+        try:
+            rs.backend._flush_unobserved()
+        except BaseException:  # pragma: no cover  (never lose the rank's own outcome)
+            pass
+        _state.unbind_thread()
+        if rs.env is not None:
+            _environ.unbind()
+        _local.rs = None
+        sched.exit(rs)
+
+
+def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
+    try:
+        exc.rank = rank  # type: ignore[attr-defined]
+    except Exception:  # pragma: no cover
+        pass
+    note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}); "
+            f"replay with simulator.run(fn, {world.world_size}, seed={world.seed}, mode={world.mode!r})")
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+    return exc
+
+
+def _raise_failures(world: World, ranks: list[RankState]) -> None:
+    failed = [rs for rs in ranks if rs.exc is not None]
+    if not failed:
+        return
+    primary = [rs for rs in failed if not isinstance(rs.exc, RankFailedError)]
+    if not primary:
+        rs = failed[0]
+        raise _annotate(rs.exc, rs.rank, world)  # type: ignore[arg-type]
+    seen: dict[int, RankState] = {}
+    for rs in primary:
+        key = id(getattr(rs.exc, "incident", None) or rs.exc)
+        seen.setdefault(key, rs)
+    firsts = list(seen.values())
+    if len(firsts) == 1:
+        rs = firsts[0]
+        exc = rs.exc
+        if isinstance(exc, SimError) and exc.incident is not None:
+            others = [r.rank for r in primary if r.exc is not None and getattr(r.exc, "incident", None) is exc.incident]
+            if len(others) > 1:
+                exc.add_note(f"[simulator] the same error was raised on ranks {others}")
+        raise _annotate(exc, rs.rank, world)  # type: ignore[arg-type]
+    excs = [_annotate(rs.exc, rs.rank, world) for rs in firsts]  # type: ignore[arg-type]
+    ranks_txt = ", ".join(str(rs.rank) for rs in firsts)
+    if all(isinstance(e, Exception) for e in excs):
+        raise ExceptionGroup(f"{len(firsts)} ranks failed independently (ranks {ranks_txt})", excs)  # type: ignore[arg-type]
+    raise BaseExceptionGroup(f"{len(firsts)} ranks failed independently (ranks {ranks_txt})", excs)
+
+
+def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+        seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
+        faults: Sequence[Fault] = (), cost: CostModel | None = None, env: dict[str, str] | None = None,
+        torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
+
+    Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
+    (``init_process_group()`` inside is allowed and returns at once).  The
+    trace of the run is available afterwards from :func:`last_trace`.
+
+    Example::
+
+        def f():
+            x = tp.arange(3.) + dist.get_rank()
+            dist.all_reduce(x)
+            return x
+
+        simulator.run(f, 4)                    # 4 x tensor([ 6., 10., 14.])
+        simulator.run(f, 4, mode="threads")    # same result, ranks run freely
+    """
+    w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
+              env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size)
+    return w.run(fn, args, kwargs)

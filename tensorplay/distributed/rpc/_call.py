@@ -1,0 +1,138 @@
+"""What runs on the callee around the user's function, shared by both transports.
+
+:func:`run_call` executes ``fn(*args, **kwargs)`` and never lets an exception
+escape into the transport: it returns a :class:`RemoteFailure` instead, which
+travels back as an ordinary value.  The caller turns it into the *original*
+exception (same type, same args) with the remote traceback attached as a note,
+so ``except KeyError`` around an ``rpc_sync`` works exactly as it would around a
+local call.  (torch rebuilds remote exceptions from one string, which loses
+every type whose constructor wants something else.)
+
+Functions that plain ``pickle`` cannot send (lambdas, closures, functions of
+``__main__`` in an interactive session) travel as :class:`PickledFunction`:
+``dill`` bytes unpickled on the callee.
+"""
+from __future__ import annotations
+
+import pickle
+import traceback
+from typing import Any, Callable
+
+from .errors import RemoteError
+
+__all__ = ["RemoteFailure", "PickledFunction", "run_call", "unwrap", "callable_for_wire"]
+
+
+class PickledFunction:
+    """A callable that plain pickle refuses, carried as dill bytes."""
+
+    __slots__ = ("blob", "name")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        import dill
+
+        self.blob = dill.dumps(fn, recurse=True)
+        self.name = getattr(fn, "__qualname__", repr(fn))
+
+    def load(self) -> Callable[..., Any]:
+        import dill
+
+        return dill.loads(self.blob)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_rebuild_pickled_function, (self.blob, self.name))
+
+
+def _rebuild_pickled_function(blob: bytes, name: str) -> PickledFunction:
+    pf = PickledFunction.__new__(PickledFunction)
+    pf.blob, pf.name = blob, name
+    return pf
+
+
+def callable_for_wire(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` itself when pickle sends it by reference, else a :class:`PickledFunction`."""
+    try:
+        pickle.dumps(fn)
+        return fn
+    except Exception:  # noqa: BLE001  pickle raises several types for "cannot pickle"
+        return PickledFunction(fn)
+
+
+class RemoteFailure:
+    """An exception raised on the callee, in transit to the caller."""
+
+    __slots__ = ("exc_bytes", "type_name", "message", "traceback", "worker")
+
+    def __init__(self, exc_bytes: bytes | None, type_name: str, message: str, tb: str, worker: str) -> None:
+        self.exc_bytes = exc_bytes
+        self.type_name = type_name
+        self.message = message
+        self.traceback = tb
+        self.worker = worker
+
+    @classmethod
+    def capture(cls, exc: BaseException, worker: str) -> "RemoteFailure":
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        t = type(exc)
+        type_name = f"{t.__module__}.{t.__qualname__}"
+        try:  # only keep bytes that really rebuild the exception
+            blob: bytes | None = pickle.dumps(exc)
+            pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            blob = None
+        return cls(blob, type_name, str(exc), tb, worker)
+
+    def to_exception(self) -> BaseException:
+        exc: BaseException | None = None
+        if self.exc_bytes is not None:
+            try:
+                exc = pickle.loads(self.exc_bytes)
+            except Exception:  # noqa: BLE001  e.g. the type is not importable here
+                exc = None
+        if exc is None:
+            exc = RemoteError(
+                f"tensorplay.distributed.rpc: worker {self.worker!r} raised {self.type_name}: {self.message} "
+                f"(the exception could not be rebuilt here, so it arrives as RemoteError; make the exception "
+                f"type importable and picklable on both sides to get it unchanged)",
+                self.type_name, self.traceback, self.worker)
+        try:
+            exc.remote_traceback = self.traceback  # type: ignore[attr-defined]
+            exc.remote_worker = self.worker  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001  exceptions with __slots__
+            pass
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"--- raised on RPC worker {self.worker!r}; remote traceback:\n{self.traceback.rstrip()}")
+        return exc
+
+    def __reduce__(self):
+        return (RemoteFailure, (self.exc_bytes, self.type_name, self.message, self.traceback, self.worker))
+
+    def __repr__(self) -> str:
+        return f"RemoteFailure({self.type_name}: {self.message!r} on {self.worker!r})"
+
+
+def _worker_name() -> str:
+    from ._agent import current
+
+    a = current()
+    return a.name if a is not None else "?"
+
+
+def run_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The callee side of every call: run it, and turn any exception into a :class:`RemoteFailure`."""
+    try:
+        if type(fn) is PickledFunction:
+            fn = fn.load()
+        return fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001  every failure goes back to the caller
+        return RemoteFailure.capture(e, _worker_name())
+
+
+def unwrap(value: Any) -> Any:
+    """The caller side: raise a :class:`RemoteFailure` as its original exception, pass anything else through."""
+    if type(value) is RemoteFailure:
+        raise value.to_exception()
+    return value

@@ -1,0 +1,726 @@
+"""Every blocking collective on real gloo ranks, world sizes 1-4, against an independent reference.
+
+How a test runs: ``cases_<name>(W)`` lists the sub-cases of one collective at
+world size ``W`` (groups, roots, ops, dtypes, shapes, layouts, async).  One
+pool call runs them all on every rank with ``run_<name>``; each rank builds its
+inputs with :func:`values` from ``(global rank, shape, dtype, salt)``.  Back in
+the test process, ``expect_<name>`` recomputes every rank's inputs with the
+same function and derives what each member must hold, with plain tensor
+arithmetic that shares no code with the library.
+
+Groups: the world, plus at ``W >= 3`` ``new_group([2, 0])`` (group ranks
+0 -> global 0, 1 -> global 2) and at ``W == 4`` ``new_group([3, 1, 2])``
+(group ranks 0, 1, 2 -> global 1, 2, 3), so global and group ranks differ.
+Roots are given both as global ``src``/``dst`` and as ``group_src``/``group_dst``.
+
+Every failure line starts with a reproduction: world size, group, case id and rank.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ReduceOp
+
+WORLD_SIZES = (1, 2, 3, 4)
+F64, F32, I64, C128, BOOL = torch.float64, torch.float32, torch.int64, torch.complex128, torch.bool
+SENTINEL = -7777
+
+
+def gloo_param(world_size: int, *values: object, id: str) -> Any:  # noqa: A002
+    """A case at ``world_size``, kept on the xdist worker that holds that pool."""
+    return pytest.param(world_size, *values, id=id,
+                        marks=[pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{world_size}")])
+
+
+# ---------------------------------------------------------------------------
+# groups, inputs and the reference
+# ---------------------------------------------------------------------------
+def group_specs(world_size: int) -> list[tuple[int, ...] | None]:
+    """``None`` is the world; a tuple is the (deliberately unsorted) argument of new_group."""
+    specs: list[tuple[int, ...] | None] = [None]
+    if world_size >= 3:
+        specs.append((2, 0))
+    if world_size == 4:
+        specs.append((3, 1, 2))
+    return specs
+
+
+def members(world_size: int, spec: tuple[int, ...] | None) -> list[int]:
+    """Global ranks in group-rank order (new_group sorts, as torch does)."""
+    return list(range(world_size)) if spec is None else sorted(spec)
+
+
+def gname(spec: tuple[int, ...] | None) -> str:
+    return "world" if spec is None else "g" + "".join(map(str, spec))
+
+
+def values(rank: int, shape: tuple[int, ...], dtype: torch.dtype = F64, salt: int = 0,
+           kind: str = "distinct") -> torch.Tensor:
+    """Rank ``rank``'s input: a pure function of its arguments, distinct per rank and salt.
+
+    kinds: ``distinct`` (arange-based, different on every rank), ``ties`` (small
+    integers in [-2, 2]: zeros and values shared between ranks, for
+    MIN/MAX/PRODUCT), ``bits`` (16-bit patterns for the bitwise ops).
+    """
+    n = math.prod(shape)
+    i = torch.arange(n, dtype=torch.int64)
+    if dtype.is_complex:
+        re = ((i + rank + salt) % 3 - 1).double() + 0.5
+        im = ((i + 2 * rank) % 4).double() * 0.25 - 0.5
+        t: torch.Tensor = torch.complex(re, im)
+    elif dtype == BOOL:
+        t = (i + rank + salt) % 2 == 0
+    elif kind == "ties":
+        t = (i + 2 * rank + salt) % 5 - 2
+    elif kind == "bits":
+        t = (i * 2654435761 + rank * 40503 + salt * 977 + 12345) % 65536
+    elif dtype.is_floating_point:
+        t = i.double() * 0.25 + 100.0 * rank + salt + 1.0
+    else:
+        t = i * 7 + 1000 * rank + salt + 1
+    return t.to(dtype).reshape(shape)
+
+
+def reference_reduce(op: ReduceOp, xs: list[torch.Tensor]) -> torch.Tensor:
+    """``op`` over the contributions in rank order, by elementwise torch arithmetic."""
+    if op is ReduceOp.AVG:
+        return functools.reduce(torch.add, xs) / len(xs)
+    fn = {
+        ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
+        ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+        ReduceOp.BXOR: torch.bitwise_xor,
+    }[op]
+    return functools.reduce(fn, xs)
+
+
+#: (op, dtype, kind of input) covering every op on a dtype it allows
+OP_CASES = [
+    (ReduceOp.SUM, F64, "distinct"), (ReduceOp.AVG, F64, "distinct"), (ReduceOp.PRODUCT, F64, "ties"),
+    (ReduceOp.MIN, F64, "ties"), (ReduceOp.MAX, F64, "ties"), (ReduceOp.BAND, I64, "bits"),
+    (ReduceOp.BOR, I64, "bits"), (ReduceOp.BXOR, I64, "bits"), (ReduceOp.SUM, C128, "distinct"),
+    (ReduceOp.PRODUCT, C128, "distinct"), (ReduceOp.AVG, C128, "distinct"), (ReduceOp.SUM, I64, "distinct"),
+    (ReduceOp.MAX, I64, "ties"), (ReduceOp.SUM, F32, "distinct"),
+]
+
+
+def resolve_op(op: Any) -> Any:
+    """Cases spell torch's own ReduceOp as 'torch:NAME' so they pickle; the API must accept it."""
+    if isinstance(op, str) and op.startswith("torch:"):
+        return getattr(torch.distributed.ReduceOp, op.split(":", 1)[1])
+    return op
+
+
+def as_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    return ReduceOp[op.split(":")[-1].upper()]
+
+
+def op_label(op: Any) -> str:
+    return op.name if isinstance(op, ReduceOp) else str(op)
+
+
+# ---------------------------------------------------------------------------
+# on the ranks
+# ---------------------------------------------------------------------------
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _group(spec: tuple[int, ...] | None) -> Any:
+    """This process's group for ``spec``; every rank creates them in the same order (group_specs)."""
+    if spec is None:
+        return None
+    if not _GROUPS:
+        for s in group_specs(dist.get_world_size())[1:]:
+            _GROUPS[s] = dist.new_group(list(s))
+    return _GROUPS[spec]
+
+
+def placed(x: torch.Tensor, strided: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` itself, or a non-contiguous copy (every other element of a SENTINEL-filled base)."""
+    if not strided:
+        return x, None
+    base = torch.full((*x.shape[:-1], 2 * x.shape[-1]), SENTINEL, dtype=x.dtype)
+    view = base[..., ::2]
+    view.copy_(x)
+    assert not view.is_contiguous() or view.numel() <= 1
+    return view, base
+
+
+def untouched(bases: list[torch.Tensor | None]) -> list[str]:
+    return ["elements between a strided tensor's elements were overwritten"
+            for b in bases if b is not None and not bool((b[..., 1::2] == SENTINEL).all())]
+
+
+def finish(ret: Any, async_op: bool) -> list[str]:
+    """Wait for async work and report a wrong return value (None when blocking, a Work when async)."""
+    if not async_op:
+        return [] if ret is None else [f"a blocking call returned {ret!r} instead of None"]
+    if ret is None:
+        return ["async_op=True returned None instead of a work object"]
+    ret.wait()
+    return [] if ret.is_completed() else ["work.is_completed() is False after wait()"]
+
+
+def root_kwargs(case: dict, role: str) -> dict[str, int]:
+    """``{src: global}`` or ``{group_src: group rank}`` as the case asks."""
+    root = case["root"]
+    if case["root_kind"] == "group":
+        return {f"group_{role}": members(dist.get_world_size(), case["group"]).index(root)}
+    return {role: root}
+
+
+def _run_cases(name: str, cases: list[dict]) -> list[Any]:
+    """Entry point on every rank: run every case of collective ``name``; non-members record None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runner = globals()[f"run_{name}"]
+    out: list[Any] = []
+    for case in cases:
+        g = _group(case["group"])
+        if rank not in members(world, case["group"]):
+            out.append(None)
+            continue
+        out.append(runner(case, rank, g))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the test
+# ---------------------------------------------------------------------------
+COLLECTIVES = (
+    "barrier", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+)
+
+
+def _compare(got: Any, want: Any) -> str | None:
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, equal_nan=False)
+    except (AssertionError, TypeError, ValueError) as e:
+        return str(e).replace("\n", " | ")[:600]
+    return None
+
+
+def default_check(name: str, case: dict, world_size: int, got: dict[int, Any]) -> list[str]:
+    expected = globals()[f"expect_{name}"](case, world_size)
+    problems = []
+    for r in range(world_size):
+        if r not in expected:
+            if got[r] is not None:
+                problems.append(f"rank {r}: not a member but recorded {got[r]!r}")
+            continue
+        value, notes = got[r]
+        problems += [f"rank {r}: {n}" for n in notes]
+        why = _compare(value, expected[r])
+        if why:
+            problems.append(f"rank {r}: {why}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "world_size,name", [gloo_param(w, n, id=f"W{w}-{n}") for w in WORLD_SIZES for n in COLLECTIVES]
+)
+def test_collective(rank_pool: Any, world_size: int, name: str) -> None:
+    cases = globals()[f"cases_{name}"](world_size)
+    assert len({c["id"] for c in cases}) == len(cases), "case ids must be unique"
+    results = rank_pool(world_size).run(_run_cases, name, cases)
+    check = globals().get(f"check_{name}")
+    problems = []
+    for k, case in enumerate(cases):
+        got = {r: results[r][k] for r in range(world_size)}
+        found = check(case, world_size, got) if check else default_check(name, case, world_size, got)
+        problems += [f"W={world_size} group={gname(case['group'])} case={case['id']} {p}" for p in found]
+    assert not problems, f"{len(problems)} problem(s) in {name}:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------
+# barrier: nobody leaves before the last member arrived
+# ---------------------------------------------------------------------------
+def cases_barrier(w: int) -> list[dict]:
+    return [dict(id=f"{gname(s)}-{'async' if a else 'sync'}", group=s, async_op=a)
+            for s in group_specs(w) for a in (False, True)]
+
+
+def run_barrier(case: dict, rank: int, g: Any) -> Any:
+    # stagger arrivals; CLOCK_MONOTONIC is shared by every process of the machine
+    time.sleep(0.02 * members(dist.get_world_size(), case["group"]).index(rank))
+    arrived = time.monotonic()
+    notes = finish(dist.barrier(group=g, async_op=case["async_op"]), case["async_op"])
+    return arrived, time.monotonic(), notes
+
+
+def check_barrier(case: dict, world_size: int, got: dict[int, Any]) -> list[str]:
+    ms = members(world_size, case["group"])
+    problems = [f"rank {r}: {n}" for r in ms for n in got[r][2]]
+    last_arrival = max(got[r][0] for r in ms)
+    early = [r for r in ms if got[r][1] < last_arrival]
+    if early:
+        problems.append(f"ranks {early} left the barrier before the last member arrived")
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# broadcast
+# ---------------------------------------------------------------------------
+def cases_broadcast(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        ms = members(w, s)
+        for root in ms:
+            for kind in ("global", "group"):
+                cases.append(dict(id=f"{gname(s)}-src{root}-{kind}", group=s, root=root, root_kind=kind, shape=(5,),
+                                  dtype=F64, strided=False, async_op=False))
+        root = ms[-1]
+        for tag, shape, dtype, strided, a in [
+            ("strided", (3, 4), F64, True, False), ("0d-int", (), I64, False, False),
+            ("empty", (0,), F64, False, False), ("empty2d", (2, 0), F64, False, False),
+            ("complex", (2, 3), C128, False, False), ("bool", (4,), BOOL, False, False),
+            ("async", (3,), F64, False, True), ("async-strided", (2, 3), I64, True, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-src{root}-{tag}", group=s, root=root, root_kind="global", shape=shape,
+                              dtype=dtype, strided=strided, async_op=a))
+    return cases
+
+
+def run_broadcast(case: dict, rank: int, g: Any) -> Any:
+    x, base = placed(values(rank, case["shape"], case["dtype"]), case["strided"])
+    ret = dist.broadcast(x, group=g, async_op=case["async_op"], **root_kwargs(case, "src"))
+    notes = finish(ret, case["async_op"]) + untouched([base])  # wait before reading outputs
+    return x.clone(), notes
+
+
+def expect_broadcast(case: dict, w: int) -> dict[int, Any]:
+    return {r: values(case["root"], case["shape"], case["dtype"]) for r in members(w, case["group"])}
+
+
+# ---------------------------------------------------------------------------
+# all_reduce
+# ---------------------------------------------------------------------------
+def cases_all_reduce(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for op, dtype, kind in OP_CASES:
+            cases.append(dict(id=f"{gname(s)}-{op.name}-{dtype}", group=s, op=op, dtype=dtype, kind=kind,
+                              shape=(3, 4), strided=False, async_op=False))
+        for tag, op, dtype, kind, shape, strided, a in [
+            ("strided-sum", ReduceOp.SUM, F64, "distinct", (3, 4), True, False),
+            ("strided-max", ReduceOp.MAX, F64, "ties", (2, 5), True, False),
+            ("strided-cprod", ReduceOp.PRODUCT, C128, "distinct", (2, 3), True, False),
+            ("0d", ReduceOp.SUM, F64, "distinct", (), False, False),
+            ("0d-cprod", ReduceOp.PRODUCT, C128, "distinct", (), False, False),
+            ("empty", ReduceOp.SUM, F64, "distinct", (0,), False, False),
+            ("empty-min", ReduceOp.MIN, F64, "ties", (3, 0), False, False),
+            ("async-sum", ReduceOp.SUM, F64, "distinct", (7,), False, True),
+            ("async-cprod", ReduceOp.PRODUCT, C128, "distinct", (4,), False, True),
+            ("async-strided", ReduceOp.BXOR, I64, "bits", (2, 3), True, True),
+            ("torch-op", "torch:MAX", F64, "ties", (6,), False, False),
+            ("name-op", "min", F64, "ties", (6,), False, False),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, op=op, dtype=dtype, kind=kind, shape=shape,
+                              strided=strided, async_op=a))
+    return cases
+
+
+def run_all_reduce(case: dict, rank: int, g: Any) -> Any:
+    x, base = placed(values(rank, case["shape"], case["dtype"], kind=case["kind"]), case["strided"])
+    ret = dist.all_reduce(x, op=resolve_op(case["op"]), group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched([base])  # wait before reading outputs
+    return x.clone(), notes
+
+
+def expect_all_reduce(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    y = reference_reduce(as_op(case["op"]), [values(m, case["shape"], case["dtype"], kind=case["kind"]) for m in ms])
+    return {r: y for r in ms}
+
+
+# ---------------------------------------------------------------------------
+# reduce: dst gets the reduction, every other member's tensor is left as it was
+# ---------------------------------------------------------------------------
+def cases_reduce(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        ms = members(w, s)
+        for k, root in enumerate(ms):
+            for kind in ("global", "group"):
+                cases.append(dict(id=f"{gname(s)}-dst{root}-{kind}", group=s, root=root, root_kind=kind,
+                                  op=ReduceOp.SUM, dtype=F64, kind="distinct", shape=(5,), strided=False,
+                                  async_op=False))
+        root = ms[-1]
+        for op, dtype, kind in OP_CASES:
+            cases.append(dict(id=f"{gname(s)}-dst{root}-{op.name}-{dtype}", group=s, root=root, root_kind="global",
+                              op=op, dtype=dtype, kind=kind, shape=(2, 3), strided=False, async_op=False))
+        for tag, op, dtype, kind, shape, strided, a in [
+            ("strided", ReduceOp.SUM, F64, "distinct", (3, 4), True, False),
+            ("strided-cprod", ReduceOp.PRODUCT, C128, "distinct", (2, 3), True, False),
+            ("0d", ReduceOp.MAX, F64, "ties", (), False, False),
+            ("empty", ReduceOp.SUM, F64, "distinct", (0, 2), False, False),
+            ("async", ReduceOp.PRODUCT, F64, "ties", (6,), False, True),
+            ("async-cprod", ReduceOp.PRODUCT, C128, "distinct", (3,), False, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-dst{ms[0]}-{tag}", group=s, root=ms[0], root_kind="group", op=op,
+                              dtype=dtype, kind=kind, shape=shape, strided=strided, async_op=a))
+    return cases
+
+
+def run_reduce(case: dict, rank: int, g: Any) -> Any:
+    x, base = placed(values(rank, case["shape"], case["dtype"], kind=case["kind"]), case["strided"])
+    ret = dist.reduce(x, op=resolve_op(case["op"]), group=g, async_op=case["async_op"], **root_kwargs(case, "dst"))
+    notes = finish(ret, case["async_op"]) + untouched([base])  # wait before reading outputs
+    return x.clone(), notes
+
+
+def expect_reduce(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    mine = {m: values(m, case["shape"], case["dtype"], kind=case["kind"]) for m in ms}
+    out = dict(mine)
+    out[case["root"]] = reference_reduce(as_op(case["op"]), [mine[m] for m in ms])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# all_gather and all_gather_into_tensor
+# ---------------------------------------------------------------------------
+GATHER_SHAPES = [
+    ("vec", (5,), F64, False, False), ("strided-in", (3, 4), F64, True, False), ("0d-int", (), I64, False, False),
+    ("empty", (0,), F64, False, False), ("empty2d", (2, 0), F64, False, False), ("complex", (2, 3), C128, False, False),
+    ("bool", (3,), BOOL, False, False), ("async", (4,), F64, False, True), ("async-strided", (2, 3), I64, True, True),
+]
+
+
+def cases_all_gather(w: int) -> list[dict]:
+    cases = [dict(id=f"{gname(s)}-{tag}", group=s, shape=sh, dtype=dt, strided=st, async_op=a, strided_out=False)
+             for s in group_specs(w) for tag, sh, dt, st, a in GATHER_SHAPES]
+    cases += [dict(id=f"{gname(s)}-strided-out", group=s, shape=(2, 3), dtype=F64, strided=False, async_op=False,
+                   strided_out=True) for s in group_specs(w)]
+    return cases
+
+
+def run_all_gather(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    x, base = placed(values(rank, case["shape"], case["dtype"]), case["strided"])
+    outs, bases = [], [base]
+    for _ in range(n):
+        o, b = placed(torch.zeros(case["shape"], dtype=case["dtype"]), case["strided_out"])
+        outs.append(o)
+        bases.append(b)
+    ret = dist.all_gather(outs, x, group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched(bases)  # wait before reading outputs
+    return [o.clone() for o in outs], notes
+
+
+def expect_all_gather(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    everyone = [values(m, case["shape"], case["dtype"]) for m in ms]
+    return {r: everyone for r in ms}
+
+
+def cases_all_gather_into_tensor(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for tag, shape, dtype, layout, strided_out, a in [
+            ("cat", (2, 3), F64, "cat", False, False), ("stack", (2, 3), F64, "stack", False, False),
+            ("cat-1d-int", (3,), I64, "cat", False, False), ("0d", (), F64, "stack", False, False),
+            ("empty-cat", (0, 2), F64, "cat", False, False), ("empty-stack", (0, 2), F64, "stack", False, False),
+            ("strided-out", (2, 3), F64, "cat", True, False), ("complex", (2,), C128, "stack", False, False),
+            ("async-stack", (3, 2), F64, "stack", False, True), ("async-strided", (2, 3), F64, "cat", True, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, shape=shape, dtype=dtype, layout=layout,
+                              strided_out=strided_out, strided_in=tag.endswith("strided"), async_op=a))
+    return cases
+
+
+def _gathered_shape(shape: tuple[int, ...], n: int, layout: str) -> tuple[int, ...]:
+    if layout == "stack" or not shape:
+        return (n, *shape)
+    return (n * shape[0], *shape[1:])
+
+
+def run_all_gather_into_tensor(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    x, b_in = placed(values(rank, case["shape"], case["dtype"]), case["strided_in"])
+    out, b_out = placed(torch.zeros(_gathered_shape(case["shape"], n, case["layout"]), dtype=case["dtype"]),
+                        case["strided_out"])
+    ret = dist.all_gather_into_tensor(out, x, group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched([b_in, b_out])  # wait before reading outputs
+    return out.clone(), notes
+
+
+def expect_all_gather_into_tensor(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    parts = [values(m, case["shape"], case["dtype"]) for m in ms]
+    y = torch.stack(parts) if case["layout"] == "stack" or not case["shape"] else torch.cat(parts)
+    return {r: y for r in ms}
+
+
+# ---------------------------------------------------------------------------
+# gather and scatter
+# ---------------------------------------------------------------------------
+def _rooted_cases(w: int, extra: list[tuple]) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        ms = members(w, s)
+        for root in ms:
+            for kind in ("global", "group"):
+                cases.append(dict(id=f"{gname(s)}-root{root}-{kind}", group=s, root=root, root_kind=kind, shape=(4,),
+                                  dtype=F64, strided=False, async_op=False, empty_list=False))
+        for tag, shape, dtype, strided, a, empty_list in extra:
+            root = ms[-1] if "last" in tag else ms[0]
+            cases.append(dict(id=f"{gname(s)}-root{root}-{tag}", group=s, root=root, root_kind="group", shape=shape,
+                              dtype=dtype, strided=strided, async_op=a, empty_list=empty_list))
+    return cases
+
+
+ROOTED_EXTRA = [
+    ("strided", (3, 4), F64, True, False, False), ("0d-int", (), I64, False, False, False),
+    ("empty", (0,), F64, False, False, False), ("complex-last", (2, 2), C128, False, False, False),
+    ("nonroot-empty-list", (3,), F64, False, False, True), ("async", (5,), F64, False, True, False),
+    ("async-strided-last", (2, 3), I64, True, True, False),
+]
+
+
+def cases_gather(w: int) -> list[dict]:
+    return _rooted_cases(w, ROOTED_EXTRA)
+
+
+def run_gather(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    x, base = placed(values(rank, case["shape"], case["dtype"]), case["strided"])
+    bases = [base]
+    if rank == case["root"]:
+        gl = []
+        for _ in range(n):
+            o, b = placed(torch.zeros(case["shape"], dtype=case["dtype"]), case["strided"])
+            gl.append(o)
+            bases.append(b)
+    else:
+        gl = [] if case["empty_list"] else None
+    ret = dist.gather(x, gl, group=g, async_op=case["async_op"], **root_kwargs(case, "dst"))
+    notes = finish(ret, case["async_op"]) + untouched(bases)  # wait before reading outputs
+    return ([o.clone() for o in gl] if rank == case["root"] else None), notes
+
+
+def expect_gather(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    out: dict[int, Any] = {r: None for r in ms}
+    out[case["root"]] = [values(m, case["shape"], case["dtype"]) for m in ms]
+    return out
+
+
+def cases_scatter(w: int) -> list[dict]:
+    return _rooted_cases(w, ROOTED_EXTRA)
+
+
+def run_scatter(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    out, base = placed(torch.zeros(case["shape"], dtype=case["dtype"]), case["strided"])
+    bases = [base]
+    if rank == case["root"]:
+        sl = []
+        for i in range(n):
+            t, b = placed(values(rank, case["shape"], case["dtype"], salt=10 * (i + 1)), case["strided"])
+            sl.append(t)
+            bases.append(b)
+    else:
+        sl = [] if case["empty_list"] else None
+    ret = dist.scatter(out, sl, group=g, async_op=case["async_op"], **root_kwargs(case, "src"))
+    notes = finish(ret, case["async_op"]) + untouched(bases)  # wait before reading outputs
+    return out.clone(), notes
+
+
+def expect_scatter(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    return {r: values(case["root"], case["shape"], case["dtype"], salt=10 * (i + 1)) for i, r in enumerate(ms)}
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter and reduce_scatter_tensor
+# ---------------------------------------------------------------------------
+def cases_reduce_scatter(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for op, dtype, kind in OP_CASES:
+            cases.append(dict(id=f"{gname(s)}-{op.name}-{dtype}", group=s, op=op, dtype=dtype, kind=kind,
+                              shape=(2, 3), strided=False, async_op=False))
+        for tag, op, dtype, kind, shape, strided, a in [
+            ("strided", ReduceOp.SUM, F64, "distinct", (3, 4), True, False),
+            ("strided-cprod", ReduceOp.PRODUCT, C128, "distinct", (2, 2), True, False),
+            ("0d", ReduceOp.MIN, F64, "ties", (), False, False),
+            ("empty", ReduceOp.SUM, F64, "distinct", (0,), False, False),
+            ("async", ReduceOp.AVG, F64, "distinct", (5,), False, True),
+            ("async-cprod", ReduceOp.PRODUCT, C128, "distinct", (3,), False, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, op=op, dtype=dtype, kind=kind, shape=shape,
+                              strided=strided, async_op=a))
+    return cases
+
+
+def run_reduce_scatter(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    out, base = placed(torch.zeros(case["shape"], dtype=case["dtype"]), case["strided"])
+    bases, ins = [base], []
+    for i in range(n):
+        t, b = placed(values(rank, case["shape"], case["dtype"], salt=i, kind=case["kind"]), case["strided"])
+        ins.append(t)
+        bases.append(b)
+    ret = dist.reduce_scatter(out, ins, op=resolve_op(case["op"]), group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched(bases)  # wait before reading outputs
+    return out.clone(), notes
+
+
+def expect_reduce_scatter(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    op = as_op(case["op"])
+    return {r: reference_reduce(op, [values(m, case["shape"], case["dtype"], salt=i, kind=case["kind"]) for m in ms])
+            for i, r in enumerate(ms)}
+
+
+def cases_reduce_scatter_tensor(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for tag, op, dtype, kind, shape, layout, strided_out, a in [
+            ("sum-cat", ReduceOp.SUM, F64, "distinct", (2, 3), "cat", False, False),
+            ("sum-stack", ReduceOp.SUM, F64, "distinct", (2, 3), "stack", False, False),
+            ("avg-cat", ReduceOp.AVG, F64, "distinct", (3,), "cat", False, False),
+            ("max-stack", ReduceOp.MAX, F64, "ties", (2, 2), "stack", False, False),
+            ("product-cat", ReduceOp.PRODUCT, F64, "ties", (4,), "cat", False, False),
+            ("bxor-cat", ReduceOp.BXOR, I64, "bits", (3,), "cat", False, False),
+            ("cprod-stack", ReduceOp.PRODUCT, C128, "distinct", (2,), "stack", False, False),
+            ("0d", ReduceOp.SUM, F64, "distinct", (), "stack", False, False),
+            ("0d-cprod", ReduceOp.PRODUCT, C128, "distinct", (), "stack", False, False),
+            ("empty", ReduceOp.SUM, F64, "distinct", (0, 3), "cat", False, False),
+            ("strided-out", ReduceOp.SUM, F64, "distinct", (2, 3), "cat", True, False),
+            ("async", ReduceOp.MIN, F64, "ties", (2, 3), "stack", False, True),
+            ("async-cprod", ReduceOp.PRODUCT, C128, "distinct", (3,), "cat", False, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, op=op, dtype=dtype, kind=kind, shape=shape,
+                              layout=layout, strided_out=strided_out, async_op=a))
+    return cases
+
+
+def _rst_input(rank: int, case: dict, n: int) -> torch.Tensor:
+    full = values(rank, (n, *case["shape"]), case["dtype"], kind=case["kind"])
+    return full if case["layout"] == "stack" or not case["shape"] else full.reshape(_gathered_shape(case["shape"], n, "cat"))
+
+
+def run_reduce_scatter_tensor(case: dict, rank: int, g: Any) -> Any:
+    n = len(members(dist.get_world_size(), case["group"]))
+    out, base = placed(torch.zeros(case["shape"], dtype=case["dtype"]), case["strided_out"])
+    ret = dist.reduce_scatter_tensor(out, _rst_input(rank, case, n), op=resolve_op(case["op"]), group=g,
+                                     async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched([base])  # wait before reading outputs
+    return out.clone(), notes
+
+
+def expect_reduce_scatter_tensor(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    n = len(ms)
+    chunks = [_rst_input(m, case, n).reshape(n, *case["shape"]) for m in ms]
+    return {r: reference_reduce(as_op(case["op"]), [c[i] for c in chunks]) for i, r in enumerate(ms)}
+
+
+# ---------------------------------------------------------------------------
+# all_to_all (ragged) and all_to_all_single (uneven splits)
+# ---------------------------------------------------------------------------
+def block_shape(layout: str, s: int, d: int) -> tuple[int, ...]:
+    """Shape of the block group rank ``s`` sends to group rank ``d``."""
+    if layout == "ragged":  # different per pair, zero rows included
+        return ((s + 2 * d) % 3, 1 + (s + d) % 2)
+    if layout == "ragged-3d":
+        return (1 + s, d, 2)
+    if layout == "0d":
+        return ()
+    return (2, 3)
+
+
+def cases_all_to_all(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for tag, layout, dtype, strided, a in [
+            ("ragged", "ragged", F64, False, False), ("ragged-int", "ragged", I64, False, False),
+            ("ragged-3d", "ragged-3d", F64, False, False), ("uniform", "uniform", F64, False, False),
+            ("0d", "0d", F64, False, False), ("complex", "ragged", C128, False, False),
+            ("strided", "uniform", F64, True, False), ("async-ragged", "ragged", F64, False, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, layout=layout, dtype=dtype, strided=strided,
+                              async_op=a))
+    return cases
+
+
+def run_all_to_all(case: dict, rank: int, g: Any) -> Any:
+    ms = members(dist.get_world_size(), case["group"])
+    me = ms.index(rank)
+    ins, outs, bases = [], [], []
+    for d in range(len(ms)):
+        t, b = placed(values(rank, block_shape(case["layout"], me, d), case["dtype"], salt=d), case["strided"])
+        ins.append(t)
+        bases.append(b)
+    for s in range(len(ms)):
+        o, b = placed(torch.zeros(block_shape(case["layout"], s, me), dtype=case["dtype"]), case["strided"])
+        outs.append(o)
+        bases.append(b)
+    ret = dist.all_to_all(outs, ins, group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched(bases)  # wait before reading outputs
+    return [o.clone() for o in outs], notes
+
+
+def expect_all_to_all(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    return {r: [values(m, block_shape(case["layout"], s, d), case["dtype"], salt=d) for s, m in enumerate(ms)]
+            for d, r in enumerate(ms)}
+
+
+def row_splits(layout: str, s: int, d: int) -> int:
+    """Rows group rank ``s`` sends to group rank ``d`` (zeros included for 'uneven')."""
+    return (s + 2 * d) % 3 if layout == "uneven" else 2
+
+
+def cases_all_to_all_single(w: int) -> list[dict]:
+    cases = []
+    for s in group_specs(w):
+        for tag, layout, trailing, dtype, explicit, strided_out, a in [
+            ("uneven", "uneven", (2,), F64, True, False, False), ("uneven-1d", "uneven", (), I64, True, False, False),
+            ("even-default", "even", (3,), F64, False, False, False), ("even-explicit", "even", (), F64, True, False, False),
+            ("complex", "uneven", (2,), C128, True, False, False), ("strided-out", "uneven", (3,), F64, True, True, False),
+            ("async-uneven", "uneven", (2,), F64, True, False, True),
+        ]:
+            cases.append(dict(id=f"{gname(s)}-{tag}", group=s, layout=layout, trailing=trailing, dtype=dtype,
+                              explicit=explicit, strided_out=strided_out, async_op=a))
+    return cases
+
+
+def _a2as_input(rank: int, me: int, n: int, case: dict) -> tuple[torch.Tensor, list[int]]:
+    splits = [row_splits(case["layout"], me, d) for d in range(n)]
+    return values(rank, (sum(splits), *case["trailing"]), case["dtype"]), splits
+
+
+def run_all_to_all_single(case: dict, rank: int, g: Any) -> Any:
+    ms = members(dist.get_world_size(), case["group"])
+    me, n = ms.index(rank), len(ms)
+    x, in_splits = _a2as_input(rank, me, n, case)
+    out_splits = [row_splits(case["layout"], s, me) for s in range(n)]
+    out, base = placed(torch.zeros((sum(out_splits), *case["trailing"]), dtype=case["dtype"]), case["strided_out"])
+    if case["explicit"]:
+        ret = dist.all_to_all_single(out, x, out_splits, in_splits, group=g, async_op=case["async_op"])
+    else:
+        ret = dist.all_to_all_single(out, x, group=g, async_op=case["async_op"])
+    notes = finish(ret, case["async_op"]) + untouched([base])  # wait before reading outputs
+    return out.clone(), notes
+
+
+def expect_all_to_all_single(case: dict, w: int) -> dict[int, Any]:
+    ms = members(w, case["group"])
+    n = len(ms)
+    pieces = {}  # (sender, receiver) -> rows
+    for s, m in enumerate(ms):
+        x, splits = _a2as_input(m, s, n, case)
+        for d, chunk in enumerate(torch.split(x, splits)):
+            pieces[s, d] = chunk
+    return {r: torch.cat([pieces[s, d] for s in range(n)]) for d, r in enumerate(ms)}

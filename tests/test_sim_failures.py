@@ -1,0 +1,291 @@
+"""Every failure mode of the simulator, provoked: mismatches, deadlocks, rank failures, timeouts.
+
+Each test checks the error type, that every involved rank got it, that it came within a second,
+and that the message names the ranks and the call sites.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+import simulator
+import tensorplay as tp
+import tensorplay.distributed as dist
+from tensorplay.distributed import DistError, DistTimeoutError, ReduceOp
+from tensorplay.distributed import _state
+
+HERE = "test_sim_failures.py:"
+MODES = ["coop", "threads"]
+
+
+def _fail(fn, w, mode, cls, **kw):
+    """Run ``fn``, expect ``cls`` from run(); return (exception, world, seconds)."""
+    world = simulator.World(w, mode=mode, timeout=kw.pop("timeout", 20), **kw)
+    t0 = time.monotonic()
+    with pytest.raises(cls) as ei:
+        world.run(fn)
+    return ei.value, world, time.monotonic() - t0
+
+
+# -- mismatches ---------------------------------------------------------------
+def _differs_collective():
+    x = tp.ones(3)
+    if dist.get_rank() == 1:
+        dist.broadcast(x, src=0)
+    else:
+        dist.all_reduce(x)
+
+
+def _differs_op():
+    dist.all_reduce(tp.ones(3), op=ReduceOp.MAX if dist.get_rank() == 2 else ReduceOp.SUM)
+
+
+def _differs_root():
+    dist.broadcast(tp.ones(3), src=dist.get_rank() % 2)
+
+
+def _differs_dtype():
+    dist.all_reduce(tp.ones(3, dtype=torch.float64 if dist.get_rank() == 0 else torch.float32))
+
+
+def _differs_shape():
+    dist.all_gather([tp.empty(2 + dist.get_rank()) for _ in range(3)], tp.ones(2 + dist.get_rank()))
+
+
+def _differs_a2a_shapes():
+    r = dist.get_rank()
+    ins = [tp.ones(2) for _ in range(3)]
+    outs = [tp.empty(3 if (r == 1 and j == 0) else 2) for j in range(3)]  # rank 1 expects 3 from rank 0
+    dist.all_to_all(outs, ins)
+
+
+def _differs_splits():
+    r = dist.get_rank()
+    out_splits = [1, 1, 1] if r != 2 else [2, 0, 1]  # rank 2 expects 2 rows from rank 0, which sends 1
+    dist.all_to_all_single(tp.empty(3), tp.ones(3), out_splits, [1, 1, 1])
+
+
+def _differs_new_group():
+    dist.new_group([0, 1] if dist.get_rank() == 0 else [1, 2])
+
+
+MISMATCHES = {
+    "collective": (_differs_collective, "collective differs"),
+    "op": (_differs_op, "op differs"),
+    "root": (_differs_root, "root differs"),
+    "dtype": (_differs_dtype, "dtype differs"),
+    "shape": (_differs_shape, "shape differs"),
+    "all_to_all_shapes": (_differs_a2a_shapes, "rank 0 sends a block of shape (2,) to rank 1, which expects shape (3,)"),
+    "all_to_all_single_splits": (_differs_splits, "rank 0 sends 1 rows to rank 2, which expects 2"),
+    "new_group": (_differs_new_group, "shape differs"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_mismatch_raised_on_every_rank_with_table(kind, mode):
+    fn, reason = MISMATCHES[kind]
+    e, world, dt = _fail(fn, 3, mode, simulator.CollectiveMismatchError)
+    assert dt < 1.0
+    assert isinstance(e, DistError) and isinstance(e, RuntimeError)
+    assert all(isinstance(x, simulator.CollectiveMismatchError) for x in world.errors), world.errors
+    msg = str(e)
+    assert reason in msg
+    assert re.search(r"rank \| collective +\| op +\| root +\| dtype +\| shape +\| called at", msg)
+    for r in range(3):
+        assert f"\n  {r} " in msg  # one table row per rank
+    assert msg.count(HERE) == 3  # every row names the user's line
+    assert "Fix:" in msg
+
+
+def test_mismatch_in_subgroup_names_only_members():
+    def fn():
+        g = dist.new_group([3, 1, 2])
+        r = dist.get_rank()
+        if r in (1, 2, 3):
+            dist.all_reduce(tp.ones(2 if r != 3 else 4), group=g)
+
+    e, world, _ = _fail(fn, 4, "coop", simulator.CollectiveMismatchError)
+    assert "on group [1, 2, 3]" in str(e)
+    assert world.errors[0] is None or isinstance(world.errors[0], simulator.RankFailedError)
+    assert all(isinstance(world.errors[r], simulator.CollectiveMismatchError) for r in (1, 2, 3))
+
+
+# -- deadlocks ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_missing_rank_returned(mode):
+    def fn():
+        x = tp.ones(3)
+        dist.all_reduce(x)
+        if dist.get_rank() != 1:
+            dist.all_reduce(x)
+
+    e, world, dt = _fail(fn, 3, mode, simulator.DeadlockError)
+    assert dt < 1.0
+    msg = str(e)
+    assert "ranks 0 and 2 wait in all_reduce #2 on group [0, 1, 2]" in msg
+    assert "rank 1 has returned" in msg
+    assert msg.count(HERE) >= 1
+    assert [type(x) for x in world.errors] == [simulator.DeadlockError, type(None), simulator.DeadlockError]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_both_wait_in_recv(mode):
+    def fn():
+        dist.recv(tp.empty(1), src=1 - dist.get_rank())
+
+    e, world, dt = _fail(fn, 2, mode, simulator.DeadlockError)
+    assert dt < 1.0
+    assert "ranks 0 and 1 both wait in recv" in str(e)
+    assert "rank 0 waits in recv from rank 1" in str(e)
+    assert all(isinstance(x, simulator.DeadlockError) for x in world.errors)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_crossed_groups(mode):
+    def fn():
+        g = dist.new_group([0, 1])
+        x = tp.ones(1)
+        if dist.get_rank() == 0:
+            dist.all_reduce(x, group=g)
+            dist.all_reduce(x)
+        else:
+            dist.all_reduce(x)
+            dist.all_reduce(x, group=g)
+
+    e, world, _ = _fail(fn, 2, mode, simulator.DeadlockError)
+    msg = str(e)
+    # new_group is the world's collective #1, so the world's first all_reduce is #2
+    assert "rank 0 waits in all_reduce #1 on group [0, 1] (subgroup 1)" in msg and "missing: [1]" in msg
+    assert "rank 1 waits in all_reduce #2 on group [0, 1] at" in msg and "missing: [0]" in msg
+    assert all(isinstance(x, simulator.DeadlockError) for x in world.errors)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_in_async_wait(mode):
+    def fn():
+        if dist.get_rank() == 0:
+            w = dist.all_reduce(tp.ones(2), async_op=True)
+            w.wait()
+            return
+        dist.recv(tp.empty(1), src=0)
+
+    e, world, _ = _fail(fn, 2, mode, simulator.DeadlockError)
+    msg = str(e)
+    assert "in wait() of an async op" in msg
+    assert "rank 1 waits in recv from rank 0" in msg
+
+
+def test_deadlock_names_a_skipped_backward():
+    def fn():
+        x = tp.ones(2)
+        if dist.get_rank() == 0:
+            with _state.backward_of("reduce"):
+                dist.broadcast(x, src=0)
+
+    e, _, _ = _fail(fn, 2, "coop", simulator.DeadlockError)
+    msg = str(e)
+    assert "rank 1 returned without running the backward of reduce" in msg
+    assert "broadcast #1 on group [0, 1]" in msg
+    assert "y.sum().backward()" in msg
+
+
+# -- failures -------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_failure_releases_everyone_and_reraises_original(mode):
+    def fn():
+        x = tp.ones(3)
+        dist.all_reduce(x)
+        if dist.get_rank() == 2:
+            raise ValueError("boom on two")
+        dist.all_reduce(x)
+        dist.all_reduce(x)
+
+    e, world, dt = _fail(fn, 4, mode, ValueError)
+    assert dt < 1.0
+    assert str(e) == "boom on two" and e.rank == 2
+    assert any("raised on rank 2" in n for n in e.__notes__)
+    # the original traceback survives: its last frame is the raise in fn
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "fn"
+    others = [world.errors[r] for r in (0, 1, 3)]
+    assert all(isinstance(x, simulator.RankFailedError) for x in others), others
+    assert all(x.failed_rank == 2 and x.__cause__ is e for x in others)
+    assert "rank 2 failed with ValueError: boom on two" in str(others[0])
+
+
+def test_independent_failures_form_an_exception_group():
+    def fn():
+        raise KeyError(dist.get_rank())
+
+    with pytest.raises(ExceptionGroup) as ei:
+        simulator.run(fn, 3)
+    assert sorted(x.rank for x in ei.value.exceptions) == [0, 1, 2]
+    assert "3 ranks failed independently" in str(ei.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_injected_crash(mode):
+    def fn():
+        x = tp.ones(1)
+        for _ in range(5):
+            dist.all_reduce(x)
+        return x.item()
+
+    e, world, _ = _fail(fn, 4, mode, simulator.InjectedFault, faults=[simulator.Crash(rank=2, at=3)])
+    assert e.rank == 2 and "operation #3" in str(e)
+    assert all(isinstance(world.errors[r], simulator.RankFailedError) for r in (0, 1, 3))
+    trace = world.trace
+    assert len([ev for ev in trace.events if ev.rank == 2]) == 2  # crashed before its third op
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_global_timeout_lists_who_arrived(mode):
+    def fn():
+        if dist.get_rank() == 0:
+            time.sleep(1.5)  # a stuck computation: not a deadlock, only the timeout can end it
+        dist.all_reduce(tp.ones(1))
+
+    e, world, dt = _fail(fn, 3, mode, DistTimeoutError, timeout=0.3)
+    assert isinstance(e, simulator.SimTimeoutError)
+    assert dt < 3.0
+    msg = str(e)
+    assert "timeout: the run did not finish within 0.3 s" in msg
+    if mode == "threads":
+        assert "ranks 1 and 2 wait in all_reduce #1" in msg and "arrived: [1, 2]" in msg
+    assert "rank 0 is running (before its first operation)" in msg
+
+
+def test_errors_after_failure_are_rank_failed_at_next_op():
+    def fn():
+        if dist.get_rank() == 0:
+            raise RuntimeError("first")
+        try:
+            dist.barrier()
+        except simulator.RankFailedError:
+            pass
+        dist.barrier()  # the world stays failed
+
+    world = simulator.World(3)
+    with pytest.raises(RuntimeError, match="first"):
+        world.run(fn)
+    assert all(isinstance(world.errors[r], simulator.RankFailedError) for r in (1, 2))
+
+
+def test_sim_backend_outside_a_world_explains():
+    with pytest.raises(dist.DistRuntimeError, match=r"simulator.run"):
+        dist.init_process_group("sim")
+
+
+def test_run_argument_errors():
+    with pytest.raises(dist.DistValueError):
+        simulator.run(lambda: None, 0)
+    with pytest.raises(dist.DistValueError):
+        simulator.run(lambda: None, 2, mode="fast")
+    with pytest.raises(dist.DistTypeError):
+        simulator.run(42, 2)
