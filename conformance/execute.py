@@ -164,11 +164,18 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
     """
     out = RankOutcome(rank=-1)
     stage = "setup"
+    _quiet_deprecations()
     try:
         dist = load_module(dist_module or default_dist_module(impl))
         out.rank = rank = dist.get_rank()
-        if device == "cuda" and torch.cuda.is_available():
-            dev: Any = torch.device("cuda", torch.cuda.current_device())
+        if device == "cuda" and dist.get_backend() == "sim":
+            import simulator
+
+            dev: Any = simulator.rank_device()  # cuda:<rank % device count>
+        elif device == "cuda" and torch.cuda.is_available():
+            if dist.get_backend() == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
+            dev = torch.device("cuda", torch.cuda.current_device())
         else:
             dev = torch.device(device)
         group = _group_for(case, dist, generation)
@@ -208,6 +215,19 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
         out.error = str(e)
         out.traceback = traceback.format_exc()
         return out
+
+
+_QUIET: list[bool] = []
+
+
+def _quiet_deprecations() -> None:
+    """torch.distributed.nn.functional warns on every call that it is deprecated: once per process is enough."""
+    if not _QUIET:
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.\w+ is deprecated",
+                                category=FutureWarning)
+        _QUIET.append(True)
 
 
 def _backward_without_leaves(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[()]:

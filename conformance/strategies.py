@@ -101,9 +101,21 @@ def dtypes(collective: str, op: str | None = None) -> st.SearchStrategy[str]:
 
 
 def shapes(min_dims: int = 0, max_dims: int = 3, max_side: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
-    """Small shapes, 0-d and empty ones included (a side of 0 comes up now and then)."""
-    side = st.one_of(st.integers(1, max_side), st.just(0)) if max_side >= 1 else st.just(0)
-    return st.lists(side, min_size=min_dims, max_size=max_dims).map(tuple)
+    """Small shapes: mostly 1-3 dims of sides 1..``max_side``; 0-d and empty (a side of 0) now and then."""
+    if not 0 <= min_dims <= max_dims:
+        raise ValueError(f"shapes: need 0 <= min_dims <= max_dims, got min_dims={min_dims}, max_dims={max_dims}")
+    # 1-d first (what hypothesis tries first and shrinks towards), 0-d about one draw in seven
+    ndims = [d for d in (1, 2, 0, 3, 1, 2, 3) if min_dims <= d <= max_dims] or [min_dims]
+
+    @st.composite
+    def shape(draw: Any) -> tuple[int, ...]:
+        nd = draw(st.sampled_from(ndims))
+        dims = [draw(st.integers(1, max(1, max_side))) for _ in range(nd)]
+        if nd and draw(st.sampled_from([False] * 7 + [True])):
+            dims[draw(st.integers(0, nd - 1))] = 0  # an empty tensor
+        return tuple(dims)
+
+    return shape()
 
 
 def row_matrices(n: int, max_rows: int = 3, uniform: bool | None = None) -> st.SearchStrategy[tuple[tuple[int, ...], ...]]:
@@ -146,7 +158,10 @@ def cases(draw: Any, collective: str | None = None, op: str | None = None, world
     if op is not None and not sp.takes_op:
         raise ValueError(f"cases: op={op!r} given, but collective={collective!r} takes no reduce op")
     if sp.takes_op and op is None:
-        op = draw(ops(collective))
+        if dtype is None:
+            op = draw(ops(collective))
+        else:  # only the ops this dtype allows (the spec says which)
+            op = draw(st.sampled_from([o.name for o in sp.allowed_ops(DTYPES[dtype])]))
     if world_size is None:
         lo = 2 if group_kind == "subgroup" else 1
         world_size = draw(world_sizes(lo, max(lo, max_world_size)))

@@ -40,6 +40,7 @@ from .world import Incident, RankState
 
 __all__ = ["SimBackend"]
 
+_OFFLOAD_BYTES = 1 << 20  # kernels on buffers this big run on the main thread (see _Run.execute)
 _thread_time = time.thread_time
 _perf = time.perf_counter
 
@@ -501,7 +502,10 @@ class SimBackend(Backend):
                                   mismatch_message(slot.name, slot.group, slot.seq, calls, reason))
         else:
             try:
-                slot.result = kernel(calls)
+                if max(c.nbytes for c in calls) >= _OFFLOAD_BYTES:
+                    slot.result = run.execute(lambda: kernel(calls))
+                else:
+                    slot.result = kernel(calls)
             except Exception as e:  # noqa: BLE001  (a kernel failure fails the collective on every member)
                 slot.error = Incident(DistBackendError, format_message(
                     slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",

@@ -95,6 +95,8 @@ def describe_wait(run: "_Run", rs: Any) -> str:
             return f"in send to rank {w.dst} ({tail}): no matching recv was posted"
         src = "any rank" if w.src is None else f"rank {w.src}"
         return f"in recv from {src} ({tail}): no matching send was posted"
+    if callable(getattr(w, "describe", None)):  # waits of other layers (e.g. RPC barriers) describe themselves
+        return w.describe()
     return "in an unknown wait"
 
 

@@ -186,14 +186,14 @@ class CoopScheduler(_SchedulerBase):
         run.live -= 1
         if run.aborted:
             if run.live == 0:
-                run.all_done.set()
+                run.finished()
             return
         if not self.runnable and self.blocked:
             run.deadlock()
         if self.runnable:
             self._pick().wake.release()
         elif run.live == 0:
-            run.all_done.set()
+            run.finished()
 
 
 class ThreadScheduler(_SchedulerBase):
@@ -273,6 +273,6 @@ class ThreadScheduler(_SchedulerBase):
             rs.state = DONE
             run.live -= 1
             if run.live == 0:
-                run.all_done.set()
+                run.finished()
             elif self.blocked == run.live and not run.aborted:
                 run.deadlock()

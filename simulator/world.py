@@ -24,6 +24,7 @@ raises an ``ExceptionGroup`` of them.
 """
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -158,6 +159,41 @@ class _Run:
         self.sends: dict[int, list] = {}
         self.recvs: dict[int, list] = {}
         self.next_gid = 1
+        # large kernels run on the thread that called run() (see execute())
+        self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+
+    # -- big kernels on one thread -------------------------------------------
+    def execute(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the thread that called :meth:`World.run` and return its result.
+
+        torch's intra-op thread pool is per calling OS thread: big kernels
+        issued from many rank threads each spin up their own pool and fight
+        over the cores (measured 2-3x slower), so heavy work is funnelled to
+        one thread, which is idle anyway while the world runs.
+        """
+        box: list[Any] = [None, None]
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                box[0] = fn()
+            except BaseException as e:  # noqa: BLE001  (re-raised on the rank)
+                box[1] = e
+            finally:
+                done.set()
+
+        self.jobs.put(job)
+        while not done.wait(0.25):
+            if self.aborted or time.monotonic() > self.deadline + 5.0:
+                raise self.make_error(self.fatal, self.ranks[0]) if self.fatal else RuntimeError("run aborted")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def finished(self) -> None:
+        """The last rank has exited (called under the scheduler lock)."""
+        self.all_done.set()
+        self.jobs.put(None)
 
     # -- incidents ----------------------------------------------------------
     def make_error(self, inc: Incident, rs: RankState) -> BaseException:
@@ -332,7 +368,7 @@ class World:
             for t in threads:
                 t.start()
             run.sched.kick()
-            finished = run.all_done.wait(max(run.deadline - time.monotonic(), 0.0))
+            finished = _serve(run)
             timeout_exc = None
             if not finished:
                 timeout_exc = run.abort_timeout()
@@ -370,6 +406,21 @@ class World:
         return env
 
 
+def _serve(run: _Run) -> bool:
+    """Main thread: run offloaded kernels until every rank exited (True) or the deadline passed (False)."""
+    while True:
+        remaining = run.deadline - time.monotonic()
+        if remaining <= 0:
+            return run.all_done.is_set()
+        try:
+            job = run.jobs.get(timeout=remaining)
+        except queue.Empty:
+            return run.all_done.is_set()
+        if job is None:
+            return True
+        job()
+
+
 def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                td: timedelta) -> None:
     from tensorplay.distributed.api import _install_backend
@@ -403,6 +454,8 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         if rs.env is not None:
             _environ.unbind()
         _local.rs = None
+        for hook in getattr(run, "exit_hooks", ()):  # e.g. the RPC transport's barriers (a rank ended)
+            hook(rs)
         sched.exit(rs)
 
 

@@ -133,12 +133,12 @@ def _exchanges() -> dict[str, Any]:
                 got.append((dist.recv(buf, group=g), buf))
             rec["g312-any"] = got
             buf = torch.zeros(3, dtype=F64)
-            w = dist.irecv(buf, group=g, group_src=2)
+            w = dist.irecv(buf, group=g, group_src=2, tag=5)  # tag 5: the any-source receives take tag 0 only
             rec["g312-irecv-group_src"] = (w.source_rank(), buf)
         else:
             dist.send(values(rank, (3,), salt=60), group=g, group_dst=0)
             if rank == 3:
-                dist.isend(values(3, (3,), salt=61), dst=1, group=g).wait()
+                dist.isend(values(3, (3,), salt=61), dst=1, group=g, tag=5).wait()
     return rec
 
 

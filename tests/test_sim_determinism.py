@@ -71,27 +71,21 @@ def test_explore_counts_distinct_schedules():
 def test_not_reproducible_is_detected():
     import itertools
 
-    counter = itertools.count()
+    counter = itertools.count()  # state shared across runs: the second run differs from the first
 
-    def fn():  # shared mutable state across runs: the second run differs
-        n = next(counter)
-        if dist.get_rank() == 0 and n >= 2:
+    def more_ops_second_time():
+        if next(counter) >= 3:
             dist.barrier()
-            return
         dist.barrier()
 
-    def fn2():
-        # rank 0 issues one more collective in the second run than in the first
-        first_run = next(counter) < 3
-        if dist.get_rank() == 0:
-            x = tp.ones(1)
-            if not first_run:
-                x = tp.ones(2)
-            return x.numel()
-        return 0
+    with pytest.raises(simulator.NotReproducibleError, match="traces of two runs differ"):
+        simulator.check_reproducible(more_ops_second_time, 3)
 
-    with pytest.raises(simulator.NotReproducibleError):
-        simulator.check_reproducible(fn2, 3)
+    def other_result_second_time():
+        return next(counter)
+
+    with pytest.raises(simulator.NotReproducibleError, match="different results"):
+        simulator.check_reproducible(other_result_second_time, 3)
 
 
 def test_each_rank_has_fresh_process_rng_state():

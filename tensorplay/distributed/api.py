@@ -243,8 +243,10 @@ def _op(c: _Call, op: Any, dtype: torch.dtype) -> ReduceOp:
     try:
         rop = normalize_op(op)
     except ValueError:
+        # an unknown name (or torch op) is a bad value; anything else is the wrong type
+        cls = DistValueError if isinstance(op, str) or hasattr(op, "name") else DistTypeError
         raise c.error(
-            DistValueError, "unknown reduce op", f"use one of {', '.join('ReduceOp.' + o.name for o in ReduceOp)}", op=op
+            cls, "unknown reduce op", f"use one of {', '.join('ReduceOp.' + o.name for o in ReduceOp)}", op=op
         ) from None
     why = dtype_rule(rop, dtype)
     if why is not None:

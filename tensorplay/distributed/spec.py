@@ -211,13 +211,17 @@ class Call:
 class Collectives(Protocol):
     """The differentiable collectives a backward rule may use, on the call's group, in group ranks.
 
-    Stacked tensors carry one slice per group rank on dim 0.
+    Stacked tensors carry one slice per group rank on dim 0.  A backward rule
+    receives one upstream gradient per output of its collective (gather,
+    all_gather and all_to_all return one block per group rank) and returns one
+    gradient per input (scatter's src and all_to_all take one block per rank;
+    reduce_scatter takes its blocks stacked).
     """
 
     def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor: ...
     def reduce(self, x: torch.Tensor, root: int, op: ReduceOp) -> torch.Tensor: ...
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
-    def gather(self, x: torch.Tensor, root: int) -> torch.Tensor: ...  # stacked on root, zeros elsewhere
+    def gather(self, x: torch.Tensor, root: int) -> tuple[torch.Tensor, ...]: ...  # W blocks on root, zeros elsewhere
     def scatter(self, parts: Sequence[torch.Tensor] | None, root: int, like: torch.Tensor) -> torch.Tensor:
         """``parts`` on root, ``None`` elsewhere; ``like`` gives non-root ranks the block's shape, dtype and
         device, and is their input in the graph (so their backward runs exactly when root's does)."""
@@ -288,24 +292,24 @@ def _vjp_all_reduce(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tupl
 
 
 def _vjp_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
-    # dst's gradient slice i belongs to rank i's input; other ranks' gradients meet zeros and never count.
-    # Non-dst ranks hand in their own gradient as ``like``, so a double backward reaches them too.
-    (G,) = grads
-    parts = list(G.unbind(0)) if c.me == c.root else None
-    return (C.scatter(parts, c.root, like=G[0]),)
+    # one gradient per output block.  dst's block i belongs to rank i's input; other ranks' blocks are
+    # zeros that depend on nothing, so their gradients never count.  Non-dst ranks hand in their first
+    # gradient as ``like``, so a double backward reaches them exactly when it reaches dst.
+    parts = list(grads) if c.me == c.root else None
+    return (C.scatter(parts, c.root, like=grads[0]),)
 
 
 def _vjp_scatter(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
     # rank i's output is src's i-th input: src collects the gradients; non-src ranks have no input
     (g,) = grads
     G = C.gather(g, c.root)
-    return tuple(G.unbind(0)) if c.me == c.root else ()
+    return tuple(G) if c.me == c.root else ()
 
 
 def _vjp_all_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
-    # rank i's input appears in every rank's output at slot i: one reduce_scatter sums those slots
-    (G,) = grads
-    return (C.reduce_scatter(G, ReduceOp.SUM),)
+    # one gradient per output block; rank i's input appears in every rank's output at block i,
+    # so one reduce_scatter sums those blocks
+    return (C.reduce_scatter(torch.stack(grads), ReduceOp.SUM),)
 
 
 def _vjp_all_gather_single(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:

@@ -14,13 +14,46 @@ Functions that plain ``pickle`` cannot send (lambdas, closures, functions of
 """
 from __future__ import annotations
 
+import io
 import pickle
+import sys
 import traceback
+import types
 from typing import Any, Callable
 
 from .errors import RemoteError
 
-__all__ = ["RemoteFailure", "PickledFunction", "run_call", "unwrap", "callable_for_wire"]
+__all__ = ["RemoteFailure", "PickledFunction", "run_call", "unwrap", "callable_for_wire", "dill_pickler"]
+
+
+def _import_module(name: str) -> types.ModuleType:
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def dill_pickler(f: io.BytesIO, pid: Callable[[Any], Any] | None = None) -> Any:
+    """A dill pickler that sends importable modules by name.
+
+    (dill pickles every module outside the standard library *by value*, state
+    included, which drags half of tensorplay along with a lambda that merely
+    names ``rpc``.)
+    """
+    import dill
+
+    class _Pickler(dill.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, types.ModuleType):
+                name = obj.__name__
+                if name != "__main__" and sys.modules.get(name) is obj:
+                    return (_import_module, (name,))
+            return NotImplemented
+
+        if pid is not None:
+            def persistent_id(self, obj: Any) -> Any:
+                return pid(obj)
+
+    return _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL, recurse=True)
 
 
 class PickledFunction:
@@ -29,9 +62,9 @@ class PickledFunction:
     __slots__ = ("blob", "name")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        import dill
-
-        self.blob = dill.dumps(fn, recurse=True)
+        f = io.BytesIO()
+        dill_pickler(f).dump(fn)
+        self.blob = f.getvalue()
         self.name = getattr(fn, "__qualname__", repr(fn))
 
     def load(self) -> Callable[..., Any]:

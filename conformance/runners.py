@@ -1,0 +1,307 @@
+"""Runners: where a case's ranks actually run.
+
+=============  ==============================================================
+``sim``        in-process, one thread per rank, via ``simulator.run`` (CPU or CUDA tensors)
+``gloo``       a persistent :class:`~tensorplay.distributed.pool.RankPool` of real rank
+               processes on loopback per world size, reused across cases
+``nccl``       the same with the nccl backend, one GPU per rank (needs >= 2 GPUs)
+=============  ==============================================================
+
+Every runner executes :func:`conformance.execute.run_case` on every rank of
+the world and hands back each rank's :class:`~conformance.execute.RankOutcome`.
+A runner never lets a case hang: each case is bounded by ``timeout``; the
+process runners then kill and restart their ranks (the survivors may be stuck
+in a collective the others never joined) and report the case as timed out.
+
+A case the runner cannot run here (no GPU, too few GPUs) comes back with a
+skip reason from :meth:`Runner.skip_reason` instead.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cases import Case
+from .execute import DEFAULT_IMPL, RankOutcome, default_dist_module, run_case
+
+__all__ = ["BACKENDS", "DEVICES", "RunnerError", "Runner", "RunReport", "SimRunner", "PoolRunner", "make_runner",
+           "validate_backend_device"]
+
+BACKENDS = ("sim", "gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+#: per-case bound, seconds: legitimate cases take milliseconds
+DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 6.0, "nccl": 60.0}
+
+
+class RunnerError(ValueError):
+    """A backend/device/impl combination that cannot work, with the fix."""
+
+
+@dataclass
+class RunReport:
+    """What a runner observed for one case: each rank's outcome (by global rank) and how it ended."""
+
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
+    timed_out: bool = False
+    note: str = ""
+    skipped: str = ""
+    seconds: float = 0.0
+
+
+def validate_backend_device(backend: str, device: str, impl: str, dist_module: str | None) -> None:
+    """Raise :class:`RunnerError` (name=value, then the fix) for combinations that cannot run."""
+    if backend not in BACKENDS:
+        raise RunnerError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+    if device not in DEVICES:
+        raise RunnerError(f"device={device!r} is unknown; use one of {', '.join(DEVICES)}")
+    if backend == "gloo" and device != "cpu":
+        raise RunnerError(f"backend=gloo with device={device!r}: the gloo runner uses CPU tensors; "
+                          "use --backend nccl (or --backend sim) for --device cuda")
+    if backend == "nccl" and device != "cuda":
+        raise RunnerError(f"backend=nccl with device={device!r}: nccl runs CUDA tensors; pass --device cuda")
+    dm = dist_module or default_dist_module(impl)
+    if backend == "sim" and dm == "torch.distributed":
+        raise RunnerError(f"backend=sim with impl={impl!r}: that module calls torch.distributed, which the simulator "
+                          "does not initialise; use --backend gloo, or pass an implementation built on "
+                          "tensorplay.distributed")
+
+
+class Runner:
+    """Runs cases; subclasses say where."""
+
+    backend = "?"
+
+    def __init__(self, *, device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,
+                 timeout: float | None = None) -> None:
+        validate_backend_device(self.backend, device, impl, dist_module)
+        self.device = device
+        self.impl = impl
+        self.dist_module = dist_module or default_dist_module(impl)
+        self.timeout = DEFAULT_TIMEOUT[self.backend] if timeout is None else float(timeout)
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.device}"
+
+    def skip_reason(self, case: Case) -> str:
+        """Empty when ``case`` can run here, else why not."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device on this machine (torch.cuda.is_available() is False)"
+        return ""
+
+    def run(self, case: Case) -> RunReport:
+        why = self.skip_reason(case)
+        if why:
+            return RunReport(skipped=why)
+        t0 = time.perf_counter()
+        rep = self._run(case)
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _run(self, case: Case) -> RunReport:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SimRunner(Runner):
+    """Every case in a fresh simulated world (threads in this process)."""
+
+    backend = "sim"
+
+    def _run(self, case: Case) -> RunReport:
+        try:
+            import simulator
+        except ImportError as e:
+            return RunReport(note=f"the simulator cannot be imported: {e}", timed_out=False,
+                             outcomes={}, skipped="")
+        fn = functools.partial(run_case, case, self.impl, self.dist_module, self.device, 0)
+        try:
+            results = simulator.run(fn, case.world_size, seed=case.seed, timeout=self.timeout, device=self.device)
+        except BaseException as e:  # noqa: BLE001  the simulator's own report (deadlock, timeout) is the finding
+            timed_out = "timeout" in type(e).__name__.lower() or isinstance(e, TimeoutError)
+            return RunReport(timed_out=timed_out, note=f"simulator.run raised {type(e).__name__}: {e}")
+        outcomes = {}
+        for r, o in enumerate(results):
+            if isinstance(o, RankOutcome):
+                outcomes[o.rank if o.rank >= 0 else r] = o
+        return RunReport(outcomes=outcomes)
+
+
+def _probe() -> float:
+    """A world all-reduce through torch's default group: proves the ranks still agree on their collectives."""
+    import torch.distributed as tdist
+
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    return t.item()
+
+
+class PoolRunner(Runner):
+    """Cases on real rank processes: one persistent pool per world size (gloo on CPU, nccl on GPUs)."""
+
+    backend = "gloo"
+    grace = 2.0
+
+    def __init__(self, *, backend: str = "gloo", **kwargs: Any) -> None:
+        self.backend = backend
+        super().__init__(**kwargs)
+        self._pools: dict[int, Any] = {}
+        self._generation = 0
+        self.restarts = 0
+        self.start_seconds = 0.0
+
+    def skip_reason(self, case: Case) -> str:
+        why = super().skip_reason(case)
+        if why:
+            return why
+        if self.backend == "nccl":
+            n = torch.cuda.device_count()
+            if n < 2:
+                return f"nccl needs at least 2 GPUs; this machine has {n}"
+            if case.world_size > n:
+                return f"world size {case.world_size} needs {case.world_size} GPUs for nccl; this machine has {n}"
+        return ""
+
+    def _pool(self, w: int) -> Any:
+        pool = self._pools.get(w)
+        if pool is None:
+            pool = _CasePool(w, self.backend, call_timeout=self.timeout, pg_timeout=max(60.0, 4 * self.timeout))
+            self._pools[w] = pool
+        if not pool.alive:
+            t0 = time.perf_counter()
+            pool.start()
+            self.start_seconds += time.perf_counter() - t0
+        return pool
+
+    def _run(self, case: Case) -> RunReport:
+        w = case.world_size
+        try:
+            pool = self._pool(w)
+        except Exception as e:  # noqa: BLE001
+            return RunReport(note=f"the {self.backend} ranks did not start: {type(e).__name__}: {e}")
+        args = (case, self.impl, self.dist_module, self.device, self._generation)
+        replies, complete = pool.call(run_case, [args] * w, timeout=self.timeout, grace=self.grace)
+        outcomes: dict[int, RankOutcome] = {}
+        notes = []
+        for r, (kind, value) in sorted(replies.items()):
+            if kind == "ok" and isinstance(value, RankOutcome):
+                outcomes[r] = value
+            else:
+                # the worker itself failed (not the case): keep its words
+                tname, text, _tb = value if isinstance(value, tuple) and len(value) == 3 else ("?", str(value), "")
+                outcomes[r] = RankOutcome(rank=r, stage="runner", error_type=tname, error=text)
+        if not complete:
+            self.restarts += 1
+            self._generation += 1
+            notes.append(f"the {self.backend} ranks were killed and restarted after the timeout of {self.timeout:g}s")
+            return RunReport(outcomes=outcomes, timed_out=True, note="; ".join(notes))
+        if any(o.failed for o in outcomes.values()):
+            # every rank answered, but some failed half-way: make sure the world still agrees
+            self._generation += 1
+            probe, ok = pool.call(_probe, [()] * w, timeout=min(self.timeout, 5.0), grace=0.5)
+            if not ok or any(k != "ok" or v != float(w) for k, v in probe.values()):
+                self.restarts += 1
+                pool.kill()
+        return RunReport(outcomes=outcomes, note="; ".join(notes))
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def _make_case_pool() -> type:
+    from multiprocess import connection
+
+    from tensorplay.distributed.pool import RankPool
+
+    class CasePool(RankPool):
+        """A RankPool whose calls return every reply that came, instead of raising on the first failure.
+
+        ``call`` stops waiting ``grace`` seconds after the first failed reply
+        (the others are then most likely stuck waiting for that rank), and on
+        an incomplete answer kills the ranks at once: a hung gloo rank does
+        not leave politely, and the next call starts fresh ones.
+        """
+
+        def call(self, fn: Any, per_rank_args: list[tuple[Any, ...]], *, timeout: float,
+                 grace: float) -> tuple[dict[int, tuple[str, Any]], bool]:
+            if not self.alive:
+                self.start()
+            for conn, a in zip(self._conns, per_rank_args):
+                conn.send((fn, tuple(a), {}))
+            replies: dict[int, tuple[str, Any]] = {}
+            deadline = time.monotonic() + timeout
+            pending = dict(enumerate(self._conns))
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for conn in connection.wait(list(pending.values()), timeout=min(left, 0.25)):
+                    r = next(k for k, v in pending.items() if v is conn)
+                    try:
+                        replies[r] = conn.recv()
+                    except (EOFError, OSError):
+                        replies[r] = ("err", ("ProcessDied", f"rank {r} exited", ""))
+                    del pending[r]
+                for r in list(pending):
+                    if not self._procs[r].is_alive():
+                        replies[r] = ("err", ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})", ""))
+                        del pending[r]
+                if pending and any(_is_failure(v) for v in replies.values()):
+                    deadline = min(deadline, time.monotonic() + grace)
+            complete = not pending and not any(k == "err" for k, _ in replies.values())
+            if not complete:
+                self.kill()
+            return replies, complete
+
+        def kill(self) -> None:
+            for p in self._procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self._procs:
+                p.join(5.0)
+            self.close()
+            self.restarts += 1
+
+    return CasePool
+
+
+def _is_failure(reply: tuple[str, Any]) -> bool:
+    kind, value = reply
+    return kind == "err" or (isinstance(value, RankOutcome) and value.failed)
+
+
+class _LazyCasePool:
+    """Defers importing multiprocess until a process runner is used."""
+
+    _cls: type | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls._cls is None:
+            cls._cls = _make_case_pool()
+        return cls._cls(*args, **kwargs)
+
+
+_CasePool = _LazyCasePool
+
+
+def make_runner(backend: str = "sim", device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,
+                timeout: float | None = None) -> Runner:
+    """The runner for ``backend``/``device`` (raises :class:`RunnerError` for impossible combinations)."""
+    validate_backend_device(backend, device, impl, dist_module)
+    if backend == "sim":
+        return SimRunner(device=device, impl=impl, dist_module=dist_module, timeout=timeout)
+    return PoolRunner(backend=backend, device=device, impl=impl, dist_module=dist_module, timeout=timeout)

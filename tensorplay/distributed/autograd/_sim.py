@@ -1,0 +1,181 @@
+"""Distributed autograd on the simulator's RPC transport.
+
+Bookkeeping, per worker and context:
+
+* ``sends[send_id]`` - a tensor (with its graph) this worker put in a message;
+* ``recvs[id(leaf)]`` - the fresh leaf a receiver made of it, and who sent it;
+* ``grads[leaf]`` - gradients accumulated for this worker's own leaves.
+
+The backward pass from some roots on worker W finds every leaf reachable from
+them, computes their gradients with ``torch.autograd.grad``, accumulates those
+of W's own leaves, and sends those of received leaves back to their sender
+(an RPC through the same transport, so gradients also cross by value), where
+the same step continues from the recorded send.  Backpropagation is linear in
+the incoming gradient, so handling each arriving gradient on its own gives
+the same sums as one pass would (torch's "FAST mode" does the same); graphs
+are kept (``retain_graph=True``) until the context ends, since one recorded
+send can receive several gradients.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import DistRuntimeError, DistValueError
+from ..rpc import _agent
+from ..rpc.errors import rpc_message
+
+__all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id"]
+
+_tl = threading.local()
+_ids = itertools.count(1)
+
+
+class _Ctx:
+    __slots__ = ("cid", "grads", "sends", "recvs", "next_send")
+
+    def __init__(self, cid: int) -> None:
+        self.cid = cid
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.sends: dict[int, torch.Tensor] = {}
+        self.recvs: dict[int, tuple[torch.Tensor, str, int]] = {}
+        self.next_send = itertools.count(1)
+
+
+def current_context_id() -> int | None:
+    return getattr(_tl, "cid", None)
+
+
+def _sim_agent(call: str) -> Any:
+    a = _agent.require(f"autograd.{call}")
+    if a.kind != "sim":  # pragma: no cover  dispatched by the caller
+        raise DistRuntimeError(rpc_message(f"autograd.{call}", "not a simulated worker"))
+    return a
+
+
+def _ctx(agent: Any, cid: int, create: bool, call: str) -> _Ctx:
+    ctx = agent.autograd.get(cid)
+    if ctx is None:
+        if not create:
+            raise DistValueError(rpc_message(
+                f"autograd.{call}", "no such autograd context on this worker", worker=agent.name,
+                values={"context_id": cid}, fix="call it inside `with context() as context_id:`"))
+        ctx = agent.autograd[cid] = _Ctx(cid)
+    return ctx
+
+
+class context:
+    def __enter__(self) -> int:
+        a = _sim_agent("context")
+        if current_context_id() is not None:
+            raise DistRuntimeError(rpc_message(
+                "autograd.context", "this thread already has an autograd context (contexts do not nest)",
+                worker=a.name, values={"context_id": current_context_id()}, fix="leave the outer context first"))
+        cid = (a.rank << 48) | next(_ids)
+        _ctx(a, cid, True, "context")
+        _tl.cid = cid
+        self.cid, self.world = cid, a.world
+        return cid
+
+    def __exit__(self, *exc: Any) -> None:
+        _tl.cid = None
+        for peer in list(self.world.by_rank.values()):  # the context ends on every worker it reached
+            peer.autograd.pop(self.cid, None)
+
+
+# -- transport hooks ----------------------------------------------------------
+def on_send(t: torch.Tensor) -> int | None:
+    """A tensor that requires grad is being put in a message: record it; ``None`` outside a context."""
+    cid = current_context_id()
+    if cid is None:
+        return None
+    a = _agent.current()
+    ctx = _ctx(a, cid, True, "send")
+    sid = next(ctx.next_send)
+    ctx.sends[sid] = t
+    return sid
+
+
+def on_recv(leaf: torch.Tensor, sender: str, sid: int) -> None:
+    """A recorded tensor arrived as ``leaf``: remember where its gradient must go."""
+    cid = current_context_id()
+    if cid is None:  # pragma: no cover  sends are only recorded inside a context
+        return
+    a = _agent.current()
+    _ctx(a, cid, True, "recv").recvs[id(leaf)] = (leaf, sender, sid)
+
+
+# -- the backward pass -----------------------------------------------------------
+def _leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    seen_t: set[int] = set()
+    seen_fn: set[int] = set()
+    stack = []
+    for r in roots:
+        if r.grad_fn is None:
+            if r.requires_grad and id(r) not in seen_t:
+                seen_t.add(id(r))
+                out.append(r)
+        else:
+            stack.append(r.grad_fn)
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen_fn:
+            continue
+        seen_fn.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            if id(var) not in seen_t:
+                seen_t.add(id(var))
+                out.append(var)
+            continue
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return out
+
+
+def _propagate(agent: Any, ctx: _Ctx, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    leaves = _leaves(roots)
+    if not leaves:
+        return
+    outs = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+    forwards: list[tuple[str, int, torch.Tensor]] = []
+    for leaf, g in zip(leaves, outs):
+        if g is None:
+            continue
+        rec = ctx.recvs.get(id(leaf))
+        if rec is not None and rec[0] is leaf:
+            forwards.append((rec[1], rec[2], g))
+            continue
+        prev = ctx.grads.get(leaf)
+        ctx.grads[leaf] = g if prev is None else prev + g
+    from ..rpc import api
+
+    for sender, sid, g in forwards:
+        api.rpc_sync(sender, _backward_from_send, args=(ctx.cid, sid, g))
+
+
+def _backward_from_send(cid: int, sid: int, grad: torch.Tensor) -> None:
+    """Runs on the worker that sent tensor ``sid``: continue the backward pass from it."""
+    a = _sim_agent("backward")
+    ctx = _ctx(a, cid, False, "backward")
+    t = ctx.sends.get(sid)
+    if t is None:  # pragma: no cover
+        raise DistRuntimeError(rpc_message("autograd.backward", "a recorded send is missing", worker=a.name,
+                                           values={"context_id": cid, "send": sid}))
+    _propagate(a, ctx, [t], [grad])
+
+
+def backward(cid: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+    a = _sim_agent("backward")
+    ctx = _ctx(a, cid, False, "backward")
+    _propagate(a, ctx, roots, [torch.ones_like(r) for r in roots])
+
+
+def get_gradients(cid: int) -> dict[torch.Tensor, torch.Tensor]:
+    a = _sim_agent("get_gradients")
+    return dict(_ctx(a, cid, False, "get_gradients").grads)

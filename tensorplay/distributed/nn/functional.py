@@ -1,0 +1,604 @@
+"""Autograd-aware collectives with torch.distributed.nn.functional's signatures and exact gradients.
+
+Each function runs one collective forward and returns *new* tensors (inputs
+are never written, ``output`` arguments only say which shape, dtype and device
+the result has).  Its backward is the exact vector-Jacobian product of the
+collective seen as one function of the whole group: every rank feeds its own
+upstream gradient, and each input receives the derivative of the *sum over all
+ranks* of their losses.  docs/semantics.md states the rule for every
+collective and reduce op.
+
+The backward rules live in :mod:`tensorplay.distributed.spec` (one per
+collective, next to its reference); they are written with the same
+differentiable collectives, so a backward is differentiable again wherever the
+collective is linear (SUM, AVG and pure data movement): Hessian-vector products
+through a collective just work.  Nothing here looks at the backend's name.
+
+Example (every rank runs this; ``python -m simulator --nproc-per-node 4 ...``,
+``simulator.run(fn, 4)`` or torchrun with gloo)::
+
+    import tensorplay as tp
+    import tensorplay.distributed.nn.functional as df
+
+    x = tp.randn(4, 8, requires_grad=True)
+    y = df.all_reduce(x)          # the sum of every rank's x
+    y.sum().backward()            # x.grad == world_size everywhere: every rank's loss uses every x
+
+Rules every caller should know:
+
+* ``src``/``dst`` are global ranks, also in a subgroup (``group_src``/``group_dst``
+  take group ranks instead).
+* Every member must run the backward of a collective whose forward it ran (the
+  others wait for it).  Rooted collectives return zeros on the other ranks,
+  which are still part of the graph, so ``y.sum().backward()`` on every rank is
+  always right.
+* Whether a result requires grad is decided on each rank from its own inputs,
+  as in torch: call the collective with the same ``requires_grad`` on every
+  rank.  scatter's non-src ranks follow src automatically.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import _state
+from ..api import _Call, _group, _root, _same_dtype, _splits, _tensor, _tensor_list
+from ..errors import DistError, DistRuntimeError, DistTypeError, DistValueError
+from ..group import ProcessGroup
+from ..group import group as _groups
+from ..reduce_op import ReduceOp, dtype_rule, normalize_op
+from ..spec import DIFFERENTIABLE_OPS, SPECS, Call
+
+__all__ = [
+    "broadcast",
+    "gather",
+    "scatter",
+    "reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_gather_single",
+    "_all_gather_base",
+    "all_to_all",
+    "all_to_all_single",
+    "all_reduce",
+]
+
+WORLD = _groups.WORLD
+
+
+# ---------------------------------------------------------------------------
+# forward kernels: one per collective, on validated arguments in group ranks.
+# Each allocates fresh contiguous outputs and runs the backend's blocking call.
+# ---------------------------------------------------------------------------
+def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+
+def _fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _fw_broadcast(c: Call, xs: tuple) -> torch.Tensor:
+    (x,) = xs
+    out = _fresh_copy(x) if c.me == c.root else _empty(x.shape, x)
+    c.group.backend.broadcast(out, c.root, c.group, False)
+    return out
+
+
+def _fw_reduce(c: Call, xs: tuple) -> torch.Tensor:
+    (x,) = xs
+    pg = c.group
+    if c.me == c.root:
+        out = _fresh_copy(x)
+        pg.backend.reduce(out, c.root, c.op, pg, False)
+        return out
+    pg.backend.reduce(x, c.root, c.op, pg, False)  # backends leave non-root tensors as they were
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _fw_all_reduce(c: Call, xs: tuple) -> torch.Tensor:
+    (x,) = xs
+    out = _fresh_copy(x)
+    c.group.backend.all_reduce(out, c.op, c.group, False)
+    return out
+
+
+def _fw_gather(c: Call, xs: tuple) -> tuple[torch.Tensor, ...]:
+    (x,) = xs
+    pg = c.group
+    if c.me == c.root:
+        outs = [_empty(x.shape, x) for _ in range(c.size)]
+        pg.backend.gather(x, outs, c.root, pg, False)
+        return tuple(outs)
+    pg.backend.gather(x, None, c.root, pg, False)
+    return tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) for _ in range(c.size))
+
+
+def _fw_scatter(c: Call, xs: tuple) -> torch.Tensor:
+    # src passes its W blocks; every other rank passes one tensor shaped like its block (see scatter)
+    pg = c.group
+    if c.me == c.root:
+        out = _empty(xs[c.me].shape, xs[c.me])
+        pg.backend.scatter(out, list(xs), c.root, pg, False)
+    else:
+        out = _empty(xs[0].shape, xs[0])
+        pg.backend.scatter(out, None, c.root, pg, False)
+    return out
+
+
+def _fw_all_gather(c: Call, xs: tuple) -> tuple[torch.Tensor, ...]:
+    (x,) = xs
+    outs = [_empty(x.shape, x) for _ in range(c.size)]
+    c.group.backend.all_gather(outs, x, c.group, False)
+    return tuple(outs)
+
+
+def _fw_all_gather_single(c: Call, xs: tuple) -> torch.Tensor:
+    (x,) = xs
+    out = _empty(c.out_shape, x)
+    c.group.backend.all_gather_into_tensor(out, x, c.group, False)
+    return out
+
+
+def _fw_reduce_scatter(c: Call, xs: tuple) -> torch.Tensor:
+    (stacked,) = xs  # slot i goes to group rank i
+    out = _empty(stacked.shape[1:], stacked)
+    c.group.backend.reduce_scatter_tensor(out, stacked, c.op, c.group, False)
+    return out
+
+
+def _fw_all_to_all(c: Call, xs: tuple) -> tuple[torch.Tensor, ...]:
+    outs = [_empty(s, xs[0]) for s in c.out_shapes]
+    c.group.backend.all_to_all(outs, list(xs), c.group, False)
+    return tuple(outs)
+
+
+def _fw_all_to_all_single(c: Call, xs: tuple) -> torch.Tensor:
+    (x,) = xs
+    out = _empty((sum(c.out_splits), *x.shape[1:]), x)
+    c.group.backend.all_to_all_single(out, x, list(c.out_splits), list(c.in_splits), c.group, False)
+    return out
+
+
+_FORWARD = {
+    "broadcast": _fw_broadcast,
+    "reduce": _fw_reduce,
+    "all_reduce": _fw_all_reduce,
+    "gather": _fw_gather,
+    "scatter": _fw_scatter,
+    "all_gather": _fw_all_gather,
+    "all_gather_single": _fw_all_gather_single,
+    "reduce_scatter": _fw_reduce_scatter,
+    "all_to_all": _fw_all_to_all,
+    "all_to_all_single": _fw_all_to_all_single,
+}
+assert set(_FORWARD) == set(SPECS), "every described collective needs a forward kernel"
+
+
+# ---------------------------------------------------------------------------
+# the one autograd Function: forward kernel above, backward = the spec's rule
+# ---------------------------------------------------------------------------
+class _Collective(torch.autograd.Function):
+    """``apply(call, *tensors)``: run ``call``'s collective; its backward runs the spec's VJP rule."""
+
+    @staticmethod
+    def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        out = _FORWARD[call.name](call, tensors)
+        ctx.call = call
+        ctx.n_inputs = len(tensors)
+        if call.saves_tensors():  # only the non-linear ops (PRODUCT, MIN, MAX) look at values
+            ctx.save_for_backward(tensors[0], out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        call: Call = ctx.call
+        with _state.backward_of(call.name):
+            saved = ctx.saved_tensors if call.saves_tensors() else ()
+            got = SPECS[call.name].vjp(_Differentiable(call.group), call, grads, saved)
+        # inputs without a gradient (scatter's non-src stand-in) get None
+        return (None, *got, *([None] * (ctx.n_inputs - len(got))))
+
+
+def _apply(call: Call, *tensors: torch.Tensor) -> Any:
+    return _Collective.apply(call, *tensors)
+
+
+class _Differentiable:
+    """The :class:`~tensorplay.distributed.spec.Collectives` a backward rule uses: the same
+    differentiable collectives, on the call's group, in group ranks (arguments come from the
+    rules, so they are not validated again)."""
+
+    __slots__ = ("pg", "size", "me")
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        self.pg = pg
+        self.size = pg.size()
+        self.me = pg.rank()
+
+    def _call(self, name: str, **fields: Any) -> Call:
+        return Call(name, self.pg, self.size, self.me, **fields)
+
+    def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor:
+        return _apply(self._call("broadcast", root=root), x)
+
+    def reduce(self, x: torch.Tensor, root: int, op: ReduceOp) -> torch.Tensor:
+        return _apply(self._call("reduce", root=root, op=op), x)
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return _apply(self._call("all_reduce", op=op), x)
+
+    def gather(self, x: torch.Tensor, root: int) -> tuple[torch.Tensor, ...]:
+        return _apply(self._call("gather", root=root), x)
+
+    def scatter(self, parts: Sequence[torch.Tensor] | None, root: int, like: torch.Tensor) -> torch.Tensor:
+        ins = tuple(parts) if self.me == root else (like,)
+        return _apply(self._call("scatter", root=root), *ins)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        # stacked layout straight from one all_gather_single: no copy out of a list
+        shape = tuple(x.shape)
+        return _apply(self._call("all_gather_single", shape=shape, out_shape=(self.size, *shape)), x)
+
+    def reduce_scatter(self, stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return _apply(self._call("reduce_scatter", op=op), stacked)
+
+    def all_to_all(self, xs: Sequence[torch.Tensor], out_shapes: Sequence[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        return _apply(self._call("all_to_all", in_shapes=tuple(tuple(t.shape) for t in xs),
+                                 out_shapes=tuple(tuple(s) for s in out_shapes)), *xs)
+
+    def all_to_all_single(self, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
+        return _apply(self._call("all_to_all_single", in_splits=tuple(in_splits), out_splits=tuple(out_splits)), x)
+
+
+# ---------------------------------------------------------------------------
+# validation helpers (everything is checked on the calling rank before any communication)
+# ---------------------------------------------------------------------------
+def _begin(name: str, group: Any) -> _Call:
+    qualified = f"nn.functional.{name}"
+    return _Call(qualified, _group(qualified, group)[1])
+
+
+def _new_call(c: _Call, name: str, **fields: Any) -> Call:
+    return Call(name, c.pg, c.pg.size(), c.pg.rank(), **fields)
+
+
+def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _reduce_op(c: _Call, op: Any, tensors: Sequence[torch.Tensor]) -> ReduceOp:
+    """``op`` as a ReduceOp the dtype allows and, when a gradient is wanted, one that has a gradient."""
+    dtype = tensors[0].dtype
+    try:
+        rop = normalize_op(op)
+    except ValueError:
+        raise c.error(DistValueError, "unknown reduce op",
+                      f"use one of {', '.join('ReduceOp.' + o.name for o in ReduceOp)}", op=op) from None
+    if rop not in DIFFERENTIABLE_OPS and _wants_grad(tensors):
+        raise c.error(
+            DistTypeError, f"{rop.name} has no gradient, but the input requires grad",
+            "use SUM, AVG, PRODUCT, MIN or MAX, or pass a tensor that does not require grad "
+            "(x.detach(), or run under torch.no_grad())",
+            op=rop, dtype=dtype, requires_grad=True)
+    why = dtype_rule(rop, dtype)
+    if why is not None:
+        raise c.error(DistTypeError, f"{rop.name} cannot reduce this dtype", why, op=rop, dtype=dtype)
+    return rop
+
+
+# ---------------------------------------------------------------------------
+# the public collectives
+# ---------------------------------------------------------------------------
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = WORLD, *,
+              group_src: int | None = None) -> torch.Tensor:
+    """Every rank gets ``src``'s ``tensor``; the gradient of ``src``'s input is the sum of every rank's.
+
+    Non-src ranks pass a tensor of the same shape and dtype (its values are not
+    read); its gradient is exactly zero.
+
+    Example (3 ranks)::
+
+        w = tp.full((2,), float(dist.get_rank()), requires_grad=True)
+        y = df.broadcast(w, src=2)        # [2., 2.] on every rank
+        (y * (dist.get_rank() + 1)).sum().backward()
+        # rank 2: w.grad == [6., 6.] (1 + 2 + 3); ranks 0 and 1: w.grad == [0., 0.]
+    """
+    c = _begin("broadcast", group)
+    _tensor(c, tensor, "tensor")
+    root = _root(c, "src", src, group_src)
+    return _apply(_new_call(c, "broadcast", root=root), tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Any = WORLD, *,
+           group_dst: int | None = None) -> torch.Tensor:
+    """``dst`` gets ``op`` over every rank's ``tensor``; every other rank gets zeros.
+
+    Only ``dst``'s gradient counts (the zeros depend on nothing); it reaches
+    every rank's input through the op's derivative.  Run the backward on every
+    rank (``y.sum().backward()`` is right everywhere): ``dst`` waits for the others.
+
+    Example (2 ranks)::
+
+        x = tp.tensor([1. + dist.get_rank()], requires_grad=True)
+        y = df.reduce(x, dst=1, op=dist.ReduceOp.PRODUCT)   # rank 1: [2.]; rank 0: [0.]
+        y.sum().backward()                                   # rank 0: x.grad == [2.]; rank 1: [1.]
+    """
+    c = _begin("reduce", group)
+    _tensor(c, tensor, "tensor")
+    rop = _reduce_op(c, op, (tensor,))
+    root = _root(c, "dst", dst, group_dst)
+    return _apply(_new_call(c, "reduce", root=root, op=rop), tensor)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = WORLD) -> torch.Tensor:
+    """Every rank gets ``op`` over every rank's ``tensor``.
+
+    Gradients: SUM passes the sum of every rank's gradient, AVG that sum over
+    the group size, PRODUCT multiplies by the product of the *other* ranks'
+    inputs (exact with zeros), MIN/MAX give it to the ranks holding the extreme
+    value, split evenly on ties.
+
+    Example (4 ranks)::
+
+        x = tp.randn(4, 8, requires_grad=True)
+        y = df.all_reduce(x)              # same on every rank
+        y.sum().backward()                # x.grad == 4 everywhere
+    """
+    c = _begin("all_reduce", group)
+    _tensor(c, tensor, "tensor")
+    rop = _reduce_op(c, op, (tensor,))
+    return _apply(_new_call(c, "all_reduce", op=rop), tensor)
+
+
+def gather(tensor: torch.Tensor, dst: int | None = None, group: Any = WORLD, *,
+           group_dst: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``dst`` gets the tuple of every rank's ``tensor`` (in group-rank order); the others get zeros.
+
+    ``dst`` defaults to global rank 0.  Rank ``i``'s gradient is ``dst``'s
+    gradient of block ``i``.
+
+    Example (3 ranks)::
+
+        x = tp.tensor([float(dist.get_rank())], requires_grad=True)
+        ys = df.gather(x, dst=0)          # rank 0: ([0.], [1.], [2.]); ranks 1, 2: three [0.]
+        sum(y.sum() * (i + 1) for i, y in enumerate(ys)).backward()
+        # rank i: x.grad == [i + 1.]
+    """
+    c = _begin("gather", group)
+    _tensor(c, tensor, "tensor")
+    root = _root(c, "dst", dst, group_dst, default=0)
+    return _apply(_new_call(c, "gather", root=root), tensor)
+
+
+# scatter's non-src ranks learn the block from src in a small header broadcast:
+# [status, requires_grad, dtype, device kind, ndim, *shape]
+_HEADER_LEN = 40
+_MAX_DIMS = _HEADER_LEN - 5
+_OK, _REFUSED = 1, 2
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def _header_device(pg: ProcessGroup) -> torch.device:
+    if pg.backend.supports_device(torch.device("cpu")):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, group: Any = WORLD, *,
+            group_src: int | None = None) -> torch.Tensor:
+    """Group rank ``i`` gets ``tensors[i]`` from ``src`` (default: global rank 0).
+
+    Only ``src`` passes ``tensors``; the other ranks pass ``None`` (a list is
+    accepted and ignored).  They learn the block's shape, dtype, device kind
+    and whether it requires grad from a 40-integer header that ``src`` broadcasts
+    first, so their result is part of the graph exactly when ``src``'s blocks
+    are: ``y.sum().backward()`` on every rank sends each rank's gradient back
+    to ``src``'s ``tensors[i]``.
+
+    Example (2 ranks)::
+
+        parts = [tp.tensor([10.], requires_grad=True), tp.tensor([11.], requires_grad=True)]
+        y = df.scatter(parts if dist.get_rank() == 0 else None, src=0)   # rank r: [10. + r]
+        (y * (dist.get_rank() + 1)).sum().backward()
+        # rank 0: parts[0].grad == [1.], parts[1].grad == [2.]
+    """
+    c = _begin("scatter", group)
+    root = _root(c, "src", src, group_src, default=0)
+    pg = c.pg
+    me = pg.rank()
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=_header_device(pg))
+    call = _new_call(c, "scatter", root=root)
+    if me == root:
+        try:
+            parts = _scatter_parts(c, tensors)
+        except DistError:
+            header[0] = _REFUSED  # tell the waiting ranks, then fail here with the reason
+            pg.backend.broadcast(header, root, pg, False)
+            raise
+        block = parts[me]
+        header[:5] = torch.tensor([_OK, int(_wants_grad(parts)), _DTYPE_CODE[block.dtype],
+                                   int(block.device.type != "cpu"), block.dim()])
+        header[5:5 + block.dim()] = torch.tensor(block.shape, dtype=torch.int64)
+        pg.backend.broadcast(header, root, pg, False)
+        return _apply(call, *parts)
+    pg.backend.broadcast(header, root, pg, False)
+    status, wants_grad, code, on_gpu, ndim = header[:5].tolist()
+    if status != _OK:
+        raise c.error(DistValueError, "the src rank refused its scatter arguments (its own error says why)",
+                      "fix the tensors passed on the src rank", src=pg.ranks[root])
+    shape = tuple(header[5:5 + ndim].tolist())
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    # a stand-in with the block's shape and dtype and no storage: the graph input of non-src ranks
+    like = torch.empty((), dtype=_DTYPES[code], device=dev).expand(shape)
+    if wants_grad and torch.is_grad_enabled():
+        like = like.detach().requires_grad_()
+    return _apply(call, like)
+
+
+def _scatter_parts(c: _Call, tensors: Any) -> list[torch.Tensor]:
+    if tensors is None:
+        raise c.error(DistValueError, "tensors is required on the src rank",
+                      f"pass a list of {c.pg.size()} tensors of one shape and dtype on src", tensors=None)
+    parts = _tensor_list(c, tensors, "tensors", None, same_shape=False)
+    parts = _tensor_list(c, parts, "tensors", parts[0], same_shape=True)
+    if parts[0].dtype not in _DTYPE_CODE or parts[0].dim() > _MAX_DIMS:
+        raise c.error(DistTypeError, "scatter cannot describe this block to the other ranks",
+                      f"use one of {[str(d) for d in _DTYPES]} with at most {_MAX_DIMS} dimensions",
+                      dtype=parts[0].dtype, ndim=parts[0].dim())
+    return parts
+
+
+def all_gather(tensor: torch.Tensor, group: Any = WORLD) -> tuple[torch.Tensor, ...]:
+    """Every rank gets the tuple of every rank's ``tensor``, in group-rank order.
+
+    The backward is one reduce_scatter: rank ``i`` gets the sum over ranks of
+    their gradients of block ``i``.
+
+    Example (2 ranks)::
+
+        x = tp.tensor([1. + dist.get_rank()], requires_grad=True)
+        a, b = df.all_gather(x)            # ([1.], [2.]) on both ranks
+        (a * b).sum().backward()           # rank 0: x.grad == [4.] (2 + 2); rank 1: [2.]
+    """
+    c = _begin("all_gather", group)
+    _tensor(c, tensor, "tensor")
+    return _apply(_new_call(c, "all_gather"), tensor)
+
+
+def all_gather_single(output: torch.Tensor | None, input: torch.Tensor, group: Any = WORLD) -> torch.Tensor:
+    """Every rank gets every rank's ``input`` concatenated on dim 0 (0-d inputs stack to shape ``(W,)``).
+
+    ``output`` (or ``None``) only gives the layout: ``(W * n, ...)``
+    concatenated, or ``(W, n, ...)`` stacked.  torch's ``_all_gather_base`` is
+    the same function.
+
+    Example (2 ranks)::
+
+        x = tp.full((2,), float(dist.get_rank()), requires_grad=True)
+        y = df.all_gather_single(None, x)  # [0., 0., 1., 1.] on both ranks
+        (y * tp.arange(4.)).sum().backward()
+        # rank 0: x.grad == [0., 2.]; rank 1: [4., 6.] (each rank's weights, summed over 2 ranks)
+    """
+    c = _begin("all_gather_single", group)
+    _tensor(c, input, "input")
+    w = c.pg.size()
+    concat = (w,) if input.dim() == 0 else (w * input.shape[0], *input.shape[1:])
+    if output is None:
+        out_shape = concat
+    else:
+        _tensor(c, output, "output")
+        _same_dtype(c, output, "output", input, "input")
+        out_shape = tuple(output.shape)
+        if out_shape not in (concat, (w, *input.shape)):
+            raise c.error(DistValueError, "output must hold group-size copies of input (concatenated on dim 0 "
+                          "or stacked on a new dim 0)", f"pass output=None, or one of shape {concat} or "
+                          f"{(w, *input.shape)}", **{"output.shape": out_shape, "input.shape": tuple(input.shape),
+                                                     "group_size": w})
+    return _apply(_new_call(c, "all_gather_single", shape=tuple(input.shape), out_shape=out_shape), input)
+
+
+def _all_gather_base(output_tensor: torch.Tensor | None, input_tensor: torch.Tensor,
+                     group: Any = WORLD) -> torch.Tensor:
+    """torch's name for :func:`all_gather_single` (same arguments, same result)."""
+    return all_gather_single(output_tensor, input_tensor, group)
+
+
+def reduce_scatter(output: torch.Tensor | None, input_list: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: Any = WORLD) -> torch.Tensor:
+    """Group rank ``i`` gets ``op`` over every rank's ``input_list[i]``.
+
+    ``output`` (or ``None``) gives the block's shape and dtype.  The backward
+    is one all_gather of the gradients for SUM/AVG; PRODUCT/MIN/MAX add the op's
+    derivative (two all_to_all exchanges of the input's size).
+
+    Example (2 ranks)::
+
+        r = dist.get_rank()
+        xs = [tp.tensor([1. + r], requires_grad=True), tp.tensor([10. + r], requires_grad=True)]
+        y = df.reduce_scatter(None, xs)    # rank 0: [3.], rank 1: [21.]
+        (y * (r + 1)).sum().backward()      # on both ranks: xs[0].grad == [1.], xs[1].grad == [2.]
+    """
+    c = _begin("reduce_scatter", group)
+    ins = _tensor_list(c, input_list, "input_list", None, same_shape=False)
+    like = ins[0] if output is None else _tensor(c, output, "output")
+    ins = _tensor_list(c, ins, "input_list", like, same_shape=True)
+    rop = _reduce_op(c, op, ins)
+    return _apply(_new_call(c, "reduce_scatter", op=rop), torch.stack(ins))
+
+
+def all_to_all(output_tensor_list: Sequence[torch.Tensor] | None, input_tensor_list: Sequence[torch.Tensor],
+               group: Any = WORLD) -> tuple[torch.Tensor, ...]:
+    """Rank ``i``'s ``j``-th result is rank ``j``'s ``input_tensor_list[i]``; shapes may differ per pair.
+
+    ``output_tensor_list`` gives the shape of each block this rank receives
+    (``None``: every block has the shape of the one it sends itself).  The
+    backward sends the gradients back along the reversed routes, in one exchange.
+
+    Example (2 ranks, ragged)::
+
+        r = dist.get_rank()
+        xs = [tp.full((1 + r,), 10. * r + i, requires_grad=True) for i in range(2)]
+        ys = df.all_to_all([tp.empty(1 + j) for j in range(2)], xs)
+        # rank i: ys[j] == 10*j + i, of length 1 + j
+    """
+    c = _begin("all_to_all", group)
+    ins = _tensor_list(c, input_tensor_list, "input_tensor_list", None, same_shape=False)
+    me = c.pg.rank()
+    if output_tensor_list is None:
+        out_shapes = tuple(tuple(ins[me].shape) for _ in ins)
+    else:
+        outs = _tensor_list(c, output_tensor_list, "output_tensor_list", None, same_shape=False)
+        for i, t in enumerate(outs):
+            _same_dtype(c, t, f"output_tensor_list[{i}]", ins[0], "input_tensor_list[0]")
+        out_shapes = tuple(tuple(t.shape) for t in outs)
+    for i, t in enumerate(ins):
+        _same_dtype(c, t, f"input_tensor_list[{i}]", ins[0], "input_tensor_list[0]")
+    if out_shapes[me] != tuple(ins[me].shape):
+        raise c.error(DistValueError, "the block a rank sends to itself must fit the block it receives from itself",
+                      "make output_tensor_list[rank] the shape of input_tensor_list[rank]",
+                      **{f"output_tensor_list[{me}].shape": out_shapes[me],
+                         f"input_tensor_list[{me}].shape": tuple(ins[me].shape)})
+    call = _new_call(c, "all_to_all", in_shapes=tuple(tuple(t.shape) for t in ins), out_shapes=out_shapes)
+    return _apply(call, *ins)
+
+
+def all_to_all_single(output: torch.Tensor | None, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: Any = WORLD) -> torch.Tensor:
+    """Split ``input`` on dim 0 by ``input_split_sizes``, exchange, concatenate by ``output_split_sizes``.
+
+    ``None`` splits mean equal chunks; uneven and zero splits are allowed.
+    ``output`` (or ``None``: ``sum(output_split_sizes)`` rows, or ``input``'s
+    rows with equal splits) gives the result's shape.  The backward is the
+    same exchange with the two split lists swapped.
+
+    Example (2 ranks; rank r sends r + 1 rows to rank 0 and 1 row to rank 1)::
+
+        r = dist.get_rank()
+        x = tp.full((r + 2,), float(r), requires_grad=True)
+        y = df.all_to_all_single(None, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
+        # rank 0: [0., 1., 1.]; rank 1: [0., 1.]
+    """
+    c = _begin("all_to_all_single", group)
+    _tensor(c, input, "input")
+    if output is None:
+        rows = input.shape[0] if input.dim() and output_split_sizes is None else sum(output_split_sizes or ())
+        output = torch.empty((rows, *input.shape[1:]), dtype=input.dtype, device="meta")
+    else:
+        _tensor(c, output, "output")
+        _same_dtype(c, output, "output", input, "input")
+    ins = _splits(c, input_split_sizes, "input_split_sizes", input, "input")
+    outs = _splits(c, output_split_sizes, "output_split_sizes", output, "output")
+    if output.shape[1:] != input.shape[1:]:
+        raise c.error(DistValueError, "output and input must agree on every dimension but the first",
+                      "allocate output with input's trailing shape",
+                      **{"output.shape": tuple(output.shape), "input.shape": tuple(input.shape)})
+    me = c.pg.rank()
+    if ins[me] != outs[me]:
+        raise c.error(DistValueError, "the rows a rank sends to itself must equal the rows it receives from itself",
+                      "make output_split_sizes[rank] == input_split_sizes[rank]",
+                      **{f"input_split_sizes[{me}]": ins[me], f"output_split_sizes[{me}]": outs[me]})
+    return _apply(_new_call(c, "all_to_all_single", in_splits=tuple(ins), out_splits=tuple(outs)), input)

@@ -1,0 +1,70 @@
+"""Remote procedure calls between workers, on TensorPipe or on the simulator.
+
+The API is torch.distributed.rpc's: :func:`init_rpc`, :func:`rpc_sync`,
+:func:`rpc_async`, :func:`remote`, :class:`RRef`, :func:`get_worker_info`,
+:func:`shutdown`.  Two transports sit behind it:
+
+* **TensorPipe** (torch's agent) between real processes.  It binds to
+  loopback unless ``init_method``/``MASTER_ADDR`` name another address.
+* **The simulator's** in-process transport, used automatically inside
+  ``simulator.run`` / ``python -m simulator``: arguments and results are
+  serialised (never aliased), RRefs follow the ownership rules, and message
+  delays and drops can be injected by seed.
+
+Differences from torch that you will notice: a remote exception arrives with
+its own type (plus the remote traceback as a note); every wait is bounded
+(``timeout=0`` "forever" is refused, ``shutdown`` has a finite timeout and
+does not hang when a worker died); functions that pickle cannot send
+(lambdas, closures) are sent with dill.
+
+Security: calls are pickled, so a peer can make this worker run any code.
+Run RPC on trusted networks only (see docs/rpc.md).
+
+Example (two simulated workers)::
+
+    import simulator, torch
+    import tensorplay.distributed.rpc as rpc
+
+    def main():
+        import tensorplay.distributed as dist
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        out = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), me)) if me == 0 else None
+        rpc.shutdown()
+        return out
+
+    print(simulator.run(main, world_size=2))     # [tensor([1., 1.]), None]
+"""
+from __future__ import annotations
+
+from torch.distributed.rpc import TensorPipeRpcBackendOptions
+
+from .api import (
+    DEFAULT_RPC_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    get_worker_info,
+    init_rpc,
+    is_initialized,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from .errors import InterfaceError, RemoteError, RpcError, RpcTimeoutError, WorkerUnavailableError
+from .futures import Future, wait_all
+from .rref import RRef
+from .worker import WorkerInfo
+
+__all__ = [
+    "DEFAULT_RPC_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT", "Future", "InterfaceError", "RRef", "RemoteError", "RpcError",
+    "RpcTimeoutError", "SimRpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "WorkerUnavailableError",
+    "get_worker_info", "init_rpc", "is_initialized", "remote", "rpc_async", "rpc_sync", "shutdown", "wait_all",
+]
+
+
+def __getattr__(name: str):
+    if name == "SimRpcBackendOptions":
+        from .sim import SimRpcBackendOptions
+
+        return SimRpcBackendOptions
+    raise AttributeError(f"module 'tensorplay.distributed.rpc' has no attribute {name!r}")

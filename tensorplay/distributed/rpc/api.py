@@ -1,0 +1,273 @@
+"""The public RPC calls: validate at the boundary, then hand the call to the calling worker's agent.
+
+The transport is picked once, by :func:`init_rpc`: inside a simulated rank
+(``simulator.run`` or ``python -m simulator``) it is the simulator's in-process
+transport, anywhere else torch's TensorPipe agent.  Everything after that is
+the same code on both.
+"""
+from __future__ import annotations
+
+import numbers
+import os
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+from .. import _state
+from ..errors import DistRuntimeError, DistTypeError, DistValueError
+from . import _agent
+from .errors import rpc_message
+from .futures import Future
+from .rref import RRef
+from .worker import NAME_PATTERN, WorkerInfo
+
+__all__ = [
+    "DEFAULT_RPC_TIMEOUT",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "init_rpc",
+    "shutdown",
+    "is_initialized",
+    "rpc_sync",
+    "rpc_async",
+    "remote",
+    "get_worker_info",
+]
+
+T = TypeVar("T")
+
+#: seconds a call may take unless it says otherwise (torch's default too); TENSORPLAY_RPC_TIMEOUT overrides
+DEFAULT_RPC_TIMEOUT = float(os.environ.get("TENSORPLAY_RPC_TIMEOUT", "60"))
+#: bound on a graceful shutdown's wait for the other workers (torch's default waits forever)
+DEFAULT_SHUTDOWN_TIMEOUT = float(os.environ.get("TENSORPLAY_RPC_SHUTDOWN_TIMEOUT", "30"))
+
+_BACKENDS = ("tensorpipe", "sim")
+
+
+def _in_simulator() -> bool:
+    st = _state.current()
+    return st is not None and getattr(st.backend, "name", None) == "sim"
+
+
+def _backend_name(backend: Any) -> str | None:
+    if backend is None:
+        return None
+    name = getattr(backend, "name", backend)  # torch's BackendType.TENSORPIPE has .name
+    if isinstance(name, str) and name.lower() in _BACKENDS:
+        return name.lower()
+    raise DistValueError(rpc_message(
+        "init_rpc", "unknown RPC backend", values={"backend": backend, "known": list(_BACKENDS)},
+        fix="leave backend=None: the simulator's transport is used inside simulator.run, TensorPipe elsewhere"))
+
+
+def _timeout(call: str, timeout: Any, agent: _agent.Agent) -> float:
+    if timeout is None:
+        return agent.timeout
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise DistTypeError(rpc_message(call, "timeout must be a number of seconds", worker=agent.name,
+                                        values={"timeout": timeout}, fix="pass e.g. timeout=10.0, or None"))
+    if not timeout > 0:
+        raise DistValueError(rpc_message(
+            call, "timeout must be positive: every call is bounded", worker=agent.name,
+            values={"timeout": timeout}, fix="pass a positive number of seconds, or None for the default"))
+    return float(timeout)
+
+
+def _check_call(call: str, agent: _agent.Agent, func: Any, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    if not callable(func):
+        raise DistTypeError(rpc_message(call, "func must be callable", worker=agent.name,
+                                        values={"func": func}, fix="pass a function, e.g. rpc_sync(to, torch.add, args=(x, 1))"))
+    if args is None:
+        args = ()
+    elif isinstance(args, list):
+        args = tuple(args)
+    elif not isinstance(args, tuple):
+        raise DistTypeError(rpc_message(call, "args must be a tuple", worker=agent.name,
+                                        values={"args": type(args).__name__}, fix="write args=(x,) for one argument"))
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise DistTypeError(rpc_message(call, "kwargs must be a dict", worker=agent.name,
+                                        values={"kwargs": type(kwargs).__name__}, fix="pass kwargs={'name': value}"))
+    return args, kwargs
+
+
+# ---------------------------------------------------------------------------
+# life cycle
+# ---------------------------------------------------------------------------
+def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+             rpc_backend_options: Any = None) -> None:
+    """Start this worker's RPC agent and wait until every worker of the world has started.
+
+    Args:
+        name: this worker's unique name (letters, digits, ``_``, ``:``, ``-``; < 128 characters).
+        backend: ``None`` (pick automatically), ``"tensorpipe"`` or ``"sim"``; torch's
+            ``BackendType.TENSORPIPE`` is accepted too.
+        rank: this worker's rank; ``-1`` reads ``RANK`` (or, in the simulator, the rank's own).
+        world_size: number of workers; ``None`` reads ``WORLD_SIZE`` (or the simulated world's size).
+        rpc_backend_options: a :class:`TensorPipeRpcBackendOptions` (TensorPipe only).  Without one,
+            the rendezvous is ``tcp://$MASTER_ADDR:$MASTER_PORT`` with ``MASTER_ADDR`` defaulting to
+            ``127.0.0.1``, and calls time out after :data:`DEFAULT_RPC_TIMEOUT` seconds.
+
+    Example (two processes)::
+
+        # worker 0                                   # worker 1
+        rpc.init_rpc("worker0", rank=0, world_size=2)  rpc.init_rpc("worker1", rank=1, world_size=2)
+        rpc.rpc_sync("worker1", torch.add, (t, 1))     rpc.shutdown()
+        rpc.shutdown()
+    """
+    call = "init_rpc"
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise DistValueError(rpc_message(
+            call, "invalid worker name", values={"name": name},
+            fix="use 1-127 characters from letters, digits, '_', ':' and '-', e.g. 'worker0'"))
+    if _agent.current() is not None:
+        raise DistRuntimeError(rpc_message(
+            call, "RPC is already initialised on this worker", worker=_agent.current().name,  # type: ignore[union-attr]
+            values={"name": name}, fix="call rpc.shutdown() before initialising again"))
+    kind = _backend_name(backend)
+    sim = _in_simulator()
+    if kind is None:
+        kind = "sim" if sim else "tensorpipe"
+    if kind == "sim" and not sim:
+        raise DistRuntimeError(rpc_message(
+            call, "backend='sim' only works inside a simulated rank", values={"name": name},
+            fix="run the function with simulator.run(fn, world_size) or `python -m simulator`"))
+    if kind == "tensorpipe" and sim:
+        raise DistRuntimeError(rpc_message(
+            call, "TensorPipe cannot run inside a simulated rank (all ranks share one process)",
+            values={"name": name}, fix="leave backend=None to use the simulator's transport"))
+
+    if kind == "sim":
+        st = _state.current()
+        assert st is not None
+        rank = st.rank if rank == -1 else rank
+        world_size = st.world_size if world_size is None else world_size
+    else:
+        if rank == -1:
+            rank = int(os.environ.get("RANK", "-1"))
+        if world_size is None and os.environ.get("WORLD_SIZE"):
+            world_size = int(os.environ["WORLD_SIZE"])
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise DistValueError(rpc_message(call, "rank must be an int >= 0", values={"name": name, "rank": rank},
+                                         fix="pass rank=<this worker's rank> or set RANK"))
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise DistValueError(rpc_message(
+            call, "world_size must be an int >= 1 (dynamic worlds are not supported)",
+            values={"name": name, "world_size": world_size}, fix="pass world_size=<number of workers> or set WORLD_SIZE"))
+    if rank >= world_size:
+        raise DistValueError(rpc_message(call, "rank must be < world_size", values={"rank": rank, "world_size": world_size},
+                                         fix="number the workers 0 .. world_size-1"))
+
+    if kind == "sim":
+        from . import sim
+
+        if rpc_backend_options is not None and not isinstance(rpc_backend_options, sim.SimRpcBackendOptions):
+            raise DistTypeError(rpc_message(
+                call, "the simulator's transport takes SimRpcBackendOptions (or None)",
+                values={"rpc_backend_options": type(rpc_backend_options).__name__},
+                fix="drop rpc_backend_options inside simulator.run, or pass SimRpcBackendOptions(rpc_timeout=...)"))
+        agent = sim.start(name, rank, world_size, rpc_backend_options)
+        _agent.bind_thread(agent)
+    else:
+        from . import tensorpipe
+
+        agent = tensorpipe.start(name, rank, world_size, rpc_backend_options, DEFAULT_RPC_TIMEOUT)
+        _agent.set_process_agent(agent)
+
+
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Stop this worker's agent.
+
+    With ``graceful=True`` (default) it first waits, at most ``timeout``
+    seconds, until every worker has called ``shutdown`` and no call is in
+    flight, so nobody loses an answer.  A worker that died or does not arrive
+    in time does not hold the others: they stop locally and warn (a
+    ``RuntimeWarning`` naming the missing workers).  ``graceful=False`` stops
+    at once.
+    """
+    a = _agent.require("shutdown")
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise DistValueError(rpc_message("shutdown", "timeout must be a positive number of seconds", worker=a.name,
+                                         values={"timeout": timeout}, fix=f"pass e.g. timeout={DEFAULT_SHUTDOWN_TIMEOUT}"))
+    try:
+        a.shutdown(bool(graceful), float(timeout))
+    finally:
+        if a.kind == "sim":
+            _agent.unbind_thread()
+        else:
+            _agent.set_process_agent(None)
+
+
+def is_initialized() -> bool:
+    """Whether the calling worker has an RPC agent."""
+    return _agent.current() is not None
+
+
+# ---------------------------------------------------------------------------
+# calls
+# ---------------------------------------------------------------------------
+def rpc_sync(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None,
+             timeout: float | None = None) -> T:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Arguments and the result cross by value.  If ``func`` raises, the same
+    exception (type and args) is raised here, with the remote traceback in its
+    notes.  A dead destination raises :class:`WorkerUnavailableError`; a call
+    past ``timeout`` seconds raises :class:`RpcTimeoutError`.
+
+    Example::
+
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))   # tensor([4., 4.])
+    """
+    a = _agent.require("rpc_sync")
+    dst = a.resolve("rpc_sync", to)
+    args, kwargs = _check_call("rpc_sync", a, func, args, kwargs)
+    return a.call_sync("rpc_sync", dst, func, args, kwargs, _timeout("rpc_sync", timeout, a))
+
+
+def rpc_async(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None,
+              timeout: float | None = None) -> Future[T]:
+    """Like :func:`rpc_sync` but returns a :class:`Future` at once; ``wait()`` gives the result.
+
+    Example::
+
+        futs = [rpc.rpc_async(w, torch.add, args=(x, 1)) for w in ("worker1", "worker2")]
+        results = [f.wait() for f in futs]
+    """
+    a = _agent.require("rpc_async")
+    dst = a.resolve("rpc_async", to)
+    args, kwargs = _check_call("rpc_async", a, func, args, kwargs)
+    return a.call_async("rpc_async", dst, func, args, kwargs, _timeout("rpc_async", timeout, a))
+
+
+def remote(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None,
+           timeout: float | None = None) -> RRef[T]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an :class:`RRef` to the result, owned by ``to``.
+
+    Returns at once; ``to_here()`` waits for the value (and raises ``func``'s
+    exception if it failed).
+
+    Example::
+
+        rref = rpc.remote("worker1", torch.ones, args=(2,))
+        rref.to_here()                                           # tensor([1., 1.])
+    """
+    a = _agent.require("remote")
+    dst = a.resolve("remote", to)
+    args, kwargs = _check_call("remote", a, func, args, kwargs)
+    return a.remote(dst, func, args, kwargs, _timeout("remote", timeout, a))
+
+
+def get_worker_info(worker_name: Any = None) -> WorkerInfo:
+    """The :class:`WorkerInfo` of ``worker_name`` (a name or a rank), or of the calling worker."""
+    a = _agent.require("get_worker_info")
+    if worker_name is None:
+        return a.info()
+    return a.resolve("get_worker_info", worker_name)
+
+
+def _all_worker_infos() -> list[WorkerInfo]:
+    return _agent.require("get_worker_infos").worker_infos()

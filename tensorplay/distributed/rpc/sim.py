@@ -1,0 +1,661 @@
+"""The simulator's RPC transport: workers are simulated ranks (threads of one process).
+
+Used automatically when ``init_rpc`` runs inside ``simulator.run`` or
+``python -m simulator``.  What it keeps from a real transport, and how:
+
+* **By value.**  Every request and answer is serialised: plain ``pickle``
+  (``dill`` when pickle cannot, e.g. a lambda), with tensors copied out of
+  band (``clone``), so no object is ever shared between two workers.
+* **The callee's identity.**  A call runs on the caller's thread *as* the
+  callee: the callee's RPC agent and ``tensorplay.distributed`` state are
+  bound while it runs (``get_worker_info()``, ``dist.get_rank()`` and
+  ``RRef.local_value()`` answer as the callee), and in ``coop`` mode with
+  per-rank RNGs the callee's torch RNG stream is used.  ``rpc_async`` therefore
+  completes before it returns.
+* **Ownership.**  RRef values live in their owner's table with a reference
+  count; RRefs cross workers only inside messages; to_here copies.
+* **Failures.**  A rank whose thread ended without ``shutdown`` (returned or
+  raised) is dead: calls to it fail at once with
+  :class:`WorkerUnavailableError`.  Remote exceptions keep their type and
+  carry the remote traceback, as on TensorPipe.
+* **Faults by seed.**  :class:`MessageFaults` drops or delays messages; a
+  drop surfaces as the :class:`RpcTimeoutError` the caller would see after
+  ``timeout``, a delay advances the rank's virtual clock.  The same seed gives
+  the same faults.
+* **Bounded, cooperative waits.**  ``init_rpc`` and ``shutdown`` wait for the
+  other workers through the simulator's scheduler, so in ``coop`` mode the
+  waiting rank hands over to the others, and a wait nobody can end is
+  reported as a deadlock naming who is missing.
+
+Limits: a call's handler runs inline, so it must not wait for something only
+the callee's *own thread* would do (e.g. a ``threading.Event`` it sets) in
+``coop`` mode; collectives inside RPC handlers are not supported.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+import random
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import simulator
+import torch
+from simulator.errors import SimError
+from simulator.sched import DONE
+from torch import nn
+
+from .. import _state
+from ..errors import DistRuntimeError, DistValueError
+from . import _agent
+from ._agent import Agent
+from ._call import RemoteFailure, dill_pickler, run_call, unwrap
+from .errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
+from .futures import Future
+from .rref import RRef
+from .worker import WorkerInfo
+
+__all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start"]
+
+
+@dataclass(frozen=True)
+class MessageFaults:
+    """Seeded message faults for the messages a worker *sends* (requests and answers).
+
+    Args:
+        drop: probability that a message is lost (the caller gets :class:`RpcTimeoutError`).
+        delay: probability that a message is late by up to ``max_delay_s`` (virtual time).
+        max_delay_s: upper bound of a delay, seconds.
+        seed: the fault stream's seed; ``None`` derives it from the world's seed and the rank.
+    """
+
+    drop: float = 0.0
+    delay: float = 0.0
+    max_delay_s: float = 0.01
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("drop", "delay"):
+            p = getattr(self, name)
+            if not 0.0 <= p <= 1.0:
+                raise DistValueError(rpc_message("MessageFaults", f"{name} must be a probability in [0, 1]",
+                                                 values={name: p}, fix=f"pass e.g. {name}=0.1"))
+        if self.max_delay_s < 0:
+            raise DistValueError(rpc_message("MessageFaults", "max_delay_s must be >= 0",
+                                             values={"max_delay_s": self.max_delay_s}, fix="pass e.g. 0.01"))
+
+
+@dataclass
+class SimRpcBackendOptions:
+    """Options of the simulator's transport (the counterpart of ``TensorPipeRpcBackendOptions``).
+
+    Args:
+        rpc_timeout: default per-call timeout in seconds (the handler's run time plus injected delays).
+        faults: :class:`MessageFaults` for the messages this worker sends, or ``None``.
+    """
+
+    rpc_timeout: float = 60.0
+    faults: MessageFaults | None = None
+    init_method: str = field(default="sim://", repr=False)
+
+
+# ---------------------------------------------------------------------------
+# serialisation: by value, tensors cloned out of band
+# ---------------------------------------------------------------------------
+_codec = threading.local()  # .depth > 0 while a message is being encoded (RRefs may only pickle then)
+
+
+def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    c = t.detach().clone()
+    if type(t) is nn.Parameter:
+        return nn.Parameter(c, requires_grad=t.requires_grad)
+    if t.requires_grad:
+        c.requires_grad_(True)
+    return c
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f: io.BytesIO, tensors: list, grad_sends: list) -> None:
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self.grad_sends = grad_sends
+
+    def persistent_id(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is torch.Tensor or t is nn.Parameter:
+            return _tensor_pid(obj, self.tensors, self.grad_sends)
+        return None
+
+
+def _tensor_pid(obj: torch.Tensor, tensors: list, grad_sends: list) -> int:
+    from ..autograd import _sim as dautograd
+
+    i = len(tensors)
+    sid = dautograd.on_send(obj) if obj.requires_grad else None
+    if sid is not None:  # recorded for distributed autograd: the receiver gets a fresh leaf
+        tensors.append(obj.detach().clone())
+        grad_sends.append((i, sid))
+    else:
+        tensors.append(_copy_tensor(obj))
+    return i
+
+
+def _dill_pickler(f: io.BytesIO, tensors: list, grad_sends: list) -> Any:
+    def pid(obj: Any) -> Any:
+        t = type(obj)
+        if t is torch.Tensor or t is nn.Parameter:
+            return _tensor_pid(obj, tensors, grad_sends)
+        return None
+
+    return dill_pickler(f, pid)
+
+
+class _Message:
+    """A serialised message: bytes, the out-of-band tensor copies, and the sender (for autograd)."""
+
+    __slots__ = ("data", "tensors", "grad_sends", "sender", "dill")
+
+    def __init__(self, data: bytes, tensors: list, grad_sends: list, sender: str, dill: bool) -> None:
+        self.data, self.tensors, self.grad_sends, self.sender, self.dill = data, tensors, grad_sends, sender, dill
+
+
+def _encode(obj: Any, sender: str) -> _Message:
+    tensors: list = []
+    grad_sends: list = []
+    f = io.BytesIO()
+    outer = getattr(_codec, "retained", None)
+    _codec.depth = getattr(_codec, "depth", 0) + 1
+    _codec.retained = []
+    try:
+        try:
+            _Pickler(f, tensors, grad_sends).dump(obj)
+            used_dill = False
+        except (pickle.PicklingError, AttributeError, TypeError):
+            _rollback()
+            tensors.clear()
+            grad_sends.clear()
+            f = io.BytesIO()
+            _dill_pickler(f, tensors, grad_sends).dump(obj)
+            used_dill = True
+    except BaseException:
+        _rollback()
+        raise
+    finally:
+        _codec.depth -= 1
+        _codec.retained = outer
+    return _Message(f.getvalue(), tensors, grad_sends, sender, used_dill)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, tensors: list) -> None:
+        super().__init__(f)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.tensors[pid]
+
+
+def _rollback() -> None:
+    """A message that failed to serialise gives back the RRef references it took."""
+    for world, owner, rid in _codec.retained:
+        world.release(owner, rid)
+    _codec.retained = []
+
+
+def _decode(msg: _Message) -> Any:
+    tensors = msg.tensors
+    if msg.grad_sends:
+        from ..autograd import _sim as dautograd
+
+        for i, sid in msg.grad_sends:
+            leaf = tensors[i].requires_grad_(True)
+            dautograd.on_recv(leaf, msg.sender, sid)
+    f = io.BytesIO(msg.data)
+    if msg.dill:
+        import dill
+
+        class _DillUnpickler(dill.Unpickler):  # type: ignore[misc]
+            def persistent_load(self, pid: Any) -> Any:
+                return tensors[pid]
+
+        return _DillUnpickler(f).load()
+    return _Unpickler(f, tensors).load()
+
+
+def in_message() -> bool:
+    """Whether the calling thread is serialising a simulated RPC message right now."""
+    return getattr(_codec, "depth", 0) > 0
+
+
+# ---------------------------------------------------------------------------
+# RRefs
+# ---------------------------------------------------------------------------
+class _Slot:
+    __slots__ = ("value", "count")
+
+    def __init__(self, value: Any, count: int) -> None:
+        self.value = value
+        self.count = count
+
+
+class _Dropped:
+    """An RRef value whose creating message was lost."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _SimRRef:
+    __slots__ = ("world", "owner_info", "rid", "holder", "__weakref__")
+
+    def __init__(self, world: "_RpcWorld", owner: WorkerInfo, rid: int, holder: str) -> None:
+        self.world, self.owner_info, self.rid, self.holder = world, owner, rid, holder
+
+    def __del__(self) -> None:
+        try:
+            self.world.release(self.owner_info.name, self.rid)
+        except Exception:  # noqa: BLE001  interpreter shutdown
+            pass
+
+    def owner(self) -> WorkerInfo:
+        return self.owner_info
+
+    def here(self) -> str:
+        return self.holder
+
+    def is_owner(self) -> bool:
+        return self.holder == self.owner_info.name
+
+    def confirmed_by_owner(self) -> bool:
+        return True
+
+    def ident(self) -> str:
+        return f"{self.owner_info.id}:{self.rid}"
+
+    def _value(self, call: str) -> Any:
+        owner = self.world.agents.get(self.owner_info.name)
+        if owner is None or not owner.alive():
+            me = _agent.current()
+            raise WorkerUnavailableError(rpc_message(
+                call, "the RRef's owner is unavailable (it shut down, returned or raised)",
+                worker=getattr(me, "name", None), values={"owner": self.owner_info.name},
+                fix="keep the owner running (and in RPC) while others use its RRefs"))
+        slot = owner.rrefs.get(self.rid)
+        if slot is None:  # pragma: no cover  a live RRef always keeps its slot
+            raise DistRuntimeError(rpc_message(call, "the RRef's value is gone from its owner",
+                                               values={"owner": self.owner_info.name, "id": self.rid}))
+        v = slot.value
+        if type(v) is _Dropped:
+            raise v.error
+        return v
+
+    def local_value(self) -> Any:
+        return unwrap(self._value("RRef.local_value"))
+
+    def to_here(self, timeout: float | None) -> Any:
+        v = self._value("RRef.to_here")
+        if self.is_owner():
+            return unwrap(v)
+        me = _agent.current()
+        owner = self.world.agents[self.owner_info.name]
+        assert isinstance(me, SimAgent)
+        # the value crosses from the owner to here, by value
+        msg = owner._as_sender(lambda: _encode(v, owner.name))
+        return unwrap(_decode(msg))
+
+    def reduce(self) -> Any:
+        if not in_message():
+            raise DistRuntimeError(rpc_message(
+                "RRef.__reduce__", "an RRef can only be pickled inside an RPC message", worker=self.holder,
+                values={"rref": self.ident()},
+                fix="pass the RRef as an argument or result of rpc_sync/rpc_async/remote instead of pickling it"))
+        self.world.retain(self.owner_info.name, self.rid)  # the message holds one reference while in flight
+        _codec.retained.append((self.world, self.owner_info.name, self.rid))
+        return (_rebuild_sim_rref, (self.owner_info.name, self.owner_info.id, self.rid))
+
+
+def _rebuild_sim_rref(owner_name: str, owner_id: int, rid: int) -> RRef[Any]:
+    me = _agent.current()
+    if not isinstance(me, SimAgent):  # pragma: no cover
+        raise DistRuntimeError("a simulated RRef arrived outside a simulated worker")
+    return RRef._wrap(_SimRRef(me.world, WorkerInfo(owner_name, owner_id), rid, me.name))
+
+
+# ---------------------------------------------------------------------------
+# the world and its barriers
+# ---------------------------------------------------------------------------
+class _Barrier:
+    """A cooperative wait of several workers; ``done`` once every expected worker arrived or died."""
+
+    __slots__ = ("what", "world", "arrived", "waiters", "done", "missing")
+
+    def __init__(self, what: str, world: "_RpcWorld") -> None:
+        self.what = what
+        self.world = world
+        self.arrived: set[int] = set()
+        self.waiters: list[Any] = []
+        self.done = False
+        self.missing: list[int] = []
+
+    def describe(self) -> str:  # read by the simulator's deadlock report
+        missing = [r for r in range(self.world.size) if r not in self.arrived]
+        return (f"in rpc.{self.what} (RPC world of {self.world.size}: arrived {sorted(self.arrived)}, "
+                f"missing {missing})")
+
+
+class _RpcWorld:
+    """The RPC state of one simulated run: its agents, barriers and rank handles."""
+
+    def __init__(self, run: Any, size: int) -> None:
+        self.run = run
+        self.size = size
+        self.lock = threading.RLock()
+        self.agents: dict[str, SimAgent] = {}
+        self.by_rank: dict[int, SimAgent] = {}
+        self.init_barrier = _Barrier("init_rpc", self)
+        self.shutdown_barrier = _Barrier("shutdown", self)
+        self.next_context = itertools.count(1)
+
+    # -- RRef counting ------------------------------------------------------------
+    def retain(self, owner: str, rid: int) -> None:
+        with self.lock:
+            a = self.agents.get(owner)
+            if a is not None and rid in a.rrefs:
+                a.rrefs[rid].count += 1
+
+    def release(self, owner: str, rid: int) -> None:
+        with self.lock:
+            a = self.agents.get(owner)
+            slot = a.rrefs.get(rid) if a is not None else None
+            if slot is not None:
+                slot.count -= 1
+                if slot.count <= 0:
+                    del a.rrefs[rid]  # type: ignore[union-attr]
+
+    # -- barriers (called with the scheduler's lock held) -----------------------
+    def _settle(self, b: _Barrier) -> None:
+        if b.done:
+            return
+        gone = {a.rank for a in self.by_rank.values() if not a.thread_alive()}
+        if b is self.init_barrier:
+            complete = len(b.arrived) == self.size
+        else:
+            complete = all(r in b.arrived or r in gone or r not in self.by_rank for r in range(self.size))
+            b.missing = sorted(r for r in range(self.size) if r not in b.arrived)
+        if complete:
+            b.done = True
+            for rs in b.waiters:
+                self.run.sched.wake(rs)
+            b.waiters.clear()
+
+    def wait(self, b: _Barrier, rank: int) -> None:
+        """Arrive at ``b`` as ``rank`` and wait (cooperatively) until it completes."""
+        rs = simulator.current_rank_state()
+        sched = self.run.sched
+        with sched.lock:
+            b.arrived.add(rank)
+            self._settle(b)
+            if not b.done:
+                b.waiters.append(rs)
+        if not b.done:
+            sched.block(rs, b)
+
+    def rank_exited(self, rs: Any) -> None:
+        """Simulator hook: a rank thread ended; barriers waiting for it may now complete."""
+        with self.run.sched.lock:
+            a = self.by_rank.get(rs.rank)
+            if a is not None:
+                a.exited = True
+            self._settle(self.shutdown_barrier)
+
+
+_worlds: "weakref.WeakKeyDictionary[Any, _RpcWorld]" = weakref.WeakKeyDictionary()
+_worlds_lock = threading.Lock()
+
+
+def _world_of(rs: Any, size: int) -> _RpcWorld:
+    run = rs.run
+    with _worlds_lock:
+        w = _worlds.get(run)
+        if w is None:
+            w = _worlds[run] = _RpcWorld(run, size)
+            if not hasattr(run, "exit_hooks"):  # the simulator calls these when a rank thread ends
+                run.exit_hooks = []
+            run.exit_hooks.append(w.rank_exited)
+        elif w.size != size:
+            raise DistValueError(rpc_message(
+                "init_rpc", "world_size differs from the one other workers passed",
+                values={"world_size": size, "others": w.size}, fix="pass the same world_size on every worker"))
+        return w
+
+
+# ---------------------------------------------------------------------------
+# the agent
+# ---------------------------------------------------------------------------
+class SimAgent(Agent):
+    """One simulated worker's RPC agent."""
+
+    kind = "sim"
+
+    def __init__(self, world: _RpcWorld, name: str, rank: int, rs: Any, dist_state: Any,
+                 options: SimRpcBackendOptions) -> None:
+        self.world = world
+        self.name, self.rank, self.world_size = name, rank, world.size
+        self.timeout = float(options.rpc_timeout)
+        self.objects: dict[Any, Any] = {}
+        self.rrefs: dict[int, _Slot] = {}
+        self.autograd: dict[int, Any] = {}
+        self._rid = itertools.count(1)
+        self.rs = rs
+        self.dist_state = dist_state
+        self.closed = False
+        self.exited = False
+        self.faults = options.faults
+        seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
+        self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
+        self._infos: list[WorkerInfo] | None = None
+
+    # -- liveness -------------------------------------------------------------
+    def thread_alive(self) -> bool:
+        return not self.exited and self.rs.state != DONE
+
+    def alive(self) -> bool:
+        return not self.closed and self.thread_alive()
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        if self._infos is None:
+            self._infos = sorted((WorkerInfo(a.name, a.rank) for a in self.world.by_rank.values()),
+                                 key=lambda w: w.id)
+        return list(self._infos)
+
+    def _peer(self, call: str, dst: WorkerInfo) -> "SimAgent":
+        peer = self.world.by_rank.get(dst.id)
+        if peer is None or not peer.alive():
+            why = ("it shut down" if peer is not None and peer.closed else
+                   f"its rank raised {type(peer.rs.exc).__name__}: {peer.rs.exc}" if peer is not None and peer.rs.exc
+                   else "its rank returned without rpc.shutdown()")
+            raise WorkerUnavailableError(rpc_message(
+                call, "the destination worker is unavailable", worker=self.name,
+                values={"to": dst.name, "rank": dst.id, "reason": why},
+                fix="keep every worker in RPC until all are done: end each worker's function with rpc.shutdown()"))
+        return peer
+
+    # -- running as another worker ------------------------------------------------
+    def _as_sender(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` with this agent (and its rank's state) bound to the calling thread."""
+        if _agent.current() is self:
+            return fn()
+        prev_agent = _agent.bind_thread(self)
+        prev_state = _state.current()
+        _state.bind_thread(self.dist_state)
+        swap = self._swap_rng()
+        try:
+            return fn()
+        finally:
+            if swap is not None:
+                self.rs.torch_rng = torch.get_rng_state()
+                torch.set_rng_state(swap)
+            _state.bind_thread(prev_state)
+            _agent.bind_thread(prev_agent)
+
+    def _swap_rng(self) -> torch.Tensor | None:
+        """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream."""
+        me = simulator.current_rank_state()
+        sched = self.rs.run.sched
+        if me is None or me is self.rs or not getattr(sched, "swap_rng", False) or self.rs.torch_rng is None:
+            return None
+        mine = torch.get_rng_state()
+        torch.set_rng_state(self.rs.torch_rng)
+        return mine
+
+    def _fault(self, call: str, dst: WorkerInfo, leg: str, timeout: float) -> float:
+        """Apply this sender's message faults to one message; returns the injected delay (virtual seconds)."""
+        f = self.faults
+        if f is None:
+            return 0.0
+        r = self.rng
+        if f.drop and r.random() < f.drop:
+            self.rs.vt += timeout
+            raise RpcTimeoutError(rpc_message(
+                call, "the call did not finish within its timeout", worker=self.name,
+                values={"to": dst.name, "timeout": timeout, "cause": f"simulated loss of the {leg}"},
+                fix="retry idempotent calls, or lower MessageFaults.drop"))
+        if f.delay and r.random() < f.delay:
+            d = r.uniform(0.0, f.max_delay_s)
+            self.rs.vt += d
+            return d
+        return 0.0
+
+    def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None) -> Any:
+        """One request/answer: encode here, run on the peer, encode there, decode here."""
+        peer = self._peer(call, dst)
+        start = time.perf_counter()
+        req = _encode((fn, args, kwargs), self.name)
+        late = self._fault(call, dst, "request", timeout)
+
+        def serve() -> Any:
+            try:
+                f, a, k = _decode(req)
+            except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
+                return RemoteFailure.capture(e, peer.name)
+            value = run_call(f, a, k)
+            if on_peer is not None:
+                return on_peer(peer, value)
+            try:
+                return _encode(value, peer.name)
+            except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+                return _encode(RemoteFailure.capture(e, peer.name), peer.name)
+
+        answer = peer._as_sender(serve)
+        if on_peer is not None:
+            return answer
+        late += peer._fault(call, dst, "answer", timeout)
+        if late + (time.perf_counter() - start) > timeout:
+            raise RpcTimeoutError(rpc_message(
+                call, "the call did not finish within its timeout", worker=self.name,
+                values={"to": dst.name, "timeout": timeout, "took_s": round(late + time.perf_counter() - start, 6)},
+                fix="raise timeout=, or make the remote function faster"))
+        return _decode(answer)
+
+    # -- calls ----------------------------------------------------------------
+    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float) -> Any:
+        return unwrap(self._exchange(call, dst, fn, args, kwargs, timeout))
+
+    def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   timeout: float) -> Future[Any]:
+        fut: Future[Any] = Future(what=call)
+        try:
+            v = self._exchange(call, dst, fn, args, kwargs, timeout)
+        except RpcTimeoutError as e:  # a late or lost message fails the future; bad arguments raise here
+            fut.set_exception(e)
+            return fut
+        if type(v) is RemoteFailure:
+            fut.set_exception(v.to_exception())
+        else:
+            fut.set_result(v)
+        return fut
+
+    def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               timeout: float) -> RRef[Any]:
+        peer = self._peer("remote", dst)
+        rid = peer.new_slot(None)  # reserved for the RRef returned here
+
+        def keep(owner: "SimAgent", value: Any) -> None:
+            owner.rrefs[rid].value = value
+
+        try:
+            self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
+        except RpcTimeoutError as e:  # a lost request: to_here() reports it
+            peer.rrefs[rid].value = _Dropped(e)
+        return RRef._wrap(_SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
+
+    def new_slot(self, value: Any) -> int:
+        with self.world.lock:
+            rid = next(self._rid)
+            self.rrefs[rid] = _Slot(value, 1)
+            return rid
+
+    def local_rref(self, value: Any) -> RRef[Any]:
+        rid = self.new_slot(value)
+        return RRef._wrap(_SimRRef(self.world, WorkerInfo(self.name, self.rank), rid, self.name))
+
+    # -- shutdown -------------------------------------------------------------
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        import warnings
+
+        missing: list[str] = []
+        if graceful:
+            b = self.world.shutdown_barrier
+            try:
+                self.world.wait(b, self.rank)
+            except SimError as e:  # another rank failed or the run is aborting: leave locally
+                missing = [self.world.by_rank[r].name for r in range(self.world.size)
+                           if r in self.world.by_rank and r not in b.arrived]
+                if not missing:
+                    raise
+                warnings.warn(rpc_message(
+                    "shutdown", "graceful shutdown interrupted by the simulator", worker=self.name,
+                    values={"missing": missing, "error": f"{type(e).__name__}"}), RuntimeWarning, stacklevel=3)
+            else:
+                missing = [self.world.by_rank[r].name for r in b.missing if r in self.world.by_rank]
+                if missing:
+                    warnings.warn(rpc_message(
+                        "shutdown", "graceful shutdown skipped workers that ended without shutdown",
+                        worker=self.name, values={"missing": missing},
+                        fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
+        self.closed = True
+        with _worlds_lock:  # everyone is out: a later init_rpc in this run starts a fresh RPC world
+            if all(not a.alive() for a in self.world.by_rank.values()) and _worlds.get(self.world.run) is self.world:
+                del _worlds[self.world.run]
+
+
+def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
+    """Register this simulated rank as worker ``name`` and wait until the whole RPC world has."""
+    rs = simulator.current_rank_state()
+    if rs is None:  # pragma: no cover  checked by init_rpc
+        raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
+    options = options or SimRpcBackendOptions()
+    if not options.rpc_timeout or options.rpc_timeout <= 0:
+        raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
+                                         values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))
+    world = _world_of(rs, world_size)
+    agent = SimAgent(world, name, rank, rs, _state.current(), options)
+    with world.lock:
+        clash = world.agents.get(name)
+        if clash is not None or rank in world.by_rank:
+            other = clash.rank if clash is not None else world.by_rank[rank].name
+            raise DistValueError(rpc_message(
+                "init_rpc", "worker name or rank already taken", values={"name": name, "rank": rank, "taken_by": other},
+                fix="give every worker a distinct name and rank"))
+        world.agents[name] = agent
+        world.by_rank[rank] = agent
+    world.wait(world.init_barrier, rank)
+    return agent

@@ -1,0 +1,441 @@
+"""The real transport: torch.distributed.rpc's TensorPipe agent, made to fail clearly and stay local.
+
+What this module adds on top of torch:
+
+* **Loopback by default.**  The rendezvous store is bound to the address in
+  ``init_method`` (torch's TCP store listens on every interface), and when
+  that address is a loopback one TensorPipe and gloo are pinned to the
+  loopback interface (``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME``, unless
+  already set).  Without ``init_method``, ``MASTER_ADDR`` defaults to
+  ``127.0.0.1``.
+* **Bounded waits.**  The rendezvous waits ``rpc_timeout`` at most; a call to
+  a worker known to be dead fails at once; :meth:`TensorPipeAgent.shutdown`
+  first runs its own bounded barrier and only does torch's graceful shutdown
+  when every worker arrived (torch's waits forever for a dead peer).
+* **Errors with their type.**  Remote exceptions come back unchanged (see
+  :mod:`._call`); transport failures become :class:`WorkerUnavailableError`,
+  :class:`RpcTimeoutError` or :class:`RpcError` naming the call and the peer.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import pickle
+import re
+import socket
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.rpc as trpc
+
+from ..errors import DistRuntimeError, DistValueError
+from ._agent import Agent
+from ._call import PickledFunction, RemoteFailure, run_call, unwrap
+from .errors import RpcError, RpcTimeoutError, WorkerUnavailableError, rpc_message
+from .futures import Future
+from .rref import RRef
+from .worker import WorkerInfo
+
+__all__ = ["TensorPipeAgent", "start", "SCHEME", "loopback_interface", "is_loopback"]
+
+#: our rendezvous scheme: like ``tcp://`` but the store binds only the given address, and waits are bounded
+SCHEME = "tensorplay-tcp"
+
+_PICKLE_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
+_DEAD_PATTERNS = re.compile(
+    r"EOF|end of file|pipe closed|connection reset|connection refused|ECONNREFUSED|ECONNRESET|broken pipe|"
+    r"EPIPE|shut ?down|closed|unreachable|no route",
+    re.IGNORECASE,
+)
+_TIMEOUT_PATTERNS = re.compile(r"timeout|timed out|ran for more than", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------------
+# loopback-only rendezvous
+# ---------------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str:
+    """Name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    except OSError:  # pragma: no cover  platforms without if_nameindex
+        pass
+    return "lo"
+
+
+def _store_rendezvous(url: str, timeout: timedelta = timedelta(seconds=60), **_: Any):
+    """Rendezvous handler for ``tensorplay-tcp://host:port?rank=&world_size=&timeout_s=``.
+
+    Rank 0 hosts the TCP store on a socket it binds to ``host`` itself (torch's
+    store would listen on all interfaces); every wait is bounded by ``timeout_s``.
+    """
+    u = urlparse(url)
+    q = {k: v[0] for k, v in parse_qs(u.query).items()}
+    rank, world_size = int(q["rank"]), int(q["world_size"])
+    if "timeout_s" in q:
+        timeout = timedelta(seconds=float(q["timeout_s"]))
+    host, port = u.hostname or "127.0.0.1", u.port
+    if port is None:
+        raise DistValueError(rpc_message("init_rpc", "init_method has no port", values={"init_method": url},
+                                         fix="write init_method='tcp://127.0.0.1:<port>'"))
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise DistRuntimeError(rpc_message(
+                "init_rpc", "rank 0 cannot bind the rendezvous address", values={"host": host, "port": port,
+                                                                                   "error": str(e)},
+                fix="pick a free port (tensorplay.distributed.pool.free_port()) and an address of this machine"))
+        sock.listen(128)
+        store = tdist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                               master_listen_fd=sock.detach(), use_libuv=True)
+    else:
+        store = tdist.TCPStore(host, port, world_size, False, timeout)
+    yield (store, rank, world_size)
+    raise RuntimeError("tensorplay-tcp:// rendezvous cannot re-rendezvous")
+
+
+def _register_scheme() -> None:
+    try:
+        tdist.register_rendezvous_handler(SCHEME, _store_rendezvous)
+    except RuntimeError:  # already registered (module re-imported)
+        pass
+
+
+_register_scheme()
+
+
+def _init_method(options: Any, timeout_s: float) -> tuple[str, str]:
+    """Our ``tensorplay-tcp://`` URL for the options' ``init_method``, and the host it names."""
+    url = options.init_method
+    u = urlparse(url)
+    if u.scheme == "env":
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT")
+        if not port:
+            raise DistValueError(rpc_message(
+                "init_rpc", "no rendezvous port: MASTER_PORT is not set and no init_method was given",
+                values={"MASTER_ADDR": host}, fix="set MASTER_PORT, or pass "
+                "rpc_backend_options=TensorPipeRpcBackendOptions(init_method='tcp://127.0.0.1:<port>')"))
+        u = urlparse(f"tcp://{host}:{port}")
+    if u.scheme not in ("tcp", SCHEME):
+        return url, ""  # file:// and friends: torch's own handler
+    q = {k: v[0] for k, v in parse_qs(u.query).items()}
+    q.setdefault("timeout_s", str(timeout_s))
+    new = urlunparse((SCHEME, u.netloc, u.path, "", urlencode(q), ""))
+    return new, u.hostname or ""
+
+
+# ---------------------------------------------------------------------------
+# starting the agent
+# ---------------------------------------------------------------------------
+def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float) -> "TensorPipeAgent":
+    """Rendezvous on loopback (unless configured otherwise) and start torch's TensorPipe agent."""
+    if options is None:
+        options = trpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, _transports=["uv"])
+    elif not isinstance(options, trpc.TensorPipeRpcBackendOptions):
+        from ..errors import DistTypeError
+
+        raise DistTypeError(rpc_message(
+            "init_rpc", "rpc_backend_options must be a TensorPipeRpcBackendOptions",
+            values={"rpc_backend_options": type(options).__name__},
+            fix="build it with tensorplay.distributed.rpc.TensorPipeRpcBackendOptions(...)"))
+    if not options.rpc_timeout or options.rpc_timeout <= 0:
+        raise DistValueError(rpc_message(
+            "init_rpc", "rpc_timeout must be a positive number of seconds (every call is bounded)",
+            values={"rpc_timeout": options.rpc_timeout}, fix="pass rpc_timeout=60 (the default)"))
+    url, host = _init_method(options, options.rpc_timeout)
+    options.init_method = url
+    if host and is_loopback(host):
+        lo = loopback_interface()
+        os.environ.setdefault("TP_SOCKET_IFNAME", lo)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    try:
+        import numpy  # noqa: F401  torch's init exchanges device maps with all_gather_object
+    except ImportError as e:  # pragma: no cover
+        raise DistRuntimeError(rpc_message("init_rpc", "the TensorPipe agent needs numpy", fix="pip install numpy")) from e
+    with warnings.catch_warnings():
+        # torch's agent uses a bare ProcessGroupGloo internally and warns about it
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        try:
+            trpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        except Exception as e:
+            raise DistRuntimeError(rpc_message(
+                "init_rpc", "the TensorPipe agent did not start", worker=name,
+                values={"rank": rank, "world_size": world_size, "init_method": url, "error": f"{type(e).__name__}: {e}"},
+                fix="check that every worker uses the same init_method and world_size, distinct ranks and names, "
+                    "and that all of them start within rpc_timeout")) from e
+    return TensorPipeAgent(name, rank, world_size, float(options.rpc_timeout))
+
+
+# ---------------------------------------------------------------------------
+# the agent
+# ---------------------------------------------------------------------------
+class _TPRRef:
+    """A torch RRef (PyRRef) behind our :class:`RRef` front."""
+
+    __slots__ = ("r",)
+
+    def __init__(self, r: Any) -> None:
+        self.r = r
+
+    def owner(self) -> WorkerInfo:
+        wi = self.r.owner()
+        return WorkerInfo(wi.name, wi.id)
+
+    def here(self) -> str:
+        a = _agent()
+        return a.name if a is not None else "?"
+
+    def is_owner(self) -> bool:
+        return self.r.is_owner()
+
+    def confirmed_by_owner(self) -> bool:
+        return self.r.confirmed_by_owner()
+
+    def ident(self) -> str:
+        m = re.search(r"created_on=(\d+), local_id=(\d+)", repr(self.r))
+        return f"{m.group(1)}:{m.group(2)}" if m else "?"
+
+    def to_here(self, timeout: float | None) -> Any:
+        a = _agent()
+        t = a.timeout if (timeout is None and a is not None) else timeout
+        try:
+            v = self.r.to_here(t) if t is not None else self.r.to_here()
+        except Exception as e:
+            if a is None:
+                raise
+            raise a.translate("RRef.to_here", self.owner(), e, t) from e
+        return unwrap(v)
+
+    def local_value(self) -> Any:
+        return unwrap(self.r.local_value())
+
+    def reduce(self):
+        return (_rebuild_tp_rref, (self.r,))
+
+
+def _rebuild_tp_rref(r: Any) -> RRef[Any]:
+    return RRef._wrap(_TPRRef(r))
+
+
+def _agent() -> "TensorPipeAgent | None":
+    from ._agent import current
+
+    a = current()
+    return a if isinstance(a, TensorPipeAgent) else None
+
+
+# the graceful-shutdown barrier (state lives on the leader)
+_barrier_lock = threading.Condition()
+_barrier_arrived: dict[str, set[str]] = {}
+
+
+def _barrier_arrive(key: str, name: str, expected: list[str], deadline_s: float) -> list[str]:
+    """Runs on the leader: record ``name``, wait (bounded) for everyone, return who arrived."""
+    end = time.monotonic() + deadline_s
+    with _barrier_lock:
+        arrived = _barrier_arrived.setdefault(key, set())
+        arrived.add(name)
+        _barrier_lock.notify_all()
+        while not arrived.issuperset(expected):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            _barrier_lock.wait(min(left, 0.5))
+        return sorted(arrived)
+
+
+class TensorPipeAgent(Agent):
+    """This process's worker in a TensorPipe RPC world."""
+
+    kind = "tensorpipe"
+    _generation = 0
+
+    def __init__(self, name: str, rank: int, world_size: int, timeout: float) -> None:
+        self.name, self.rank, self.world_size, self.timeout = name, rank, world_size, timeout
+        self.objects: dict[Any, Any] = {}
+        self.dead: set[str] = set()
+        infos = trpc.api._get_current_rpc_agent().get_worker_infos()
+        self._infos = sorted((WorkerInfo(w.name, w.id) for w in infos), key=lambda w: w.id)
+        TensorPipeAgent._generation += 1
+        self._generation = TensorPipeAgent._generation
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        return list(self._infos)
+
+    # -- errors -----------------------------------------------------------------
+    def translate(self, call: str, dst: WorkerInfo, exc: BaseException, timeout: float | None) -> BaseException:
+        """A torch transport error as one of ours, naming the call, both workers and the fix."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        values = {"to": dst.name, "rank": dst.id, "timeout": timeout, "torch": text[:300]}
+        if _TIMEOUT_PATTERNS.search(text):
+            return RpcTimeoutError(rpc_message(
+                call, "the call did not finish within its timeout", worker=self.name, values=values,
+                fix="raise timeout= (or rpc_timeout in init_rpc), or find out what blocks the callee"))
+        if _DEAD_PATTERNS.search(text):
+            self.dead.add(dst.name)
+            return self._unavailable(call, dst, text)
+        return RpcError(rpc_message(
+            call, "the transport could not run the call", worker=self.name, values=values,
+            fix="check that the function and its arguments are importable and picklable on the callee"))
+
+    def _unavailable(self, call: str, dst: WorkerInfo, why: str = "it failed an earlier call") -> WorkerUnavailableError:
+        return WorkerUnavailableError(rpc_message(
+            call, "the destination worker is unavailable (its process died, it shut down, or it is unreachable)",
+            worker=self.name, values={"to": dst.name, "rank": dst.id, "reason": why[:300]},
+            fix="restart the world; a TensorPipe RPC world cannot replace a lost worker"))
+
+    def _check(self, call: str, dst: WorkerInfo) -> None:
+        if dst.name in self.dead:
+            raise self._unavailable(call, dst)
+
+    # -- calls ----------------------------------------------------------------
+    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float) -> Any:
+        self._check(call, dst)
+        try:
+            v = trpc.rpc_sync(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
+        except _PICKLE_ERRORS as e:
+            if type(fn) is PickledFunction or not _fn_unpicklable(fn):
+                raise
+            return self.call_sync(call, dst, PickledFunction(fn), args, kwargs, timeout)
+        except RuntimeError as e:
+            raise self.translate(call, dst, e, timeout) from e
+        return unwrap(v)
+
+    def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   timeout: float) -> Future[Any]:
+        self._check(call, dst)
+        try:
+            tf = trpc.rpc_async(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
+        except _PICKLE_ERRORS:
+            if type(fn) is PickledFunction or not _fn_unpicklable(fn):
+                raise
+            return self.call_async(call, dst, PickledFunction(fn), args, kwargs, timeout)
+        except RuntimeError as e:
+            raise self.translate(call, dst, e, timeout) from e
+        fut: Future[Any] = Future(what=call)
+
+        def done(tfut: Any) -> None:
+            try:
+                v = tfut.value()
+            except Exception as e:  # noqa: BLE001  a transport failure
+                fut.set_exception(self.translate(call, dst, e, timeout))
+                return
+            if type(v) is RemoteFailure:
+                fut.set_exception(v.to_exception())
+            else:
+                fut.set_result(v)
+
+        tf.add_done_callback(done)
+        return fut
+
+    def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               timeout: float) -> RRef[Any]:
+        self._check("remote", dst)
+        try:
+            r = trpc.remote(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
+        except _PICKLE_ERRORS:
+            if type(fn) is PickledFunction or not _fn_unpicklable(fn):
+                raise
+            return self.remote(dst, PickledFunction(fn), args, kwargs, timeout)
+        except RuntimeError as e:
+            raise self.translate("remote", dst, e, timeout) from e
+        return RRef._wrap(_TPRRef(r))
+
+    def local_rref(self, value: Any) -> RRef[Any]:
+        return RRef._wrap(_TPRRef(trpc.RRef(value)))
+
+    # -- shutdown -------------------------------------------------------------
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Graceful: a bounded barrier of all workers, then torch's graceful shutdown; else local at once.
+
+        If some worker never reaches the barrier (dead, or still busy after
+        ``timeout`` seconds), this worker shuts down locally and warns, naming
+        the workers that did not arrive.
+        """
+        end = time.monotonic() + timeout
+        missing: list[str] = []
+        if graceful:
+            missing = self._barrier(timeout)
+            graceful = not missing
+        error: BaseException | None = None
+        if graceful:
+            error = _bounded(lambda: trpc.shutdown(graceful=True, timeout=max(1.0, end - time.monotonic())),
+                             max(1.0, end - time.monotonic()) + 2.0)
+        else:
+            error = _bounded(lambda: trpc.shutdown(graceful=False), 10.0)
+        if missing:
+            warnings.warn(rpc_message(
+                "shutdown", "graceful shutdown skipped: some workers did not reach shutdown in time",
+                worker=self.name, values={"missing": missing, "timeout": timeout},
+                fix="shut down on every worker; a worker that died cannot take part"), RuntimeWarning, stacklevel=3)
+        if error is not None:
+            warnings.warn(rpc_message(
+                "shutdown", "the TensorPipe agent reported an error while stopping", worker=self.name,
+                values={"error": f"{type(error).__name__}: {error}"[:400]}), RuntimeWarning, stacklevel=3)
+
+    def _barrier(self, timeout: float) -> list[str]:
+        """Every worker reports to the lowest live rank; returns the names that did not arrive."""
+        names = [w.name for w in self._infos]
+        alive = [w for w in self._infos if w.name not in self.dead]
+        if len(alive) < len(self._infos):
+            return sorted(self.dead)
+        leader = alive[0]
+        key = f"shutdown-{self._generation}"
+        try:
+            if leader.name == self.name:
+                arrived = _barrier_arrive(key, self.name, names, timeout)
+            else:
+                arrived = trpc.rpc_sync(leader.name, _barrier_arrive, args=(key, self.name, names, timeout),
+                                        timeout=timeout + 5.0)
+        except Exception:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
+            return [leader.name]
+        return [n for n in names if n not in arrived]
+
+
+def _fn_unpicklable(fn: Any) -> bool:
+    try:
+        pickle.dumps(fn)
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> BaseException | None:
+    """Run ``fn`` in a daemon thread for at most ``timeout`` seconds; its exception, or a timeout error."""
+    box: list[BaseException | None] = [None]
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            box[0] = e
+
+    t = threading.Thread(target=target, name="tensorplay-rpc-shutdown", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return RpcTimeoutError(f"torch's RPC shutdown still running after {timeout:.1f}s; left it behind")
+    return box[0]

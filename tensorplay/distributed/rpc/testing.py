@@ -1,0 +1,117 @@
+"""A persistent TensorPipe RPC world on loopback, for tests and benchmarks.
+
+:class:`RpcPool` starts ``world_size`` real processes once (a
+:class:`~tensorplay.distributed.pool.RankPool`), initialises RPC in each as
+``worker0``, ``worker1``, ... on ``127.0.0.1`` at a free port, and then runs
+any number of functions on them.  Starting costs seconds (``import torch``);
+a call on a warm pool costs milliseconds.  When a call fails (a rank raised or
+died) the processes are restarted, and RPC re-initialised, on the next call.
+
+Functions travel with dill: module-level functions of importable modules
+(test modules included) go by reference.
+
+Example::
+
+    from tensorplay.distributed.rpc.testing import RpcPool
+
+    def body():
+        import torch, tensorplay.distributed.rpc as rpc
+        return rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+
+    with RpcPool(2) as pool:
+        print(pool.run_on(0, body))       # tensor([2., 2.])
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..pool import RankPool, free_port
+
+__all__ = ["RpcPool"]
+
+
+def _init_worker(name: str, rank: int, world_size: int, port: int, rpc_timeout: float) -> str:
+    import tensorplay.distributed.rpc as rpc
+
+    if rpc.is_initialized():
+        rpc.shutdown(graceful=False)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout,
+                                           _transports=["uv"])
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
+    return name
+
+
+def _shutdown_worker(timeout: float) -> None:
+    import tensorplay.distributed.rpc as rpc
+
+    if rpc.is_initialized():
+        rpc.shutdown(timeout=timeout)
+
+
+def _on_rank(target: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    import tensorplay.distributed.rpc as rpc
+
+    if rpc.get_worker_info().id != target:
+        return None
+    return fn(*args, **kwargs)
+
+
+class RpcPool:
+    """``world_size`` processes with an initialised TensorPipe RPC agent each (``worker0``...).
+
+    Args:
+        world_size: number of workers.
+        rpc_timeout: the workers' default per-call timeout, seconds.
+        call_timeout: bound on one :meth:`run`, seconds.
+    """
+
+    def __init__(self, world_size: int, *, rpc_timeout: float = 20.0, call_timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self.rpc_timeout = rpc_timeout
+        self.pool = RankPool(world_size, call_timeout=call_timeout, pg_timeout=call_timeout)
+        self._started_at_restart = -1
+
+    def __enter__(self) -> "RpcPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def names(self) -> list[str]:
+        return [f"worker{r}" for r in range(self.world_size)]
+
+    def start(self) -> None:
+        """Start the processes (if needed) and initialise RPC in them."""
+        if self.pool.alive and self._started_at_restart == self.pool.restarts:
+            return
+        self.pool.start()
+        port = free_port()
+        self.pool.run_per_rank(_init_worker, [(f"worker{r}", r, self.world_size, port, self.rpc_timeout)
+                                              for r in range(self.world_size)])
+        self._started_at_restart = self.pool.restarts
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every worker; results in rank order."""
+        self.start()
+        return self.pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def run_on(self, rank: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+               **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on worker ``rank`` only (the others stay idle, serving RPCs)."""
+        self.start()
+        return self.pool.run(_on_rank, rank, fn, args, kwargs, timeout=timeout)[rank]
+
+    def kill(self, rank: int) -> None:
+        """Kill worker ``rank``'s process (SIGKILL); the pool restarts after the next failing call."""
+        self.pool._procs[rank].kill()
+        self.pool._procs[rank].join(5.0)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.pool.alive and self._started_at_restart == self.pool.restarts:
+            try:
+                self.pool.run(_shutdown_worker, timeout, timeout=timeout + 5.0)
+            except Exception:  # noqa: BLE001  closing anyway
+                pass
+        self.pool.close()

@@ -1,0 +1,188 @@
+"""Trace export, virtual time, fault replay, and `python -m simulator` scripts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import simulator
+import tensorplay as tp
+import tensorplay.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _step():
+    x = tp.ones(1000)
+    dist.all_reduce(x)
+    y = [tp.empty(10) for _ in range(dist.get_world_size())]
+    dist.all_gather(y, tp.ones(10))
+    if dist.get_rank() == 0:
+        dist.send(tp.ones(4), dst=1)
+    elif dist.get_rank() == 1:
+        dist.recv(tp.empty(4), src=0)
+    return x.sum().item()
+
+
+def test_trace_records_every_op_and_exports_chrome_json(tmp_path):
+    simulator.run(_step, 3)
+    tr = simulator.last_trace()
+    assert {(e.rank, e.op) for e in tr.events} >= {(r, op) for r in range(3) for op in ("all_reduce", "all_gather")}
+    ar = [e for e in tr.events if e.op == "all_reduce"]
+    assert all(e.nbytes == 4000 and e.seq == 1 and e.group == (0, 1, 2) for e in ar)
+    assert all(e.site.startswith("test_sim_trace_cli.py:") for e in tr.events)
+    assert all(e.wall_end >= e.wall_start and e.vend >= e.vstart for e in tr.events)
+    recv = next(e for e in tr.events if e.op == "recv")
+    assert recv.peer == 0 and recv.rank == 1
+    path = tmp_path / "t.json"
+    tr.to_chrome(str(path))
+    doc = json.loads(path.read_text())
+    evs = doc["traceEvents"]
+    xs = [e for e in evs if e["ph"] == "X"]
+    assert len(xs) == len(tr.events)
+    for e in xs:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0
+    assert {e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"} == {"rank 0", "rank 1", "rank 2"}
+    wall = tr.to_chrome(clock="wall")
+    assert len([e for e in wall["traceEvents"] if e["ph"] == "X"]) == len(xs)
+
+
+def test_virtual_time_follows_the_alpha_beta_model():
+    cost = simulator.CostModel(latency_s=1e-3, bandwidth_Bps=1e6, compute_scale=0.0)
+
+    def fn():
+        dist.all_reduce(tp.ones(250))  # 1000 bytes
+        dist.broadcast(tp.ones(250), src=0)
+        dist.all_gather_into_tensor(tp.empty(1000), tp.ones(250))  # gathered: 4000 bytes
+
+    simulator.run(fn, 4, cost=cost)
+    tr = simulator.last_trace()
+    n, a, b = 4, 1e-3, 1e6
+    ar = 2 * (n - 1) * a + 2 * (n - 1) / n * 1000 / b
+    bc = 2 * a + 1000 / b
+    ag = (n - 1) * a + (n - 1) / n * 4000 / b
+    for r in range(4):
+        evs = tr.by_rank(r)
+        assert [e.op for e in evs] == ["all_reduce", "broadcast", "all_gather_into_tensor"]
+        assert evs[0].vend == pytest.approx(ar)
+        assert evs[1].vend == pytest.approx(ar + bc)
+        assert evs[2].vend == pytest.approx(ar + bc + ag)
+    rows = tr.summary()
+    assert rows[0]["end_s"] == pytest.approx(ar + bc + ag)
+    assert "rank" in tr.format_summary()
+
+
+def test_delay_fault_makes_a_straggler_in_virtual_time():
+    cost = simulator.CostModel(latency_s=0.0, bandwidth_Bps=1e12, compute_scale=0.0)
+
+    def fn():
+        dist.all_reduce(tp.ones(1))
+
+    simulator.run(fn, 3, cost=cost, faults=[simulator.Delay(rank=1, seconds=0.5)])
+    tr = simulator.last_trace()
+    for e in tr.events:
+        assert e.vend == pytest.approx(0.5)  # everyone waits for the straggler
+    waits = {e.rank: e.vend - e.vstart for e in tr.events}
+    assert waits[1] == pytest.approx(0.0, abs=1e-9) and waits[0] == pytest.approx(0.5)
+
+
+def test_crash_fault_replays_identically():
+    faults = simulator.random_faults(seed=5, world_size=4, max_at=4)
+    assert faults == simulator.random_faults(seed=5, world_size=4, max_at=4)
+
+    def fn():
+        for _ in range(4):
+            dist.all_reduce(tp.ones(1))
+
+    sigs = []
+    for _ in range(2):
+        w = simulator.World(4, faults=faults)
+        with pytest.raises(simulator.InjectedFault) as ei:
+            w.run(fn)
+        sigs.append((ei.value.rank, str(ei.value), w.trace.signature()))
+    assert sigs[0] == sigs[1]
+    assert sigs[0][0] == faults[0].rank
+
+
+def test_real_delay_in_threads_mode_still_correct():
+    def fn():
+        x = tp.tensor([float(dist.get_rank())])
+        dist.all_reduce(x)
+        return x.item()
+
+    out = simulator.run(fn, 3, mode="threads", faults=[simulator.Delay(rank=0, seconds=0.02, real=True)])
+    assert out == [3.0, 3.0, 3.0]
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    import tensorplay as tp
+    import tensorplay.distributed as dist
+    dist.init_process_group(backend="gloo", init_method="env://")
+    rank = int(os.environ["RANK"])
+    assert rank == dist.get_rank() and int(os.environ["LOCAL_RANK"]) == rank
+    assert int(os.environ["WORLD_SIZE"]) == dist.get_world_size() == int(os.environ["LOCAL_WORLD_SIZE"])
+    assert os.environ["MASTER_ADDR"] and os.environ["MASTER_PORT"]
+    x = tp.tensor([float(rank)])
+    dist.all_reduce(x)
+    print(f"rank={rank} sum={x.item()} argv={sys.argv[1:]}", flush=True)
+    if "--fail" in sys.argv and rank == 1:
+        raise ValueError("rank one fails on purpose")
+    dist.destroy_process_group()
+""")
+
+
+def _cli(tmp_path, *args):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "-m", "simulator", *args[:-1], str(script), *args[-1]],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+
+
+def test_cli_runs_a_torchrun_script_with_per_rank_env(tmp_path):
+    trace = tmp_path / "run.json"
+    p = _cli(tmp_path, "--nproc-per-node", "3", "--seed", "4", "--trace", str(trace), ["--lr", "0.1"])
+    assert p.returncode == 0, p.stderr
+    lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank="))
+    assert lines == [f"rank={r} sum=3.0 argv=['--lr', '0.1']" for r in range(3)]
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_cli_failure_exits_non_zero_with_the_rank_traceback(tmp_path):
+    p = _cli(tmp_path, "--nproc-per-node", "3", "--mode", "threads", ["--fail"])
+    assert p.returncode == 1
+    assert "rank 1 failed (ValueError)" in p.stderr
+    assert "rank one fails on purpose" in p.stderr and "train.py" in p.stderr
+
+
+def test_environ_is_restored_after_a_run():
+    before = os.environ
+
+    def fn():
+        return os.environ["RANK"], os.getenv("WORLD_SIZE")
+
+    out = simulator.run(fn, 2, torchrun_env=True)
+    assert out == [("0", "2"), ("1", "2")]
+    assert os.environ is before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensors_round_robin():
+    def fn():
+        dev = simulator.rank_device()
+        x = torch.full((4,), float(dist.get_rank()), device=dev)
+        dist.all_reduce(x)
+        outs = [torch.empty(4, device=dev) for _ in range(dist.get_world_size())]
+        dist.all_gather(outs, x)
+        return x.cpu(), dev.type
+
+    res = simulator.run(fn, 4, device="cuda")
+    for x, t in res:
+        assert t == "cuda" and torch.equal(x, torch.full((4,), 6.0))

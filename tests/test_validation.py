@@ -1,0 +1,320 @@
+"""Argument validation: every bad input raises a clear error on the calling rank, before any communication.
+
+Each case below makes one bad call.  On a gloo pool of world size 1 and 2,
+*one* rank (the "checker") makes every bad call while the other rank does
+nothing at all; a call that reached the network would therefore hang until
+the process-group timeout instead of raising at once.  Afterwards both ranks
+run one ``all_reduce`` together, which shows that no bad call left a message
+behind.  One pool call per (world size, checker) runs every case; the tests
+then look at the recorded ``(error class, MRO, message)`` per case.
+
+Every message must name the collective, the group ranks, the calling rank and
+the offending values as ``name=value``.  Expected fragments are templates:
+``{r}`` the checker's rank, ``{o}`` the other rank, ``{W}`` the world size,
+``{G}`` the world's ranks (e.g. ``[0, 1]``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import (
+    DistError,
+    DistTypeError,
+    DistValueError,
+    NotInitializedError,
+    RankNotInGroupError,
+    ReduceOp,
+)
+
+
+@dataclass
+class Ctx:
+    """What a bad call may need on the checker rank."""
+
+    rank: int
+    W: int
+    own_group: Any = None  # new_group([rank]) (world size >= 2)
+    other_group: Any = None  # new_group([other]): the checker is not a member
+
+    def t(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(shape or (2,), dtype=dtype)
+
+
+@dataclass
+class Case:
+    id: str
+    call: Callable[[Ctx], Any]
+    error: type
+    builtin: type
+    fragments: list[str]
+    min_world: int = 1
+    # a group-type error has no group to name; everything else names it
+    names_group: bool = field(default=True)
+
+
+def _c(id: str, call: Callable[[Ctx], Any], error: type, builtin: type, *fragments: str,  # noqa: A002
+       min_world: int = 1, names_group: bool = True) -> Case:
+    return Case(id, call, error, builtin, list(fragments), min_world, names_group)
+
+
+RNIG, DVE, DTE = RankNotInGroupError, DistValueError, DistTypeError
+CASES: list[Case] = [
+    # -- rank not in group; src/dst not in group --------------------------------------------------
+    _c("all_reduce-rank-not-in-group", lambda c: dist.all_reduce(c.t(), group=c.other_group), RNIG, ValueError,
+       "group [{o}]", "rank={r}", "group_ranks=[{o}]", min_world=2),
+    _c("barrier-rank-not-in-group", lambda c: dist.barrier(group=c.other_group), RNIG, ValueError,
+       "group [{o}]", "rank={r}", min_world=2),
+    _c("all_to_all-rank-not-in-group", lambda c: dist.all_to_all([c.t()], [c.t()], group=c.other_group), RNIG,
+       ValueError, "group [{o}]", "rank={r}", min_world=2),
+    _c("broadcast-src-not-in-group", lambda c: dist.broadcast(c.t(), src=1 - c.rank, group=c.own_group), RNIG,
+       ValueError, "group [{r}]", "src={o}", "group_ranks=[{r}]", min_world=2),
+    _c("broadcast-src-outside-world", lambda c: dist.broadcast(c.t(), src=c.W), RNIG, ValueError,
+       "src={W}", "group_ranks={G}"),
+    _c("broadcast-group_src-out-of-range", lambda c: dist.broadcast(c.t(), group_src=c.W), RNIG, ValueError,
+       "group_src={W}", "group_size={W}"),
+    _c("broadcast-src-and-group_src", lambda c: dist.broadcast(c.t(), src=0, group_src=0), DVE, ValueError,
+       "src=0", "group_src=0"),
+    _c("broadcast-no-src", lambda c: dist.broadcast(c.t()), DVE, ValueError, "src=None"),
+    _c("reduce-dst-not-in-group", lambda c: dist.reduce(c.t(), dst=1 - c.rank, group=c.own_group), RNIG,
+       ValueError, "group [{r}]", "dst={o}", min_world=2),
+    _c("reduce-group_dst-negative", lambda c: dist.reduce(c.t(), group_dst=-1), RNIG, ValueError, "group_dst=-1"),
+    _c("gather-dst-outside-world", lambda c: dist.gather(c.t(), None, dst=c.W + 3), RNIG, ValueError,
+       "dst={W+3}"),
+    _c("gather-group_dst-out-of-range", lambda c: dist.gather(c.t(), None, group_dst=c.W), RNIG, ValueError,
+       "group_dst={W}"),
+    _c("scatter-src-not-in-group", lambda c: dist.scatter(c.t(), None, src=1 - c.rank, group=c.own_group), RNIG,
+       ValueError, "group [{r}]", "src={o}", min_world=2),
+    _c("scatter-group_src-out-of-range", lambda c: dist.scatter(c.t(), None, group_src=c.W), RNIG, ValueError,
+       "group_src={W}"),
+    _c("send-dst-outside-world", lambda c: dist.send(c.t(), dst=c.W), RNIG, ValueError, "dst={W}"),
+    _c("send-dst-not-in-group", lambda c: dist.send(c.t(), dst=1 - c.rank, group=c.own_group), RNIG, ValueError,
+       "group [{r}]", "dst={o}", min_world=2),
+    _c("recv-group_src-out-of-range", lambda c: dist.recv(c.t(), group_src=c.W), RNIG, ValueError,
+       "group_src={W}"),
+    _c("irecv-src-outside-world", lambda c: dist.irecv(c.t(), src=c.W + 1), RNIG, ValueError, "src={W+1}"),
+    _c("send-to-self", lambda c: dist.send(c.t(), dst=c.rank), DVE, ValueError, "dst={r}"),
+    # -- list length != group size -------------------------------------------------------------
+    _c("all_gather-list-too-long", lambda c: dist.all_gather([c.t() for _ in range(c.W + 1)], c.t()), DVE,
+       ValueError, "len(tensor_list)={W+1}", "group_size={W}"),
+    _c("gather-list-too-short-on-dst",
+       lambda c: dist.gather(c.t(), [c.t() for _ in range(c.W - 1)], dst=c.rank), DVE, ValueError,
+       "len(gather_list)={W-1}", "group_size={W}"),
+    _c("gather-list-off-dst", lambda c: dist.gather(c.t(), [c.t()], dst=1 - c.rank), DVE, ValueError,
+       "dst={o}", "len(gather_list)=1", min_world=2),
+    _c("gather-no-list-on-dst", lambda c: dist.gather(c.t(), None, dst=c.rank), DVE, ValueError,
+       "gather_list=None"),
+    _c("scatter-list-too-long-on-src",
+       lambda c: dist.scatter(c.t(), [c.t() for _ in range(c.W + 1)], src=c.rank), DVE, ValueError,
+       "len(scatter_list)={W+1}", "group_size={W}"),
+    _c("reduce_scatter-list-too-long", lambda c: dist.reduce_scatter(c.t(), [c.t() for _ in range(c.W + 1)]), DVE,
+       ValueError, "len(input_list)={W+1}", "group_size={W}"),
+    _c("all_to_all-inputs-too-long",
+       lambda c: dist.all_to_all([c.t() for _ in range(c.W)], [c.t() for _ in range(c.W + 1)]), DVE, ValueError,
+       "len(input_tensor_list)={W+1}", "group_size={W}"),
+    _c("all_to_all-outputs-too-short",
+       lambda c: dist.all_to_all([c.t() for _ in range(c.W - 1)], [c.t() for _ in range(c.W)]), DVE, ValueError,
+       "len(output_tensor_list)={W-1}", "group_size={W}"),
+    # -- split sizes -----------------------------------------------------------------------------
+    _c("all_to_all_single-input-splits-bad-sum",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * (c.W - 1) + [3]), DVE, ValueError,
+       "sum(input_split_sizes)={2*W+1}", "input.shape[0]={2*W}"),
+    _c("all_to_all_single-input-splits-wrong-length",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * c.W + [0]), DVE, ValueError,
+       "len(input_split_sizes)={W+1}", "group_size={W}"),
+    _c("all_to_all_single-output-splits-bad-sum",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), [1] * c.W, None), DVE, ValueError,
+       "sum(output_split_sizes)={W}", "output.shape[0]={2*W}"),
+    _c("all_to_all_single-negative-split",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None,
+                                        [-1] + [2 * c.W + 1] * (c.W > 1) + [0] * max(c.W - 2, 0)),
+       DVE, ValueError, "input_split_sizes=[-1"),
+    _c("all_to_all_single-indivisible", lambda c: dist.all_to_all_single(c.t(2 * c.W + 1), c.t(2 * c.W + 1)), DVE,
+       ValueError, "input.shape[0]={2*W+1}", "group_size={W}", min_world=2),
+    # -- dtype not allowed for the op ------------------------------------------------------------
+    _c("all_reduce-AVG-int64", lambda c: dist.all_reduce(c.t(dtype=torch.int64), op=ReduceOp.AVG), DTE, TypeError,
+       "op=ReduceOp.AVG", "dtype=torch.int64"),
+    _c("all_reduce-AVG-bool", lambda c: dist.all_reduce(c.t(dtype=torch.bool), op=ReduceOp.AVG), DTE, TypeError,
+       "op=ReduceOp.AVG", "dtype=torch.bool"),
+    _c("all_reduce-BAND-float32", lambda c: dist.all_reduce(c.t(), op=ReduceOp.BAND), DTE, TypeError,
+       "op=ReduceOp.BAND", "dtype=torch.float32"),
+    _c("all_reduce-BOR-float32", lambda c: dist.all_reduce(c.t(), op=ReduceOp.BOR), DTE, TypeError,
+       "op=ReduceOp.BOR", "dtype=torch.float32"),
+    _c("all_reduce-BXOR-float32", lambda c: dist.all_reduce(c.t(), op=ReduceOp.BXOR), DTE, TypeError,
+       "op=ReduceOp.BXOR", "dtype=torch.float32"),
+    _c("all_reduce-MIN-complex64", lambda c: dist.all_reduce(c.t(dtype=torch.complex64), op=ReduceOp.MIN), DTE,
+       TypeError, "op=ReduceOp.MIN", "dtype=torch.complex64"),
+    _c("all_reduce-MAX-complex64-torch-op",
+       lambda c: dist.all_reduce(c.t(dtype=torch.complex64), op=torch.distributed.ReduceOp.MAX), DTE, TypeError,
+       "op=ReduceOp.MAX", "dtype=torch.complex64"),
+    _c("reduce-AVG-int64", lambda c: dist.reduce(c.t(dtype=torch.int64), dst=0, op=ReduceOp.AVG), DTE, TypeError,
+       "op=ReduceOp.AVG", "dtype=torch.int64"),
+    _c("reduce_scatter-BXOR-float32",
+       lambda c: dist.reduce_scatter(c.t(), [c.t() for _ in range(c.W)], op=ReduceOp.BXOR), DTE, TypeError,
+       "op=ReduceOp.BXOR", "dtype=torch.float32"),
+    _c("reduce_scatter_tensor-MAX-complex64",
+       lambda c: dist.reduce_scatter_tensor(c.t(dtype=torch.complex64), c.t(2 * c.W, dtype=torch.complex64),
+                                            op="max"), DTE, TypeError, "op=ReduceOp.MAX", "dtype=torch.complex64"),
+    # -- device the backend cannot use (gloo: cpu/cuda; meta stands in for an unusable device) -------------
+    _c("all_reduce-meta", lambda c: dist.all_reduce(torch.empty(3, device="meta")), DVE, ValueError,
+       "tensor.device='meta'", "backend='gloo'"),
+    _c("broadcast-meta", lambda c: dist.broadcast(torch.empty(3, device="meta"), src=0), DVE, ValueError,
+       "tensor.device='meta'"),
+    _c("all_gather-meta-output",
+       lambda c: dist.all_gather([torch.empty(2, device="meta")] + [c.t() for _ in range(c.W - 1)], c.t()), DVE,
+       ValueError, "tensor_list[0].device='meta'"),
+    _c("all_to_all_single-meta-input", lambda c: dist.all_to_all_single(c.t(c.W), torch.empty(c.W, device="meta")),
+       DVE, ValueError, "input.device='meta'"),
+    _c("send-meta", lambda c: dist.send(torch.empty(1, device="meta"), dst=c.W - 1 - c.rank), DVE, ValueError,
+       "tensor.device='meta'", min_world=2),
+    # -- wrong argument types --------------------------------------------------------------------
+    _c("all_reduce-tensor-is-list", lambda c: dist.all_reduce([1.0, 2.0]), DTE, TypeError, "tensor='list'"),
+    _c("broadcast-tensor-is-float", lambda c: dist.broadcast(3.0, src=0), DTE, TypeError, "tensor='float'"),
+    _c("all_gather-list-is-tensor", lambda c: dist.all_gather(c.t(c.W), c.t()), DTE, TypeError,
+       "tensor_list='Tensor'"),
+    _c("all_reduce-group-is-int", lambda c: dist.all_reduce(c.t(), group=3), DTE, TypeError, "group=3",
+       names_group=False),
+    _c("all_reduce-op-unknown-name", lambda c: dist.all_reduce(c.t(), op="garbage"), DVE, ValueError,
+       "op='garbage'"),
+    _c("all_reduce-op-wrong-type", lambda c: dist.all_reduce(c.t(), op=1.5), DTE, TypeError, "op=1.5"),
+    _c("broadcast-src-is-str", lambda c: dist.broadcast(c.t(), src="0"), DTE, TypeError, "src='0'"),
+    _c("reduce-group_dst-is-float", lambda c: dist.reduce(c.t(), group_dst=0.0), DTE, TypeError, "group_dst=0.0"),
+    _c("all_reduce-async_op-int", lambda c: dist.all_reduce(c.t(), async_op=1), DTE, TypeError, "async_op=1"),
+    _c("barrier-async_op-str", lambda c: dist.barrier(async_op="yes"), DTE, TypeError, "async_op='yes'"),
+    _c("all_to_all_single-splits-floats",
+       lambda c: dist.all_to_all_single(c.t(c.W), c.t(c.W), None, [1.0] * c.W), DTE, TypeError,
+       "input_split_sizes=[1.0"),
+    _c("send-tag-is-str", lambda c: dist.send(c.t(), dst=c.W - 1 - c.rank, tag="x"), DTE, TypeError, "tag='x'",
+       min_world=2),
+    _c("all_gather_into_tensor-dtype-mismatch",
+       lambda c: dist.all_gather_into_tensor(c.t(2 * c.W, dtype=torch.float64), c.t(2)), DTE, TypeError,
+       "output_tensor.dtype=torch.float64", "input_tensor.dtype=torch.float32"),
+    _c("all_gather_into_tensor-wrong-shape", lambda c: dist.all_gather_into_tensor(c.t(2 * c.W + 1), c.t(2)), DVE,
+       ValueError, "output_tensor.shape=({2*W+1},)", "input_tensor.shape=(2,)"),
+    _c("reduce_scatter_tensor-wrong-shape", lambda c: dist.reduce_scatter_tensor(c.t(2), c.t(2 * c.W + 1)), DVE,
+       ValueError, "input.shape=({2*W+1},)", "output.shape=(2,)"),
+]
+CASE_BY_ID = {case.id: case for case in CASES}
+assert len(CASE_BY_ID) == len(CASES), "case ids must be unique"
+
+
+# -- on the ranks ------------------------------------------------------------------------------
+_OWN_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _groups(rank: int, world: int) -> tuple[Any, Any]:
+    """(own group, other rank's group); every rank creates new_group([0]) then new_group([1]), once."""
+    if world < 2:
+        return None, None
+    if not _OWN_GROUPS:
+        singles = [dist.new_group([r]) for r in range(world)]
+        _OWN_GROUPS[rank] = (singles[rank], singles[1 - rank])
+    return _OWN_GROUPS[rank]
+
+
+def _run_bad_calls(checker: int, case_ids: list[str]) -> dict[str, Any]:
+    """The checker makes every bad call; the other rank does nothing; then both all-reduce once."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own, other = _groups(rank, world)
+    records: dict[str, Any] = {}
+    if rank == checker:
+        ctx = Ctx(rank, world, own, other)
+        for cid in case_ids:
+            t0 = time.monotonic()
+            try:
+                CASE_BY_ID[cid].call(ctx)
+            except BaseException as e:  # noqa: BLE001  every outcome is recorded
+                records[cid] = (type(e).__name__, [k.__name__ for k in type(e).__mro__], str(e),
+                                time.monotonic() - t0)
+            else:
+                records[cid] = ("no error", [], "", time.monotonic() - t0)
+    health = torch.tensor([float(rank + 1)])
+    dist.all_reduce(health)
+    records["__health__"] = float(health.item())
+    return records
+
+
+# -- in the test process -----------------------------------------------------------------------
+_RESULTS: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def _results(rank_pool: Any, world: int, checker: int) -> dict[str, Any]:
+    """One pool call per (world size, checker), shared by every test of that pair (also under xdist)."""
+    key = (world, checker)
+    if key not in _RESULTS:
+        ids = [c.id for c in CASES if c.min_world <= world]
+        per_rank = rank_pool(world).run(_run_bad_calls, checker, ids)
+        _RESULTS[key] = per_rank[checker] | {"__health_all__": [r["__health__"] for r in per_rank]}
+    return _RESULTS[key]
+
+
+def _params() -> list[Any]:
+    out = []
+    for world in (1, 2):
+        for checker in range(world):
+            for case in CASES:
+                if case.min_world <= world:
+                    out.append(pytest.param(world, checker, case.id, id=f"W{world}-rank{checker}-{case.id}",
+                                            marks=[pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{world}")]))
+    return out
+
+
+def _fill(template: str, world: int, rank: int) -> str:
+    return template.format(r=rank, o=1 - rank, W=world, G=list(range(world)), **{
+        "W+1": world + 1, "W-1": world - 1, "W+3": world + 3, "2*W": 2 * world, "2*W+1": 2 * world + 1})
+
+
+@pytest.mark.parametrize("world,checker,case_id", _params())
+def test_bad_call_raises_before_communicating(rank_pool: Any, world: int, checker: int, case_id: str) -> None:
+    case = CASE_BY_ID[case_id]
+    name, mro, message, seconds = _results(rank_pool, world, checker)[case_id]
+    where = f"W={world} rank={checker} case={case_id}: {name}: {message}"
+    assert name == case.error.__name__, where
+    assert case.builtin.__name__ in mro and "DistError" in mro, where
+    collective = case_id.split("-")[0]
+    assert message.startswith(f"tensorplay.distributed.{collective} ("), where
+    assert f"rank {checker}" in message, where
+    if case.names_group:
+        assert "group [" in message, where
+    for fragment in case.fragments:
+        assert _fill(fragment, world, checker) in message, where
+    assert "Fix:" in message, where
+    assert seconds < 5.0, f"{where} (took {seconds:.1f}s: it waited for a peer instead of failing at once)"
+
+
+@pytest.mark.parametrize("world,checker", [
+    pytest.param(w, c, id=f"W{w}-rank{c}", marks=[pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{w}")])
+    for w in (1, 2) for c in range(w)
+])
+def test_world_still_healthy_after_bad_calls(rank_pool: Any, world: int, checker: int) -> None:
+    """No bad call sent anything: the all-reduce that follows them sees exactly the ranks' own values."""
+    assert _results(rank_pool, world, checker)["__health_all__"] == [world * (world + 1) / 2] * world
+
+
+# -- not initialised: no pool, this process never initialised a process group ----------------------
+NOT_INITIALISED = [
+    ("all_reduce", lambda: dist.all_reduce(torch.ones(1))),
+    ("barrier", lambda: dist.barrier()),
+    ("broadcast", lambda: dist.broadcast(torch.ones(1), src=0)),
+    ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(1), torch.ones(1))),
+    ("send", lambda: dist.send(torch.ones(1), dst=1)),
+    ("recv", lambda: dist.recv(torch.ones(1))),
+    ("get_rank", lambda: dist.get_rank()),
+    ("new_group", lambda: dist.new_group([0])),
+]
+
+
+@pytest.mark.parametrize("name,call", NOT_INITIALISED, ids=[n for n, _ in NOT_INITIALISED])
+def test_not_initialised(name: str, call: Callable[[], Any]) -> None:
+    assert not dist.is_initialized(), "the test process must not hold a process group"
+    with pytest.raises(NotInitializedError) as info:
+        call()
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, DistError)
+    message = str(info.value)
+    assert message.startswith(f"tensorplay.distributed.{name}: ")
+    assert "init_process_group" in message and "Fix:" in message
