@@ -3,8 +3,10 @@
 Both run in the same rank processes (a :class:`~tensorplay.distributed.pool.RankPool`
 on 127.0.0.1), interleaved round by round so machine noise hits both alike.
 For each (collective, size) every rank records, per round, the mean time of
-``inner`` back-to-back calls (after a barrier); a rank's figure is the median
-over rounds, and the table shows the slowest rank's figure.
+``inner`` back-to-back calls (after a barrier).  A round's figure is its
+slowest rank's; the table shows the best round (``min``: least disturbed by
+other work on the machine, as ``timeit`` does) and the median round, and the
+ratios tensorplay / torch of both.
 
 ``n`` is the number of float32 elements in each rank's tensor: the input of
 broadcast / all_reduce / reduce / all_gather* / gather / all_to_all_single,
@@ -123,8 +125,9 @@ def _time_block(fn: Callable[[], Any], inner: int) -> float:
     return (time.perf_counter() - t0) / inner
 
 
-def bench_rank(jobs: list[tuple[str, int]], rounds: int, budget_s: float) -> dict[tuple[str, int], tuple[float, float]]:
-    """On every rank: for each (collective, n), the median seconds per call of (ours, torch)."""
+def bench_rank(jobs: list[tuple[str, int]], rounds: int,
+               budget_s: float) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """On every rank: for each (collective, n), seconds per call of (ours, torch), one entry per round."""
     import torch
 
     torch.set_num_threads(1)
@@ -146,7 +149,7 @@ def bench_rank(jobs: list[tuple[str, int]], rounds: int, budget_s: float) -> dic
             else:
                 b.append(_time_block(theirs, k))
                 a.append(_time_block(ours, k))
-        out[name, n] = (statistics.median(a), statistics.median(b))
+        out[name, n] = (a, b)
     return out
 
 
@@ -154,7 +157,7 @@ def bench_rank(jobs: list[tuple[str, int]], rounds: int, budget_s: float) -> dic
 # driver
 # ---------------------------------------------------------------------------
 def _fmt_time(s: float) -> str:
-    return f"{s * 1e6:9.1f} us" if s < 1e-3 else f"{s * 1e3:9.3f} ms"
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.3f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or [*COLLECTIVES, "ragged all_to_all"]
     import torch
 
-    print(f"# torch {torch.__version__}, gloo on 127.0.0.1, float32, {rounds} rounds; "
-          f"time per call = slowest rank's median over rounds")
-    print(f"{'W':>2} {'collective':<24} {'n':>8} {'tensorplay':>12} {'torch':>12} {'ratio':>6}")
-    rows = []
+    print(f"# torch {torch.__version__}, gloo on 127.0.0.1, float32, {rounds} rounds; per round the slowest "
+          f"rank counts; best = fastest round, med = median round")
+    print(f"{'W':>2} {'collective':<22} {'n':>7} {'tensorplay best':>15} {'torch best':>12} {'ratio':>6} "
+          f"{'tp med':>11} {'torch med':>11} {'ratio':>6}")
     for w in args.world_sizes:
         jobs = []
         for name in names:
@@ -189,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         with RankPool(w, call_timeout=3600, pg_timeout=600) as pool:
             per_rank = pool.run(me.bench_rank, jobs, rounds, budget)
         for name, n in jobs:
-            ours = max(r[name, n][0] for r in per_rank)
-            theirs = max(r[name, n][1] for r in per_rank)
-            label = "torch" if name != "ragged all_to_all" else "W scatters"
-            rows.append((w, name, n, ours, theirs))
-            print(f"{w:>2} {name:<24} {n if n else '-':>8} {_fmt_time(ours):>12} {_fmt_time(theirs):>12} "
-                  f"{ours / theirs:6.2f}" + ("   (vs W scatters)" if label != "torch" else ""), flush=True)
+            ours = [max(r[name, n][0][k] for r in per_rank) for k in range(rounds)]
+            theirs = [max(r[name, n][1][k] for r in per_rank) for k in range(rounds)]
+            best = (min(ours), min(theirs))
+            med = (statistics.median(ours), statistics.median(theirs))
+            note = "   (torch column: W scatters)" if name == "ragged all_to_all" else ""
+            print(f"{w:>2} {name:<22} {n if n else '-':>7} {_fmt_time(best[0]):>15} {_fmt_time(best[1]):>12} "
+                  f"{best[0] / best[1]:6.2f} {_fmt_time(med[0]):>11} {_fmt_time(med[1]):>11} "
+                  f"{med[0] / med[1]:6.2f}{note}", flush=True)
     return 0
 
 

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", default=[], metavar="ID",
                    help="run exactly this case (the id a failure prints); repeatable")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="per-case bound; a case running longer fails as 'timed out' (default: sim 10, gloo 6, nccl 60)")
+                   help="per-case bound; a case running longer fails as 'timed out' (default: sim 10, gloo 4, nccl 60)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress line and no matrix, only the summary "
                    "and the failures")
     p.add_argument("--max-failures", type=int, default=10, metavar="K",
@@ -101,7 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the rank processes are shut down on the way out."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _exit_on_sigterm()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -119,7 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.validate()
     except ConfigError as e:
         parser.error(str(e))
-    result = run_suite(cfg, progress=not args.quiet)
+    try:
+        result = run_suite(cfg, progress=not args.quiet)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted; rank processes shut down\n")
+        return 130
     out = sys.stdout
     if not args.quiet:
         out.write(result.report_markdown(max_examples=0).split("## Failures by cause")[0].rstrip() + "\n\n")

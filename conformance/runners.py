@@ -19,6 +19,7 @@ skip reason from :meth:`Runner.skip_reason` instead.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ __all__ = ["BACKENDS", "DEVICES", "RunnerError", "Runner", "RunReport", "SimRunn
 BACKENDS = ("sim", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 #: per-case bound, seconds: legitimate cases take milliseconds
-DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 6.0, "nccl": 60.0}
+DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 4.0, "nccl": 60.0}
 
 
 class RunnerError(ValueError):
@@ -152,12 +153,14 @@ class PoolRunner(Runner):
     """Cases on real rank processes: one persistent pool per world size (gloo on CPU, nccl on GPUs)."""
 
     backend = "gloo"
-    grace = 2.0
+    #: after one rank failed, how long the others may still take before they count as stuck
+    grace = 1.0
 
     def __init__(self, *, backend: str = "gloo", **kwargs: Any) -> None:
         self.backend = backend
         super().__init__(**kwargs)
         self._pools: dict[int, Any] = {}
+        self._spares: dict[int, tuple[Any, threading.Thread, dict[str, BaseException]]] = {}
         self._generation = 0
         self.restarts = 0
         self.start_seconds = 0.0
@@ -174,15 +177,48 @@ class PoolRunner(Runner):
                 return f"world size {case.world_size} needs {case.world_size} GPUs for nccl; this machine has {n}"
         return ""
 
+    def _new_pool(self, w: int) -> Any:
+        return _CasePool(w, self.backend, call_timeout=self.timeout, pg_timeout=max(60.0, 4 * self.timeout))
+
     def _pool(self, w: int) -> Any:
         pool = self._pools.get(w)
+        if pool is not None and pool.alive:
+            return pool
+        t0 = time.perf_counter()
+        pool = self._take_spare(w)
         if pool is None:
-            pool = _CasePool(w, self.backend, call_timeout=self.timeout, pg_timeout=max(60.0, 4 * self.timeout))
-            self._pools[w] = pool
-        if not pool.alive:
-            t0 = time.perf_counter()
+            pool = self._new_pool(w)
             pool.start()
-            self.start_seconds += time.perf_counter() - t0
+        self.start_seconds += time.perf_counter() - t0
+        self._pools[w] = pool
+        return pool
+
+    def _prepare_spare(self, w: int) -> None:
+        """Start a replacement world in the background: after a kill, the next case need not wait for it."""
+        if w in self._spares:
+            return
+        pool = self._new_pool(w)
+        box: dict[str, BaseException] = {}
+
+        def start() -> None:
+            try:
+                pool.start()
+            except BaseException as e:  # noqa: BLE001  reported when the spare is taken
+                box["error"] = e
+
+        t = threading.Thread(target=start, name=f"conformance-spare-{w}", daemon=True)
+        t.start()
+        self._spares[w] = (pool, t, box)
+
+    def _take_spare(self, w: int) -> Any:
+        entry = self._spares.pop(w, None)
+        if entry is None:
+            return None
+        pool, t, box = entry
+        t.join()
+        if "error" in box or not pool.alive:
+            pool.close()
+            return None
         return pool
 
     def _run(self, case: Case) -> RunReport:
@@ -205,6 +241,7 @@ class PoolRunner(Runner):
         if not complete:
             self.restarts += 1
             self._generation += 1
+            self._prepare_spare(w)
             notes.append(f"the {self.backend} ranks were killed and restarted after the timeout of {self.timeout:g}s")
             return RunReport(outcomes=outcomes, timed_out=True, note="; ".join(notes))
         if any(o.failed for o in outcomes.values()):
@@ -214,12 +251,17 @@ class PoolRunner(Runner):
             if not ok or any(k != "ok" or v != float(w) for k, v in probe.values()):
                 self.restarts += 1
                 pool.kill()
+                self._prepare_spare(w)
         return RunReport(outcomes=outcomes, note="; ".join(notes))
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        for pool, t, _ in self._spares.values():
+            t.join()
+            pool.close()
+        self._spares.clear()
 
 
 def _make_case_pool() -> type:

@@ -177,8 +177,13 @@ def run_one(runner: Any, case: Case, config_dict: dict[str, Any]) -> CaseResult:
 
 def _worker_main(config: SuiteConfig, tasks: Any, results: Any) -> None:
     """A -n worker: its own runner (and rank pools), chunks of cases from ``tasks`` until ``None``."""
+    import signal
     import warnings
 
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")  # unwind, so the runner closes its rank processes
+
+    signal.signal(signal.SIGTERM, stop)
     warnings.simplefilter("ignore", FutureWarning)
     cd = config.as_dict()
     runner = make_runner(config.backend, config.device, config.impl, config.dist_module, config.timeout)
@@ -267,7 +272,10 @@ def _run_parallel(config: SuiteConfig, cases: list[Case], record: Callable[[Case
             record(r)
     finally:
         for p in procs:
-            p.join(10.0)
+            p.join(0.0 if finished < n else 10.0)
+            if p.is_alive():
+                p.terminate()  # the worker unwinds and closes its rank processes
+                p.join(10.0)
             if p.is_alive():
                 p.kill()
     missing = [i for i in range(len(cases)) if i not in got]

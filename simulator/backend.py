@@ -429,6 +429,28 @@ class SimBackend(Backend):
         g = slot.result
         return g if rs.rank in g.index else None
 
+    def world_key(self) -> object:
+        """An object that identifies this simulated world (the same for all of its ranks)."""
+        return self._rs.run
+
+    def member_group_handle(self, ranks: tuple[int, ...]) -> _Group:
+        """A group created by its members only (torch's new_group skips non-members).
+
+        Members ask for the groups of one rank set in the same order, so the
+        k-th request for ``ranks`` from any member names the same group.
+        """
+        run = self._rs.run
+        counts = self.__dict__.setdefault("_member_group_counts", {})
+        k = counts.get(ranks, 0)
+        counts[ranks] = k + 1
+        with run.sched.lock:
+            table = run.__dict__.setdefault("member_groups", {})
+            g = table.get((ranks, k))
+            if g is None:
+                g = table[(ranks, k)] = _Group(run.next_gid, tuple(ranks))
+                run.next_gid += 1
+        return g
+
     def shutdown(self) -> None:
         return None
 

@@ -130,6 +130,8 @@ class CoopScheduler(_SchedulerBase):
 
     def _load_rng(self, rs: "RankState") -> None:
         if self.swap_rng:
+            if rs.py_rng is None:  # built on first use: ~20 KB per rank
+                rs.py_rng = random.Random(f"simulator:{self.run.seed}:{rs.rank}").getstate()
             torch.set_rng_state(rs.torch_rng)
             random.setstate(rs.py_rng)
 

@@ -341,7 +341,6 @@ class World:
             rs.backend = SimBackend(rs, world_group)
             rs.faults = self.faults.get(rs.rank)
             rs.torch_rng = _fresh_rng_state()
-            rs.py_rng = random.Random(f"simulator:{self.seed}:{rs.rank}").getstate()
             if ndev:
                 rs.device = torch.device("cuda", rs.rank % ndev)
             if self.torchrun_env or self.env:

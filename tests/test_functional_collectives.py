@@ -17,6 +17,7 @@ Run: ``pytest -n 2 --dist loadgroup tests/test_functional_*.py``.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -42,12 +43,22 @@ def sim_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     return simulator.run(fn, world, args=args)
 
 
+def _each(pools: dict[int, RankPool], method: str) -> None:
+    """Start or close every pool at once (starting is mostly ``import torch`` in each rank process)."""
+    threads = [threading.Thread(target=getattr(p, method)) for p in pools.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @pytest.fixture(scope="module")
 def gloo_pools() -> Iterator[dict[int, RankPool]]:
-    pools: dict[int, RankPool] = {}
+    """A gloo RankPool per world size 1-4, started together on first use and kept for the module."""
+    pools = {w: RankPool(w, call_timeout=CALL_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S) for w in (1, 2, 3, 4)}
+    _each(pools, "start")
     yield pools
-    for p in pools.values():
-        p.close()
+    _each(pools, "close")
 
 
 @pytest.fixture(params=["sim", pytest.param("gloo", marks=GLOO)])
@@ -58,8 +69,6 @@ def run_world(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     pools: dict[int, RankPool] = request.getfixturevalue("gloo_pools")
 
     def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-        if world not in pools:
-            pools[world] = RankPool(world, call_timeout=CALL_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
         return pools[world].run(fn, *args)
 
     gloo_world.backend = "gloo"  # type: ignore[attr-defined]
@@ -276,6 +285,4 @@ def test_hypothesis_sim(case: Case) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases(max_world=4))
 def test_hypothesis_gloo(case: Case, gloo_pools: dict[int, RankPool]) -> None:
-    if case.world not in gloo_pools:
-        gloo_pools[case.world] = RankPool(case.world, call_timeout=CALL_TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
     run_checked(lambda fn, w, *a: gloo_pools[w].run(fn, *a), [case], case.world)

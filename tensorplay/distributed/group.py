@@ -9,12 +9,24 @@ ranks once, and backends only ever see group ranks.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import Backend
 
 __all__ = ["ProcessGroup", "group", "GroupMember"]
+
+
+@functools.lru_cache(maxsize=8)
+def _range_ranks(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
+
+
+@functools.lru_cache(maxsize=64)
+def _interned(ranks: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, int]]:
+    """One shared (read-only) ranks tuple and rank -> group-rank index per distinct rank list."""
+    return ranks, {g: i for i, g in enumerate(ranks)}
 
 
 class ProcessGroup:
@@ -31,8 +43,11 @@ class ProcessGroup:
     __slots__ = ("ranks", "_index", "backend", "handle", "group_id", "__weakref__")
 
     def __init__(self, ranks: Sequence[int], backend: "Backend", handle: Any, group_id: int) -> None:
-        self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
-        self._index = {g: i for i, g in enumerate(self.ranks)}
+        # Interned: every simulated rank builds its own world group, and one
+        # tuple + dict per rank would cost O(world_size^2) memory and time.
+        key = _range_ranks(len(ranks)) if isinstance(ranks, range) and ranks == range(len(ranks)) \
+            else tuple(int(r) for r in ranks)
+        self.ranks, self._index = _interned(key)
         self.backend = backend
         self.handle = handle
         self.group_id = group_id

@@ -203,17 +203,13 @@ class C10dBackend(Backend):
 
     def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
                    async_op: bool) -> Work | None:
-        # one contiguous buffer, one exchange, then views out: cheaper than W staged outputs
+        # torch's list path: gloo packs once and copies out once; the tensor path (_allgather_base) costs
+        # an extra full copy on gloo (about 1.7x at 1e6 floats, see docs/performance-collectives.md)
         def run() -> Work | None:
             src, _ = _staged(tensor)
-            flat = torch.empty((group.size(), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-            work = _all_gather_tensor(*_flat_pair(flat, src), group=group.handle, async_op=async_op)
-
-            def unpack() -> None:
-                for o, chunk in zip(output_list, flat):
-                    o.copy_(chunk)
-
-            return _finish(work, async_op, unpack)
+            staged = [_staged(o) for o in output_list]
+            work = tdist.all_gather([b for b, _ in staged], src, group=group.handle, async_op=async_op)
+            return _finish(work, async_op, _chain(*(back for _, back in staged)))
 
         return self._guard("all_gather", group, run)
 
@@ -258,8 +254,19 @@ class C10dBackend(Backend):
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
                        group: ProcessGroup, async_op: bool) -> Work | None:
-        # packing the list into one tensor serves both the native and the emulated path
-        return self.reduce_scatter_tensor(output, torch.stack(input_list), op, group, async_op)
+        if not self.supports_op(op, output.dtype):
+            # the emulation works on one packed tensor
+            return self.reduce_scatter_tensor(output, torch.stack(input_list), op, group, async_op)
+
+        # torch's list path directly: packing with torch.stack first cost an extra copy of every input
+        def run() -> Work | None:
+            out, back = _staged(output)
+            ins = [t.contiguous() for t in input_list]
+            work = tdist.reduce_scatter(out, ins, op=_TORCH_OP[op], group=group.handle, async_op=async_op)
+            # always chained: torch's gloo reduce-scatter work never reports is_completed() (torch 2.13)
+            return _finish(work, async_op, back or (lambda: None))
+
+        return self._guard("reduce_scatter", group, run)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                               group: ProcessGroup, async_op: bool) -> Work | None:

@@ -15,12 +15,13 @@ Ownership rules (the same on both transports):
 The proxies run a method of the value on the owner::
 
     rref = rpc.remote("worker1", tp.nn.Linear, args=(4, 2))
-    out = rref.rpc_sync().forward(tp.ones(4))     # runs on worker1
-    fut = rref.rpc_async().extra_repr()           # a Future
-    w = rref.remote().weight                      # hmm: attributes are not methods, see below
+    out = rref.rpc_sync().forward(tp.ones(4))     # runs on worker1, returns the output
+    fut = rref.rpc_async().extra_repr()           # a Future of the string
+    sd = rref.remote().state_dict()               # an RRef (owned by worker1) to the state dict
 
-Proxies call *methods*; to read an attribute, call a function on the owner
-(``rpc_sync(rref.owner(), getattr_fn, (rref,))``).
+Proxies call *methods*; to read an attribute, run a function on the owner
+(``rpc_sync(rref.owner(), fn, args=(rref,))`` with ``fn`` reading
+``rref.local_value().weight``).
 """
 from __future__ import annotations
 

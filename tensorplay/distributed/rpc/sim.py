@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import simulator
 import torch
-from simulator.errors import SimError
+from simulator.errors import RankFailedError, SimError
 from simulator.sched import DONE
 from torch import nn
 
@@ -614,23 +614,23 @@ class SimAgent(Agent):
         missing: list[str] = []
         if graceful:
             b = self.world.shutdown_barrier
-            try:
-                self.world.wait(b, self.rank)
-            except SimError as e:  # another rank failed or the run is aborting: leave locally
-                missing = [self.world.by_rank[r].name for r in range(self.world.size)
-                           if r in self.world.by_rank and r not in b.arrived]
-                if not missing:
+            while True:
+                try:
+                    self.world.wait(b, self.rank)
+                    break
+                except RankFailedError:
+                    # another rank died; the simulator woke us to tell. The barrier counts the dead
+                    # as gone, so keep waiting for the live workers (as a TensorPipe survivor would).
+                    continue
+                except SimError:  # a deadlock or the run's timeout: leave, and let the run report it
+                    self.closed = True
                     raise
+            missing = [self.world.by_rank[r].name for r in b.missing if r in self.world.by_rank]
+            if missing:
                 warnings.warn(rpc_message(
-                    "shutdown", "graceful shutdown interrupted by the simulator", worker=self.name,
-                    values={"missing": missing, "error": f"{type(e).__name__}"}), RuntimeWarning, stacklevel=3)
-            else:
-                missing = [self.world.by_rank[r].name for r in b.missing if r in self.world.by_rank]
-                if missing:
-                    warnings.warn(rpc_message(
-                        "shutdown", "graceful shutdown skipped workers that ended without shutdown",
-                        worker=self.name, values={"missing": missing},
-                        fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
+                    "shutdown", "graceful shutdown did not wait for workers that ended without shutdown "
+                    "(they returned or raised)", worker=self.name, values={"missing": missing},
+                    fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
         self.closed = True
         with _worlds_lock:  # everyone is out: a later init_rpc in this run starts a fresh RPC world
             if all(not a.alive() for a in self.world.by_rank.values()) and _worlds.get(self.world.run) is self.world:

@@ -249,20 +249,59 @@ def _agent() -> "TensorPipeAgent | None":
 # the graceful-shutdown barrier (state lives on the leader)
 _barrier_lock = threading.Condition()
 _barrier_arrived: dict[str, set[str]] = {}
+_barrier_probed: dict[str, float] = {}
+_PROBE_EVERY_S = 0.5
+
+
+def _ping() -> None:
+    return None
+
+
+def _probe(key: str, missing: list[str]) -> None:
+    """Leader: ping workers that have not arrived; a dead one fails fast and stops being waited for."""
+    now = time.monotonic()
+    if now - _barrier_probed.get(key, 0.0) < _PROBE_EVERY_S:
+        return
+    _barrier_probed[key] = now
+    a = _agent()
+    if a is None:
+        return
+    for name in missing:
+        if name in a.dead:
+            continue
+        try:
+            trpc.rpc_async(name, _ping, timeout=2.0).add_done_callback(lambda f, n=name: _probed(f, n))
+        except Exception:  # noqa: BLE001  refused at once: dead
+            a.dead.add(name)
+
+
+def _probed(fut: Any, name: str) -> None:
+    try:
+        fut.value()
+    except Exception as e:  # noqa: BLE001
+        a = _agent()
+        if a is not None and _DEAD_PATTERNS.search(str(e)):
+            a.dead.add(name)
+            with _barrier_lock:
+                _barrier_lock.notify_all()
 
 
 def _barrier_arrive(key: str, name: str, expected: list[str], deadline_s: float) -> list[str]:
-    """Runs on the leader: record ``name``, wait (bounded) for everyone, return who arrived."""
+    """Runs on the leader: record ``name``, wait (bounded) for everyone alive, return who arrived."""
     end = time.monotonic() + deadline_s
+    a = _agent()
+    dead = a.dead if a is not None else set()
     with _barrier_lock:
         arrived = _barrier_arrived.setdefault(key, set())
         arrived.add(name)
         _barrier_lock.notify_all()
-        while not arrived.issuperset(expected):
+        while True:
+            missing = [n for n in expected if n not in arrived and n not in dead]
             left = end - time.monotonic()
-            if left <= 0:
+            if not missing or left <= 0:
                 break
-            _barrier_lock.wait(min(left, 0.5))
+            _probe(key, missing)
+            _barrier_lock.wait(min(left, 0.25))
         return sorted(arrived)
 
 

@@ -1,0 +1,381 @@
+"""RPC, RRef, RemoteModule, distributed autograd and DistributedOptimizer on the simulator's transport.
+
+Every test runs a small simulated world (threads of this process, milliseconds
+each).  Rank 0 usually drives and returns what it observed; the other ranks
+initialise RPC, serve, and shut down.  The same behaviours are checked on real
+TensorPipe processes in test_rpc_tensorpipe.py.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+import warnings
+
+import pytest
+import torch
+
+import simulator
+import tensorplay as tp
+import tensorplay.distributed as dist
+import tensorplay.distributed.autograd as dist_autograd
+import tensorplay.distributed.rpc as rpc
+from tensorplay.distributed import DistRuntimeError, DistTypeError, DistValueError, NotInitializedError
+from tensorplay.distributed.nn import RemoteModule
+from tensorplay.distributed.nn.api import InterfaceError
+from tensorplay.distributed.rpc import (
+    RemoteError,
+    RpcTimeoutError,
+    WorkerUnavailableError,
+)
+from tensorplay.distributed.rpc.sim import MessageFaults, SimRpcBackendOptions
+
+import test_rpc_cases as C
+
+
+def drive(body, world_size=2, *, mode="coop", seed=0, options=None, **kwargs):
+    """Run ``body()`` on rank 0 of a simulated RPC world; the others serve until everyone shuts down."""
+
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}", rpc_backend_options=options)
+        try:
+            return body(**kwargs) if me == 0 else None
+        finally:
+            rpc.shutdown()
+
+    return simulator.run(main, world_size, seed=seed, mode=mode)[0]
+
+
+# ---------------------------------------------------------------------------
+# the shared cases (also run on TensorPipe)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_documented_example(mode):
+    out = drive(C.documented_example, mode=mode)
+    C.check_documented_example(out)
+
+
+def test_calls_by_value_exceptions_and_futures():
+    C.check_calls(drive(C.calls, 3))
+
+
+def test_rref_rules():
+    C.check_rrefs(drive(C.rrefs, 3))
+
+
+def test_remote_module_construction_errors():
+    C.check_construction_errors(drive(C.construction_errors))
+
+
+def test_remote_module_every_unsupported_method_raises():
+    C.check_unsupported_methods(drive(C.unsupported_methods))
+
+
+def test_remote_module_passed_over_rpc():
+    C.check_passed_over_rpc(drive(C.passed_over_rpc, 3))
+
+
+def test_interface_enforcement():
+    C.check_interface(drive(C.interface_cases))
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_training_matches_local_reference(mode):
+    C.check_training(drive(C.training, mode=mode, steps=4))
+
+
+def test_timeout_is_honoured():
+    C.check_timeout(drive(C.timeout_case))
+
+
+# ---------------------------------------------------------------------------
+# simulator-only behaviour
+# ---------------------------------------------------------------------------
+def test_rpc_async_completes_as_the_callee():
+    def body():
+        fut = rpc.rpc_async("worker1", C.whoami)
+        return fut.done(), fut.wait()
+
+    done, who = drive(body)
+    assert done  # the simulator runs a call inline, before rpc_async returns
+    assert who == ("worker1", 1, 1)  # rpc identity, dist rank, and the rank of get_worker_info().id
+
+
+def test_two_hop_autograd_matches_local():
+    out = drive(C.two_hop_autograd, 3)
+    assert out["grad_close"], out
+
+
+def test_autograd_errors():
+    def body():
+        errs = {}
+        with dist_autograd.context() as cid:
+            try:
+                with dist_autograd.context():
+                    pass
+            except DistRuntimeError as e:
+                errs["nested"] = str(e)
+            x = torch.ones(2, requires_grad=True)
+            for name, roots in (("vector", [x * 2]), ("no_grad", [torch.ones(())]), ("not_tensor", [1.0])):
+                try:
+                    dist_autograd.backward(cid, roots)
+                except (DistValueError, DistTypeError) as e:
+                    errs[name] = str(e)
+        try:
+            dist_autograd.get_gradients(cid)
+        except DistValueError as e:
+            errs["closed"] = str(e)
+        return errs
+
+    errs = drive(body)
+    assert "do not nest" in errs["nested"]
+    assert "scalar" in errs["vector"] and "does not require grad" in errs["no_grad"]
+    assert "must be a tensor" in errs["not_tensor"]
+    assert "no such autograd context" in errs["closed"]
+
+
+def test_remote_module_uses_the_owners_rng_stream():
+    # coop mode gives every rank its own RNG: a module built on worker1 draws from worker1's stream
+    def main():
+        me = dist.get_rank()
+        torch.manual_seed(100 + me)
+        rpc.init_rpc(f"worker{me}")
+        out = None
+        if me == 0:
+            rm = RemoteModule("worker1/cpu", tp.nn.Linear, args=(4, 2))
+            out = rm.get_module_rref().rpc_sync().state_dict()
+        rpc.shutdown()
+        return out
+
+    sd = simulator.run(main, 2)[0]
+    torch.manual_seed(101)
+    ref = tp.nn.Linear(4, 2).state_dict()
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def _until_unavailable(name: str, limit_s: float = 10.0) -> float:
+    """Threads mode: call ``name`` until it is reported unavailable; returns when that happened."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            rpc.rpc_sync(name, C.add, (1, 2))
+        except WorkerUnavailableError:
+            return time.perf_counter()
+        time.sleep(0.001)
+    raise AssertionError(f"{name} never became unavailable")
+
+
+def test_worker_failure_fails_calls_at_once_and_shutdown_returns():
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        if me == 1:
+            time.sleep(0.05)
+            raise C.Boom("worker1 crashed", 1)
+        out = {}
+        if me == 0:
+            _until_unavailable("worker1")
+            t = time.perf_counter()
+            for fn in (lambda: rpc.rpc_sync("worker1", C.add, (1, 2)),
+                       lambda: rpc.rpc_async("worker1", C.add, (1, 2)).wait(),
+                       lambda: rpc.remote("worker1", C.add, (1, 2))):
+                try:
+                    fn()
+                    out.setdefault("errors", []).append(None)
+                except WorkerUnavailableError as e:
+                    out.setdefault("errors", []).append(str(e))
+            out["elapsed"] = time.perf_counter() - t
+            out["alive"] = rpc.rpc_sync("worker2", C.add, (1, 2))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            t = time.perf_counter()
+            rpc.shutdown()
+            out["shutdown_s"] = time.perf_counter() - t
+            out["warnings"] = [str(x.message) for x in w]
+        return out
+
+    world = simulator.World(3, mode="threads")
+    with pytest.raises(C.Boom):
+        world.run(main)
+    out = world.results[0]
+    assert all(e is not None and "worker1" in e and "Boom" in e for e in out["errors"]), out
+    assert out["elapsed"] < 1.0 and out["alive"] == 3
+    assert out["shutdown_s"] < 1.0
+    assert any("worker1" in w and "ended without shutdown" in w for w in out["warnings"]), out["warnings"]
+    assert world.results[2]["shutdown_s"] < 2.0
+
+
+def test_calls_to_a_worker_that_returned_without_shutdown_fail():
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        if me == 1:
+            return "left"  # no rpc.shutdown(): the worker is gone
+        _until_unavailable("worker1")
+        try:
+            rpc.rpc_sync("worker1", C.add, (1, 2))
+            return "reached"
+        except WorkerUnavailableError as e:
+            return str(e)
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rpc.shutdown()
+
+    out = simulator.run(main, 2, mode="threads")
+    assert "returned without rpc.shutdown()" in out[0]
+
+
+def test_graceful_shutdown_waits_for_the_slowest_worker():
+    # worker1 shuts down at once; worker0 keeps calling it: graceful shutdown keeps worker1 serving
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        total = 0
+        if me == 0:
+            for i in range(20):
+                total += rpc.rpc_sync("worker1", C.add, (i, 1))
+        rpc.shutdown()
+        return total
+
+    for seed in range(3):
+        assert simulator.run(main, 2, seed=seed)[0] == sum(range(1, 21))
+
+
+def test_worker_that_never_inits_is_reported_as_a_deadlock():
+    def main():
+        if dist.get_rank() == 1:
+            return None
+        rpc.init_rpc("worker0")
+
+    with pytest.raises(simulator.DeadlockError) as ei:
+        simulator.run(main, 2)
+    assert "rpc.init_rpc" in str(ei.value) and "missing [1]" in str(ei.value)
+
+
+def test_message_faults_are_reproducible_by_seed():
+    opts = SimRpcBackendOptions(rpc_timeout=5.0, faults=MessageFaults(drop=0.3, delay=0.5, max_delay_s=0.002))
+
+    def body():
+        seen = []
+        for i in range(40):
+            try:
+                seen.append(rpc.rpc_sync("worker1", C.add, (i, 0)))
+            except RpcTimeoutError as e:
+                assert "simulated loss" in str(e)
+                seen.append("lost")
+        return seen
+
+    a = drive(body, options=opts)
+    b = drive(body, options=opts)
+    c = drive(body, options=opts, seed=1)
+    assert a == b
+    assert a != c
+    assert 0 < a.count("lost") < 40
+    assert [x for x in a if x != "lost"] == [i for i, x in enumerate(a) if x != "lost"]
+
+
+def test_dropped_remote_surfaces_at_to_here():
+    opts = SimRpcBackendOptions(faults=MessageFaults(drop=1.0))
+
+    def body():
+        r = rpc.remote("worker1", C.add, (1, 2))
+        try:
+            r.to_here()
+        except RpcTimeoutError as e:
+            return str(e)
+
+    assert "simulated loss of the request" in drive(body, options=opts)
+
+
+def test_rref_pickled_outside_rpc_is_refused_and_values_are_released():
+    def body():
+        out = {}
+        r = rpc.remote("worker1", C.make_tensor, (3,))
+        try:
+            pickle.dumps(r)
+        except DistRuntimeError as e:
+            out["pickle"] = str(e)
+        out["before"] = rpc.rpc_sync("worker1", C.count_owned)
+        del r
+        out["after"] = rpc.rpc_sync("worker1", C.count_owned)
+        return out
+
+    out = drive(body)
+    assert "only be pickled inside an RPC" in out["pickle"]
+    assert out["before"] == out["after"] + 1
+
+
+def test_validation_errors():
+    def body():
+        errs = {}
+        cases = {
+            "unknown_name": lambda: rpc.rpc_sync("nobody", C.add, (1, 2)),
+            "unknown_rank": lambda: rpc.rpc_sync(7, C.add, (1, 2)),
+            "bad_to": lambda: rpc.rpc_sync(1.5, C.add, (1, 2)),
+            "zero_timeout": lambda: rpc.rpc_sync("worker1", C.add, (1, 2), timeout=0),
+            "args_not_tuple": lambda: rpc.rpc_sync("worker1", C.add, 3),
+            "not_callable": lambda: rpc.rpc_sync("worker1", 42),
+            "double_init": lambda: rpc.init_rpc("again"),
+            "local_value": lambda: rpc.remote("worker1", C.add, (1, 2)).local_value(),
+        }
+        for k, f in cases.items():
+            try:
+                f()
+                errs[k] = None
+            except Exception as e:  # noqa: BLE001
+                errs[k] = (type(e).__name__, str(e))
+        errs["infos"] = (rpc.get_worker_info(), rpc.get_worker_info("worker1"), rpc.get_worker_info(1))
+        return errs
+
+    e = drive(body)
+    assert e["unknown_name"][0] == "DistValueError" and "['worker0', 'worker1']" in e["unknown_name"][1]
+    assert e["unknown_rank"][0] == "DistValueError" and e["bad_to"][0] == "DistTypeError"
+    assert e["zero_timeout"][0] == "DistValueError" and "every call is bounded" in e["zero_timeout"][1]
+    assert e["args_not_tuple"][0] == "DistTypeError" and e["not_callable"][0] == "DistTypeError"
+    assert e["double_init"][0] == "DistRuntimeError" and "already initialised" in e["double_init"][1]
+    assert e["local_value"][0] == "DistRuntimeError" and "to_here()" in e["local_value"][1]
+    me, w1, w1b = e["infos"]
+    assert (me.name, me.id, w1.name, w1.id) == ("worker0", 0, "worker1", 1) and w1 == w1b
+
+
+def test_not_initialised_and_backend_errors():
+    with pytest.raises(NotInitializedError, match="init_rpc"):
+        rpc.rpc_sync("worker1", C.add, (1, 2))
+    with pytest.raises(DistRuntimeError, match="simulated rank"):
+        rpc.init_rpc("w", backend="sim", rank=0, world_size=1)
+    with pytest.raises(DistValueError, match="unknown RPC backend"):
+        rpc.init_rpc("w", backend="carrier-pigeon", rank=0, world_size=1)
+    with pytest.raises(DistValueError, match="invalid worker name"):
+        rpc.init_rpc("bad name!", rank=0, world_size=1)
+
+    def main():
+        rpc.init_rpc("w", backend="tensorpipe")
+
+    with pytest.raises(DistRuntimeError, match="TensorPipe cannot run inside a simulated rank"):
+        simulator.run(main, 1)
+
+
+def test_unpicklable_remote_exception_arrives_as_remote_error():
+    def body():
+        try:
+            rpc.rpc_sync("worker1", C.raise_unpicklable)
+        except RemoteError as e:
+            return e.remote_type, e.worker, "raise_unpicklable" in e.remote_traceback
+
+    t, w, tb = drive(body)
+    assert t.endswith("Unpicklable") and w == "worker1" and tb
+
+
+def test_interface_restricted_module_refuses_other_methods_on_owner():
+    def body():
+        rm = RemoteModule("worker1", C.TwoMethods, interface=C.OnlyForward)
+        y = rm(torch.ones(2))
+        try:
+            rpc.rpc_sync("worker1", C.call_module_method, (rm, "double"))
+        except InterfaceError as e:
+            return y, str(e)
+
+    y, msg = drive(body)
+    assert torch.equal(y, torch.ones(2) + 1)
+    assert "refused" in msg and "'double'" in msg
