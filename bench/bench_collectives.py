@@ -1,12 +1,10 @@
 """Time every blocking collective through tensorplay.distributed and through raw torch.distributed, on gloo.
 
 Both run in the same rank processes (a :class:`~tensorplay.distributed.pool.RankPool`
-on 127.0.0.1), interleaved round by round so machine noise hits both alike.
-For each (collective, size) every rank records, per round, the mean time of
-``inner`` back-to-back calls (after a barrier).  A round's figure is its
-slowest rank's; the table shows the best round (``min``: least disturbed by
-other work on the machine, as ``timeit`` does) and the median round, and the
-ratios tensorplay / torch of both.
+on 127.0.0.1), interleaved call by call so that other work on the machine
+disturbs both alike.  Each call's time is its slowest rank's; the table shows
+the median over calls (and the 10th percentile, the least disturbed calls) and
+the ratios tensorplay / torch.
 
 ``n`` is the number of float32 elements in each rank's tensor: the input of
 broadcast / all_reduce / reduce / all_gather* / gather / all_to_all_single,
@@ -115,40 +113,42 @@ def _ragged_pair(n: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     return lambda: dist.all_to_all(outs, ins), emulated
 
 
-def _time_block(fn: Callable[[], Any], inner: int) -> float:
+def bench_rank(jobs: list[tuple[str, int]], budget_s: float,
+               max_calls: int) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """On every rank: for each (collective, n), the seconds of every timed call of (ours, torch).
+
+    Calls alternate one by one (ours, torch, torch, ours, ...), so a burst of
+    other work on the machine hits both sides alike.
+    """
+    import torch
     import torch.distributed as tdist
 
-    tdist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t0) / inner
-
-
-def bench_rank(jobs: list[tuple[str, int]], rounds: int,
-               budget_s: float) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
-    """On every rank: for each (collective, n), seconds per call of (ours, torch), one entry per round."""
-    import torch
-
     torch.set_num_threads(1)
+    clock = time.perf_counter
     out = {}
     for name, n in jobs:
         ours, theirs = _ragged_pair(n) if name == "ragged all_to_all" else _pair(name, n)
         for fn in (ours, theirs, ours, theirs):  # warm up: first calls allocate and connect
             fn()
-        # enough calls per round that one round takes ~budget_s / rounds, agreed by every rank
-        probe = _time_block(ours, 1) + _time_block(theirs, 1)
-        inner = torch.tensor([max(1, min(200, int(budget_s / rounds / max(probe, 1e-6))))])
-        torch.distributed.all_reduce(inner, op=torch.distributed.ReduceOp.MIN)
-        k = int(inner.item())
+        tdist.barrier()
+        t0 = clock()
+        ours()
+        theirs()
+        probe = clock() - t0
+        # every rank must make the same number of calls: agree on the smallest estimate
+        calls = torch.tensor([max(10, min(max_calls, int(budget_s / max(probe, 1e-6))))])
+        tdist.all_reduce(calls, op=tdist.ReduceOp.MIN)
         a, b = [], []
-        for r in range(rounds):
-            if r % 2 == 0:
-                a.append(_time_block(ours, k))
-                b.append(_time_block(theirs, k))
-            else:
-                b.append(_time_block(theirs, k))
-                a.append(_time_block(ours, k))
+        tdist.barrier()
+        for i in range(int(calls.item())):
+            first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+            t0 = clock()
+            first()
+            t1 = clock()
+            second()
+            t2 = clock()
+            (a if i % 2 == 0 else b).append(t1 - t0)
+            (b if i % 2 == 0 else a).append(t2 - t1)
         out[name, n] = (a, b)
     return out
 
@@ -162,44 +162,45 @@ def _fmt_time(s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 rounds, short budget (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="a short budget per case (a smoke run)")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 1000000])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per (collective, size); default 9, quick 3")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds of calls per (collective, size); default 2.0, quick 0.3")
     ap.add_argument("--only", nargs="+", default=None, help="collectives to time (default: all, plus ragged)")
     args = ap.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 9)
-    budget = 0.3 if args.quick else 1.5  # seconds per (collective, size, implementation)
+    budget = args.budget or (0.3 if args.quick else 2.0)
+    max_calls = 200 if args.quick else 2000
 
     # run the rank function from an importable module (by reference), not from __main__
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_collectives as me
+    import torch
 
     from tensorplay.distributed.pool import RankPool
 
     names = args.only or [*COLLECTIVES, "ragged all_to_all"]
-    import torch
-
-    print(f"# torch {torch.__version__}, gloo on 127.0.0.1, float32, {rounds} rounds; per round the slowest "
-          f"rank counts; best = fastest round, med = median round")
-    print(f"{'W':>2} {'collective':<22} {'n':>7} {'tensorplay best':>15} {'torch best':>12} {'ratio':>6} "
-          f"{'tp med':>11} {'torch med':>11} {'ratio':>6}")
+    print(f"# torch {torch.__version__}, gloo on 127.0.0.1, float32; per call the slowest rank counts; "
+          f"med = median call, p10 = 10th percentile")
+    print(f"{'W':>2} {'collective':<22} {'n':>7} {'calls':>5} {'tp med':>10} {'torch med':>10} {'ratio':>6} "
+          f"{'tp p10':>10} {'torch p10':>10} {'ratio':>6}")
     for w in args.world_sizes:
         jobs = []
         for name in names:
             sizes = [0] if name == "barrier" else args.sizes
             jobs += [(name, n) for n in sizes]
         with RankPool(w, call_timeout=3600, pg_timeout=600) as pool:
-            per_rank = pool.run(me.bench_rank, jobs, rounds, budget)
+            per_rank = pool.run(me.bench_rank, jobs, budget, max_calls)
         for name, n in jobs:
-            ours = [max(r[name, n][0][k] for r in per_rank) for k in range(rounds)]
-            theirs = [max(r[name, n][1][k] for r in per_rank) for k in range(rounds)]
-            best = (min(ours), min(theirs))
+            calls = len(per_rank[0][name, n][0])
+            ours = sorted(max(r[name, n][0][k] for r in per_rank) for k in range(calls))
+            theirs = sorted(max(r[name, n][1][k] for r in per_rank) for k in range(calls))
             med = (statistics.median(ours), statistics.median(theirs))
+            p10 = (ours[calls // 10], theirs[calls // 10])
             note = "   (torch column: W scatters)" if name == "ragged all_to_all" else ""
-            print(f"{w:>2} {name:<22} {n if n else '-':>7} {_fmt_time(best[0]):>15} {_fmt_time(best[1]):>12} "
-                  f"{best[0] / best[1]:6.2f} {_fmt_time(med[0]):>11} {_fmt_time(med[1]):>11} "
-                  f"{med[0] / med[1]:6.2f}{note}", flush=True)
+            print(f"{w:>2} {name:<22} {n if n else '-':>7} {calls:>5} {_fmt_time(med[0]):>10} {_fmt_time(med[1]):>10} "
+                  f"{med[0] / med[1]:6.2f} {_fmt_time(p10[0]):>10} {_fmt_time(p10[1]):>10} "
+                  f"{p10[0] / p10[1]:6.2f}{note}", flush=True)
     return 0
 
 

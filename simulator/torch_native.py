@@ -333,6 +333,16 @@ def _rendezvous_env(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[tu
     yield store, st.rank, st.world_size
 
 
+def _init_process_group(backend: Any = None, init_method: Any = None, *args: Any, **kwargs: Any) -> None:
+    """torch's init_process_group; on a simulated rank, whatever backend a script names binds to the simulator."""
+    st = _state.current()
+    if st is not None and st.backend.name == "sim":
+        backend = "sim"
+        if kwargs.get("store") is None:
+            init_method = "env://"  # the in-memory store, never a TCP rendezvous
+    return _saved["init"](backend, init_method, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def enabled() -> Iterator[None]:
     """While active, torch.distributed in simulated rank threads is per-rank and runs on the simulator."""
@@ -341,8 +351,10 @@ def enabled() -> Iterator[None]:
         if _active == 0:
             _saved["world"] = c10d._world
             _saved["env"] = tdist_rendezvous._rendezvous_handlers["env"]
+            _saved["init"] = c10d.init_process_group
             c10d._world = _PerRankWorld(_saved["world"])
             tdist_rendezvous._rendezvous_handlers["env"] = _rendezvous_env
+            c10d.init_process_group = tdist.init_process_group = _init_process_group
             _set_thread_isolation_mode(True)
         _active += 1
     try:
@@ -352,6 +364,7 @@ def enabled() -> Iterator[None]:
             _active -= 1
             if _active == 0:
                 c10d._world = _saved.pop("world")
+                c10d.init_process_group = tdist.init_process_group = _saved.pop("init")
                 tdist_rendezvous._rendezvous_handlers["env"] = _saved.pop("env")
                 _set_thread_isolation_mode(False)
                 _stores.clear()

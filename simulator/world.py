@@ -363,6 +363,10 @@ class World:
         finally:
             if old_stack is not None:
                 threading.stack_size(old_stack)
+        from . import torch_native  # torch.distributed code in the ranks runs on this world too
+
+        native = torch_native.enabled()
+        native.__enter__()
         try:
             for t in threads:
                 t.start()
@@ -376,6 +380,7 @@ class World:
                 for t in threads:
                     t.join(timeout=5.0)
         finally:
+            native.__exit__(None, None, None)
             if env_installed:
                 _environ.uninstall()
             torch.set_rng_state(saved_torch)
@@ -424,6 +429,8 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
                td: timedelta) -> None:
     from tensorplay.distributed.api import _install_backend
 
+    from . import torch_native
+
     run = rs.run
     sched = run.sched
     _local.rs = rs
@@ -440,7 +447,8 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
     try:
         _install_backend(rs.backend, td, thread_local=True)
         rs.cpu_mark = time.thread_time()
-        rs.result = fn(*args, **kwargs)
+        with torch_native.rank_thread():
+            rs.result = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001  (every failure is reported by run())
         rs.exc = e
         run.rank_failed(rs, e)

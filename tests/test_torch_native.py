@@ -160,3 +160,23 @@ def test_torch_state_outside_the_simulated_world_is_untouched() -> None:
     simulator.run(lambda: tdist.init_process_group("sim"), 2)
     assert type(torch.distributed.distributed_c10d._world) is type(before)
     assert not tdist.is_initialized()
+
+
+def test_torchrun_style_script_with_torch_distributed_runs_under_python_m_simulator(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain_torch.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')  # names a real backend; the simulator binds it to the simulated world\n"
+        "x = torch.ones(1) * dist.get_rank()\n"
+        "dist.all_reduce(x)\n"
+        "print(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: sum={x.item()}\")\n"
+        "dist.destroy_process_group()\n"
+    )
+    out = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "3", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} of 3: sum=3.0" for r in range(3)]
