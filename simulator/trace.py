@@ -123,9 +123,13 @@ class Trace:
 
     # -- summaries ------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
-        """Per rank: operations, bytes, predicted communication time and virtual end time."""
+        """Per rank: operations, bytes, predicted communication time and virtual end time.
+
+        ``comm_s`` adds up ``vend - vstart`` of the rank's operations: the time it
+        would spend waiting for the slowest member plus the modelled transfers.
+        """
         rows = [
-            {"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0, "wait_s": 0.0, "end_s": self.end_vtime[r]}
+            {"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0, "end_s": self.end_vtime[r]}
             for r in range(self.world_size)
         ]
         for e in self.events:

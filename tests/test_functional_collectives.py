@@ -271,7 +271,7 @@ def cases(draw: st.DrawFn, max_world: int) -> Case:
     values = draw(st.sampled_from(["random", "ties"])) if op in ("MIN", "MAX", "PRODUCT") else "random"
     return Case(name, world, group, root, op, shape, dtype, noncontig=draw(st.booleans()),
                 grad_noncontig=draw(st.booleans()), splits=splits, ragged=ragged, values=values,
-                out_given=draw(st.booleans()), seed=draw(st.integers(0, 3)))
+                out_given=ragged or draw(st.booleans()), seed=draw(st.integers(0, 3)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -431,8 +431,8 @@ def training(steps: int = 4) -> dict:
     ref.load_state_dict(rm.get_module_rref().rpc_sync().state_dict())
     ref_opt = tp.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     equal, losses = [], []
+    x, target = tp.randn(4, 16), tp.randn(4, 8)
     for _ in range(steps):
-        x, target = tp.randn(4, 16), tp.randn(4, 8)
         with dist_autograd.context() as cid:
             loss = torch.nn.functional.mse_loss(rm(x), target)
             dist_autograd.backward(cid, [loss])

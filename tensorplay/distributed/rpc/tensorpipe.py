@@ -250,6 +250,7 @@ def _agent() -> "TensorPipeAgent | None":
 _barrier_lock = threading.Condition()
 _barrier_arrived: dict[str, set[str]] = {}
 _barrier_probed: dict[str, float] = {}
+_barrier_answered: dict[str, int] = {}
 _PROBE_EVERY_S = 0.5
 
 
@@ -295,14 +296,27 @@ def _barrier_arrive(key: str, name: str, expected: list[str], deadline_s: float)
         arrived = _barrier_arrived.setdefault(key, set())
         arrived.add(name)
         _barrier_lock.notify_all()
-        while True:
-            missing = [n for n in expected if n not in arrived and n not in dead]
-            left = end - time.monotonic()
-            if not missing or left <= 0:
-                break
-            _probe(key, missing)
-            _barrier_lock.wait(min(left, 0.25))
-        return sorted(arrived)
+        try:
+            while True:
+                missing = [n for n in expected if n not in arrived and n not in dead]
+                left = end - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                _probe(key, missing)
+                _barrier_lock.wait(min(left, 0.25))
+            return sorted(arrived)
+        finally:
+            _barrier_answered[key] = _barrier_answered.get(key, 0) + 1
+            _barrier_lock.notify_all()
+
+
+def _barrier_drain(key: str, limit_s: float = 2.0) -> None:
+    """Leader: before stopping, let every follower's barrier call return (their answers must go out)."""
+    end = time.monotonic() + limit_s
+    with _barrier_lock:
+        while _barrier_answered.get(key, 0) < len(_barrier_arrived.get(key, ())) and time.monotonic() < end:
+            _barrier_lock.wait(0.05)
+    time.sleep(0.05)  # the answers are written by TensorPipe's threads after the handlers return
 
 
 class TensorPipeAgent(Agent):
@@ -446,10 +460,13 @@ class TensorPipeAgent(Agent):
         try:
             if leader.name == self.name:
                 arrived = _barrier_arrive(key, self.name, names, timeout)
+                if set(arrived) != set(names):  # no torch graceful shutdown follows: drain by hand
+                    _barrier_drain(key)
             else:
                 arrived = trpc.rpc_sync(leader.name, _barrier_arrive, args=(key, self.name, names, timeout),
                                         timeout=timeout + 5.0)
-        except Exception:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
+        except Exception as e:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
+            import sys; print("DEBUG barrier", self.name, repr(e)[:500], file=sys.stderr)
             return [leader.name]
         return [n for n in names if n not in arrived]
 
