@@ -205,9 +205,10 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
                 return out
             if len(pairs) < len(ys):
                 out.notes.append(f"{len(ys) - len(pairs)} of {len(ys)} results do not require grad")
-            grads = torch.autograd.grad([a for a, _ in pairs], leaves, [b for _, b in pairs], allow_unused=True) \
-                if leaves else _backward_without_leaves(pairs)
-            out.grads = [_detach(t) for t in grads]
+            # backward() as a user would call it: it runs every node of the graph, so this rank joins every
+            # backward collective even where its own inputs get no gradient (autograd.grad would prune those)
+            torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+            out.grads = [_detach(t.grad) for t in leaves]
         return out
     except BaseException as e:  # noqa: BLE001  every failure goes back to the checker
         out.stage = stage
@@ -228,9 +229,3 @@ def _quiet_deprecations() -> None:
         warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.\w+ is deprecated",
                                 category=FutureWarning)
         _QUIET.append(True)
-
-
-def _backward_without_leaves(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[()]:
-    """A rank with no inputs (scatter's non-src with ``None``) still runs the backward its peers wait for."""
-    torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
-    return ()

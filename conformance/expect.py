@@ -62,6 +62,8 @@ class Verdict:
     stage: str | None = None
     reason: str = ""
     detail: str = ""
+    #: the cause a later stage would report too (only for failures in the values stage)
+    also: str = ""
 
     @property
     def cause(self) -> str:
@@ -306,6 +308,7 @@ def _normalise_reason(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     line = re.sub(r"0x[0-9a-f]+", "0x…", line)
     line = re.sub(r"\d+", "N", line)
+    line = re.sub(r"\[N(?:, N)*\]|\(N(?:, N)*,?\)", "(…)", line)  # shapes and rank lists of any length
     return line[:140]
 
 
@@ -348,6 +351,12 @@ def check_case(case: Case, outcomes: Sequence[RankOutcome] | dict[int, RankOutco
     for check in (_check_shape, _check_dtype, _check_values, _check_gradient):
         v = check(case, by_rank, exp, device)
         if v is not None:
+            if check is _check_values:
+                # the cause is the values; still say whether the gradient would pass, it is often a separate bug
+                later = _check_gradient(case, by_rank, exp, device)
+                if later is not None:
+                    v.also = later.cause
+                    v.detail += f"\n(the gradient stage fails too: {later.cause}: {later.detail.splitlines()[0]})"
             return v
     return Verdict("passed")
 
@@ -367,8 +376,9 @@ def _check_runs(case: Case, by_rank: dict[int, RankOutcome], timed_out: bool, no
     if raised:
         first = next(iter(raised.values()))
         reason = f"{first.stage} raised {first.error_type}: {_normalise_reason(first.error or '')}"
-        if len(raised) < case.group_size and (timed_out or silent):
-            reason += " (on some ranks; the others hung)"
+        if timed_out or silent:
+            # the ranks that did not raise were still waiting for the ones that did
+            reason = f"timed out: {reason} on some ranks, the others hung"
         tb = first.traceback or ""
         return Verdict("failed", "runs", reason, "\n".join(lines) + ("\n--- first traceback:\n" + tb if tb else ""))
     if timed_out or silent:

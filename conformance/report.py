@@ -72,7 +72,7 @@ class CaseResult:
         return {"id": self.case.id(), "collective": self.case.collective, "op": self.case.op,
                 "world_size": self.case.world_size, "group": list(self.case.group) if self.case.group else None,
                 "group_kind": self.case.group_kind, "root": self.case.root, "dtype": self.case.dtype,
-                "backend": self.label, "status": v.status, "stage": v.stage, "reason": v.reason,
+                "backend": self.label, "status": v.status, "stage": v.stage, "reason": v.reason, "also": v.also,
                 "detail": v.detail, "seconds": round(self.seconds, 4), "repro": self.repro}
 
 
@@ -127,7 +127,9 @@ class Result:
         for (status, stage, reason), rs in groups.items():
             where = Counter(f"{r.case.collective}{'/' + r.case.op if r.case.op else ''} ({r.case.group_kind})"
                             for r in rs)
+            also = Counter(r.verdict.also for r in rs if r.verdict.also)
             out.append({"status": status, "stage": stage, "reason": reason, "count": len(rs),
+                        "also": dict(also.most_common()),
                         "where": dict(sorted(where.items())), "world_sizes": sorted({r.case.world_size for r in rs}),
                         "example": rs[0].describe(), "example_id": rs[0].case.id(), "repro": rs[0].repro})
         out.sort(key=lambda g: (-g["count"], STAGES.index(g["stage"]) if g["stage"] in STAGES else 9, g["reason"]))
@@ -191,6 +193,10 @@ class Result:
             for i, g in enumerate(causes[:max_examples], 1):
                 lines.append(f"### {i}. {g['stage']}: {_md_escape(g['reason'])} ({g['count']} cases)")
                 lines.append("")
+                if g["also"]:
+                    later = "; ".join(f"{k} ({v} cases)" for k, v in g["also"].items())
+                    lines.append(f"Later stages fail too: {_md_escape(later)}.")
+                    lines.append("")
                 lines.append(f"World sizes: {g['world_sizes']}. First case:")
                 lines.append("")
                 lines.append("```text")
@@ -260,7 +266,7 @@ class Result:
         """Rebuild a result from :meth:`to_json` output (the cases are re-parsed from their ids)."""
         res = cls(config=dict(data.get("config", {})), seconds=float(data.get("seconds", 0.0)))
         for c in data.get("cases", []):
-            v = Verdict(c["status"], c.get("stage"), c.get("reason", ""), c.get("detail", ""))
+            v = Verdict(c["status"], c.get("stage"), c.get("reason", ""), c.get("detail", ""), c.get("also", ""))
             res.results.append(CaseResult(parse_case_id(c["id"]), v, c["backend"], c.get("seconds", 0.0),
                                           c.get("repro", "")))
         return res

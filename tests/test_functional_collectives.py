@@ -32,7 +32,8 @@ import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import DistError, DistTypeError, DistValueError, ReduceOp
 from tensorplay.distributed.pool import RankPool
-from test_functional_support import COLLECTIVES, REDUCING, ROOTED, Case, matrix, run_checked
+from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
+                                     hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked)
 
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
 PG_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_PG_TIMEOUT", "30"))
@@ -91,13 +92,6 @@ def test_matrix(run_world: Callable[..., list[Any]], name: str, request: pytest.
 # ---------------------------------------------------------------------------
 # 5. the documented example
 # ---------------------------------------------------------------------------
-def example_body() -> tuple[torch.Tensor, torch.Tensor]:
-    x = tp.randn(4, 8, requires_grad=True)
-    y = df.all_reduce(x)
-    y.sum().backward()
-    return x.detach(), x.grad
-
-
 def test_documented_example(run_world: Callable[..., list[Any]], request: pytest.FixtureRequest) -> None:
     for world in (*range(1, 9),) if request.node.callspec.params["run_world"] == "sim" else (1, 2, 3, 4):
         res = run_world(example_body, world)
@@ -108,41 +102,14 @@ def test_documented_example(run_world: Callable[..., list[Any]], request: pytest
 # ---------------------------------------------------------------------------
 # 6. double backward: Hessian-vector products through all_reduce(SUM) and all_gather
 # ---------------------------------------------------------------------------
-def _hvp_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(3, generator=g, dtype=torch.float64)
-    c = torch.randn(3, generator=g, dtype=torch.float64)
-    v = torch.randn(3, generator=g, dtype=torch.float64)
-    return x, c, v
-
-
-def _hvp_loss(kind: str, y: Any, c: torch.Tensor) -> torch.Tensor:
-    if kind == "all_reduce":
-        return (c * y ** 3).sum()
-    return sum((c * (k + 1) * t ** 3).sum() for k, t in enumerate(y))  # type: ignore[return-value]
-
-
-def hvp_body(kind: str, spec: tuple[int, ...] | None) -> Any:
-    group = dist.new_group(list(spec)) if spec is not None else None
-    rank = dist.get_rank()
-    if spec is not None and rank not in spec:
-        return None
-    x, c, v = _hvp_inputs(rank)
-    x.requires_grad_()
-    y = df.all_reduce(x, group=group) if kind == "all_reduce" else df.all_gather(x, group=group)
-    (gx,) = torch.autograd.grad(_hvp_loss(kind, y, c), x, create_graph=True)
-    (hv,) = torch.autograd.grad(gx, x, v)
-    return gx.detach(), hv
-
-
 def _hvp_reference(kind: str, members: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    data = [_hvp_inputs(r) for r in members]
+    data = [hvp_inputs(r) for r in members]
     xs = [d[0].clone().requires_grad_() for d in data]
     if kind == "all_reduce":
         s = sum(xs)
-        loss = sum(_hvp_loss(kind, s, d[1]) for d in data)
+        loss = sum(hvp_loss(kind, s, d[1]) for d in data)
     else:
-        loss = sum(_hvp_loss(kind, xs, d[1]) for d in data)
+        loss = sum(hvp_loss(kind, xs, d[1]) for d in data)
     grads = torch.autograd.grad(loss, xs, create_graph=True)
     hv = torch.autograd.grad(grads, xs, [d[2] for d in data])
     return [(g.detach(), h) for g, h in zip(grads, hv)]
@@ -165,18 +132,6 @@ def test_double_backward_hvp(run_world: Callable[..., list[Any]], kind: str, req
 # ---------------------------------------------------------------------------
 # 6. integer passthrough, call-time errors
 # ---------------------------------------------------------------------------
-def int_body() -> list[Any]:
-    r = dist.get_rank()
-    w = dist.get_world_size()
-    x = torch.arange(4) + 10 * r
-    out = [df.all_reduce(x), df.all_reduce(x, op=ReduceOp.BXOR), df.broadcast(x, 0), *df.all_gather(x),
-           df.reduce(x, 0, op=ReduceOp.MAX), df.all_to_all_single(None, torch.arange(2 * w) + r)]
-    b = torch.tensor([r % 2 == 0, True])
-    out.append(df.all_reduce(b, op=ReduceOp.BAND))
-    assert not any(t.requires_grad for t in out)
-    return out
-
-
 def test_integer_passthrough(run_world: Callable[..., list[Any]]) -> None:
     res = run_world(int_body, 3)
     x = [torch.arange(4) + 10 * r for r in range(3)]
@@ -187,44 +142,6 @@ def test_integer_passthrough(run_world: Callable[..., list[Any]]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(out[3:6], x))
         assert torch.equal(out[6], x[2] if r == 0 else torch.zeros(4, dtype=torch.int64))
         assert out[8].tolist() == [False, True]
-
-
-#: (call, expected error type, words the message must contain); every rank makes the same call
-ERROR_CASES: list[tuple[str, Callable[[], Any], type, tuple[str, ...]]] = [
-    ("max-complex", lambda: df.all_reduce(torch.ones(2, dtype=torch.complex128, requires_grad=True), op=ReduceOp.MAX),
-     DistTypeError, ("all_reduce", "MAX", "complex", "Fix:")),
-    ("band-requires-grad", lambda: df.all_reduce(torch.ones(2, requires_grad=True), op=ReduceOp.BAND),
-     DistTypeError, ("all_reduce", "BAND has no gradient", "requires_grad=True", "Fix:")),
-    ("bor-reduce-scatter-grad", lambda: df.reduce_scatter(None, [torch.ones(1, requires_grad=True)] * dist.get_world_size(),
-                                                          op=ReduceOp.BOR), DistTypeError, ("reduce_scatter", "no gradient")),
-    ("avg-int", lambda: df.all_reduce(torch.ones(2, dtype=torch.int64), op=ReduceOp.AVG),
-     DistTypeError, ("AVG", "int64", "Fix:")),
-    ("min-complex-reduce", lambda: df.reduce(torch.ones(2, dtype=torch.complex128), 0, op="min"),
-     DistTypeError, ("reduce", "MIN")),
-    ("unknown-op", lambda: df.all_reduce(torch.ones(2), op="median"), DistValueError, ("unknown reduce op",)),
-    ("src-not-member", lambda: df.broadcast(torch.ones(2), 5), DistValueError, ("broadcast", "src=5", "group_ranks")),
-    ("no-dst", lambda: df.reduce(torch.ones(2)), DistValueError, ("reduce", "no dst")),
-    ("src-and-group-src", lambda: df.broadcast(torch.ones(2), 0, group_src=0), DistValueError, ("both src",)),
-    ("bad-splits", lambda: df.all_to_all_single(None, torch.ones(3), [1, 2], [2, 2]), DistValueError,
-     ("input_split_sizes", "sum")),
-    ("gather-list-len", lambda: df.all_to_all(None, [torch.ones(1)]), DistValueError, ("input_tensor_list", "one tensor per group rank")),
-    ("ags-bad-output", lambda: df.all_gather_single(torch.empty(7), torch.ones(2)), DistValueError,
-     ("all_gather_single", "output.shape=(7,)")),
-    ("scatter-none-on-src", lambda: df.scatter(None, 0), DistValueError, ("scatter",)),
-    ("not-a-tensor", lambda: df.all_reduce([1.0]), DistTypeError, ("tensor must be a torch.Tensor",)),
-]
-
-
-def errors_body() -> list[tuple[str, str, str]]:
-    out = []
-    for name, fn, _, _ in ERROR_CASES:
-        try:
-            fn()
-        except DistError as e:
-            out.append((name, type(e).__name__, str(e)))
-        else:
-            out.append((name, "no error", ""))
-    return out
 
 
 def test_call_time_errors(run_world: Callable[..., list[Any]]) -> None:

@@ -28,8 +28,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+import tensorplay as tp
 import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
+from tensorplay.distributed import DistError, DistTypeError, DistValueError, ReduceOp
 
 #: collectives that take a reduce op
 REDUCING = ("reduce", "all_reduce", "reduce_scatter")
@@ -130,8 +132,8 @@ def _make(case: Case, shape: Sequence[int], key: tuple, noncontig: bool, kind: s
         t = re if not dtype.is_complex else torch.complex(re, torch.randint(-1, 2, full, generator=g).double())
     elif kind == "distinct":
         # a rank-specific offset keeps every pair of ranks at least 0.01 apart: no ties, smooth MIN/MAX
-        n = max(1, int(torch.Size(full).numel()))
-        base = torch.randperm(n * 64, generator=g)[:n].double().reshape(full) * 0.05
+        n = int(torch.Size(full).numel())
+        base = torch.randperm(max(n, 1) * 64, generator=g)[:n].double().reshape(full) * 0.05
         t = base + 0.013 * (key[0] if isinstance(key[0], int) else 0)
     else:
         t = torch.randn(full, generator=g, dtype=torch.float64)
@@ -224,21 +226,22 @@ def upstream(case: Case, rank: int) -> list[torch.Tensor]:
 _GROUP_CACHE: dict[Any, Any] = {}
 
 
+def get_group(spec: tuple[int, ...] | None) -> Any:
+    """``new_group(spec)`` (None: the world), called on every rank; cached per gloo process, fresh per
+    simulated world (a simulated world lives for one run)."""
+    if spec is None:
+        return None
+    if dist.get_backend() == "sim":
+        return dist.new_group(list(spec))
+    key = (dist.get_world_size(), spec)
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(list(spec))
+    return _GROUP_CACHE[key]
+
+
 def _groups_for(cases: Sequence[Case]) -> dict[tuple[int, ...], Any]:
-    """Create every subgroup the batch needs, on every rank, in one order (cached per gloo process)."""
-    specs = sorted({c.group for c in cases if c.group is not None})
-    out = {}
-    sim = dist.get_backend() == "sim"
-    for spec in specs:
-        key = (dist.get_world_size(), spec)
-        if sim or key not in _GROUP_CACHE:
-            g = dist.new_group(list(spec))
-            if sim:
-                out[spec] = g
-                continue
-            _GROUP_CACHE[key] = g
-        out[spec] = _GROUP_CACHE[key]
-    return out
+    """Create every subgroup the batch needs, on every rank, in one order."""
+    return {spec: get_group(spec) for spec in sorted({c.group for c in cases if c.group is not None})}
 
 
 def _leaves(x: Any) -> list[torch.Tensor]:
@@ -563,3 +566,90 @@ def matrix(name: str, world: int) -> list[Case]:
 def run_checked(run_world: Callable[..., list[Any]], cases: Sequence[Case], world: int) -> None:
     """Run ``cases`` (all at world size ``world``) in one call of the runner and check them."""
     check_batch(cases, run_world(rank_batch, world, list(cases)))
+
+
+# ---------------------------------------------------------------------------
+# rank-side bodies of the single-purpose tests (module level, so gloo ranks can import them)
+# ---------------------------------------------------------------------------
+def example_body() -> tuple[torch.Tensor, torch.Tensor]:
+    x = tp.randn(4, 8, requires_grad=True)
+    y = df.all_reduce(x)
+    y.sum().backward()
+    return x.detach(), x.grad
+
+
+def hvp_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(3, generator=g, dtype=torch.float64)
+    c = torch.randn(3, generator=g, dtype=torch.float64)
+    v = torch.randn(3, generator=g, dtype=torch.float64)
+    return x, c, v
+
+
+def hvp_loss(kind: str, y: Any, c: torch.Tensor) -> torch.Tensor:
+    if kind == "all_reduce":
+        return (c * y ** 3).sum()
+    return sum((c * (k + 1) * t ** 3).sum() for k, t in enumerate(y))  # type: ignore[return-value]
+
+
+def hvp_body(kind: str, spec: tuple[int, ...] | None) -> Any:
+    group = get_group(spec)
+    rank = dist.get_rank()
+    if spec is not None and rank not in spec:
+        return None
+    x, c, v = hvp_inputs(rank)
+    x.requires_grad_()
+    y = df.all_reduce(x, group=group) if kind == "all_reduce" else df.all_gather(x, group=group)
+    (gx,) = torch.autograd.grad(hvp_loss(kind, y, c), x, create_graph=True)
+    (hv,) = torch.autograd.grad(gx, x, v)
+    return gx.detach(), hv
+
+
+def int_body() -> list[Any]:
+    r = dist.get_rank()
+    w = dist.get_world_size()
+    x = torch.arange(4) + 10 * r
+    out = [df.all_reduce(x), df.all_reduce(x, op=ReduceOp.BXOR), df.broadcast(x, 0), *df.all_gather(x),
+           df.reduce(x, 0, op=ReduceOp.MAX), df.all_to_all_single(None, torch.arange(2 * w) + r)]
+    b = torch.tensor([r % 2 == 0, True])
+    out.append(df.all_reduce(b, op=ReduceOp.BAND))
+    assert not any(t.requires_grad for t in out)
+    return out
+
+
+#: (call, expected error type, words the message must contain); every rank makes the same call
+ERROR_CASES: list[tuple[str, Callable[[], Any], type, tuple[str, ...]]] = [
+    ("max-complex", lambda: df.all_reduce(torch.ones(2, dtype=torch.complex128, requires_grad=True), op=ReduceOp.MAX),
+     DistTypeError, ("all_reduce", "MAX", "complex", "Fix:")),
+    ("band-requires-grad", lambda: df.all_reduce(torch.ones(2, requires_grad=True), op=ReduceOp.BAND),
+     DistTypeError, ("all_reduce", "BAND has no gradient", "requires_grad=True", "Fix:")),
+    ("bor-reduce-scatter-grad", lambda: df.reduce_scatter(None, [torch.ones(1, requires_grad=True)] * dist.get_world_size(),
+                                                          op=ReduceOp.BOR), DistTypeError, ("reduce_scatter", "no gradient")),
+    ("avg-int", lambda: df.all_reduce(torch.ones(2, dtype=torch.int64), op=ReduceOp.AVG),
+     DistTypeError, ("AVG", "int64", "Fix:")),
+    ("min-complex-reduce", lambda: df.reduce(torch.ones(2, dtype=torch.complex128), 0, op="min"),
+     DistTypeError, ("reduce", "MIN")),
+    ("unknown-op", lambda: df.all_reduce(torch.ones(2), op="median"), DistValueError, ("unknown reduce op",)),
+    ("src-not-member", lambda: df.broadcast(torch.ones(2), 5), DistValueError, ("broadcast", "src=5", "group_ranks")),
+    ("no-dst", lambda: df.reduce(torch.ones(2)), DistValueError, ("reduce", "no dst")),
+    ("src-and-group-src", lambda: df.broadcast(torch.ones(2), 0, group_src=0), DistValueError, ("both src",)),
+    ("bad-splits", lambda: df.all_to_all_single(None, torch.ones(3), [1, 2], [2, 2]), DistValueError,
+     ("input_split_sizes", "sum")),
+    ("gather-list-len", lambda: df.all_to_all(None, [torch.ones(1)]), DistValueError, ("input_tensor_list", "one tensor per group rank")),
+    ("ags-bad-output", lambda: df.all_gather_single(torch.empty(7), torch.ones(2)), DistValueError,
+     ("all_gather_single", "output.shape=(7,)")),
+    ("scatter-none-on-src", lambda: df.scatter(None, 0), DistValueError, ("scatter",)),
+    ("not-a-tensor", lambda: df.all_reduce([1.0]), DistTypeError, ("tensor must be a torch.Tensor",)),
+]
+
+
+def errors_body() -> list[tuple[str, str, str]]:
+    out = []
+    for name, fn, _, _ in ERROR_CASES:
+        try:
+            fn()
+        except DistError as e:
+            out.append((name, type(e).__name__, str(e)))
+        else:
+            out.append((name, "no error", ""))
+    return out

@@ -545,12 +545,14 @@ def reduce(
     tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: GroupLike = None,
     async_op: bool = False, group_dst: int | None = None,
 ) -> Work | None:
-    """Reduce ``tensor`` over ``group`` into ``dst``'s ``tensor`` (others' tensors are left as they are).
+    """Reduce ``tensor`` over ``group`` into ``dst``'s ``tensor``; other ranks' tensors are unspecified after.
+
+    (gloo writes partial results into non-dst tensors, as torch does; see docs/deviations.md.)
 
     Example (2 ranks)::
 
         x = tp.tensor([1.0 + dist.get_rank()])
-        dist.reduce(x, dst=1)        # rank 1: x == [3.]; rank 0: x unchanged
+        dist.reduce(x, dst=1)        # rank 1: x == [3.]; rank 0: x holds scratch values
     """
     c = _Call("reduce", _group("reduce", group)[1])
     _tensor(c, tensor, "tensor")

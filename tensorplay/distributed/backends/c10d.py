@@ -190,14 +190,10 @@ class C10dBackend(Backend):
             return self._guard("reduce", group, lambda: self._emulated_reduce(tensor, op, group, async_op, root))
 
         def run() -> Work | None:
-            # gloo leaves partial results in non-root buffers; the API promises non-root tensors stay
-            # as they were, so non-root ranks reduce from a scratch copy
-            if group.rank() == root:
-                buf, back = _staged(tensor)
-            else:
-                buf, back = tensor.clone(memory_format=torch.contiguous_format), None
+            buf, back = _staged(tensor)
             work = tdist.reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op, group_dst=root)
-            return _finish(work, async_op, back)
+            # torch may leave scratch values in non-root buffers; only the root's result is defined
+            return _finish(work, async_op, back if group.rank() == root else None)
 
         return self._guard("reduce", group, run)
 

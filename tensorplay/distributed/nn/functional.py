@@ -88,13 +88,9 @@ def _fw_broadcast(c: Call, xs: tuple) -> torch.Tensor:
 
 def _fw_reduce(c: Call, xs: tuple) -> torch.Tensor:
     (x,) = xs
-    pg = c.group
-    if c.me == c.root:
-        out = _fresh_copy(x)
-        pg.backend.reduce(out, c.root, c.op, pg, False)
-        return out
-    pg.backend.reduce(x, c.root, c.op, pg, False)  # backends leave non-root tensors as they were
-    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    out = _fresh_copy(x)  # a backend may leave scratch values in non-root buffers: never hand it x
+    c.group.backend.reduce(out, c.root, c.op, c.group, False)
+    return out if c.me == c.root else out.zero_()
 
 
 def _fw_all_reduce(c: Call, xs: tuple) -> torch.Tensor:

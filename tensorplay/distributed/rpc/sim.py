@@ -131,11 +131,25 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _tensor_pid(obj: torch.Tensor, tensors: list, grad_sends: list) -> int:
-    from ..autograd import _sim as dautograd
+_dautograd: Any = None
 
+
+def _autograd() -> Any:
+    global _dautograd
+    if _dautograd is None:
+        from ..autograd import _sim
+
+        _dautograd = _sim
+    return _dautograd
+
+
+def _tensor_pid(obj: torch.Tensor, tensors: list, grad_sends: list) -> int:
     i = len(tensors)
-    sid = dautograd.on_send(obj) if obj.requires_grad else None
+    sid = None
+    if obj.requires_grad:
+        ag = _autograd()
+        if ag.current_context_id() is not None:
+            sid = ag.on_send(obj)
     if sid is not None:  # recorded for distributed autograd: the receiver gets a fresh leaf
         tensors.append(obj.detach().clone())
         grad_sends.append((i, sid))
@@ -209,11 +223,10 @@ def _rollback() -> None:
 def _decode(msg: _Message) -> Any:
     tensors = msg.tensors
     if msg.grad_sends:
-        from ..autograd import _sim as dautograd
-
+        ag = _autograd()
         for i, sid in msg.grad_sends:
             leaf = tensors[i].requires_grad_(True)
-            dautograd.on_recv(leaf, msg.sender, sid)
+            ag.on_recv(leaf, msg.sender, sid)
     f = io.BytesIO(msg.data)
     if msg.dill:
         import dill

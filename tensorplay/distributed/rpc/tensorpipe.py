@@ -453,9 +453,7 @@ class TensorPipeAgent(Agent):
         """Every worker reports to the lowest live rank; returns the names that did not arrive."""
         names = [w.name for w in self._infos]
         alive = [w for w in self._infos if w.name not in self.dead]
-        if len(alive) < len(self._infos):
-            return sorted(self.dead)
-        leader = alive[0]
+        leader = alive[0]  # this worker at least is alive; the leader also releases the followers
         key = f"shutdown-{self._generation}"
         try:
             if leader.name == self.name:
@@ -465,8 +463,7 @@ class TensorPipeAgent(Agent):
             else:
                 arrived = trpc.rpc_sync(leader.name, _barrier_arrive, args=(key, self.name, names, timeout),
                                         timeout=timeout + 5.0)
-        except Exception as e:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
-            import sys; print("DEBUG barrier", self.name, repr(e)[:500], file=sys.stderr)
+        except Exception:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
             return [leader.name]
         return [n for n in names if n not in arrived]
 

@@ -1,0 +1,192 @@
+"""RPC costs on the simulator's transport and on TensorPipe, in one run, with ratios.
+
+Measured on worker0, calling worker1 (two workers):
+
+* ``rpc_sync no-op``        - ``rpc_sync("worker1", noop)``;
+* ``rpc_sync 1e6 float32``  - one 4 MB tensor there and back (``identity``);
+* ``raw forward rpc_sync``  - ``rpc_sync`` of a function running a ``Linear(16, 8)`` that lives on
+  worker1 (a module-level global), on ``randn(4, 16)``: the floor for a remote forward;
+* ``RemoteModule forward``  - the same forward through ``RemoteModule("worker1/cpu", Linear, (16, 8))``;
+* ``remote training step``  - forward, distributed backward and ``DistributedOptimizer(SGD).step``.
+
+Each figure is the median time per call (the machine is shared: medians
+resist load spikes); the raw and RemoteModule forwards are called in turn in
+one loop so that load hits both alike.  1e6-element calls and training steps
+run fewer times (a tenth and a quarter of ``--calls``).
+TensorPipe runs in two real processes on 127.0.0.1 (a warm
+:class:`~tensorplay.distributed.rpc.testing.RpcPool`), the simulator in this
+process (``mode="coop"``).
+
+Targets: the simulator's no-op ``rpc_sync`` at least 10x faster than
+TensorPipe's; on TensorPipe, a RemoteModule forward at most 1.2x a raw
+``rpc_sync`` doing the same forward.
+
+Usage::
+
+    python bench/bench_rpc.py            # full
+    python bench/bench_rpc.py --quick    # fewer calls, for a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+CASES = ("rpc_sync no-op", "rpc_sync 1e6 float32", "raw forward rpc_sync", "RemoteModule forward",
+         "remote training step")
+
+
+# ---------------------------------------------------------------------------
+# remote functions (module level: both transports send them by reference)
+# ---------------------------------------------------------------------------
+def noop() -> None:
+    return None
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+_LINEAR: Any = None
+
+
+def make_linear() -> None:
+    global _LINEAR
+    import torch
+
+    _LINEAR = torch.nn.Linear(16, 8)
+
+
+def linear_forward(x: Any) -> Any:
+    return _LINEAR(x)
+
+
+# ---------------------------------------------------------------------------
+# the measurement, run on worker0 of either transport
+# ---------------------------------------------------------------------------
+def _per_call(fns: list[Callable[[], Any]], calls: int) -> list[float]:
+    """Median seconds per call of each function, the functions called in turn (so load hits all alike)."""
+    for f in fns:  # warm-up
+        for _ in range(max(3, calls // 10)):
+            f()
+    times: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter
+    for _ in range(calls):
+        for f, ts in zip(fns, times):
+            t = clock()
+            f()
+            ts.append(clock() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+def measure(calls: int) -> dict[str, float]:
+    """Median seconds per call of every case, on worker0 (worker1 serves)."""
+    import torch
+
+    import tensorplay as tp
+    import tensorplay.distributed.autograd as dist_autograd
+    import tensorplay.distributed.rpc as rpc
+    from tensorplay.distributed.nn import RemoteModule
+    from tensorplay.distributed.optim import DistributedOptimizer
+
+    torch.manual_seed(0)
+    x = tp.randn(4, 16)
+    big = tp.randn(1_000_000)
+    rpc.rpc_sync("worker1", make_linear)
+    rm = RemoteModule("worker1/cpu", tp.nn.Linear, args=(16, 8))
+    opt = DistributedOptimizer(tp.optim.SGD, rm.remote_parameters(), lr=0.01)
+
+    def step() -> None:
+        with dist_autograd.context() as cid:
+            loss = rm(x).pow(2).sum()
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+
+    out: dict[str, float] = {}
+    (out["rpc_sync no-op"],) = _per_call([lambda: rpc.rpc_sync("worker1", noop)], calls)
+    (out["rpc_sync 1e6 float32"],) = _per_call([lambda: rpc.rpc_sync("worker1", identity, (big,))], max(5, calls // 10))
+    out["raw forward rpc_sync"], out["RemoteModule forward"] = _per_call(
+        [lambda: rpc.rpc_sync("worker1", linear_forward, (x,)), lambda: rm(x)], calls)
+    (out["remote training step"],) = _per_call([step], max(5, calls // 4))
+    return out
+
+
+def _sim_main(calls: int) -> dict[str, float] | None:
+    import tensorplay.distributed as dist
+    import tensorplay.distributed.rpc as rpc
+
+    me = dist.get_rank()
+    rpc.init_rpc(f"worker{me}")
+    try:
+        return measure(calls) if me == 0 else None
+    finally:
+        rpc.shutdown()
+
+
+def run_sim(calls: int) -> dict[str, float]:
+    import simulator
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the TensorPipe workers (OMP_NUM_THREADS=1): compare like with like
+    try:
+        return simulator.run(_sim_main, 2, args=(calls,), timeout=600)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_tensorpipe(calls: int) -> dict[str, float]:
+    from tensorplay.distributed.rpc.testing import RpcPool
+
+    with RpcPool(2, rpc_timeout=60.0, call_timeout=600.0) as pool:
+        return pool.run_on(0, measure, calls, timeout=600.0)
+
+
+# ---------------------------------------------------------------------------
+def _fmt(s: float) -> str:
+    return f"{s * 1e6:9.1f} us" if s < 1e-3 else f"{s * 1e3:9.3f} ms"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    ap.add_argument("--calls", type=int, default=None, help="calls per case (default 1000, quick 100)")
+    ap.add_argument("--json", type=str, default=None, help="also write the figures to this file")
+    a = ap.parse_args(argv)
+    calls = a.calls or (100 if a.quick else 1000)
+
+    t0 = time.perf_counter()
+    tpipe = run_tensorpipe(calls)
+    t1 = time.perf_counter()
+    sim = run_sim(calls)
+    t2 = time.perf_counter()
+
+    print(f"RPC, worker0 -> worker1; median per call over up to {calls} calls "
+          f"(TensorPipe world {t1 - t0:.1f} s incl. start, simulator {t2 - t1:.1f} s)")
+    print(f"{'case':<24}{'simulator':>13}{'TensorPipe':>13}{'TP / sim':>10}")
+    for c in CASES:
+        print(f"{c:<24}{_fmt(sim[c]):>13}{_fmt(tpipe[c]):>13}{tpipe[c] / sim[c]:>9.1f}x")
+    speedup = tpipe["rpc_sync no-op"] / sim["rpc_sync no-op"]
+    rm_ratio = tpipe["RemoteModule forward"] / tpipe["raw forward rpc_sync"]
+    ok1, ok2 = speedup >= 10, rm_ratio <= 1.2
+    print(f"target: simulator no-op rpc_sync >= 10x faster than TensorPipe: {speedup:.1f}x "
+          f"[{'met' if ok1 else 'MISSED'}]")
+    print(f"target: TensorPipe RemoteModule forward <= 1.2x raw rpc_sync forward: {rm_ratio:.2f}x "
+          f"[{'met' if ok2 else 'MISSED'}]")
+    result = {"sim": sim, "tensorpipe": tpipe, "sim_speedup_noop": speedup, "remote_module_ratio": rm_ratio,
+              "calls": calls}
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    # run the worker functions from an importable module (by reference), not from __main__
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_rpc as me
+
+    me.main()
