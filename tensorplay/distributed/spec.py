@@ -288,7 +288,7 @@ def _vjp_all_reduce(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tupl
     # MIN/MAX: one all_reduce sums the gradients and counts the tied ranks together
     m = tie_mask(x, y)
     G, ties = C.all_reduce(torch.stack([g, m]), ReduceOp.SUM).unbind(0)
-    return (G * m,)  # BROKEN ON PURPOSE
+    return (G * m / ties,)
 
 
 def _vjp_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
