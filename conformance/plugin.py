@@ -6,7 +6,7 @@ with a ``--conformance-`` prefix, registers the ``conformance`` marker, offers
 fixtures for other suites and writes the report at the end of the session::
 
     pytest --pyargs conformance --conformance-backend gloo --conformance-world-sizes 2,3
-    pytest --pyargs conformance -k "reduce and W=4" -n 2        # pytest-xdist works too
+    pytest --pyargs conformance -k "reduce and MAX" -n 2     # -k matches case ids; xdist works
     pytest --pyargs conformance --conformance-report conformance-report   # .md and .json
 
 Fixtures: ``conformance_config`` (the :class:`~conformance.suite.SuiteConfig` from

@@ -321,7 +321,7 @@ class Progress:
         self.failed = 0
         self.skipped = 0
         self.t0 = time.perf_counter()
-        self._last = 0.0
+        self._last = float("-inf")  # the first case always shows
         self._width = 0
 
     def update(self, result: CaseResult) -> None:
@@ -338,9 +338,7 @@ class Progress:
                 return
             self._last = now
             text = self._line(result.case.id())
-            width = getattr(os.get_terminal_size(self.stream.fileno()), "columns", 120) \
-                if hasattr(self.stream, "fileno") else 120
-            text = text[: max(20, width - 1)]
+            text = text[: max(20, self._columns() - 1)]
             self.stream.write("\r" + text.ljust(self._width))
             self._width = len(text)
             self.stream.flush()
@@ -348,6 +346,12 @@ class Progress:
             self._last = now
             self.stream.write(self._line(f"{result.case.collective} W={result.case.world_size}") + "\n")
             self.stream.flush()
+
+    def _columns(self) -> int:
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return 120
 
     def _line(self, current: str) -> str:
         el = time.perf_counter() - self.t0

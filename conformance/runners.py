@@ -52,9 +52,13 @@ class RunReport:
     seconds: float = 0.0
 
 
-def validate_backend_device(backend: str, device: str, impl: str, dist_module: str | None) -> None:
-    """Raise :class:`RunnerError` (name=value, then the fix) for combinations that cannot run."""
-    if backend not in BACKENDS:
+def validate_backend_device(backend: str, device: str, impl: str, dist_module: str | None,
+                            known_only: bool = True) -> None:
+    """Raise :class:`RunnerError` (name=value, then the fix) for combinations that cannot run.
+
+    ``known_only=False`` lets a process runner start ranks on a backend registered elsewhere.
+    """
+    if known_only and backend not in BACKENDS:
         raise RunnerError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if device not in DEVICES:
         raise RunnerError(f"device={device!r} is unknown; use one of {', '.join(DEVICES)}")
@@ -77,11 +81,11 @@ class Runner:
 
     def __init__(self, *, device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,
                  timeout: float | None = None) -> None:
-        validate_backend_device(self.backend, device, impl, dist_module)
+        validate_backend_device(self.backend, device, impl, dist_module, known_only=self.backend == "sim")
         self.device = device
         self.impl = impl
         self.dist_module = dist_module or default_dist_module(impl)
-        self.timeout = DEFAULT_TIMEOUT[self.backend] if timeout is None else float(timeout)
+        self.timeout = DEFAULT_TIMEOUT.get(self.backend, 10.0) if timeout is None else float(timeout)
 
     @property
     def label(self) -> str:
@@ -149,7 +153,12 @@ def _probe() -> float:
 
 
 class PoolRunner(Runner):
-    """Cases on real rank processes: one persistent pool per world size (gloo on CPU, nccl on GPUs)."""
+    """Cases on real rank processes: one persistent pool per world size (gloo on CPU, nccl on GPUs).
+
+    ``backend`` is the name each rank passes to ``tensorplay.distributed.init_process_group``:
+    ``"gloo"``, ``"nccl"``, or a backend you registered yourself (register it when the module
+    that defines it is imported, and name that module in ``impl`` or ``dist_module``).
+    """
 
     backend = "gloo"
     #: after one rank failed, how long the others may still take before they count as stuck

@@ -72,16 +72,17 @@ def groups(world_size: int, kind: str = "any") -> st.SearchStrategy[tuple[int, .
                              "its group ranks; use world_size >= 2")
         return st.just(None)
 
-    @st.composite
-    def subgroup(draw: Any) -> tuple[int, ...]:
-        size = draw(st.integers(1, world_size - 1))
-        members = draw(st.lists(st.integers(0, world_size - 1), min_size=size, max_size=size, unique=True))
-        if sorted(members) == list(range(size)):
-            # a prefix keeps global == group ranks; shift one member up to the first rank outside it
-            members[members.index(size - 1)] = size
-        return tuple(members)
+    return _subgroup(world_size) if kind == "subgroup" else st.one_of(st.just(None), _subgroup(world_size))
 
-    return subgroup() if kind == "subgroup" else st.one_of(st.just(None), subgroup())
+
+@st.composite
+def _subgroup(draw: Any, world_size: int) -> tuple[int, ...]:
+    size = draw(st.integers(1, world_size - 1))
+    members = draw(st.lists(st.integers(0, world_size - 1), min_size=size, max_size=size, unique=True))
+    if sorted(members) == list(range(size)):
+        # a prefix keeps global == group ranks; shift one member up to the first rank outside it
+        members[members.index(size - 1)] = size
+    return tuple(members)
 
 
 def ops(collective: str) -> st.SearchStrategy[str | None]:
@@ -107,15 +108,19 @@ def shapes(min_dims: int = 0, max_dims: int = 3, max_side: int = 3) -> st.Search
     # 1-d first (what hypothesis tries first and shrinks towards), 0-d about one draw in seven
     ndims = [d for d in (1, 2, 0, 3, 1, 2, 3) if min_dims <= d <= max_dims] or [min_dims]
 
-    @st.composite
-    def shape(draw: Any) -> tuple[int, ...]:
-        nd = draw(st.sampled_from(ndims))
-        dims = [draw(st.integers(1, max(1, max_side))) for _ in range(nd)]
-        if nd and draw(st.sampled_from([False] * 7 + [True])):
-            dims[draw(st.integers(0, nd - 1))] = 0  # an empty tensor
-        return tuple(dims)
+    return _shape(tuple(ndims), max(1, max_side))
 
-    return shape()
+
+@st.composite
+def _shape(draw: Any, ndims: tuple[int, ...], max_side: int) -> tuple[int, ...]:
+    nd = draw(st.sampled_from(ndims))
+    dims = [draw(st.integers(1, max_side)) for _ in range(nd)]
+    if nd and draw(st.sampled_from(_EMPTY_ONE_IN_EIGHT)):
+        dims[draw(st.integers(0, nd - 1))] = 0  # an empty tensor
+    return tuple(dims)
+
+
+_EMPTY_ONE_IN_EIGHT = (False,) * 7 + (True,)
 
 
 def row_matrices(n: int, max_rows: int = 3, uniform: bool | None = None) -> st.SearchStrategy[tuple[tuple[int, ...], ...]]:
@@ -123,12 +128,15 @@ def row_matrices(n: int, max_rows: int = 3, uniform: bool | None = None) -> st.S
 
     ``uniform=True`` draws one count for every pair, ``False`` any matrix, ``None`` either.
     """
-    same = st.integers(0, max_rows).map(lambda k: tuple(tuple(k for _ in range(n)) for _ in range(n)))
+    same = st.builds(_uniform_rows, st.just(n), st.integers(0, max_rows))
     if uniform:
         return same
-    ragged = st.lists(st.lists(st.integers(0, max_rows), min_size=n, max_size=n).map(tuple),
-                      min_size=n, max_size=n).map(tuple)
+    ragged = st.lists(st.tuples(*[st.integers(0, max_rows)] * n), min_size=n, max_size=n).map(tuple)
     return ragged if uniform is False else st.one_of(same, ragged)
+
+
+def _uniform_rows(n: int, k: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(k for _ in range(n)) for _ in range(n))
 
 
 def value_kinds(op: str | None, dtype: str) -> st.SearchStrategy[str]:

@@ -3,9 +3,9 @@
 Options come from the plugin (``--conformance-backend`` ...; see
 :mod:`conformance.plugin`); without the plugin the defaults apply (sim, CPU,
 world sizes 1-4, every collective and op).  Test ids are case ids, so
-``-k`` selects by collective, op, world size or group::
+``-k`` selects by words of the id (collective, op, dtype; ``-k`` cannot contain ``=``)::
 
-    pytest --pyargs conformance -k "all_reduce and op=MAX and W=4"
+    pytest --pyargs conformance -k "all_reduce and MAX and float64"
 """
 from __future__ import annotations
 

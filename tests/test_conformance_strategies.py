@@ -118,3 +118,19 @@ def test_planning_is_deterministic_and_covers_every_cell() -> None:
 def test_bad_case_ids_are_refused_with_the_reason(text: str, match: str) -> None:
     with pytest.raises(CaseIdError, match=match):
         parse_case_id(text)
+
+
+def test_planning_does_not_depend_on_what_else_is_imported() -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    cfg = SuiteConfig(collectives=("broadcast", "all_to_all"), world_sizes=(3,), examples=3).validate()
+    here = hashlib.md5("\n".join(c.id() for c in plan_cases(cfg)).encode()).hexdigest()
+    code = ("import hashlib, conformance.__main__, conformance.plugin\n"
+            "from conformance.suite import SuiteConfig, plan_cases\n"
+            "cfg = SuiteConfig(collectives=('broadcast', 'all_to_all'), world_sizes=(3,), examples=3).validate()\n"
+            "print(hashlib.md5('\\n'.join(c.id() for c in plan_cases(cfg)).encode()).hexdigest())\n")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert there.stdout.strip() == here, there.stderr

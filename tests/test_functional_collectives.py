@@ -92,6 +92,16 @@ def test_matrix(run_world: Callable[..., list[Any]], name: str, request: pytest.
 # ---------------------------------------------------------------------------
 # 5. the documented example
 # ---------------------------------------------------------------------------
+def test_documented_example_cuda() -> None:
+    """The same example with CUDA tensors on simulated ranks (skipped without a GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for world in range(1, 9):
+        for x, grad in simulator.run(example_body, world, args=("cuda",)):
+            assert grad.device.type == "cuda"
+            assert torch.equal(grad.cpu(), torch.full((4, 8), float(world)))
+
+
 def test_documented_example(run_world: Callable[..., list[Any]], request: pytest.FixtureRequest) -> None:
     for world in (*range(1, 9),) if request.node.callspec.params["run_world"] == "sim" else (1, 2, 3, 4):
         res = run_world(example_body, world)
@@ -186,9 +196,11 @@ def cases(draw: st.DrawFn, max_world: int) -> Case:
     if name == "all_to_all" and shape:
         ragged = draw(st.booleans())
     values = draw(st.sampled_from(["random", "ties"])) if op in ("MIN", "MAX", "PRODUCT") else "random"
+    out_given = ragged or draw(st.booleans())
+    stacked = name == "all_gather_single" and out_given and draw(st.booleans())
     return Case(name, world, group, root, op, shape, dtype, noncontig=draw(st.booleans()),
                 grad_noncontig=draw(st.booleans()), splits=splits, ragged=ragged, values=values,
-                out_given=ragged or draw(st.booleans()), seed=draw(st.integers(0, 3)))
+                out_given=out_given, stacked=stacked, seed=draw(st.integers(0, 3)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

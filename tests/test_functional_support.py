@@ -65,6 +65,7 @@ class Case:
     ragged: bool = False
     values: str = "random"
     out_given: bool = True
+    stacked: bool = False
     seed: int = 0
 
     @property
@@ -103,6 +104,8 @@ class Case:
             parts.append(self.values)
         if not self.out_given:
             parts.append("out=None")
+        if self.stacked:
+            parts.append("stacked")
         if self.seed:
             parts.append(f"s{self.seed}")
         return "-".join(parts)
@@ -206,7 +209,7 @@ def output_shapes(case: Case, rank: int) -> list[tuple[int, ...]]:
     if case.name in ("gather", "all_gather"):
         return [s] * n
     if case.name == "all_gather_single":
-        return [(n,) if not s else (n * s[0], *s[1:])]
+        return [(n, *s) if case.stacked or not s else (n * s[0], *s[1:])]
     if case.name == "all_to_all":
         return [block_shape(case, j, i) for j in range(n)]
     if case.name == "all_to_all_single":
@@ -373,7 +376,7 @@ def reference(case: Case, xs: list[Any]) -> list[list[torch.Tensor]]:
     if name == "all_gather":
         return [[xs[j] * 1 for j in range(n)] for _ in range(n)]
     if name == "all_gather_single":
-        y = torch.stack(xs) if not case.shape else torch.cat(xs)
+        y = torch.stack(xs) if case.stacked or not case.shape else torch.cat(xs)
         return [[y] for _ in range(n)]
     if name == "reduce_scatter":
         return [[_reduce(case.op, [xs[j][i] for j in range(n)])] for i in range(n)]
@@ -551,6 +554,9 @@ def matrix(name: str, world: int) -> list[Case]:
                             if op in ("MIN", "MAX", "PRODUCT"):
                                 out.append(replace(c, values="ties"))
                                 out.append(replace(c, values="distinct"))
+        if name == "all_gather_single":
+            out.append(replace(base, stacked=True, shape=(2, 3)))
+            out.append(replace(base, stacked=True, shape=(0,), noncontig=True, grad_noncontig=True))
         if name == "all_to_all":
             out.append(replace(base, ragged=True, shape=(2, 3)))
             out.append(replace(base, ragged=True, shape=(2, 3), seed=1, noncontig=True, grad_noncontig=True))
@@ -571,8 +577,8 @@ def run_checked(run_world: Callable[..., list[Any]], cases: Sequence[Case], worl
 # ---------------------------------------------------------------------------
 # rank-side bodies of the single-purpose tests (module level, so gloo ranks can import them)
 # ---------------------------------------------------------------------------
-def example_body() -> tuple[torch.Tensor, torch.Tensor]:
-    x = tp.randn(4, 8, requires_grad=True)
+def example_body(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    x = tp.randn(4, 8, requires_grad=True, device=device)
     y = df.all_reduce(x)
     y.sum().backward()
     return x.detach(), x.grad

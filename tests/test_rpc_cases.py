@@ -236,6 +236,7 @@ def calls() -> dict:
     out["wait_all"] = rpc.wait_all([rpc.rpc_async(w, add, (w, "!")) for w in ("worker1", "worker2")])
     out["who"] = rpc.rpc_sync("worker2", whoami)
     out["self_call"] = rpc.rpc_sync("worker0", whoami)
+    out["unpicklable_arg"] = _err(lambda: rpc.rpc_sync("worker1", add, ((i for i in range(3)), 1)))
     return out
 
 
@@ -251,6 +252,8 @@ def check_calls(out: dict) -> None:
     assert out["then"] == [5.0, 5.0] and out["async_boom"] == 1
     assert out["wait_all"] == ["worker1!", "worker2!"]
     assert out["who"] == ("worker2", 2, 2) and out["self_call"] == ("worker0", 0, 0)
+    kind, msg = out["unpicklable_arg"]
+    assert kind == "DistTypeError" and "cannot be serialised" in msg and "generator" in msg, out["unpicklable_arg"]
 
 
 def rrefs() -> dict:

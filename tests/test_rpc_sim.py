@@ -379,3 +379,46 @@ def test_interface_restricted_module_refuses_other_methods_on_owner():
     y, msg = drive(body)
     assert torch.equal(y, torch.ones(2) + 1)
     assert "refused" in msg and "'double'" in msg
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_local_shutdown_does_not_hold_the_graceful_ones(mode):
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        if me == 1:
+            rpc.shutdown(graceful=False)
+            return "left"
+        if me == 0:
+            _until_unavailable("worker1") if mode == "threads" else None
+        try:
+            return rpc.rpc_sync("worker1", C.add, (1, 2))
+        except WorkerUnavailableError as e:
+            return str(e)
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rpc.shutdown()
+
+    out = simulator.run(main, 3, mode=mode)
+    assert out[1] == "left"
+    for r in (0, 2):
+        assert out[r] == 3 or "it shut down" in out[r], out
+
+
+def test_rpc_runs_replay_exactly():
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}", rpc_backend_options=SimRpcBackendOptions(faults=MessageFaults(drop=0.2)))
+        out = []
+        for i in range(10):
+            try:
+                out.append(rpc.rpc_sync(f"worker{(me + 1) % 3}", C.add, (i, me)))
+            except RpcTimeoutError:
+                out.append(None)
+        rpc.shutdown()
+        return out
+
+    simulator.check_reproducible(main, 3, seed=5)
+    outs = simulator.run(main, 3, seed=5)
+    assert any(None in o for o in outs) and any(x is not None for o in outs for x in o)

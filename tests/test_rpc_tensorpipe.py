@@ -24,7 +24,7 @@ from tensorplay.distributed.rpc.testing import RpcPool
 
 import test_rpc_cases as C
 
-pytestmark = [pytest.mark.xdist_group("rpc-tensorpipe")]
+pytestmark = [pytest.mark.gloo, pytest.mark.xdist_group("rpc-tensorpipe")]
 
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
 
@@ -78,6 +78,18 @@ def test_timeout_is_honoured(pool):
     out = pool.run_on(0, C.timeout_case)
     C.check_timeout(out)
     assert out["sync_s"] < 0.6  # TensorPipe returns at the timeout, while the callee still sleeps
+
+
+def test_init_rpc_is_bounded_when_a_worker_never_comes():
+    from tensorplay.distributed import DistRuntimeError
+    from tensorplay.distributed.pool import free_port
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", rpc_timeout=1.5)
+    t = time.perf_counter()
+    with pytest.raises(DistRuntimeError, match=r"missing_ranks=\[1, 2\]"):
+        rpc.init_rpc("worker0", rank=0, world_size=3, rpc_backend_options=opts)
+    assert time.perf_counter() - t < 10.0
+    assert not rpc.is_initialized()
 
 
 # -- loopback -----------------------------------------------------------------

@@ -31,7 +31,6 @@ from ..rpc.errors import rpc_message
 __all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id"]
 
 _tl = threading.local()
-_ids = itertools.count(1)
 
 
 class _Ctx:
@@ -74,7 +73,7 @@ class context:
             raise DistRuntimeError(rpc_message(
                 "autograd.context", "this thread already has an autograd context (contexts do not nest)",
                 worker=a.name, values={"context_id": current_context_id()}, fix="leave the outer context first"))
-        cid = (a.rank << 48) | next(_ids)
+        cid = (a.rank << 48) | next(a.context_ids)  # like torch: the worker id in the high bits
         _ctx(a, cid, True, "context")
         _tl.cid = cid
         self.cid, self.world = cid, a.world

@@ -41,6 +41,8 @@ _TORCH_OP = {
     ReduceOp.BXOR: tdist.ReduceOp.BXOR,
 }
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+#: list all_to_all: from this many elements a block, uniform blocks travel by W zero-copy scatters
+_SCATTER_BLOCK_NUMEL = 1 << 16
 
 # torch 2.13 renamed the tensor variants; use the new names where they exist.
 _all_gather_tensor = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
@@ -93,6 +95,9 @@ class C10dBackend(Backend):
     """Common code of the gloo and nccl backends."""
 
     name = "c10d"
+
+    #: whether the library's own reduce_scatter is worth calling (else: one all_to_all_single and a local reduce)
+    native_reduce_scatter = True
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
         super().__init__(rank, world_size)
@@ -168,7 +173,14 @@ class C10dBackend(Backend):
     def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
         def run() -> Work | None:
             buf, back = _staged(tensor)
-            work = tdist.broadcast(buf, group=group.handle, async_op=async_op, group_src=root)
+            if buf.is_cuda:  # torch's wrapper carries NCCL dtype workarounds (fp8 before sm90)
+                work = tdist.broadcast(buf, group=group.handle, async_op=async_op, group_src=root)
+            else:  # the ProcessGroup method directly, as in all_reduce
+                opts = tdist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor, opts.asyncOp = root, 0, async_op
+                work = group.handle.broadcast([torch.view_as_real(buf) if buf.is_complex() else buf], opts)
+                if not async_op:
+                    work.wait()
             return _finish(work, async_op, back)
 
         return self._guard("broadcast", group, run)
@@ -179,7 +191,15 @@ class C10dBackend(Backend):
 
         def run() -> Work | None:
             buf, back = _staged(tensor)
-            work = tdist.all_reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op)
+            # the ProcessGroup method directly: torch's all_reduce wrapper only repeats checks the API
+            # made (about 3 us a call, most of our overhead on small tensors); complex as real pairs
+            # like torch (complex PRODUCT never gets here)
+            opts = tdist.AllreduceOptions()
+            opts.reduceOp = _TORCH_OP[op]
+            opts.asyncOp = async_op
+            work = group.handle.allreduce([torch.view_as_real(buf) if buf.is_complex() else buf], opts)
+            if not async_op:
+                work.wait()
             return _finish(work, async_op, back)
 
         return self._guard("all_reduce", group, run)
@@ -250,7 +270,7 @@ class C10dBackend(Backend):
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
                        group: ProcessGroup, async_op: bool) -> Work | None:
-        if not self.supports_op(op, output.dtype):
+        if not self.supports_op(op, output.dtype) or not self.native_reduce_scatter:
             # the emulation works on one packed tensor
             return self.reduce_scatter_tensor(output, torch.stack(input_list), op, group, async_op)
 
@@ -267,7 +287,7 @@ class C10dBackend(Backend):
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
                               group: ProcessGroup, async_op: bool) -> Work | None:
         w = group.size()
-        if not self.supports_op(op, output.dtype):
+        if not self.supports_op(op, output.dtype) or not self.native_reduce_scatter:
             # rank j sends its i-th chunk to rank i, which reduces the W chunks it received
             def emulate() -> Work | None:
                 chunks = input.contiguous().view(w, *output.shape)
@@ -292,6 +312,20 @@ class C10dBackend(Backend):
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: ProcessGroup,
                    async_op: bool) -> Work | None:
         shape = input_list[0].shape
+        if (not async_op and len(shape) and input_list[0].numel() >= _SCATTER_BLOCK_NUMEL
+                and all(t.shape == shape for t in (*input_list, *output_list))):
+            # big uniform blocks: W scatters move each block straight from its tensor into its destination;
+            # gloo's list path and our packed exchange both copy every block twice more, which costs more
+            # than the extra rounds from about 64Ki elements a block (bench/bench_functional.py)
+            def scatters() -> Work | None:
+                ins = [t.contiguous() for t in input_list]
+                staged = [_staged(o) for o in output_list]
+                for i in range(group.size()):
+                    tdist.scatter(staged[i][0], ins if i == group.rank() else None, group=group.handle,
+                                  group_src=i)
+                return _finish(None, False, _chain(*(back for _, back in staged)))
+
+            return self._guard("all_to_all", group, scatters)
         if len(shape) and all(t.shape == shape and t.is_contiguous() for t in (*input_list, *output_list)):
             # uniform contiguous blocks: torch's own list path skips our pack/unpack copies
             return self._guard("all_to_all", group, lambda: tdist.all_to_all(
@@ -371,6 +405,9 @@ class GlooBackend(C10dBackend):
     """torch's gloo: CPU tensors (and CUDA tensors for the ops gloo supports)."""
 
     name = "gloo"
+    #: gloo's reduce_scatter costs a full all_reduce of the input (measured, torch 2.13: 40 ms vs 22 ms for
+    #: one all_to_all_single plus a local sum, W=4, 4e6 float32); the exchange is faster at every size tried
+    native_reduce_scatter = False
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")

@@ -50,7 +50,7 @@ from simulator.sched import DONE
 from torch import nn
 
 from .. import _state
-from ..errors import DistRuntimeError, DistValueError
+from ..errors import DistRuntimeError, DistTypeError, DistValueError
 from . import _agent
 from ._agent import Agent
 from ._call import RemoteFailure, dill_pickler, run_call, unwrap
@@ -398,8 +398,9 @@ class _RpcWorld:
         gone = {a.rank for a in self.by_rank.values() if not a.thread_alive()}
         if b is self.init_barrier:
             complete = len(b.arrived) == self.size
-        else:
-            complete = all(r in b.arrived or r in gone or r not in self.by_rank for r in range(self.size))
+        else:  # a worker that left (thread ended, or shutdown(graceful=False)) is not waited for
+            left = gone | {a.rank for a in self.by_rank.values() if a.closed}
+            complete = all(r in b.arrived or r in left or r not in self.by_rank for r in range(self.size))
             b.missing = sorted(r for r in range(self.size) if r not in b.arrived)
         if complete:
             b.done = True
@@ -465,6 +466,7 @@ class SimAgent(Agent):
         self.rrefs: dict[int, _Slot] = {}
         self.autograd: dict[int, Any] = {}
         self._rid = itertools.count(1)
+        self.context_ids = itertools.count(1)  # distributed autograd contexts started here
         self.rs = rs
         self.dist_state = dist_state
         self.closed = False
@@ -550,7 +552,13 @@ class SimAgent(Agent):
         """One request/answer: encode here, run on the peer, encode there, decode here."""
         peer = self._peer(call, dst)
         start = time.perf_counter()
-        req = _encode((fn, args, kwargs), self.name)
+        try:
+            req = _encode((fn, args, kwargs), self.name)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise DistTypeError(rpc_message(
+                call, "the call's arguments cannot be serialised", worker=self.name,
+                values={"error": f"{type(e).__name__}: {e}"[:300]},
+                fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
         late = self._fault(call, dst, "request", timeout)
 
         def serve() -> Any:
@@ -622,6 +630,12 @@ class SimAgent(Agent):
 
     # -- shutdown -------------------------------------------------------------
     def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Graceful: wait (cooperatively) until every other worker shut down or left, then close.
+
+        ``timeout`` is not needed here: a worker that can never arrive is either gone (its
+        thread ended: not waited for) or blocked elsewhere, which the simulator reports as a
+        deadlock; the run's own timeout bounds the rest.
+        """
         import warnings
 
         missing: list[str] = []
@@ -638,13 +652,16 @@ class SimAgent(Agent):
                 except SimError:  # a deadlock or the run's timeout: leave, and let the run report it
                     self.closed = True
                     raise
-            missing = [self.world.by_rank[r].name for r in b.missing if r in self.world.by_rank]
+            missing = [self.world.by_rank[r].name for r in b.missing  # a graceful=False exit is deliberate
+                       if r in self.world.by_rank and not self.world.by_rank[r].closed]
             if missing:
                 warnings.warn(rpc_message(
                     "shutdown", "graceful shutdown did not wait for workers that ended without shutdown "
                     "(they returned or raised)", worker=self.name, values={"missing": missing},
                     fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
         self.closed = True
+        with self.world.run.sched.lock:  # workers waiting in a graceful shutdown stop waiting for this one
+            self.world._settle(self.world.shutdown_barrier)
         with _worlds_lock:  # everyone is out: a later init_rpc in this run starts a fresh RPC world
             if all(not a.alive() for a in self.world.by_rank.values()) and _worlds.get(self.world.run) is self.world:
                 del _worlds[self.world.run]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.rpc as trpc
 
-from ..errors import DistRuntimeError, DistValueError
+from ..errors import DistError, DistRuntimeError, DistValueError
 from ._agent import Agent
 from ._call import PickledFunction, RemoteFailure, run_call, unwrap
 from .errors import RpcError, RpcTimeoutError, WorkerUnavailableError, rpc_message
@@ -110,7 +110,26 @@ def _store_rendezvous(url: str, timeout: timedelta = timedelta(seconds=60), **_:
         store = tdist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
                                master_listen_fd=sock.detach(), use_libuv=True)
     else:
-        store = tdist.TCPStore(host, port, world_size, False, timeout)
+        try:
+            store = tdist.TCPStore(host, port, world_size, False, timeout)
+        except Exception as e:  # noqa: BLE001  torch raises several types for "nobody listens"
+            raise DistRuntimeError(rpc_message(
+                "init_rpc", "cannot reach rank 0's rendezvous store", values={"host": host, "port": port,
+                                                                               "rank": rank, "error": str(e)[:200]},
+                fix="start rank 0 too, with the same init_method, within rpc_timeout")) from e
+    # Everyone arrives here before torch's agent starts: its internal gloo group would otherwise
+    # wait for a missing worker for DEFAULT_PROCESS_GROUP_TIMEOUT (24 days).
+    keys = [f"tensorplay-rpc-arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+    except Exception as e:  # noqa: BLE001
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise DistRuntimeError(rpc_message(
+            "init_rpc", "not every worker arrived at the rendezvous in time",
+            values={"rank": rank, "world_size": world_size, "missing_ranks": missing,
+                    "timeout_s": timeout.total_seconds()},
+            fix="start every worker with the same init_method and world_size, or raise rpc_timeout")) from e
     yield (store, rank, world_size)
     raise RuntimeError("tensorplay-tcp:// rendezvous cannot re-rendezvous")
 
@@ -179,6 +198,8 @@ def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float)
         warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
         try:
             trpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        except DistError:  # ours (the rendezvous), already explained
+            raise
         except Exception as e:
             raise DistRuntimeError(rpc_message(
                 "init_rpc", "the TensorPipe agent did not start", worker=name,
@@ -371,7 +392,7 @@ class TensorPipeAgent(Agent):
             v = trpc.rpc_sync(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
         except _PICKLE_ERRORS as e:
             if type(fn) is PickledFunction or not _fn_unpicklable(fn):
-                raise
+                raise _unpicklable(call, self.name, e) from e
             return self.call_sync(call, dst, PickledFunction(fn), args, kwargs, timeout)
         except RuntimeError as e:
             raise self.translate(call, dst, e, timeout) from e
@@ -382,9 +403,9 @@ class TensorPipeAgent(Agent):
         self._check(call, dst)
         try:
             tf = trpc.rpc_async(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
-        except _PICKLE_ERRORS:
+        except _PICKLE_ERRORS as e:
             if type(fn) is PickledFunction or not _fn_unpicklable(fn):
-                raise
+                raise _unpicklable(call, self.name, e) from e
             return self.call_async(call, dst, PickledFunction(fn), args, kwargs, timeout)
         except RuntimeError as e:
             raise self.translate(call, dst, e, timeout) from e
@@ -409,9 +430,9 @@ class TensorPipeAgent(Agent):
         self._check("remote", dst)
         try:
             r = trpc.remote(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
-        except _PICKLE_ERRORS:
+        except _PICKLE_ERRORS as e:
             if type(fn) is PickledFunction or not _fn_unpicklable(fn):
-                raise
+                raise _unpicklable("remote", self.name, e) from e
             return self.remote(dst, PickledFunction(fn), args, kwargs, timeout)
         except RuntimeError as e:
             raise self.translate("remote", dst, e, timeout) from e
@@ -466,6 +487,15 @@ class TensorPipeAgent(Agent):
         except Exception:  # noqa: BLE001  the leader is gone or late: nobody can be waited for
             return [leader.name]
         return [n for n in names if n not in arrived]
+
+
+def _unpicklable(call: str, worker: str, e: BaseException) -> BaseException:
+    from ..errors import DistTypeError
+
+    return DistTypeError(rpc_message(
+        call, "the call's arguments cannot be serialised", worker=worker,
+        values={"error": f"{type(e).__name__}: {e}"[:300]},
+        fix="send tensors, numbers, strings, containers of them, and objects of importable classes"))
 
 
 def _fn_unpicklable(fn: Any) -> bool:

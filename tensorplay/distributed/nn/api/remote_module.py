@@ -101,8 +101,9 @@ _keys_lock = threading.Lock()
 class _Entry:
     __slots__ = ("module", "allowed", "device", "cls_name")
 
-    def __init__(self, module: nn.Module, allowed: frozenset[str] | None, device: torch.device) -> None:
-        self.module = weakref.ref(module)
+    def __init__(self, module: nn.Module, allowed: frozenset[str] | None, device: torch.device,
+                 on_release: Callable[[Any], None]) -> None:
+        self.module = weakref.ref(module, on_release)  # the module's RRef keeps it alive, not the registry
         self.allowed = allowed
         self.device = device
         self.cls_name = type(module).__qualname__
@@ -132,7 +133,8 @@ def _create(module_cls: type, args: tuple, kwargs: dict, device: str, allowed: f
         module.to(dev)
     with _keys_lock:
         key = ("remote_module", next(_keys))
-    _owner_objects()[key] = _Entry(module, allowed, dev)
+    objects = _owner_objects()
+    objects[key] = _Entry(module, allowed, dev, lambda _ref: objects.pop(key, None))
     return key, RRef(module)
 
 
