@@ -120,9 +120,13 @@ def bench_rank(jobs: list[tuple[str, int]], budget_s: float,
     Calls alternate one by one (ours, torch, torch, ours, ...), so a burst of
     other work on the machine hits both sides alike.
     """
+    import warnings
+
     import torch
     import torch.distributed as tdist
 
+    # torch 2.13 deprecates the old names the raw-torch column calls on purpose (what most code uses)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     clock = time.perf_counter
     out = {}

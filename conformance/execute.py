@@ -85,6 +85,8 @@ class RankOutcome:
     traceback: str | None = None
     mutated: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: device type of each result before it was copied to the CPU for the trip home
+    output_devices: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -192,6 +194,7 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
         for i, (t, b) in enumerate(zip(leaves, before)):
             if not torch.equal(t.detach(), b):
                 out.mutated.append("input" if len(leaves) == 1 else f"input[{i}]")
+        out.output_devices = [t.device.type for t in _flat(y) if isinstance(t, torch.Tensor)]
         out.outputs = _detach(y)
 
         if case.differentiable:

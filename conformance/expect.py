@@ -418,6 +418,11 @@ def _check_shape(case: Case, by_rank: dict[int, RankOutcome], exp: Expectation, 
 def _check_dtype(case: Case, by_rank: dict[int, RankOutcome], exp: Expectation, device: str) -> Verdict | None:
     want = case.torch_dtype
     for r in case.members:
+        devs = by_rank[r].output_devices
+        if devs and any(d != device for d in devs):
+            return Verdict("failed", "dtype", "result on the wrong device",
+                           f"rank {r} results are on {devs}; the inputs were on {device}")
+    for r in case.members:
         for i, t in enumerate(_flat(by_rank[r].outputs)):
             if t.dtype != want:
                 where = f"result[{i}]" if case.spec.tuple_output else "result"

@@ -2,9 +2,9 @@
 
 Every test takes ``run_world(fn, W, *args)``, which runs ``fn(*args)`` on
 every rank of a ``W``-rank world and returns the per-rank results: either
-``simulator.run`` or a persistent gloo :class:`RankPool` (one per world size,
-started on first use and kept for the module; all gloo tests share the
-``functional-gloo`` xdist group so one worker holds the pools).  Each test
+``simulator.run`` or a persistent gloo :class:`RankPool` (one per world size
+1-4, started together on first use and kept for the module; all gloo tests
+share the ``functional-gloo`` xdist group so one worker holds the pools).  Each test
 batches its sub-cases into one call.
 
 What is checked (helpers in test_functional_support.py): outputs and every
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -27,10 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import simulator
-import tensorplay as tp
-import tensorplay.distributed as dist
-import tensorplay.distributed.nn.functional as df
-from tensorplay.distributed import DistError, DistTypeError, DistValueError, ReduceOp
+from tensorplay.distributed import DistValueError
 from tensorplay.distributed.pool import RankPool
 from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
                                      hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked)
@@ -72,7 +68,6 @@ def run_world(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         return pools[world].run(fn, *args)
 
-    gloo_world.backend = "gloo"  # type: ignore[attr-defined]
     return gloo_world
 
 

@@ -148,10 +148,11 @@ def gradcheck_cases() -> list[Case]:
 def test_gradcheck_world(case: Case) -> None:
     f, flat = world_function(case)
     assert torch.autograd.gradcheck(f, tuple(flat), eps=1e-6, atol=1e-6, rtol=1e-5)
-    if case.linear and case.name != "scatter" and case.dtype == "f64":
-        # second order: the backward rules differentiated again (scatter's non-src ranks have no
-        # input, so a second-order backward cannot reach them; see docs/api-functional.md)
-        assert torch.autograd.gradgradcheck(f, tuple(flat), eps=1e-6, atol=1e-6, rtol=1e-5)
+    if case.name != "scatter" and case.dtype == "f64":
+        # second order: the backward rules differentiated again, through the same collectives; exact
+        # for the linear cases, and for PRODUCT/MIN/MAX away from ties ("distinct" values).  scatter's
+        # non-src ranks have no input, so a second-order backward cannot reach them (docs/api-functional.md)
+        assert torch.autograd.gradgradcheck(f, tuple(flat), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------

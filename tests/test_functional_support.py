@@ -557,6 +557,10 @@ def matrix(name: str, world: int) -> list[Case]:
         if name == "all_gather_single":
             out.append(replace(base, stacked=True, shape=(2, 3)))
             out.append(replace(base, stacked=True, shape=(0,), noncontig=True, grad_noncontig=True))
+        if name == "all_to_all" and world == 4:
+            # blocks big enough for the c10d backend's zero-copy path (W scatters), one non-contiguous
+            out.append(replace(base, shape=(1 << 16,)))
+            out.append(replace(base, shape=(1 << 15, 2), noncontig=True, grad_noncontig=True, seed=1))
         if name == "all_to_all":
             out.append(replace(base, ragged=True, shape=(2, 3)))
             out.append(replace(base, ragged=True, shape=(2, 3), seed=1, noncontig=True, grad_noncontig=True))

@@ -17,9 +17,8 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
-from tensorplay.distributed import DistRuntimeError, DistTypeError, DistValueError
 from tensorplay.distributed.nn import RemoteModule
-from tensorplay.distributed.nn.api import InterfaceError, interface
+from tensorplay.distributed.nn.api import interface
 from tensorplay.distributed.nn.api import remote_module as _rm
 from tensorplay.distributed.optim import DistributedOptimizer
 from tensorplay.distributed.rpc import RpcTimeoutError

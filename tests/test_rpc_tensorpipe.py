@@ -126,9 +126,9 @@ def _listening() -> list[tuple[str, int]]:
 
 
 def listening_sockets() -> dict:
-    # the pool's own gloo process group (MASTER_PORT) is not RPC's: tensorplay.distributed's c10d store
-    pg_port = int(os.environ.get("MASTER_PORT", "0"))
-    return {"sockets": [s for s in _listening() if s[1] != pg_port], "rpc_up": rpc.is_initialized()}
+    # every socket: RPC's, and the gloo process group's store and transport (rank 0 binds the store itself)
+    return {"sockets": _listening(), "rpc_up": rpc.is_initialized(),
+            "pg_port": int(os.environ.get("MASTER_PORT", "0"))}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
@@ -138,6 +138,8 @@ def test_rpc_listens_on_loopback_only(pool):
         assert out["sockets"], f"rank {rank}: no listening socket found"
         bad = [s for s in out["sockets"] if s[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
         assert not bad, f"rank {rank} listens beyond loopback: {bad}"
+    rank0 = pool.run(listening_sockets)[0]
+    assert any(port == rank0["pg_port"] for _, port in rank0["sockets"]), "rank 0 serves the process-group store"
 
 
 # -- a dead worker (keep last: it leaves the pool to be restarted) ----------------

@@ -15,13 +15,17 @@ filled in here, once, for every caller:
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Callable
+
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as tdist
 
 from .. import _kernels
+from .._rendezvous import bound_tcp_store
 from ..errors import DistBackendError, DistTimeoutError, format_message
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
@@ -68,6 +72,31 @@ def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     return buf, lambda: t.copy_(buf)
 
 
+def _bound_rendezvous(init_method: str | None, rank: int, world_size: int,
+                      timeout: timedelta) -> tuple[Any, int, int] | None:
+    """For ``env://`` and ``tcp://host:port``: a store rank 0 serves on ``host`` only (not every interface).
+
+    Returns ``None`` where torch's own rendezvous should run: under torchrun's
+    agent store, for other schemes, or when rank/world size are unknown (torch
+    then raises its usual message).
+    """
+    url = urlparse(init_method or "env://")
+    if url.scheme == "env":
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return None
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        rank = rank if rank >= 0 else int(os.environ.get("RANK", -1))
+        world_size = world_size if world_size >= 0 else int(os.environ.get("WORLD_SIZE", -1))
+    elif url.scheme == "tcp":
+        host, port = url.hostname, url.port
+    else:
+        return None
+    if not host or not port or rank < 0 or world_size < 1:
+        return None
+    store = bound_tcp_store(host, int(port), rank, world_size, timeout, caller="init_process_group")
+    return store, rank, world_size
+
+
 def _flat_pair(out: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """1-d views of a contiguous all-gather output and its input.
 
@@ -112,6 +141,10 @@ class C10dBackend(Backend):
                 values={"backend": tdist.get_backend()},
                 fix="call tensorplay.distributed.destroy_process_group() / torch.distributed.destroy_process_group() "
                     "first"))
+        if store is None:
+            bound = _bound_rendezvous(init_method, rank, world_size, timeout)
+            if bound is not None:
+                store, rank, world_size = bound
         kwargs: dict[str, Any] = dict(backend=cls.name, timeout=timeout, world_size=world_size, rank=rank)
         if store is not None:
             kwargs["store"] = store

@@ -44,7 +44,7 @@ import torch
 
 from .. import _state
 from ..api import _Call, _group, _root, _same_dtype, _splits, _tensor, _tensor_list
-from ..errors import DistError, DistRuntimeError, DistTypeError, DistValueError
+from ..errors import DistError, DistTypeError, DistValueError
 from ..group import ProcessGroup
 from ..group import group as _groups
 from ..reduce_op import ReduceOp, dtype_rule, normalize_op

@@ -30,13 +30,13 @@ from datetime import timedelta
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
-import torch
 import torch.distributed as tdist
 import torch.distributed.rpc as trpc
 
 from ..errors import DistError, DistRuntimeError, DistValueError
 from ._agent import Agent
 from ._call import PickledFunction, RemoteFailure, run_call, unwrap
+from .._rendezvous import bound_tcp_store
 from .errors import RpcError, RpcTimeoutError, WorkerUnavailableError, rpc_message
 from .futures import Future
 from .rref import RRef
@@ -94,29 +94,7 @@ def _store_rendezvous(url: str, timeout: timedelta = timedelta(seconds=60), **_:
     if port is None:
         raise DistValueError(rpc_message("init_rpc", "init_method has no port", values={"init_method": url},
                                          fix="write init_method='tcp://127.0.0.1:<port>'"))
-    if rank == 0:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise DistRuntimeError(rpc_message(
-                "init_rpc", "rank 0 cannot bind the rendezvous address", values={"host": host, "port": port,
-                                                                                   "error": str(e)},
-                fix="pick a free port (tensorplay.distributed.pool.free_port()) and an address of this machine"))
-        sock.listen(128)
-        store = tdist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                               master_listen_fd=sock.detach(), use_libuv=True)
-    else:
-        try:
-            store = tdist.TCPStore(host, port, world_size, False, timeout)
-        except Exception as e:  # noqa: BLE001  torch raises several types for "nobody listens"
-            raise DistRuntimeError(rpc_message(
-                "init_rpc", "cannot reach rank 0's rendezvous store", values={"host": host, "port": port,
-                                                                               "rank": rank, "error": str(e)[:200]},
-                fix="start rank 0 too, with the same init_method, within rpc_timeout")) from e
+    store = bound_tcp_store(host, port, rank, world_size, timeout, caller="init_rpc")
     # Everyone arrives here before torch's agent starts: its internal gloo group would otherwise
     # wait for a missing worker for DEFAULT_PROCESS_GROUP_TIMEOUT (24 days).
     keys = [f"tensorplay-rpc-arrived/{r}" for r in range(world_size)]
