@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 from .cases import Case, cell_rows, parse_case_id
 from .expect import STAGES, Verdict

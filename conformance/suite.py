@@ -12,8 +12,8 @@ import contextlib
 import hashlib
 import queue
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from .cases import COLLECTIVES, OPS, Case, cell_rows, parse_case_id
 from .execute import DEFAULT_IMPL, default_dist_module

@@ -174,6 +174,9 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
 
         agent = tensorpipe.start(name, rank, world_size, rpc_backend_options, DEFAULT_RPC_TIMEOUT)
         _agent.set_process_agent(agent)
+        # torch's agent serves requests as soon as it starts; wait until every worker has its agent
+        # registered here too, or an early call could reach a worker that cannot handle it yet
+        tensorpipe.ready_barrier(agent)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:

@@ -129,6 +129,8 @@ def _init_method(options: Any, timeout_s: float) -> tuple[str, str]:
     if u.scheme == "env":
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = os.environ.get("MASTER_PORT")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return url, host  # under torchrun: join the store its agent already serves there
         if not port:
             raise DistValueError(rpc_message(
                 "init_rpc", "no rendezvous port: MASTER_PORT is not set and no init_method was given",
@@ -185,6 +187,17 @@ def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float)
                 fix="check that every worker uses the same init_method and world_size, distinct ranks and names, "
                     "and that all of them start within rpc_timeout")) from e
     return TensorPipeAgent(name, rank, world_size, float(options.rpc_timeout))
+
+
+def ready_barrier(agent: "TensorPipeAgent") -> None:
+    """Return once every worker has finished init_rpc (bounded by the agent's timeout)."""
+    try:
+        trpc.api._all_gather(None, timeout=agent.timeout)
+    except Exception as e:  # noqa: BLE001
+        raise DistRuntimeError(rpc_message(
+            "init_rpc", "not every worker finished starting in time", worker=agent.name,
+            values={"timeout": agent.timeout, "error": f"{type(e).__name__}: {str(e)[:200]}"},
+            fix="start every worker with the same world_size and rendezvous, within rpc_timeout")) from e
 
 
 # ---------------------------------------------------------------------------
