@@ -19,6 +19,7 @@ Usage::
 
     python bench/bench_functional.py             # W = 2, 4; n = 1e3, 1e6
     python bench/bench_functional.py --quick     # fewer iterations, for a smoke run
+    python bench/bench_functional.py --self-check   # A/A: tensorplay in both columns (the noise floor)
     python bench/bench_functional.py --worlds 4 --sizes 1000000 --only all_gather all_to_all
 """
 from __future__ import annotations
@@ -99,12 +100,16 @@ def _program(impl: str, name: str, n: int) -> Callable[[], tuple[float, float]]:
     return once
 
 
-def rank_bench(name: str, n: int, iters: int, warmup: int) -> dict[str, Any]:
-    """Interleave both implementations; per implementation a list of (fwd, bwd) or the error text."""
+def rank_bench(name: str, n: int, iters: int, warmup: int, self_check: bool = False) -> dict[str, Any]:
+    """Interleave both implementations; per implementation a list of (fwd, bwd) or the error text.
+
+    ``self_check``: the "torch" column runs tensorplay too (an A/A run: how far apart two identical
+    columns land on this machine, i.e. the noise floor of every ratio).
+    """
     out: dict[str, Any] = {}
     progs: dict[str, Callable[[], tuple[float, float]]] = {}
     for impl in ("tensorplay", "torch"):
-        progs[impl] = _program(impl, name, n)
+        progs[impl] = _program("tensorplay" if self_check else impl, name, n)
         out[impl] = []
     for it in range(warmup + iters):
         order = ("tensorplay", "torch") if it % 2 == 0 else ("torch", "tensorplay")  # neither always goes first
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 1000000])
     ap.add_argument("--only", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
+    ap.add_argument("--self-check", action="store_true",
+                    help="A/A run: both columns run tensorplay, to show the noise floor of the ratios")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tensorplay.distributed.pool import RankPool
@@ -158,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 iters = (3 if big else 10) if args.quick else (25 if big else 80)
                 warmup = 1 if args.quick else 3
                 for name in args.only:
-                    res = pool.run(rank_bench, name, n, iters, warmup)
+                    res = pool.run(rank_bench, name, n, iters, warmup, args.self_check)
                     cols = {}
                     for impl in ("tensorplay", "torch"):
                         errs = [r[impl] for r in res if isinstance(r[impl], str)]
