@@ -49,6 +49,8 @@ class RunReport:
     timed_out: bool = False
     note: str = ""
     skipped: str = ""
+    #: the runner itself could not run the case (no simulator, ranks that do not start): not the impl's fault
+    error: str = ""
     seconds: float = 0.0
 
 
@@ -128,8 +130,7 @@ class SimRunner(Runner):
         try:
             import simulator
         except ImportError as e:
-            return RunReport(note=f"the simulator cannot be imported: {e}", timed_out=False,
-                             outcomes={}, skipped="")
+            return RunReport(error=f"the simulator cannot be imported: {e}")
         fn = functools.partial(run_case, case, self.impl, self.dist_module, self.device, 0)
         try:
             results = simulator.run(fn, case.world_size, seed=case.seed, timeout=self.timeout, device=self.device)
@@ -200,7 +201,7 @@ class PoolRunner(Runner):
         try:
             pool = self._pool(w)
         except Exception as e:  # noqa: BLE001
-            return RunReport(note=f"the {self.backend} ranks did not start: {type(e).__name__}: {e}")
+            return RunReport(error=f"the {self.backend} ranks did not start: {type(e).__name__}: {e}")
         args = (case, self.impl, self.dist_module, self.device, self._generation)
         replies, complete = pool.call(run_case, [args] * w, timeout=self.timeout, grace=self.grace)
         outcomes: dict[int, RankOutcome] = {}

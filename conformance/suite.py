@@ -194,6 +194,8 @@ def run_one(runner: Any, case: Case, config_dict: dict[str, Any]) -> CaseResult:
     rep = runner.run(case)
     if rep.skipped:
         verdict = Verdict("skipped", None, rep.skipped)
+    elif rep.error:
+        verdict = Verdict("error", "runs", rep.error.splitlines()[0][:160], rep.error)
     else:
         try:
             verdict = check_case(case, rep.outcomes, timed_out=rep.timed_out, runner_note=rep.note,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ def _kind(dtype: torch.dtype) -> str:
     return "integer"
 
 
+@functools.lru_cache(maxsize=None)  # on every collective's path; (op, dtype) pairs are few
 def dtype_rule(op: ReduceOp, dtype: torch.dtype) -> str | None:
     """Return ``None`` when ``op`` may reduce tensors of ``dtype``, else a reason and a fix."""
     kind = _kind(dtype)

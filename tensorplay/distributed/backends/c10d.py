@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as tdist
+import torch._C._distributed_c10d as _c10d
 
 from .. import _kernels
 from .._rendezvous import bound_tcp_store
@@ -95,6 +96,18 @@ def _bound_rendezvous(init_method: str | None, rank: int, world_size: int,
         return None
     store = bound_tcp_store(host, int(port), rank, world_size, timeout, caller="init_process_group")
     return store, rank, world_size
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as (real, imag) pairs, as torch's wrappers send them."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _direct(work: Any, async_op: bool, after: Callable[[], None] | None) -> Work | None:
+    """Finish a call made on the ProcessGroup method itself (blocking calls wait here)."""
+    if not async_op:
+        work.wait()
+    return _finish(work, async_op, after)
 
 
 def _flat_pair(out: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,9 +257,14 @@ class C10dBackend(Backend):
 
         def run() -> Work | None:
             buf, back = _staged(tensor)
-            work = tdist.reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op, group_dst=root)
             # torch may leave scratch values in non-root buffers; only the root's result is defined
-            return _finish(work, async_op, back if group.rank() == root else None)
+            back = back if group.rank() == root else None
+            if buf.is_cuda:
+                work = tdist.reduce(buf, op=_TORCH_OP[op], group=group.handle, async_op=async_op, group_dst=root)
+                return _finish(work, async_op, back)
+            opts = tdist.ReduceOptions()  # the ProcessGroup method directly, as in all_reduce
+            opts.reduceOp, opts.rootRank, opts.rootTensor, opts.asyncOp = _TORCH_OP[op], root, 0, async_op
+            return _direct(group.handle.reduce([_real(buf)], opts), async_op, back)
 
         return self._guard("reduce", group, run)
 
@@ -257,8 +275,14 @@ class C10dBackend(Backend):
         def run() -> Work | None:
             src, _ = _staged(tensor)
             staged = [_staged(o) for o in output_list]
-            work = tdist.all_gather([b for b, _ in staged], src, group=group.handle, async_op=async_op)
-            return _finish(work, async_op, _chain(*(back for _, back in staged)))
+            after = _chain(*(back for _, back in staged))
+            if src.is_cuda:
+                work = tdist.all_gather([b for b, _ in staged], src, group=group.handle, async_op=async_op)
+                return _finish(work, async_op, after)
+            opts = _c10d.AllgatherOptions()
+            opts.asyncOp = async_op
+            work = group.handle.allgather([[_real(b) for b, _ in staged]], [_real(src)], opts)
+            return _direct(work, async_op, after)
 
         return self._guard("all_gather", group, run)
 
@@ -282,12 +306,12 @@ class C10dBackend(Backend):
 
         def run_on(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None) -> Work | None:
             src, _ = _staged(tensor)
-            if gather_list is None:
-                work = tdist.gather(src, None, group=group.handle, async_op=async_op, group_dst=root)
-                return _finish(work, async_op, None)
-            staged = [_staged(t) for t in gather_list]
-            work = tdist.gather(src, [b for b, _ in staged], group=group.handle, async_op=async_op, group_dst=root)
-            return _finish(work, async_op, _chain(*(back for _, back in staged)))
+            staged = [] if gather_list is None else [_staged(t) for t in gather_list]
+            after = _chain(*(back for _, back in staged))
+            opts = tdist.GatherOptions()
+            opts.rootRank, opts.asyncOp = root, async_op
+            outs = [[b for b, _ in staged]] if gather_list is not None else []
+            return _direct(group.handle.gather(outs, [src], opts), async_op, after)
 
         return self._guard("gather", group, run)
 
@@ -295,9 +319,10 @@ class C10dBackend(Backend):
                 group: ProcessGroup, async_op: bool) -> Work | None:
         def run() -> Work | None:
             out, back = _staged(tensor)
-            parts = None if scatter_list is None else [t.contiguous() for t in scatter_list]
-            work = tdist.scatter(out, parts, group=group.handle, async_op=async_op, group_src=root)
-            return _finish(work, async_op, back)
+            parts = [] if scatter_list is None else [[_real(t.contiguous()) for t in scatter_list]]
+            opts = tdist.ScatterOptions()
+            opts.rootRank, opts.asyncOp = root, async_op
+            return _direct(group.handle.scatter([_real(out)], parts, opts), async_op, back)
 
         return self._guard("scatter", group, run)
 
@@ -384,9 +409,15 @@ class C10dBackend(Backend):
                           input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
         def run() -> Work | None:
             out, back = _staged(output)
-            work = tdist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes,
-                                           group=group.handle, async_op=async_op)
-            return _finish(work, async_op, back)
+            if out.is_cuda:
+                work = tdist.all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes,
+                                               group=group.handle, async_op=async_op)
+                return _finish(work, async_op, back)
+            opts = _c10d.AllToAllOptions()
+            opts.asyncOp = async_op
+            work = group.handle.alltoall_base(_real(out), _real(input.contiguous()), output_split_sizes,
+                                              input_split_sizes, opts)
+            return _direct(work, async_op, back)
 
         return self._guard("all_to_all_single", group, run)
 

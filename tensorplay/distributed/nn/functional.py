@@ -416,9 +416,9 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
             pg.backend.broadcast(header, root, pg, False)
             raise
         block = parts[me]
-        header[:5] = torch.tensor([_OK, int(_wants_grad(parts)), _DTYPE_CODE[block.dtype],
-                                   int(block.device.type != "cpu"), block.dim()])
-        header[5:5 + block.dim()] = torch.tensor(block.shape, dtype=torch.int64)
+        fields = [_OK, int(_wants_grad(parts)), _DTYPE_CODE[block.dtype], int(block.device.type != "cpu"),
+                  block.dim(), *block.shape]
+        header = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=header.device)
         pg.backend.broadcast(header, root, pg, False)
         return _apply(call, *parts)
     pg.backend.broadcast(header, root, pg, False)
