@@ -77,13 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", type=_csv("ops", OPS, upper=True), default=OPS, metavar="OPS",
                    help="reduce ops for reduce/all_reduce/reduce_scatter (default all): " + ", ".join(OPS))
     p.add_argument("--examples", type=_positive_int, default=DEFAULT_EXAMPLES, metavar="N",
-                   help=f"hypothesis examples per (collective, op, world size, group kind) (default {DEFAULT_EXAMPLES})")
+                   help=f"hypothesis examples per (collective, op, world size, group kind); collectives without "
+                        f"an op draw 3x as many (default {DEFAULT_EXAMPLES})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="suite seed (default 0)")
     p.add_argument("--impl", default=DEFAULT_IMPL, metavar="MODULE",
                    help=f"module under test, with torch.distributed.nn.functional's signatures: a dotted name or a "
                         f"path to a .py file (default {DEFAULT_IMPL})")
     p.add_argument("--dist-module", default=None, metavar="MODULE",
-                   help="process-group module of the implementation (new_group, get_rank, ReduceOp); default "
+                   help="process-group module of the implementation (new_group, get_rank, get_backend, ReduceOp); "
+                        "default "
                         "torch.distributed for torch.* implementations, else tensorplay.distributed")
     p.add_argument("--report", default=None, metavar="FILE",
                    help="write the report: FILE.md (markdown), FILE.json (JSON), or FILE without either "
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", default=[], metavar="ID",
                    help="run exactly this case (the id a failure prints); repeatable")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="per-case bound; a case running longer fails as 'timed out' (default: sim 10, gloo 4, nccl 60)")
+                   help="per-case bound; a case running longer fails as 'timed out' (default: sim 10, gloo 10, nccl 60)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress line and no matrix, only the summary "
                    "and the failures")
     p.add_argument("--max-failures", type=int, default=10, metavar="K",

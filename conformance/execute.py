@@ -161,8 +161,9 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
 
     Every rank of the world calls this (non-members too: ``new_group`` needs
     everyone).  A member builds its inputs from the case, calls the
-    collective, checks it did not modify its inputs, then feeds its own
-    upstream gradient to ``torch.autograd.grad`` and returns the results.
+    collective, checks it did not modify its inputs, then runs
+    ``torch.autograd.backward`` with its own upstream gradient and returns its
+    results and its inputs' gradients (as CPU copies).
     """
     out = RankOutcome(rank=-1)
     stage = "setup"

@@ -34,7 +34,7 @@ __all__ = ["BACKENDS", "DEVICES", "RunnerError", "Runner", "RunReport", "SimRunn
 BACKENDS = ("sim", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 #: per-case bound, seconds: legitimate cases take milliseconds
-DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 4.0, "nccl": 60.0}
+DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 10.0, "nccl": 60.0}
 
 
 class RunnerError(ValueError):

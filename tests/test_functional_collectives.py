@@ -29,7 +29,8 @@ import simulator
 from tensorplay.distributed import DistValueError
 from tensorplay.distributed.pool import RankPool
 from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
-                                     hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked)
+                                     hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked,
+                                     scatter_torch_style_body)
 
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
 PG_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_PG_TIMEOUT", "30"))
@@ -147,6 +148,16 @@ def test_integer_passthrough(run_world: Callable[..., list[Any]]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(out[3:6], x))
         assert torch.equal(out[6], x[2] if r == 0 else torch.zeros(4, dtype=torch.int64))
         assert out[8].tolist() == [False, True]
+
+
+def test_scatter_torch_style_lists(run_world: Callable[..., list[Any]]) -> None:
+    """Non-src ranks may pass a list, as torch's module wants; it is ignored and gets no gradient."""
+    res = run_world(scatter_torch_style_body, 3)
+    (y0, g0, rg0), (y2, g2, rg2) = res[0], res[2]
+    assert torch.equal(y0, torch.full((2,), 20.0)) and torch.equal(y2, torch.full((2,), 21.0))
+    assert rg0 and rg2
+    assert g0 == [None, None]  # rank 0's list was never read
+    assert torch.equal(g2[0], torch.full((2,), 1.0)) and torch.equal(g2[1], torch.full((2,), 3.0))
 
 
 def test_call_time_errors(run_world: Callable[..., list[Any]]) -> None:

@@ -663,3 +663,15 @@ def errors_body() -> list[tuple[str, str, str]]:
         else:
             out.append((name, "no error", ""))
     return out
+
+
+def scatter_torch_style_body() -> tuple[torch.Tensor, list[Any] | None, bool]:
+    """torch-style scatter: non-src ranks pass a list too (ignored); src is global rank 2 of [2, 0]."""
+    group = get_group((2, 0))
+    rank = dist.get_rank()
+    if rank not in (0, 2):
+        return torch.empty(0), None, False
+    parts = [torch.full((2,), 10.0 * rank + i, requires_grad=True) for i in range(2)]
+    y = df.scatter(parts, src=2, group=group)
+    (y * (rank + 1)).sum().backward()
+    return y.detach(), [p.grad for p in parts], y.requires_grad

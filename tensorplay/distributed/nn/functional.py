@@ -406,21 +406,24 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
     root = _root(c, "src", src, group_src, default=0)
     pg = c.pg
     me = pg.rank()
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=_header_device(pg))
+    dev = _header_device(pg)
     call = _new_call(c, "scatter", root=root)
     if me == root:
+        refused: DistError | None = None
         try:
             parts = _scatter_parts(c, tensors)
-        except DistError:
-            header[0] = _REFUSED  # tell the waiting ranks, then fail here with the reason
-            pg.backend.broadcast(header, root, pg, False)
-            raise
-        block = parts[me]
-        fields = [_OK, int(_wants_grad(parts)), _DTYPE_CODE[block.dtype], int(block.device.type != "cpu"),
-                  block.dim(), *block.shape]
-        header = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=header.device)
+        except DistError as e:
+            refused, fields = e, [_REFUSED]  # tell the waiting ranks, then fail here with the reason
+        else:
+            block = parts[me]
+            fields = [_OK, int(_wants_grad(parts)), _DTYPE_CODE[block.dtype], int(block.device.type != "cpu"),
+                      block.dim(), *block.shape]
+        header = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=dev)
         pg.backend.broadcast(header, root, pg, False)
+        if refused is not None:
+            raise refused
         return _apply(call, *parts)
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=dev)
     pg.backend.broadcast(header, root, pg, False)
     status, wants_grad, code, on_gpu, ndim = header[:5].tolist()
     if status != _OK:
