@@ -139,8 +139,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             values={"name": name}, fix="leave backend=None to use the simulator's transport"))
 
     if kind == "sim":
-        st = _state.current()
-        assert st is not None
+        st = _state.current()  # not None: _in_simulator() found it
         rank = st.rank if rank == -1 else rank
         world_size = st.world_size if world_size is None else world_size
     else:

@@ -315,9 +315,7 @@ class _SimRRef:
         v = self._value("RRef.to_here")
         if self.is_owner():
             return unwrap(v)
-        me = _agent.current()
         owner = self.world.agents[self.owner_info.name]
-        assert isinstance(me, SimAgent)
         # the value crosses from the owner to here, by value
         msg = owner._as_sender(lambda: _encode(v, owner.name))
         return unwrap(_decode(msg))
