@@ -31,7 +31,7 @@ from .errors import (
     RankNotInGroupError,
     format_message,
 )
-from .group import GroupMember, ProcessGroup, _WorldSentinel, group
+from .group import ProcessGroup, _WorldSentinel
 from .reduce_op import ReduceOp, dtype_rule, normalize_op
 
 __all__ = [
