@@ -13,11 +13,12 @@ xdist group, so they share one pool on one xdist worker.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 
 import pytest
+
+from _net import LOOPBACK, listening
 
 import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.rpc.testing import RpcPool
@@ -93,41 +94,9 @@ def test_init_rpc_is_bounded_when_a_worker_never_comes():
 
 
 # -- loopback -----------------------------------------------------------------
-def _listening() -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on (Linux /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            local, state, inode = parts[1], parts[3], parts[9]
-            if state != "0A" or inode not in inodes:  # 0A = LISTEN
-                continue
-            hexaddr, hexport = local.split(":")
-            raw = bytes.fromhex(hexaddr)
-            if v6:
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                addr = socket.inet_ntop(socket.AF_INET6, raw)
-            else:
-                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
-            out.append((addr, int(hexport, 16)))
-    return out
-
-
 def listening_sockets() -> dict:
     # every socket: RPC's, and the gloo process group's store and transport (rank 0 binds the store itself)
-    return {"sockets": _listening(), "rpc_up": rpc.is_initialized(),
+    return {"sockets": listening(), "rpc_up": rpc.is_initialized(),
             "pg_port": int(os.environ.get("MASTER_PORT", "0"))}
 
 
@@ -136,7 +105,7 @@ def test_rpc_listens_on_loopback_only(pool):
     for rank, out in enumerate(pool.run(listening_sockets)):
         assert out["rpc_up"]
         assert out["sockets"], f"rank {rank}: no listening socket found"
-        bad = [s for s in out["sockets"] if s[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+        bad = [s for s in out["sockets"] if s[0] not in LOOPBACK]
         assert not bad, f"rank {rank} listens beyond loopback: {bad}"
     rank0 = pool.run(listening_sockets)[0]
     assert any(port == rank0["pg_port"] for _, port in rank0["sockets"]), "rank 0 serves the process-group store"

@@ -791,6 +791,13 @@ def all_to_all_single(
     _tensor(c, input, "input")
     _check_async(c, async_op)
     _same_dtype(c, output, "output", input, "input")
+    outs, ins = _single_splits(c, output, input, output_split_sizes, input_split_sizes)
+    return c.pg.backend.all_to_all_single(output, input, outs, ins, c.pg, async_op)
+
+
+def _single_splits(c: _Call, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,
+                   input_split_sizes: Any) -> tuple[list[int], list[int]]:
+    """all_to_all_single's split lists, checked against both tensors on this rank: (out_splits, in_splits)."""
     ins = _splits(c, input_split_sizes, "input_split_sizes", input, "input")
     outs = _splits(c, output_split_sizes, "output_split_sizes", output, "output")
     if output.shape[1:] != input.shape[1:]:
@@ -802,7 +809,7 @@ def all_to_all_single(
         raise c.error(DistValueError, "the rows a rank sends to itself must equal the rows it receives from itself",
                       "make output_split_sizes[rank] == input_split_sizes[rank]",
                       **{f"input_split_sizes[{me}]": ins[me], f"output_split_sizes[{me}]": outs[me]})
-    return c.pg.backend.all_to_all_single(output, input, outs, ins, c.pg, async_op)
+    return outs, ins
 
 
 # ---------------------------------------------------------------------------

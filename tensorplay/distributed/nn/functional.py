@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _state
-from ..api import _Call, _group, _root, _same_dtype, _splits, _tensor, _tensor_list
+from ..api import _Call, _group, _root, _same_dtype, _single_splits, _tensor, _tensor_list
 from ..errors import DistError, DistTypeError, DistValueError
 from ..group import ProcessGroup
 from ..group import group as _groups
@@ -590,15 +590,5 @@ def all_to_all_single(output: torch.Tensor | None, input: torch.Tensor, output_s
     else:
         _tensor(c, output, "output")
         _same_dtype(c, output, "output", input, "input")
-    ins = _splits(c, input_split_sizes, "input_split_sizes", input, "input")
-    outs = _splits(c, output_split_sizes, "output_split_sizes", output, "output")
-    if output.shape[1:] != input.shape[1:]:
-        raise c.error(DistValueError, "output and input must agree on every dimension but the first",
-                      "allocate output with input's trailing shape",
-                      **{"output.shape": tuple(output.shape), "input.shape": tuple(input.shape)})
-    me = c.pg.rank()
-    if ins[me] != outs[me]:
-        raise c.error(DistValueError, "the rows a rank sends to itself must equal the rows it receives from itself",
-                      "make output_split_sizes[rank] == input_split_sizes[rank]",
-                      **{f"input_split_sizes[{me}]": ins[me], f"output_split_sizes[{me}]": outs[me]})
+    outs, ins = _single_splits(c, output, input, output_split_sizes, input_split_sizes)
     return _apply(_new_call(c, "all_to_all_single", in_splits=tuple(ins), out_splits=tuple(outs)), input)
