@@ -75,7 +75,8 @@ def check(
         impl: module under test (default ``tensorplay.distributed.nn.functional``), a dotted name or a
             path to a ``.py`` file, with torch.distributed.nn.functional's signatures.
         world_sizes: e.g. ``(1, 2, 3, 4)`` (the default) or ``"2,3"``.
-        collectives / ops: restrict the matrix (default: all); ``ops`` filters the reducing collectives.
+        collectives: restrict the matrix to these collectives (default: all).
+        ops: restrict the reducing collectives to these ops (default: all).
         examples: hypothesis examples per (collective, op, world size, group kind).
         seed: the suite seed (the same options and seed give the same cases).
         report: write the report there (``x.md``, ``x.json``, or ``x`` for both).

@@ -409,7 +409,8 @@ def _leaf(case: Case, values: torch.Tensor, device: torch.device | str, requires
 
 def block_shape(case: Case, sender: int, receiver: int) -> tuple[int, ...]:
     """All-to-alls: shape of the block group rank ``sender`` sends to group rank ``receiver``."""
-    assert case.rows is not None
+    if case.rows is None:
+        raise CaseIdError(f"block_shape: {case.collective} has no rows (only the all-to-alls do)")
     return (case.rows[sender][receiver], *case.shape)
 
 

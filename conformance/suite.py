@@ -23,7 +23,7 @@ from .runners import BACKENDS, DEFAULT_TIMEOUT, DEVICES, RunnerError, make_runne
 
 __all__ = ["DEFAULT_EXAMPLES", "ConfigError", "SuiteConfig", "plan_cases", "run_suite", "draw"]
 
-#: hypothesis examples per (collective, op, world size, group kind); see docs/performance-conformance.md
+#: hypothesis examples per (collective, op, world size, group kind); see docs/performance.md (conformance suite)
 DEFAULT_EXAMPLES = 10
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 #: collectives without a reduce op have no op axis, but more shapes (roots, splits, ragged blocks) to cover:
