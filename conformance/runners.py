@@ -253,8 +253,7 @@ def _forkserver() -> Any:
 def _make_case_pool() -> type:
     from multiprocess import connection
 
-    from tensorplay.distributed import pool as pool_module
-    from tensorplay.distributed.pool import RankPool, free_port
+    from tensorplay.distributed.pool import RankPool
 
     class CasePool(RankPool):
         """A RankPool whose calls return every reply that came, instead of raising on the first failure.
@@ -265,34 +264,16 @@ def _make_case_pool() -> type:
         not leave politely, and the next call starts fresh ones.
         """
 
-        def start(self) -> None:
-            """Like RankPool.start, but forked from a server that imported torch once.
+        process_name = "conformance-rank"
+
+        def _context(self) -> Any:
+            """Fork ranks from a server that imported torch once, where the platform has one.
 
             A spawned rank spends seconds importing torch; the suite restarts its
             ranks after every hung case, so it forks them from a forkserver that
             preloaded torch and tensorplay (about 0.2 s for four ranks).
             """
-            if self.alive:
-                return
-            ctx = _forkserver()
-            if ctx is None:
-                return super().start()
-            self.close()
-            port = free_port()
-            for r in range(self.world_size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=pool_module._worker,
-                                args=(r, self.world_size, port, self.backend, child, self.pg_timeout),
-                                daemon=True, name=f"conformance-rank{r}")
-                p.start()
-                child.close()
-                self._procs.append(p)
-                self._conns.append(parent)
-            replies = self._collect(self.start_timeout, "start")
-            failed = {r: v for r, (k, v) in replies.items() if k == "err"}
-            if failed or len(replies) < self.world_size:
-                self.close()
-                raise self._failure("start", replies, failed, self.start_timeout)
+            return _forkserver() or super()._context()
 
         def call(self, fn: Any, per_rank_args: list[tuple[Any, ...]], *, timeout: float,
                  grace: float) -> tuple[dict[int, tuple[str, Any]], bool]:

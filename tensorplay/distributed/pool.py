@@ -141,12 +141,12 @@ class RankPool:
         if self.alive:
             return
         self.close()
-        ctx = mp.get_context("spawn")
+        ctx = self._context()
         port = free_port()
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(r, self.world_size, port, self.backend, child, self.pg_timeout),
-                            daemon=True, name=f"tensorplay-rank{r}")
+                            daemon=True, name=f"{self.process_name}{r}")
             p.start()
             child.close()
             self._procs.append(p)
@@ -156,6 +156,13 @@ class RankPool:
         if failed or len(replies) < self.world_size:
             self.close()
             raise self._failure("start", replies, failed, self.start_timeout)
+
+    #: rank processes are named <process_name><rank>
+    process_name = "tensorplay-rank"
+
+    def _context(self) -> Any:
+        """The multiprocess context rank processes start from (spawn: safe with threads and CUDA)."""
+        return mp.get_context("spawn")
 
     def close(self) -> None:
         for c in self._conns:
