@@ -15,14 +15,16 @@ started once per world size and reused).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-from .cases import COLLECTIVES, OPS, parse_case_id
-from .execute import DEFAULT_IMPL
-from .report import CaseResult, Result
-from .suite import DEFAULT_EXAMPLES, DEFAULT_WORLD_SIZES, SuiteConfig
+if TYPE_CHECKING:  # pragma: no cover
+    from .report import CaseResult
+    from .suite import SuiteConfig
+
+# Nothing here imports torch at module level: pytest loads this plugin at every start-up, in every
+# project where tensorplay is installed.  The suite's modules are imported when a session uses them.
 
 __all__ = ["config_from_pytest", "results_of"]
 
@@ -34,15 +36,17 @@ _OPTIONS = [
     ("--conformance-device", dict(choices=("cpu", "cuda"), default=None, help="tensor device (default cpu)")),
     ("--conformance-world-sizes", dict(default=None, metavar="1,2,3,4", help="world sizes (default 1,2,3,4)")),
     ("--conformance-collectives", dict(default=None, metavar="NAMES",
-                                       help="comma-separated collectives (default all): " + ", ".join(COLLECTIVES))),
-    ("--conformance-ops", dict(default=None, metavar="OPS", help="comma-separated reduce ops (default all): "
-                               + ", ".join(OPS))),
+                                       help="comma-separated collectives (default all; `python -m conformance "
+                                            "--help` lists them)")),
+    ("--conformance-ops", dict(default=None, metavar="OPS",
+                               help="comma-separated reduce ops (default all): SUM, AVG, PRODUCT, MIN, MAX, ...")),
     ("--conformance-examples", dict(type=int, default=None, metavar="N",
-                                    help=f"examples per (collective, op, world size, group kind) "
-                                         f"(default {DEFAULT_EXAMPLES})")),
+                                    help="examples per (collective, op, world size, group kind) (default: the "
+                                         "CLI's)")),
     ("--conformance-seed", dict(type=int, default=None, metavar="S", help="suite seed (default 0)")),
     ("--conformance-impl", dict(default=None, metavar="MODULE",
-                                help=f"module under test (default {DEFAULT_IMPL}); dotted name or .py path")),
+                                help="module under test (default tensorplay.distributed.nn.functional); dotted "
+                                     "name or .py path")),
     ("--conformance-dist-module", dict(default=None, metavar="MODULE",
                                        help="process-group module of the implementation")),
     ("--conformance-report", dict(default=None, metavar="FILE",
@@ -71,8 +75,12 @@ def _opt(config: pytest.Config, name: str) -> Any:
         return None
 
 
-def config_from_pytest(config: pytest.Config) -> SuiteConfig:
+def config_from_pytest(config: pytest.Config) -> "SuiteConfig":
     """The suite configuration the ``--conformance-*`` options describe (defaults without the plugin)."""
+    from .cases import COLLECTIVES, OPS, parse_case_id
+    from .execute import DEFAULT_IMPL
+    from .suite import DEFAULT_EXAMPLES, DEFAULT_WORLD_SIZES, SuiteConfig
+
     def csv(v: str | None) -> tuple[str, ...] | None:
         return None if v is None else tuple(t.strip() for t in v.split(",") if t.strip())
 
@@ -98,7 +106,7 @@ def config_from_pytest(config: pytest.Config) -> SuiteConfig:
         raise pytest.UsageError(f"conformance: {e}") from None
 
 
-def results_of(config: pytest.Config) -> list[CaseResult]:
+def results_of(config: pytest.Config) -> "list[CaseResult]":
     """The case results recorded so far in this session (the report is built from them)."""
     if _RESULTS not in config.stash:
         config.stash[_RESULTS] = []
@@ -106,13 +114,13 @@ def results_of(config: pytest.Config) -> list[CaseResult]:
 
 
 @pytest.fixture(scope="session")
-def conformance_config(pytestconfig: pytest.Config) -> SuiteConfig:
+def conformance_config(pytestconfig: pytest.Config) -> "SuiteConfig":
     """The session's :class:`~conformance.suite.SuiteConfig`."""
     return config_from_pytest(pytestconfig)
 
 
 @pytest.fixture(scope="session")
-def conformance_runner(conformance_config: SuiteConfig) -> Iterator[Any]:
+def conformance_runner(conformance_config: "SuiteConfig") -> Iterator[Any]:
     """A runner for the session's backend/device/implementation, closed at the end of the session."""
     from .runners import make_runner
 
@@ -132,6 +140,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if hasattr(config, "workerinput"):  # an xdist worker: the controller has no results; write per worker
         path = f"{path}-{config.workerinput.get('workerid', 'w')}"
+    from .report import Result
+
     res = Result(config=config_from_pytest(config).as_dict(), results=list(results))
     res.seconds = sum(r.seconds for r in results)
     for p in res.write(path):
