@@ -251,8 +251,6 @@ def _forkserver() -> Any:
 
 
 def _make_case_pool() -> type:
-    from multiprocess import connection
-
     from tensorplay.distributed.pool import RankPool
 
     class CasePool(RankPool):
@@ -281,27 +279,8 @@ def _make_case_pool() -> type:
                 self.start()
             for conn, a in zip(self._conns, per_rank_args):
                 conn.send((fn, tuple(a), {}))
-            replies: dict[int, tuple[str, Any]] = {}
-            deadline = time.monotonic() + timeout
-            pending = dict(enumerate(self._conns))
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                for conn in connection.wait(list(pending.values()), timeout=min(left, 0.25)):
-                    r = next(k for k, v in pending.items() if v is conn)
-                    try:
-                        replies[r] = conn.recv()
-                    except (EOFError, OSError):
-                        replies[r] = ("err", ("ProcessDied", f"rank {r} exited", ""))
-                    del pending[r]
-                for r in list(pending):
-                    if not self._procs[r].is_alive():
-                        replies[r] = ("err", ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})", ""))
-                        del pending[r]
-                if pending and any(_is_failure(v) for v in replies.values()):
-                    deadline = min(deadline, time.monotonic() + grace)
-            complete = not pending and not any(k == "err" for k, _ in replies.values())
+            replies = self._collect(timeout, "call", grace=grace, is_failure=_is_failure)
+            complete = len(replies) == self.world_size and not any(k == "err" for k, _ in replies.values())
             if not complete:
                 self.kill()
             return replies, complete

@@ -210,8 +210,10 @@ class RankPool:
             raise err
         return [replies[r][1] for r in range(self.world_size)]
 
-    def _collect(self, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
-        """Wait (bounded) for one reply per rank; after the first error only a short grace period."""
+    def _collect(self, timeout: float, what: str, *, grace: float = 2.0,
+                 is_failure: Callable[[tuple[str, Any]], bool] = lambda reply: reply[0] == "err",
+                 ) -> dict[int, tuple[str, Any]]:
+        """Wait (bounded) for one reply per rank; after the first failure only ``grace`` seconds more."""
         replies: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(self._conns))
@@ -231,9 +233,9 @@ class RankPool:
                 if not self._procs[r].is_alive():
                     replies[r] = ("err", ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})", ""))
                     del pending[r]
-            if any(k == "err" for k, _ in replies.values()):
+            if pending and any(is_failure(v) for v in replies.values()):
                 # survivors may wait forever on the failed rank: give them a moment, not more
-                deadline = min(deadline, time.monotonic() + 2.0)
+                deadline = min(deadline, time.monotonic() + grace)
         return replies
 
     def _failure(self, what: str, replies: dict[int, tuple[str, Any]], failed: dict[int, Any],
