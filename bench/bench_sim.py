@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 
 import simulator  # noqa: E402
 import tensorplay.distributed as dist  # noqa: E402
+from tensorplay.distributed.pool import free_port  # noqa: E402
 
 
 # ---------------------------------------------------------------------------
@@ -80,18 +80,12 @@ def _gloo_worker(rank: int, world: int, port: int, calls: int, q) -> None:
     _d.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_small(calls: int, world: int = 4) -> dict:
     import multiprocess as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, calls, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -1,8 +1,18 @@
-"""Test helper: the TCP sockets this process listens on (Linux /proc), to check loopback-only binding."""
+"""Test helpers for real multi-process runs: the TCP sockets this process listens on (Linux /proc), to check
+loopback-only binding, and a bounded torchrun launch on loopback."""
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorplay.distributed.pool import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
@@ -35,3 +45,28 @@ def listening() -> list[tuple[str, int]]:
                 addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
             out.append((addr, int(hexport, 16)))
     return out
+
+
+def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root on loopback-only gloo; fails the test (with the output) past ``timeout``."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout}s:\n{e.stdout}\n{e.stderr}")
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180, attempts: int = 3
+             ) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc script args`` on 127.0.0.1 and a free port.
+
+    The port is free when chosen but the launcher binds it later; if another process took it in between
+    (EADDRINUSE in the launcher's output), the run is repeated on a new port, at most ``attempts`` times.
+    """
+    for _ in range(attempts):
+        proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args],
+                           timeout)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
+    return proc

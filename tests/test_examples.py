@@ -3,16 +3,14 @@ processes (torchrun), and reports success on every rank."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tensorplay.distributed.pool import free_port
+from _net import run_bounded, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180
 
 EXAMPLES = {
@@ -28,14 +26,6 @@ def _expected(line: str, r: int, w: int) -> str:
     return line.format(r=r, w=w, role="trainer" if r == 0 else f"server worker{r}")
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} did not finish within {TIMEOUT_S}s:\n{e.stdout}\n{e.stderr}")
-
-
 def _check(proc: subprocess.CompletedProcess, line: str, world: int) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{out}"
@@ -47,8 +37,8 @@ def _check(proc: subprocess.CompletedProcess, line: str, world: int) -> None:
 def test_example_on_simulated_ranks(name: str, tmp_path: Path) -> None:
     extra, line = EXAMPLES[name]
     trace = tmp_path / "trace.json"
-    proc = _run([sys.executable, "-m", "simulator", "--nproc-per-node", "4", "--trace", str(trace),
-                 f"examples/{name}.py", *extra])
+    proc = run_bounded([sys.executable, "-m", "simulator", "--nproc-per-node", "4", "--trace", str(trace),
+                        f"examples/{name}.py", *extra], TIMEOUT_S)
     _check(proc, line, 4)
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -62,8 +52,7 @@ def test_example_under_torchrun(name: str, tmp_path: Path) -> None:
     extra, line = EXAMPLES[name]
     if name == "traced_run":
         extra = [*extra, "--trace-dir", str(tmp_path)]
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                 "127.0.0.1", "--master-port", str(free_port()), f"examples/{name}.py", *extra])
+    proc = torchrun(f"examples/{name}.py", *extra, timeout=TIMEOUT_S)
     _check(proc, line, 2)
     if name == "traced_run":
         for r in range(2):
