@@ -104,7 +104,7 @@ class RankState:
     __slots__ = (
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
-        "unflushed", "p2p_seq", "last_site", "thread",
+        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered",
     )
 
     def __init__(self, rank: int, run: "_Run") -> None:
@@ -132,6 +132,8 @@ class RankState:
         self.p2p_seq = 0
         self.last_site = "?"
         self.thread: threading.Thread | None = None
+        self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
+        self.steered = False
 
 
 class _Run:

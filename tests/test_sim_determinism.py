@@ -2,6 +2,7 @@
 every rank has its own RNG state like a fresh process."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -113,3 +114,64 @@ def test_threads_mode_gives_same_results():
     coop = simulator.run(_racy, 4, seed=0)
     thr = simulator.run(_racy, 4, mode="threads")
     assert all(torch.equal(a[1], b[1]) for a, b in zip(coop, thr))
+
+
+def _draws(interleave: bool) -> list[float]:
+    out = [random.random(), random.gauss(0.0, 1.0)]  # gauss caches its pair's second value per generator
+    for _ in range(3):
+        if interleave:
+            dist.barrier()  # every other rank draws in between (coop hands the baton over here)
+        out += [random.gauss(0.0, 1.0), random.random(), random.getrandbits(40)]
+    if not interleave:
+        for _ in range(3):
+            dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_python_random_streams_survive_hand_offs(seed):
+    """A rank's `random` stream (gauss's cached value included) is the same whether or not other ranks draw
+    between its draws, and differs between ranks."""
+    alone = simulator.run(_draws, 4, args=(False,), seed=seed)
+    mixed = simulator.run(_draws, 4, args=(True,), seed=seed)
+    assert mixed == alone
+    assert len({tuple(d) for d in mixed}) == 4
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rng_swap_moves_the_whole_state(fast):
+    from simulator.sched import _PyRngSwap
+
+    swap = _PyRngSwap()
+    if not fast:
+        swap._offset = None  # the portable getstate/setstate path
+    elif swap._offset is None:
+        pytest.skip("this interpreter's Random layout is not the CPython one the fast path checks for")
+    saved = random.getstate()
+    try:
+        mine = random.Random(7)
+        mine.gauss(0.0, 1.0)  # leaves a cached value
+        expected = random.Random()
+        expected.setstate(mine.getstate())
+        swap.load(mine)
+        assert [random.gauss(0.0, 1.0) for _ in range(5)] == [expected.gauss(0.0, 1.0) for _ in range(5)]
+        parked = random.Random(0)
+        swap.save(parked)
+        assert parked.getstate() == random.getstate() == expected.getstate()
+    finally:
+        random.setstate(saved)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is a Linux API")
+def test_coop_ranks_compute_on_every_cpu_of_the_caller():
+    """Hand-offs wake the next rank on the waker's CPU; once it holds the baton it has the caller's CPUs back."""
+    def fn():
+        seen = []
+        for _ in range(20):
+            dist.all_reduce(torch.ones(3))
+            seen.append(os.sched_getaffinity(0))
+        return seen
+
+    caller = os.sched_getaffinity(0)
+    for seen in simulator.run(fn, 4, seed=3):
+        assert all(s == caller for s in seen), (caller, seen)
