@@ -25,29 +25,23 @@ _CHUNK_BYTES = 8 * 1024 * 1024
 _CHUNKED_MIN = 1 << 18
 
 
+_BINARY = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
+}
+_BINARY_BOOL = {ReduceOp.SUM: torch.logical_or, ReduceOp.AVG: torch.logical_or, ReduceOp.PRODUCT: torch.logical_and}
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
+    """``out = a op b`` in one pass (``out`` may be ``a`` or ``b``)."""
+    table = _BINARY_BOOL if a.dtype == torch.bool and op in _BINARY_BOOL else _BINARY
+    table[op](a, b, out=out)
+
+
 def _fold(acc: torch.Tensor, t: torch.Tensor, op: ReduceOp) -> None:
-    if op is ReduceOp.SUM or op is ReduceOp.AVG:
-        if acc.dtype == torch.bool:
-            acc.logical_or_(t)
-        else:
-            acc.add_(t)
-    elif op is ReduceOp.PRODUCT:
-        if acc.dtype == torch.bool:
-            acc.logical_and_(t)
-        else:
-            acc.mul_(t)
-    elif op is ReduceOp.MIN:
-        torch.minimum(acc, t, out=acc)
-    elif op is ReduceOp.MAX:
-        torch.maximum(acc, t, out=acc)
-    elif op is ReduceOp.BAND:
-        acc.bitwise_and_(t)
-    elif op is ReduceOp.BOR:
-        acc.bitwise_or_(t)
-    elif op is ReduceOp.BXOR:
-        acc.bitwise_xor_(t)
-    else:  # pragma: no cover  (the API validated op)
-        raise ValueError(op)
+    """``acc = acc op t`` in place."""
+    _combine(acc, t, acc, op)
 
 
 def _finish(acc: torch.Tensor, op: ReduceOp, n: int) -> None:
@@ -60,9 +54,13 @@ def reduce_tensors(ins: Sequence[torch.Tensor], op: ReduceOp, device: torch.devi
     first = ins[0]
     dev = first.device if device is None else device
     acc = torch.empty(first.shape, dtype=first.dtype, device=dev)
-    acc.copy_(first)
-    for t in ins[1:]:
-        _fold(acc, t if t.device == dev else t.to(dev), op)
+    ins = [t if t.device == dev else t.to(dev) for t in ins]
+    if len(ins) == 1:
+        acc.copy_(first)
+    else:
+        _combine(ins[0], ins[1], acc, op)  # the first step writes acc: no separate copy of input 0
+    for t in ins[2:]:
+        _fold(acc, t, op)
     _finish(acc, op, len(ins))
     return acc
 
@@ -84,6 +82,10 @@ def reduce_into(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], op: R
         o.copy_(acc)
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _reduce_into_blocked(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], op: ReduceOp, n: int) -> None:
     # Each chunk of the result depends only on the same chunk of every input,
     # so chunk c of every input is read before chunk c of any output is
@@ -92,16 +94,23 @@ def _reduce_into_blocked(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tenso
     flat_out = [t.view(-1) for t in outs]
     w = len(ins)
     chunk = max(_CHUNK_BYTES // ins[0].element_size(), 1)
-    acc_buf = torch.empty(min(chunk, n), dtype=ins[0].dtype)
+    # Fold straight into an output when it is not an input read after the first step (in-place
+    # all_reduce: output 0 is input 0); that saves a pass over the data per output.
+    target = next((o for o in flat_out if not any(_shares_memory(o, t) for t in flat_in[1:])), None)
+    acc_buf = torch.empty(min(chunk, n), dtype=ins[0].dtype) if target is None or w == 1 else None
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        acc = acc_buf[:m]
-        acc.copy_(flat_in[0][start:start + m])
-        for t in flat_in[1:]:
+        acc = acc_buf[:m] if acc_buf is not None else target[start:start + m]
+        if w == 1:
+            acc.copy_(flat_in[0][start:start + m])
+        else:
+            _combine(flat_in[0][start:start + m], flat_in[1][start:start + m], acc, op)
+        for t in flat_in[2:]:
             _fold(acc, t[start:start + m], op)
         _finish(acc, op, w)
         for o in flat_out:
-            o[start:start + m].copy_(acc)
+            if acc_buf is not None or o is not target:
+                o[start:start + m].copy_(acc)
 
 
 def rows_view(t: torch.Tensor, rows: int) -> torch.Tensor:

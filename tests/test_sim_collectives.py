@@ -299,6 +299,39 @@ def test_large_all_reduce_uses_blocked_kernel_bitwise():
         _exact(y, want)
 
 
+_LARGE_CASES = [("sum", torch.float32), ("avg", torch.float64), ("product", torch.float64), ("min", torch.float32),
+                ("max", torch.float32), ("band", torch.int64), ("bxor", torch.int32), ("sum", torch.bool),
+                ("product", torch.bool)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("op,dtype", _LARGE_CASES, ids=[f"{o}-{d}".replace("torch.", "") for o, d in _LARGE_CASES])
+def test_large_reductions_fold_into_outputs_bitwise(world, op, dtype):
+    """The blocked kernel (folding straight into an output where it may) gives the rank-order fold, bit for bit:
+    all_reduce in place, and reduce to a root whose input is read after the first step."""
+    n = 300_017  # above the blocked threshold, not a multiple of anything
+    root = world - 1
+
+    def fn():
+        g = torch.Generator().manual_seed(100 + dist.get_rank())
+        if dtype.is_floating_point:
+            x = 1.0 + 0.01 * torch.randn(n, generator=g, dtype=dtype)
+        elif dtype == torch.bool:
+            x = torch.rand(n, generator=g) < 0.7
+        else:
+            x = torch.randint(-(1 << 20), 1 << 20, (n,), generator=g, dtype=dtype)
+        y, z = x.clone(), x.clone()
+        dist.all_reduce(y, op=getattr(ReduceOp, op.upper()))
+        dist.reduce(z, dst=root, op=getattr(ReduceOp, op.upper()))
+        return x, y, z
+
+    res = simulator.run(fn, world)
+    want = fold([x for x, _, _ in res], op)
+    for _, y, _ in res:
+        _exact(y, want)
+    _exact(res[root][2], want)
+
+
 def test_inputs_never_alias_outputs_across_ranks():
     def fn():
         x = value(dist.get_rank())
