@@ -28,6 +28,8 @@ from typing import Any, Iterable, NamedTuple
 
 __all__ = ["CostModel", "Event", "Trace"]
 
+_RPC_OPS = frozenset({"rpc_sync", "rpc_async", "remote"})  # recorded by tensorplay.distributed.rpc on sim
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -73,7 +75,10 @@ class Event(NamedTuple):
     ``seq`` is the group's sequence number for collectives (1-based) and the
     rank's own p2p counter for send/recv.  ``peer`` is the global peer of a
     send/recv (the actual source for an any-source recv), ``root`` the global
-    root of rooted collectives, else ``None``.
+    root of rooted collectives, else ``None``.  RPCs (``rpc_sync``,
+    ``rpc_async``, ``remote``) are events of the calling rank with ``group =
+    (caller, callee)``, ``peer`` the callee, ``seq`` the caller's RPC counter and
+    ``nbytes`` the request plus the answer.
     """
 
     rank: int
@@ -166,7 +171,7 @@ class Trace:
                 args["peer"] = e.peer
             if e.backward is not None:
                 args["backward_of"] = e.backward
-            out.append({"name": e.op, "cat": "comm", "ph": "X", "pid": 0, "tid": e.rank,
+            out.append({"name": e.op, "cat": "rpc" if e.op in _RPC_OPS else "comm", "ph": "X", "pid": 0, "tid": e.rank,
                         "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3), "args": args})
         return out
 

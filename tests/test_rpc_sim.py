@@ -422,3 +422,36 @@ def test_rpc_runs_replay_exactly():
     simulator.check_reproducible(main, 3, seed=5)
     outs = simulator.run(main, 3, seed=5)
     assert any(None in o for o in outs) and any(x is not None for o in outs for x in o)
+
+
+def _traced_rpcs():
+    r = dist.get_rank()
+    rpc.init_rpc(f"worker{r}", rank=r, world_size=3)
+    if r == 0:
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1000), 1.0))
+        rpc.rpc_async("worker2", torch.mul, args=(torch.ones(10), 2.0)).wait()
+    if r == 2:
+        rpc.remote("worker0", torch.neg, args=(torch.ones(3),)).to_here()
+    rpc.shutdown()
+
+
+def test_rpcs_are_on_the_trace_and_replay():
+    simulator.run(_traced_rpcs, 3, seed=4)
+    tr = simulator.last_trace()
+    rpcs = [e for e in tr.events if e.op in ("rpc_sync", "rpc_async", "remote")]
+    by_op = {e.op: e for e in rpcs}
+    assert sorted(by_op) == ["remote", "rpc_async", "rpc_sync"] and len(rpcs) == 3, rpcs
+    s, a, m = by_op["rpc_sync"], by_op["rpc_async"], by_op["remote"]
+    assert (s.rank, s.group, s.peer, s.seq) == (0, (0, 1), 1, 1)
+    assert (a.rank, a.group, a.peer, a.seq) == (0, (0, 2), 2, 2)
+    assert (m.rank, m.group, m.peer, m.seq) == (2, (2, 0), 0, 1)
+    assert s.nbytes >= 2 * 4000  # 1000 float32 each way
+    assert a.nbytes >= 2 * 40 and m.nbytes >= 12
+    assert s.site.startswith("test_rpc_sim.py:")
+    cost = simulator.CostModel()
+    assert s.vend - s.vstart >= cost.cost("send", 4000, 2) * 2  # at least both transfers
+    chrome = tr.to_chrome()["traceEvents"]
+    assert {e["name"] for e in chrome if e.get("cat") == "rpc"} == {"rpc_sync", "rpc_async", "remote"}
+    first = tr.signature()
+    simulator.run(_traced_rpcs, 3, seed=4)
+    assert simulator.last_trace().signature() == first

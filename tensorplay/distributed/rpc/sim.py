@@ -176,6 +176,11 @@ class _Message:
     def __init__(self, data: bytes, tensors: list, grad_sends: list, sender: str, dill: bool) -> None:
         self.data, self.tensors, self.grad_sends, self.sender, self.dill = data, tensors, grad_sends, sender, dill
 
+    @property
+    def nbytes(self) -> int:
+        """What crosses the wire: the pickle plus the tensors' bytes."""
+        return len(self.data) + sum(t.numel() * t.element_size() for t in self.tensors if isinstance(t, torch.Tensor))
+
 
 def _encode(obj: Any, sender: str) -> _Message:
     tensors: list = []
@@ -473,6 +478,7 @@ class SimAgent(Agent):
         seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
         self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
         self._infos: list[WorkerInfo] | None = None
+        self.rpc_seq = 0  # RPCs this worker issued (the trace's seq for them)
 
     # -- liveness -------------------------------------------------------------
     def thread_alive(self) -> bool:
@@ -547,9 +553,19 @@ class SimAgent(Agent):
 
     def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                   timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None) -> Any:
-        """One request/answer: encode here, run on the peer, encode there, decode here."""
+        """One request/answer, recorded on the simulator's trace (see :meth:`_record`)."""
         peer = self._peer(call, dst)
-        start = time.perf_counter()
+        rec = _RpcRecord(self, call, peer)
+        try:
+            return self._exchange_with(rec, call, dst, fn, args, kwargs, timeout, on_peer)
+        finally:
+            rec.close()
+
+    def _exchange_with(self, rec: "_RpcRecord", call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple,
+                       kwargs: dict, timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None) -> Any:
+        """Encode here, run on the peer, encode there, decode here."""
+        peer = rec.peer
+        start = rec.wall_start
         try:
             req = _encode((fn, args, kwargs), self.name)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -557,6 +573,7 @@ class SimAgent(Agent):
                 call, "the call's arguments cannot be serialised", worker=self.name,
                 values={"error": f"{type(e).__name__}: {e}"[:300]},
                 fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+        rec.sent(req)
         late = self._fault(call, dst, "request", timeout)
 
         def serve() -> Any:
@@ -572,9 +589,10 @@ class SimAgent(Agent):
             except BaseException as e:  # noqa: BLE001  an answer that does not pickle
                 return _encode(RemoteFailure.capture(e, peer.name), peer.name)
 
-        answer = peer._as_sender(serve)
+        answer = rec.remote(lambda: peer._as_sender(serve))
         if on_peer is not None:
             return answer
+        rec.answered(answer)
         late += peer._fault(call, dst, "answer", timeout)
         if late + (time.perf_counter() - start) > timeout:
             raise RpcTimeoutError(rpc_message(
@@ -663,6 +681,68 @@ class SimAgent(Agent):
         with _worlds_lock:  # everyone is out: a later init_rpc in this run starts a fresh RPC world
             if all(not a.alive() for a in self.world.by_rank.values()) and _worlds.get(self.world.run) is self.world:
                 del _worlds[self.world.run]
+
+
+class _RpcRecord:
+    """One RPC as an event on the simulator's trace, with virtual time from the run's cost model.
+
+    The caller's clock first takes the compute since its last operation (as a
+    collective does), then advances by the request's transfer, the callee's
+    compute (measured on this thread, where the simulated callee runs), any
+    injected delay, and the answer's transfer; ``group`` is ``(caller, callee)``
+    and ``peer`` the callee.  An RPC issued while acting for another rank (a
+    nested call made by a callee) is recorded on that rank without touching
+    its compute accounting, which belongs to its own thread.
+    """
+
+    __slots__ = ("agent", "call", "peer", "rs", "own", "wall_start", "vstart", "nbytes", "remote_cpu", "site")
+
+    def __init__(self, agent: SimAgent, call: str, peer: SimAgent) -> None:
+        from simulator.callsite import call_site
+
+        self.agent, self.call, self.peer, self.rs = agent, call, peer, agent.rs
+        self.own = simulator.current_rank_state() is self.rs
+        rs = self.rs
+        if self.own:
+            now = time.thread_time()
+            rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
+            rs.cpu_mark = now
+        self.site = call_site(4)
+        self.wall_start = time.perf_counter()
+        self.vstart = rs.vt
+        self.nbytes = 0
+        self.remote_cpu = 0.0
+
+    def _transfer(self, msg: _Message) -> None:
+        n = msg.nbytes
+        self.nbytes += n
+        self.rs.vt += self.rs.run.cost.cost("send", n, 2)
+
+    def sent(self, req: _Message) -> None:
+        self._transfer(req)
+
+    def remote(self, run: Callable[[], Any]) -> Any:
+        t = time.thread_time()
+        try:
+            return run()
+        finally:
+            self.remote_cpu = time.thread_time() - t
+            self.rs.vt += self.remote_cpu * self.rs.run.cost.compute_scale
+
+    def answered(self, answer: Any) -> None:
+        if isinstance(answer, _Message):
+            self._transfer(answer)
+
+    def close(self) -> None:
+        from simulator.trace import Event
+
+        rs = self.rs
+        self.agent.rpc_seq += 1
+        rs.run.events.append(Event(rs.rank, self.call, (self.agent.rank, self.peer.rank), self.agent.rpc_seq,
+                                   self.nbytes, self.site, self.peer.rank, self.wall_start, time.perf_counter(),
+                                   self.vstart, rs.vt, None))
+        if self.own:
+            rs.cpu_mark = time.thread_time()  # the callee's compute was counted above, not as the caller's
 
 
 def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
