@@ -45,8 +45,10 @@ from typing import Any, Callable
 
 import simulator
 import torch
+from simulator.callsite import call_site
 from simulator.errors import RankFailedError, SimError
 from simulator.sched import DONE
+from simulator.trace import Event
 from torch import nn
 
 from .. import _state
@@ -179,7 +181,10 @@ class _Message:
     @property
     def nbytes(self) -> int:
         """What crosses the wire: the pickle plus the tensors' bytes."""
-        return len(self.data) + sum(t.numel() * t.element_size() for t in self.tensors if isinstance(t, torch.Tensor))
+        n = len(self.data)
+        for t in self.tensors:
+            n += t.numel() * t.element_size()
+        return n
 
 
 def _encode(obj: Any, sender: str) -> _Message:
@@ -573,7 +578,7 @@ class SimAgent(Agent):
                 call, "the call's arguments cannot be serialised", worker=self.name,
                 values={"error": f"{type(e).__name__}: {e}"[:300]},
                 fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
-        rec.sent(req)
+        rec.transfer(req)
         late = self._fault(call, dst, "request", timeout)
 
         def serve() -> Any:
@@ -589,10 +594,10 @@ class SimAgent(Agent):
             except BaseException as e:  # noqa: BLE001  an answer that does not pickle
                 return _encode(RemoteFailure.capture(e, peer.name), peer.name)
 
-        answer = rec.remote(lambda: peer._as_sender(serve))
+        answer = peer._as_sender(serve)
         if on_peer is not None:
             return answer
-        rec.answered(answer)
+        rec.transfer(answer)
         late += peer._fault(call, dst, "answer", timeout)
         if late + (time.perf_counter() - start) > timeout:
             raise RpcTimeoutError(rpc_message(
@@ -687,62 +692,46 @@ class _RpcRecord:
     """One RPC as an event on the simulator's trace, with virtual time from the run's cost model.
 
     The caller's clock first takes the compute since its last operation (as a
-    collective does), then advances by the request's transfer, the callee's
-    compute (measured on this thread, where the simulated callee runs), any
-    injected delay, and the answer's transfer; ``group`` is ``(caller, callee)``
-    and ``peer`` the callee.  An RPC issued while acting for another rank (a
-    nested call made by a callee) is recorded on that rank without touching
-    its compute accounting, which belongs to its own thread.
+    collective does), then advances by the request's transfer, any injected
+    delay, the answer's transfer and the CPU time the call itself took on this
+    thread, where the simulated callee runs: the callee's compute and both
+    ends' (de)serialisation, which the caller would wait for.  ``group`` is
+    ``(caller, callee)`` and ``peer`` the callee.  An RPC issued while acting
+    for another rank (a nested call made by a callee) is recorded on that rank
+    without touching its compute accounting, which belongs to its own thread.
     """
 
-    __slots__ = ("agent", "call", "peer", "rs", "own", "wall_start", "vstart", "nbytes", "remote_cpu", "site")
+    __slots__ = ("agent", "call", "peer", "rs", "own", "wall_start", "vstart", "nbytes", "cpu_start", "site")
 
     def __init__(self, agent: SimAgent, call: str, peer: SimAgent) -> None:
-        from simulator.callsite import call_site
-
         self.agent, self.call, self.peer, self.rs = agent, call, peer, agent.rs
         self.own = simulator.current_rank_state() is self.rs
         rs = self.rs
+        self.cpu_start = now = time.thread_time()
         if self.own:
-            now = time.thread_time()
             rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
-            rs.cpu_mark = now
         self.site = call_site(4)
         self.wall_start = time.perf_counter()
         self.vstart = rs.vt
         self.nbytes = 0
-        self.remote_cpu = 0.0
 
-    def _transfer(self, msg: _Message) -> None:
-        n = msg.nbytes
-        self.nbytes += n
-        self.rs.vt += self.rs.run.cost.cost("send", n, 2)
-
-    def sent(self, req: _Message) -> None:
-        self._transfer(req)
-
-    def remote(self, run: Callable[[], Any]) -> Any:
-        t = time.thread_time()
-        try:
-            return run()
-        finally:
-            self.remote_cpu = time.thread_time() - t
-            self.rs.vt += self.remote_cpu * self.rs.run.cost.compute_scale
-
-    def answered(self, answer: Any) -> None:
-        if isinstance(answer, _Message):
-            self._transfer(answer)
+    def transfer(self, msg: Any) -> None:
+        """A message (request or answer) crossed: its bytes and modelled transfer time."""
+        if type(msg) is _Message:
+            n = msg.nbytes
+            self.nbytes += n
+            self.rs.vt += self.rs.run.cost.cost("send", n, 2)
 
     def close(self) -> None:
-        from simulator.trace import Event
-
         rs = self.rs
+        now = time.thread_time()
+        rs.vt += (now - self.cpu_start) * rs.run.cost.compute_scale
+        if self.own:
+            rs.cpu_mark = now
         self.agent.rpc_seq += 1
         rs.run.events.append(Event(rs.rank, self.call, (self.agent.rank, self.peer.rank), self.agent.rpc_seq,
                                    self.nbytes, self.site, self.peer.rank, self.wall_start, time.perf_counter(),
                                    self.vstart, rs.vt, None))
-        if self.own:
-            rs.cpu_mark = time.thread_time()  # the callee's compute was counted above, not as the caller's
 
 
 def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
