@@ -381,6 +381,8 @@ def destroy_process_group(group: GroupLike = None) -> None:
                 _state.unbind_thread()
             else:
                 _state.set_process_state(None)
+            st.groups.clear()
+        st.backend.released()
         return
     if isinstance(group, ProcessGroup) and group in st.groups:
         st.groups.remove(group)

@@ -140,6 +140,10 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release every resource; the rank may initialise again afterwards."""
 
+    def released(self) -> None:
+        """Called after :meth:`shutdown` once tensorplay dropped its own references to the backend's groups."""
+        return None
+
     def supports_device(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` can take part in this backend's collectives."""
         return device.type == "cpu"
