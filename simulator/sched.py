@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ class _PyRngSwap:
             import _random
             import ctypes
 
+            if sys.implementation.name != "cpython":  # id() is an address only on CPython
+                return None
             offset = object.__basicsize__  # the state block follows the object header
             if offset + self._STATE_BYTES > _random.Random.__basicsize__:
                 return None

@@ -558,7 +558,7 @@ class SimAgent(Agent):
 
     def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                   timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None) -> Any:
-        """One request/answer, recorded on the simulator's trace (see :meth:`_record`)."""
+        """One request/answer, recorded on the simulator's trace (see :class:`_RpcRecord`)."""
         peer = self._peer(call, dst)
         rec = _RpcRecord(self, call, peer)
         try:
