@@ -201,6 +201,24 @@ def _tensor(c: _Call, t: Any, argname: str) -> torch.Tensor:
     return t
 
 
+def _uniform_ok(c: _Call, ts: Any, like: torch.Tensor | None, same_shape: bool) -> bool:
+    """One cheap pass: every entry a tensor on one device the backend takes (with ``like``'s dtype/shape)."""
+    dev = None
+    dtype = None if like is None else like.dtype
+    shape = like.shape if same_shape and like is not None else None
+    for t in ts:
+        if not isinstance(t, torch.Tensor):
+            return False
+        d = t.device
+        if d != dev:
+            if dev is not None or not c.pg.backend.supports_device(d):
+                return False
+            dev = d
+        if (dtype is not None and t.dtype != dtype) or (shape is not None and t.shape != shape):
+            return False
+    return True
+
+
 def _tensor_list(c: _Call, ts: Any, argname: str, like: torch.Tensor | None, same_shape: bool) -> list[torch.Tensor]:
     """A list of exactly group-size tensors, each with ``like``'s dtype (and shape if asked)."""
     if not isinstance(ts, (list, tuple)):
@@ -215,6 +233,8 @@ def _tensor_list(c: _Call, ts: Any, argname: str, like: torch.Tensor | None, sam
             f"pass exactly {c.pg.size()} tensors",
             **{f"len({argname})": len(ts), "group_size": c.pg.size()},
         )
+    if _uniform_ok(c, ts, like, same_shape):  # the common case; the loop below names what is wrong
+        return list(ts)
     for i, t in enumerate(ts):
         _tensor(c, t, f"{argname}[{i}]")
         if like is not None:
@@ -727,9 +747,11 @@ def all_to_all(
     ins = _tensor_list(c, input_tensor_list, "input_tensor_list", None, same_shape=False)
     outs = _tensor_list(c, output_tensor_list, "output_tensor_list", None, same_shape=False)
     first = ins[0]
-    for name, lst in (("input_tensor_list", ins), ("output_tensor_list", outs)):
-        for i, t in enumerate(lst):
-            _same_dtype(c, t, f"{name}[{i}]", first, "input_tensor_list[0]")
+    dtype = first.dtype
+    if any(t.dtype != dtype for t in ins) or any(t.dtype != dtype for t in outs):
+        for name, lst in (("input_tensor_list", ins), ("output_tensor_list", outs)):
+            for i, t in enumerate(lst):
+                _same_dtype(c, t, f"{name}[{i}]", first, "input_tensor_list[0]")
     me = c.pg.rank()
     if outs[me].shape != ins[me].shape:
         raise c.error(

@@ -105,6 +105,11 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def _equal_splits(splits: list[int], rows: int) -> bool:
+    """Whether ``splits`` cut ``rows`` into equal chunks (what empty split lists mean to c10d)."""
+    return bool(splits) and rows == splits[0] * len(splits) and all(s == splits[0] for s in splits)
+
+
 def _direct(work: Any, async_op: bool, after: Callable[[], None] | None) -> Work | None:
     """Finish a call made on the ProcessGroup method itself (blocking calls wait here)."""
     if not async_op:
@@ -417,9 +422,16 @@ class C10dBackend(Backend):
 
             return self._guard("all_to_all", group, scatters)
         if len(shape) and all(t.shape == shape and t.is_contiguous() for t in (*input_list, *output_list)):
-            # uniform contiguous blocks: torch's own list path skips our pack/unpack copies
-            return self._guard("all_to_all", group, lambda: tdist.all_to_all(
-                output_list, input_list, group=group.handle, async_op=async_op))
+            # uniform contiguous blocks: the library's own list path skips our pack/unpack copies
+            def uniform() -> Work | None:
+                if input_list[0].is_cuda:
+                    return tdist.all_to_all(output_list, input_list, group=group.handle, async_op=async_op)
+                opts = _c10d.AllToAllOptions()  # the ProcessGroup method directly, as in all_reduce
+                opts.asyncOp = async_op
+                work = group.handle.alltoall([_real(t) for t in output_list], [_real(t) for t in input_list], opts)
+                return _direct(work, async_op, None)
+
+            return self._guard("all_to_all", group, uniform)
 
         # Ragged shapes in one exchange: flatten every block, send by element counts.
         def run() -> Work | None:
@@ -447,8 +459,10 @@ class C10dBackend(Backend):
                 return _finish(work, async_op, back)
             opts = _c10d.AllToAllOptions()
             opts.asyncOp = async_op
-            work = group.handle.alltoall_base(_real(out), _real(input.contiguous()), output_split_sizes,
-                                              input_split_sizes, opts)
+            outs, ins = output_split_sizes, input_split_sizes
+            if _equal_splits(outs, out.shape[0]) and _equal_splits(ins, input.shape[0]):
+                outs = ins = []  # equal chunks: gloo's plain alltoall, cheaper than its split-size (v) variant
+            work = group.handle.alltoall_base(_real(out), _real(input.contiguous()), outs, ins, opts)
             return _direct(work, async_op, back)
 
         return self._guard("all_to_all_single", group, run)
