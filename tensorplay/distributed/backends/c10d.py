@@ -105,6 +105,38 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def _gather_flat(out: torch.Tensor, src: torch.Tensor, group: ProcessGroup, async_op: bool) -> Any:
+    """All-gather of 1-d ``src`` into 1-d ``out``; like torch's wrapper (work if async, else waits, None)."""
+    if out.is_cuda:
+        return _all_gather_tensor(out, src, group=group.handle, async_op=async_op)
+    opts = _c10d.AllgatherOptions()  # the ProcessGroup method directly, as in all_reduce
+    opts.asyncOp = async_op
+    pg = group.handle
+    call = getattr(pg, "all_gather_single", None) or pg._allgather_base
+    work = call(_real(out), _real(src), opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, group: ProcessGroup,
+                         async_op: bool) -> Any:
+    """Reduce-scatter of 1-d ``inp`` into 1-d ``out``; like torch's wrapper (work if async, else waits, None)."""
+    if out.is_cuda:
+        return _reduce_scatter_tensor(out, inp, op=_TORCH_OP[op], group=group.handle, async_op=async_op)
+    opts = tdist.ReduceScatterOptions()
+    opts.reduceOp = _TORCH_OP[op]
+    opts.asyncOp = async_op
+    pg = group.handle
+    call = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
+    work = call(out, inp, opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _equal_splits(splits: list[int], rows: int) -> bool:
     """Whether ``splits`` cut ``rows`` into equal chunks (what empty split lists mean to c10d)."""
     return bool(splits) and rows == splits[0] * len(splits) and all(s == splits[0] for s in splits)
@@ -230,7 +262,7 @@ class C10dBackend(Backend):
         w = group.size()
         src, _ = _staged(tensor)
         stacked = torch.empty((w, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        work = _all_gather_tensor(*_flat_pair(stacked, src), group=group.handle, async_op=async_op)
+        work = _gather_flat(*_flat_pair(stacked, src), group, async_op)
 
         def reduce_locally() -> None:
             if root is None or group.rank() == root:
@@ -328,7 +360,7 @@ class C10dBackend(Backend):
         def run() -> Work | None:
             src, _ = _staged(input)
             out, back = _staged(output)
-            work = _all_gather_tensor(*_flat_pair(out, src), group=group.handle, async_op=async_op)
+            work = _gather_flat(*_flat_pair(out, src), group, async_op)
             return _finish(work, async_op, back)
 
         return self._guard("all_gather_into_tensor", group, run)
@@ -397,8 +429,7 @@ class C10dBackend(Backend):
         def run() -> Work | None:
             out, back = _staged(output)
             # flat 1-d views on both sides: gloo segfaults on a 0-d output (torch 2.13)
-            work = _reduce_scatter_tensor(out.view(-1), input.contiguous().view(-1), op=_TORCH_OP[op],
-                                          group=group.handle, async_op=async_op)
+            work = _reduce_scatter_flat(out.view(-1), input.contiguous().view(-1), op, group, async_op)
             # always chained: torch's gloo reduce-scatter work never reports is_completed() (torch 2.13)
             return _finish(work, async_op, back or (lambda: None))
 
