@@ -22,16 +22,19 @@ _SKIP_DIRS = tuple(
     for m in (tensorplay, torch)
 ) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _SKIP_FILES = {os.path.abspath(threading.__file__), os.path.abspath(runpy.__file__)}
-_verdict: dict[str, bool] = {}
+_verdict: dict[str, str | None] = {}  # file name -> its basename if it is user code, None if library
 
 
-def _is_library(filename: str) -> bool:
-    v = _verdict.get(filename)
-    if v is None:
+def _user_name(filename: str) -> str | None:
+    """``basename(filename)`` for a user's file, ``None`` for library code (cached per file name)."""
+    try:
+        return _verdict[filename]
+    except KeyError:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        v = path.startswith(_SKIP_DIRS) or path in _SKIP_FILES or filename.startswith("<frozen")
-        _verdict[filename] = v
-    return v
+        lib = path.startswith(_SKIP_DIRS) or path in _SKIP_FILES or filename.startswith("<frozen")
+        name = None if lib else os.path.basename(filename)
+        _verdict[filename] = name
+        return name
 
 
 def call_site(depth: int = 2) -> str:
@@ -41,8 +44,8 @@ def call_site(depth: int = 2) -> str:
     except ValueError:  # pragma: no cover
         return "?"
     while f is not None:
-        code = f.f_code
-        if not _is_library(code.co_filename):
-            return f"{os.path.basename(code.co_filename)}:{f.f_lineno}"
+        name = _user_name(f.f_code.co_filename)
+        if name is not None:
+            return f"{name}:{f.f_lineno}"
         f = f.f_back
     return "?"
