@@ -49,18 +49,21 @@ def _finish(acc: torch.Tensor, op: ReduceOp, n: int) -> None:
         acc.div_(n)
 
 
+def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return t if t.device == dev else t.to(dev)
+
+
 def reduce_tensors(ins: Sequence[torch.Tensor], op: ReduceOp, device: torch.device | None = None) -> torch.Tensor:
     """``op`` over ``ins`` folded in order, as a new contiguous tensor."""
     first = ins[0]
     dev = first.device if device is None else device
     acc = torch.empty(first.shape, dtype=first.dtype, device=dev)
-    ins = [t if t.device == dev else t.to(dev) for t in ins]
     if len(ins) == 1:
         acc.copy_(first)
     else:
-        _combine(ins[0], ins[1], acc, op)  # the first step writes acc: no separate copy of input 0
+        _combine(_to(first, dev), _to(ins[1], dev), acc, op)  # the first step writes acc: no copy of input 0
     for t in ins[2:]:
-        _fold(acc, t, op)
+        _fold(acc, _to(t, dev), op)
     _finish(acc, op, len(ins))
     return acc
 

@@ -153,6 +153,13 @@ def test_remote_module_uses_the_owners_rng_stream():
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
+def _quiet_shutdown() -> None:
+    """rpc.shutdown() without the warning about the worker that is already gone."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rpc.shutdown()
+
+
 def _until_unavailable(name: str, limit_s: float = 10.0) -> float:
     """Threads mode: call ``name`` until it is reported unavailable; returns when that happened."""
     end = time.monotonic() + limit_s
@@ -218,9 +225,7 @@ def test_calls_to_a_worker_that_returned_without_shutdown_fail():
         except WorkerUnavailableError as e:
             return str(e)
         finally:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rpc.shutdown()
+            _quiet_shutdown()
 
     out = simulator.run(main, 2, mode="threads")
     assert "returned without rpc.shutdown()" in out[0]
@@ -396,9 +401,7 @@ def test_local_shutdown_does_not_hold_the_graceful_ones(mode):
         except WorkerUnavailableError as e:
             return str(e)
         finally:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rpc.shutdown()
+            _quiet_shutdown()
 
     out = simulator.run(main, 3, mode=mode)
     assert out[1] == "left"

@@ -17,7 +17,8 @@ Example (worker0; the model's parameters live on worker1)::
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -76,6 +77,19 @@ def _check_roots(roots: Any, worker: str) -> list[torch.Tensor]:
     return list(roots)
 
 
+@contextlib.contextmanager
+def _torch_context(call: str, worker: str, context_id: int) -> Iterator[None]:
+    """torch's "Could not find autograd context" as our DistValueError naming the call, worker and context."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "Could not find autograd context" in str(e):
+            raise DistValueError(rpc_message(
+                call, "no such autograd context on this worker", worker=worker,
+                values={"context_id": context_id}, fix="call it inside `with context() as context_id:`")) from e
+        raise
+
+
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` (scalars) in context ``context_id``."""
     a = _agent_for("backward")
@@ -87,14 +101,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     else:
         import torch.distributed.autograd as tda
 
-        try:
+        with _torch_context("autograd.backward", a.name, context_id):
             tda.backward(context_id, roots, retain_graph)
-        except RuntimeError as e:
-            if "Could not find autograd context" in str(e):
-                raise DistValueError(rpc_message(
-                    "autograd.backward", "no such autograd context on this worker", worker=a.name,
-                    values={"context_id": context_id}, fix="call it inside `with context() as context_id:`")) from e
-            raise
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -106,11 +114,5 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         return _sim.get_gradients(context_id)
     import torch.distributed.autograd as tda
 
-    try:
+    with _torch_context("autograd.get_gradients", a.name, context_id):
         return tda.get_gradients(context_id)
-    except RuntimeError as e:
-        if "Could not find autograd context" in str(e):
-            raise DistValueError(rpc_message(
-                "autograd.get_gradients", "no such autograd context on this worker", worker=a.name,
-                values={"context_id": context_id}, fix="call it inside `with context() as context_id:`")) from e
-        raise

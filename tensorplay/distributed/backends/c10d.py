@@ -113,11 +113,7 @@ def _gather_flat(out: torch.Tensor, src: torch.Tensor, group: ProcessGroup, asyn
     opts.asyncOp = async_op
     pg = group.handle
     call = getattr(pg, "all_gather_single", None) or pg._allgather_base
-    work = call(_real(out), _real(src), opts)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _blocking(call(_real(out), _real(src), opts), async_op)
 
 
 def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, group: ProcessGroup,
@@ -130,11 +126,7 @@ def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, gro
     opts.asyncOp = async_op
     pg = group.handle
     call = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
-    work = call(out, inp, opts)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _blocking(call(out, inp, opts), async_op)
 
 
 def _equal_splits(splits: list[int], rows: int) -> bool:
@@ -142,11 +134,17 @@ def _equal_splits(splits: list[int], rows: int) -> bool:
     return bool(splits) and rows == splits[0] * len(splits) and all(s == splits[0] for s in splits)
 
 
+def _blocking(work: Any, async_op: bool) -> Any:
+    """What torch's wrappers return for a ProcessGroup method's work: the work if async, else wait and None."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _direct(work: Any, async_op: bool, after: Callable[[], None] | None) -> Work | None:
     """Finish a call made on the ProcessGroup method itself (blocking calls wait here)."""
-    if not async_op:
-        work.wait()
-    return _finish(work, async_op, after)
+    return _finish(_blocking(work, async_op), async_op, after)
 
 
 def _flat_pair(out: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,18 +170,9 @@ def _chain(*fns: Callable[[], None] | None) -> Callable[[], None] | None:
     return run
 
 
-_AT_EXIT = False
-
-
-def _destroy_at_exit() -> None:
-    """Once per process: a group still alive at exit is destroyed while the interpreter is whole (see released)."""
-    global _AT_EXIT
-    if not _AT_EXIT:
-        _AT_EXIT = True
-        atexit.register(_destroy_if_initialised)
-
-
+@atexit.register
 def _destroy_if_initialised() -> None:
+    """At exit, a group still alive is destroyed while the interpreter is whole (see C10dBackend.released)."""
     from .. import api
 
     try:
@@ -230,7 +219,6 @@ class C10dBackend(Backend):
                 "init_process_group", f"the {cls.name} backend could not start: {e}",
                 values={"init_method": init_method, "rank": rank, "world_size": world_size},
                 fix="check MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (or init_method) and that every rank starts")) from e
-        _destroy_at_exit()
         return cls(tdist.get_rank(), tdist.get_world_size(), timeout)
 
     def world_handle(self) -> Any:
@@ -290,13 +278,10 @@ class C10dBackend(Backend):
             buf, back = _staged(tensor)
             if buf.is_cuda:  # torch's wrapper carries NCCL dtype workarounds (fp8 before sm90)
                 work = tdist.broadcast(buf, group=group.handle, async_op=async_op, group_src=root)
-            else:  # the ProcessGroup method directly, as in all_reduce
-                opts = tdist.BroadcastOptions()
-                opts.rootRank, opts.rootTensor, opts.asyncOp = root, 0, async_op
-                work = group.handle.broadcast([torch.view_as_real(buf) if buf.is_complex() else buf], opts)
-                if not async_op:
-                    work.wait()
-            return _finish(work, async_op, back)
+                return _finish(work, async_op, back)
+            opts = tdist.BroadcastOptions()  # the ProcessGroup method directly, as in all_reduce
+            opts.rootRank, opts.rootTensor, opts.asyncOp = root, 0, async_op
+            return _direct(group.handle.broadcast([_real(buf)], opts), async_op, back)
 
         return self._guard("broadcast", group, run)
 
@@ -312,10 +297,7 @@ class C10dBackend(Backend):
             opts = tdist.AllreduceOptions()
             opts.reduceOp = _TORCH_OP[op]
             opts.asyncOp = async_op
-            work = group.handle.allreduce([torch.view_as_real(buf) if buf.is_complex() else buf], opts)
-            if not async_op:
-                work.wait()
-            return _finish(work, async_op, back)
+            return _direct(group.handle.allreduce([_real(buf)], opts), async_op, back)
 
         return self._guard("all_reduce", group, run)
 

@@ -376,30 +376,29 @@ class TensorPipeAgent(Agent):
             raise self._unavailable(call, dst)
 
     # -- calls ----------------------------------------------------------------
-    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                  timeout: float) -> Any:
+    def _send(self, call: str, dst: WorkerInfo, send: Callable[..., Any], fn: Callable[..., Any], args: tuple,
+              kwargs: dict, timeout: float) -> Any:
+        """``send`` (torch's rpc_sync, rpc_async or remote) of ``run_call(fn, ...)``, with our errors.
+
+        A function that does not pickle by reference (a lambda, a local function) is retried once by value.
+        """
         self._check(call, dst)
         try:
-            v = trpc.rpc_sync(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
+            return send(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
         except _PICKLE_ERRORS as e:
             if type(fn) is PickledFunction or not _fn_unpicklable(fn):
                 raise _unpicklable(call, self.name, e) from e
-            return self.call_sync(call, dst, PickledFunction(fn), args, kwargs, timeout)
+            return self._send(call, dst, send, PickledFunction(fn), args, kwargs, timeout)
         except RuntimeError as e:
             raise self.translate(call, dst, e, timeout) from e
-        return unwrap(v)
+
+    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float) -> Any:
+        return unwrap(self._send(call, dst, trpc.rpc_sync, fn, args, kwargs, timeout))
 
     def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                    timeout: float) -> Future[Any]:
-        self._check(call, dst)
-        try:
-            tf = trpc.rpc_async(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
-        except _PICKLE_ERRORS as e:
-            if type(fn) is PickledFunction or not _fn_unpicklable(fn):
-                raise _unpicklable(call, self.name, e) from e
-            return self.call_async(call, dst, PickledFunction(fn), args, kwargs, timeout)
-        except RuntimeError as e:
-            raise self.translate(call, dst, e, timeout) from e
+        tf = self._send(call, dst, trpc.rpc_async, fn, args, kwargs, timeout)
         fut: Future[Any] = Future(what=call)
 
         def done(tfut: Any) -> None:
@@ -418,16 +417,7 @@ class TensorPipeAgent(Agent):
 
     def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                timeout: float) -> RRef[Any]:
-        self._check("remote", dst)
-        try:
-            r = trpc.remote(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
-        except _PICKLE_ERRORS as e:
-            if type(fn) is PickledFunction or not _fn_unpicklable(fn):
-                raise _unpicklable("remote", self.name, e) from e
-            return self.remote(dst, PickledFunction(fn), args, kwargs, timeout)
-        except RuntimeError as e:
-            raise self.translate("remote", dst, e, timeout) from e
-        return RRef._wrap(_TPRRef(r))
+        return RRef._wrap(_TPRRef(self._send("remote", dst, trpc.remote, fn, args, kwargs, timeout)))
 
     def local_rref(self, value: Any) -> RRef[Any]:
         return RRef._wrap(_TPRRef(trpc.RRef(value)))
