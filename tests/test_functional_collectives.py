@@ -47,7 +47,9 @@ def _each(pools: dict[int, RankPool], method: str) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(600.0)  # each pool bounds its own start and close; this only keeps the wait finite
+    stuck = [t for t in threads if t.is_alive()]
+    assert not stuck, f"RankPool.{method} did not return within 600 s"
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..errors import DistRuntimeError, format_message
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
 
@@ -48,7 +49,9 @@ class Work(abc.ABC):
 
     def source_rank(self) -> int:
         """For a receive: the sender's rank (a group rank at the backend level)."""
-        raise RuntimeError("source_rank() is only defined for irecv work")
+        raise DistRuntimeError(format_message(
+            "Work.source_rank", "only a receive knows its sender", values={"work": type(self).__name__},
+            fix="call source_rank() on the work returned by irecv (or use recv's return value)"))
 
     def result(self) -> list[torch.Tensor]:
         return []

@@ -344,7 +344,10 @@ class _SimRRef:
 def _rebuild_sim_rref(owner_name: str, owner_id: int, rid: int) -> RRef[Any]:
     me = _agent.current()
     if not isinstance(me, SimAgent):  # pragma: no cover
-        raise DistRuntimeError("a simulated RRef arrived outside a simulated worker")
+        raise DistRuntimeError(rpc_message(
+            "RRef", "a simulated RRef arrived outside a simulated worker",
+            values={"owner": owner_name, "rref_id": rid, "agent": type(me).__name__ if me else None},
+            fix="pass simulated RRefs only between workers of the same simulator.run world"))
     return RRef._wrap(_SimRRef(me.world, WorkerInfo(owner_name, owner_id), rid, me.name))
 
 

@@ -112,7 +112,9 @@ class _Entry:
 def _owner_objects() -> dict[Any, Any]:
     a = _agent.current()
     if a is None:  # pragma: no cover  a call always runs under an agent
-        raise DistRuntimeError("RemoteModule: no RPC agent on this worker")
+        raise DistRuntimeError(format_message(
+            "nn.RemoteModule", "no RPC agent on this worker", values={"agent": None},
+            fix="call rpc.init_rpc(...) on every worker before creating or calling a RemoteModule"))
     return a.objects
 
 
