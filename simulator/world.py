@@ -24,6 +24,8 @@ raises an ``ExceptionGroup`` of them.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import queue
 import random
 import threading
@@ -44,6 +46,8 @@ from .trace import CostModel, Event, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
+#: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
+_ADAPTERS: tuple[str, ...] = ("torch_native",)
 _TORCH_DEFAULT_SEED = 67280421310721  # what torch.initial_seed() is in a fresh process
 _fresh_torch_state: torch.Tensor | None = None
 _last_trace: Trace | None = None
@@ -365,10 +369,9 @@ class World:
         finally:
             if old_stack is not None:
                 threading.stack_size(old_stack)
-        from . import torch_native  # torch.distributed code in the ranks runs on this world too
-
-        native = torch_native.enabled()
-        native.__enter__()
+        adapters = contextlib.ExitStack()
+        for name in _ADAPTERS:  # torch's own APIs in the ranks run on this world too
+            adapters.enter_context(importlib.import_module(f"{__package__}.{name}").enabled())
         try:
             for t in threads:
                 t.start()
@@ -382,7 +385,7 @@ class World:
                 for t in threads:
                     t.join(timeout=5.0)
         finally:
-            native.__exit__(None, None, None)
+            adapters.close()
             if env_installed:
                 _environ.uninstall()
             torch.set_rng_state(saved_torch)
