@@ -33,6 +33,7 @@ from .errors import (
     ExploreError,
     InjectedFault,
     NotReproducibleError,
+    RankExitError,
     RankFailedError,
     SimError,
     SimTimeoutError,
@@ -48,6 +49,6 @@ __all__ = [
     "current_rank_state", "SimBackend",
     "CostModel", "Trace", "Event",
     "Crash", "Delay", "Fault", "random_faults",
-    "SimError", "CollectiveMismatchError", "DeadlockError", "RankFailedError", "InjectedFault",
+    "SimError", "CollectiveMismatchError", "DeadlockError", "RankFailedError", "RankExitError", "InjectedFault",
     "SimTimeoutError", "ExploreError", "NotReproducibleError",
 ]

@@ -236,6 +236,17 @@ def _stage(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch
     return srcs
 
 
+def _no_grad(kernel: Callable[[list["_Call"]], Any], calls: list["_Call"]) -> Any:
+    """Run a kernel as c10d does: on the tensors' memory, invisible to autograd.
+
+    gloo and NCCL write results into the buffers without looking at
+    ``requires_grad``, so an in-place collective on a leaf that requires grad
+    succeeds there; without this, torch would refuse the in-place write.
+    """
+    with torch.no_grad():
+        return kernel(calls)
+
+
 # ---------------------------------------------------------------------------
 # agreement checks (run by the last arriver, before any work)
 # ---------------------------------------------------------------------------
@@ -525,9 +536,9 @@ class SimBackend(Backend):
         else:
             try:
                 if max(c.nbytes for c in calls) >= _OFFLOAD_BYTES:
-                    slot.result = run.execute(lambda: kernel(calls))
+                    slot.result = run.execute(lambda: _no_grad(kernel, calls))
                 else:
-                    slot.result = kernel(calls)
+                    slot.result = _no_grad(kernel, calls)
             except Exception as e:  # noqa: BLE001  (a kernel failure fails the collective on every member)
                 slot.error = Incident(DistBackendError, format_message(
                     slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",
@@ -690,7 +701,8 @@ class SimBackend(Backend):
             s.error = r.error = inc
         else:
             try:
-                rt.copy_(st if st.shape == rt.shape else st.reshape(rt.shape))
+                with torch.no_grad():  # c10d writes the buffer as memory: autograd never sees it
+                    rt.copy_(st if st.shape == rt.shape else st.reshape(rt.shape))
             except Exception as e:  # noqa: BLE001
                 s.error = r.error = Incident(DistBackendError, format_message(
                     "recv", f"the simulator failed to copy the message: {type(e).__name__}: {e}",

@@ -17,6 +17,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DeadlockError",
     "RankFailedError",
+    "RankExitError",
     "InjectedFault",
     "SimTimeoutError",
     "ExploreError",
@@ -50,6 +51,19 @@ class RankFailedError(SimError):
     """
 
     failed_rank: int | None = None
+
+
+class RankExitError(SimError):
+    """A rank's code called ``sys.exit(code)`` (or raised ``SystemExit``) with a non-zero code.
+
+    On real processes that rank's process ends with that status and torchrun
+    reports the child as failed; here the rank fails, every other rank is
+    released with :class:`RankFailedError` naming it, and :func:`simulator.run`
+    raises this error.  ``exit_code`` is the code the rank gave.  ``sys.exit(0)``
+    and ``sys.exit()`` are a normal return, as for a process.
+    """
+
+    exit_code: object = None
 
 
 class InjectedFault(SimError):

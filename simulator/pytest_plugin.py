@@ -110,5 +110,5 @@ def _failed_ranks(exc: BaseException) -> list[int]:
         if isinstance(e, BaseExceptionGroup):
             stack.extend(e.exceptions)
         elif not isinstance(e, RankFailedError) and getattr(e, "rank", None) is not None:
-            out.append(e.rank)
+            out.extend(getattr(e, "ranks", None) or [e.rank])  # every rank that raised it, not only the reported one
     return out

@@ -25,6 +25,7 @@ raises an ``ExceptionGroup`` of them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import queue
 import random
@@ -39,7 +40,7 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from . import _environ
-from .errors import DeadlockError, RankFailedError, SimError, SimTimeoutError
+from .errors import DeadlockError, RankExitError, RankFailedError, SimError, SimTimeoutError
 from .faults import Fault, FaultPlan
 from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
 from .trace import CostModel, Event, Trace
@@ -48,19 +49,41 @@ __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
 _ADAPTERS: tuple[str, ...] = ("torch_native",)
-_TORCH_DEFAULT_SEED = 67280421310721  # what torch.initial_seed() is in a fresh process
-_fresh_torch_state: torch.Tensor | None = None
+#: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
+_BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None
 _local = threading.local()
 
 
-def _fresh_rng_state() -> torch.Tensor:
-    global _fresh_torch_state
-    if _fresh_torch_state is None:
-        g = torch.Generator()
-        g.manual_seed(_TORCH_DEFAULT_SEED)
-        _fresh_torch_state = g.get_state()
-    return _fresh_torch_state
+def _program_seeded() -> bool:
+    """Did the program seed torch in this process before the run (e.g. a module-level ``torch.manual_seed``)?
+
+    Every real process would have run that seeding, so every rank starts from
+    the same state.  torch 2.13 gives a fresh process a random 64-bit seed; a
+    seed set since import, or a small one (what programs pass), is the program's.
+    """
+    s = torch.initial_seed()
+    return s != _BOOT_SEED or s < 2**32
+
+
+def rank_seed(run_seed: int, rank: int) -> int:
+    """The torch seed a rank of an unseeded program starts from: distinct per rank, a pure function of the run's seed."""
+    digest = hashlib.blake2b(f"tensorplay-simulator:{run_seed}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | (1 << 63)  # 64-bit, like the random seed of a fresh process
+
+
+def _initial_rng_states(run_seed: int, n: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Each rank's starting torch RNG state and seed (see :func:`_program_seeded` and :func:`rank_seed`)."""
+    if _program_seeded():
+        state = torch.get_rng_state()
+        return [state] * n, [torch.initial_seed()] * n
+    seeds = [rank_seed(run_seed, r) for r in range(n)]
+    g = torch.Generator()
+    states = []
+    for s in seeds:
+        g.manual_seed(s)
+        states.append(g.get_state())
+    return states, seeds
 
 
 def last_trace() -> Trace | None:
@@ -239,7 +262,7 @@ class _Run:
     def local_timeout(self, rs: RankState) -> None:
         """A rank's own bound ran out (the main thread normally aborts first)."""
         raise SimTimeoutError(format_message(
-            "simulator", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
+            "simulator.run", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
             fix="raise timeout= or look for a rank stuck in a long computation"))
 
     def abort_timeout(self) -> SimTimeoutError:
@@ -319,6 +342,11 @@ class World:
         self.torchrun_env = torchrun_env
         self.per_rank_rng = per_rank_rng
         self.stack_size = stack_size if stack_size is not None else (256 * 1024 if world_size > 64 else 0)
+        #: after a run: the torch seed each rank started from (the program's own seed when it seeded torch
+        #: before the run, else :func:`rank_seed` of the run's seed)
+        self.rank_seeds: list[int] = []
+        #: how to replay a failure, shown in its note (the CLI sets its own command line here)
+        self.replay_hint: str | None = None
         #: after a run: the trace, and each rank's exception (None where it returned) and result
         self.trace: Trace | None = None
         self.errors: list[BaseException | None] = []
@@ -343,10 +371,11 @@ class World:
         run = _Run(self)
         world_group = _Group(0, tuple(range(self.world_size)))
         ndev = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        rng_states, self.rank_seeds = _initial_rng_states(self.seed, self.world_size)
         for rs in run.ranks:
             rs.backend = SimBackend(rs, world_group)
             rs.faults = self.faults.get(rs.rank)
-            rs.torch_rng = _fresh_rng_state()
+            rs.torch_rng = rng_states[rs.rank]
             if ndev:
                 rs.device = torch.device("cuda", rs.rank % ndev)
             if self.torchrun_env or self.env:
@@ -454,6 +483,11 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         rs.cpu_mark = time.thread_time()
         with torch_native.rank_thread():
             rs.result = fn(*args, **kwargs)
+    except SystemExit as e:
+        if e.code not in (None, 0):  # a process that exits non-zero has failed; 0 is a normal return
+            exc = _exit_error(rs, e)
+            rs.exc = exc
+            run.rank_failed(rs, exc)
     except BaseException as e:  # noqa: BLE001  (every failure is reported by run())
         rs.exc = e
         run.rank_failed(rs, e)
@@ -471,13 +505,30 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         sched.exit(rs)
 
 
+def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
+    code = e.code
+    err = RankExitError(format_message(
+        "simulator.run", f"rank {rs.rank} exited with code {code!r} (sys.exit / SystemExit); a process that exits "
+        f"non-zero is a failed rank, as under torchrun", rank=rs.rank,
+        values={"exit_code": code, "last_call": rs.last_site},
+        fix="return normally (or sys.exit(0)) from every rank, or handle the condition that made this rank exit"))
+    err.exit_code = code
+    err.rank = rs.rank
+    err.__cause__ = e
+    return err
+
+
 def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     try:
         exc.rank = rank  # type: ignore[attr-defined]
     except Exception:  # pragma: no cover
         pass
-    note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}); "
-            f"replay with simulator.run(fn, {world.world_size}, seed={world.seed}, mode={world.mode!r})")
+    replay = world.replay_hint or (f"simulator.run(fn, {world.world_size}, seed={world.seed}, "
+                                   f"mode={world.mode!r})")
+    torch_seed = f", torch seed {world.rank_seeds[rank]}" if 0 <= rank < len(world.rank_seeds) else ""
+    note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}"
+            f"{torch_seed}); "
+            f"replay with {replay}")
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
@@ -496,13 +547,24 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
         key = id(getattr(rs.exc, "incident", None) or rs.exc)
         seen.setdefault(key, rs)
     firsts = list(seen.values())
-    if len(firsts) == 1:
+    # ranks that raised the same error independently (same class and text up to the rank's own number, e.g. the
+    # same bad argument on every rank) report it once, as the lowest rank's own exception: that is what each real process would raise
+    same = len({(type(rs.exc), str(rs.exc).replace(f"rank {rs.rank}", "rank <r>")) for rs in firsts}) == 1
+    if len(firsts) == 1 or same:
         rs = firsts[0]
         exc = rs.exc
-        if isinstance(exc, SimError) and exc.incident is not None:
-            others = [r.rank for r in primary if r.exc is not None and getattr(r.exc, "incident", None) is exc.incident]
-            if len(others) > 1:
-                exc.add_note(f"[simulator] the same error was raised on ranks {others}")
+        if same and len(firsts) > 1:
+            ranks = [r.rank for r in firsts]
+        elif isinstance(exc, SimError) and exc.incident is not None:
+            ranks = [r.rank for r in primary if r.exc is not None and getattr(r.exc, "incident", None) is exc.incident]
+        else:
+            ranks = [rs.rank]
+        if len(ranks) > 1:
+            exc.add_note(f"[simulator] the same error was raised on ranks {ranks}")
+        try:
+            exc.ranks = ranks  # type: ignore[union-attr]
+        except Exception:  # pragma: no cover  (an exception type that refuses attributes)
+            pass
         raise _annotate(exc, rs.rank, world)  # type: ignore[arg-type]
     excs = [_annotate(rs.exc, rs.rank, world) for rs in firsts]  # type: ignore[arg-type]
     ranks_txt = ", ".join(str(rs.rank) for rs in firsts)

@@ -89,25 +89,65 @@ def test_not_reproducible_is_detected():
         simulator.check_reproducible(other_result_second_time, 3)
 
 
-def test_each_rank_has_fresh_process_rng_state():
-    fresh_torch = torch.Generator().manual_seed(67280421310721)
-    expected = torch.rand(3, generator=fresh_torch)
+def _rng_draws():
+    a = torch.rand(3)
+    dist.barrier()  # other ranks draw in between
+    b = torch.rand(1)
+    return torch.initial_seed(), a, b, random.random()
 
-    def fn():
-        a = torch.rand(3)  # like a fresh process: the default seed
-        dist.barrier()  # other ranks draw in between
-        b = torch.rand(1)
-        return a, b, random.random()
 
+def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch):
+    """Real processes of an unseeded program start from different random seeds; so do simulated ranks."""
+    monkeypatch.setattr(simulator.world, "_program_seeded", lambda: False)
     before = torch.get_rng_state()
-    res = simulator.run(fn, 4, seed=1)
+    res = simulator.run(_rng_draws, 4, seed=1)
     assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is untouched
-    for a, b, _ in res:
-        assert torch.equal(a, expected)
-        assert torch.equal(b, res[0][1])  # nobody else's draws leaked into this rank's stream
-    assert len({p for _, _, p in res}) == 4  # `random` differs per rank (seeded from seed and rank)
-    again = simulator.run(fn, 4, seed=1)
-    assert [p for _, _, p in again] == [p for _, _, p in res]
+    seeds = [s for s, _, _, _ in res]
+    assert seeds == [simulator.world.rank_seed(1, r) for r in range(4)]
+    assert len(set(seeds)) == 4 and all(s >= 2**32 for s in seeds)
+    for seed, a, b, _ in res:  # each rank's stream is exactly its seed's: no other rank's draws leak in
+        g = torch.Generator().manual_seed(seed)
+        assert torch.equal(a, torch.rand(3, generator=g)) and torch.equal(b, torch.rand(1, generator=g))
+    assert len({p for _, _, _, p in res}) == 4  # `random` differs per rank (seeded from seed and rank)
+    again = simulator.run(_rng_draws, 4, seed=1)
+    assert [x[0] for x in again] == seeds and [x[3] for x in again] == [x[3] for x in res]
+    assert [x[0] for x in simulator.run(_rng_draws, 4, seed=2)] != seeds
+
+
+def test_program_seeded_before_the_run_seeds_every_rank(monkeypatch):
+    """A torch.manual_seed the program ran before the world started would have run in every real process."""
+    monkeypatch.setattr(simulator.world, "_program_seeded", lambda: True)
+    before = torch.get_rng_state()
+    try:
+        torch.manual_seed(1234)
+        expected = torch.rand(3, generator=torch.Generator().manual_seed(1234))
+        res = simulator.run(_rng_draws, 3)
+    finally:
+        torch.set_rng_state(before)
+    for seed, a, b, _ in res:
+        assert seed == 1234 and torch.equal(a, expected) and torch.equal(b, res[0][2])
+
+
+_SEED_SCRIPT = """
+import sys, torch, simulator
+if sys.argv[1] == "seeded":
+    torch.manual_seed(7)
+print([round(x, 6) for x in simulator.run(lambda: torch.rand(1).item(), 3)])
+"""
+
+
+@pytest.mark.parametrize("how", ["seeded", "unseeded"])
+def test_seed_detection_in_a_fresh_process(how):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SEED_SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    draws = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's list of floats)
+    if how == "seeded":
+        assert draws == [round(torch.rand(1, generator=torch.Generator().manual_seed(7)).item(), 6)] * 3
+    else:
+        assert len(set(draws)) == 3
 
 
 def test_threads_mode_gives_same_results():

@@ -230,6 +230,55 @@ def test_independent_failures_form_an_exception_group():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_identical_errors_on_every_rank_arrive_as_the_ranks_own_exception(mode):
+    """The same bad argument on every rank is one error, catchable by its class (as each real process raises it)."""
+    def fn():
+        dist.all_reduce(tp.ones(2, dtype=torch.int64), op=ReduceOp.AVG)
+
+    e, world, _ = _fail(fn, 3, mode, dist.DistTypeError)
+    assert not isinstance(e, BaseExceptionGroup) and e.rank == 0 and e.ranks == [0, 1, 2]
+    assert "the same error was raised on ranks [0, 1, 2]" in "\n".join(e.__notes__)
+    assert all(isinstance(x, dist.DistTypeError) for x in world.errors)
+
+
+@pytest.mark.parametrize("code", [3, "fatal: bad config"])
+@pytest.mark.parametrize("mode", MODES)
+def test_sys_exit_in_a_rank_is_a_rank_failure(mode, code):
+    import sys
+
+    def fn():
+        x = tp.ones(2)
+        dist.all_reduce(x)
+        if dist.get_rank() == 1:
+            sys.exit(code)
+        dist.all_reduce(x)  # the others wait for rank 1 here, as real processes would
+        return x
+
+    e, world, dt = _fail(fn, 3, mode, simulator.RankExitError)
+    assert dt < 1.0
+    assert e.rank == 1 and e.exit_code == code and isinstance(e.__cause__, SystemExit)
+    assert f"rank 1 exited with code {code!r}" in str(e) and f"exit_code={code!r}" in str(e)
+    for r in (0, 2):
+        other = world.errors[r]
+        assert isinstance(other, simulator.RankFailedError) and other.failed_rank == 1
+        assert "rank 1 failed with RankExitError" in str(other) and "exited with code" in str(other)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sys_exit_zero_is_a_normal_return(mode):
+    import sys
+
+    def fn():
+        x = tp.ones(1)
+        dist.all_reduce(x)
+        if dist.get_rank() == 0:
+            sys.exit(0)
+        return x.item()
+
+    assert simulator.run(fn, 2, mode=mode) == [None, 2.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_injected_crash(mode):
     def fn():
         x = tp.ones(1)

@@ -83,7 +83,9 @@ def format_message(
         where.append(f"group {list(group)}")
     if rank is not None:
         where.append(f"rank {rank}")
-    head = f"tensorplay.distributed.{collective}"
+    # the harness's own calls ("simulator.run", "conformance.check") are named as they are; the rest are ours
+    qualified = collective.split(".", 1)[0] in ("simulator", "conformance")
+    head = collective if qualified else f"tensorplay.distributed.{collective}"
     if where:
         head += f" ({', '.join(where)})"
     msg = f"{head}: {problem}"
