@@ -12,9 +12,13 @@ How a collective runs:
 4. a disagreement becomes one :class:`CollectiveMismatchError` for every member.
 
 Point-to-point calls are matched by (group, source, destination, tag) in the
-order they were posted; a send completes when its receive is posted (a
-rendezvous), so two ranks that both send first deadlock, as they may on a
-real network, and the simulator says so.
+order they were posted.  What a blocking ``send`` waits for is the run's
+``p2p`` setting: ``"rendezvous"`` (the default) completes a send when its
+receive is posted, as gloo and NCCL do (measured on gloo with torch 2.13: even
+a one-element blocking send returns only once the peer posted its recv), so
+two ranks that both send first deadlock, and the simulator says so;
+``"eager"`` copies the message at once and completes the send (MPI's buffered
+sends), for programs written against that model.
 """
 from __future__ import annotations
 
@@ -637,8 +641,14 @@ class SimBackend(Backend):
         self._enter(rs, "send", site)
         g: _Group = group.handle
         dst = g.ranks[peer]
-        rec = _P2P("send", rs, rs.rank, dst, g, tag, tensor, site, async_op)
         run = rs.run
+        if run.p2p == "eager":  # buffered (MPI bsend-like): the message is copied now and the send is complete
+            with torch.no_grad():
+                tensor = tensor.detach().clone()
+        rec = _P2P("send", rs, rs.rank, dst, g, tag, tensor, site, async_op)
+        if run.p2p == "eager":
+            rec.vend = rec.vstart + run.cost.cost("send", _nbytes(tensor), 2)
+            rec.done = True
         with run.sched.lock:
             q = run.recvs.get(dst)
             match = None
@@ -709,8 +719,11 @@ class SimBackend(Backend):
                     group=s.group.ranks, fix="check the devices of the send and recv tensors"), cause=e)
         r.source = s.group.index[s.rs.rank]
         end = max(s.vstart, r.vstart) + run.cost.cost("send", _nbytes(st), 2)
-        s.vend = r.vend = end
-        s.done = r.done = True
+        if not s.done:  # an eager send completed when it was posted
+            s.vend = end
+            s.done = True
+        r.vend = end
+        r.done = True
         run.sched.wake(s.rs)
         run.sched.wake(r.rs)
 

@@ -133,6 +133,14 @@ def describe_world(run: "_Run", headline: str) -> str:
         else:
             verb = text.replace("waits ", "wait ", 1).replace("has ", "have ", 1).replace("is running", "are running", 1).replace("is ready", "are ready", 1)
             lines.append(f"  ranks {_and(ranks)} {verb}")
+    send_waiters = [rs.rank for rs in run.ranks
+                    if rs.state == BLOCKED and isinstance(rs.waiting, _P2P) and rs.waiting.kind == "send"]
+    if send_waiters:
+        hints.append(f"rank{'s' if len(send_waiters) > 1 else ''} {_and(send_waiters)} wait{'' if len(send_waiters) > 1 else 's'} "
+                     f"in a blocking send until the receiver posts its recv (p2p='rendezvous'): gloo and NCCL do "
+                     f"the same, so this program hangs there too; only buffered sends (p2p='eager', MPI-style) "
+                     f"would let it through. Fix: post sends with isend (or batch_isend_irecv) before the recvs, "
+                     f"or order the send/recv pairs so that one side receives first")
     if len(recv_waiters) >= 2:
         both = "both" if len(recv_waiters) == 2 else "all"
         hints.append(f"ranks {_and(recv_waiters)} {both} wait in recv: each waits for a send nobody issues")

@@ -172,6 +172,7 @@ class _Run:
         self.seed = world.seed
         self.mode = world.mode
         self.cost = world.cost
+        self.p2p = world.p2p
         self.deadline = time.monotonic() + world.timeout
         self.aborted = False
         self.fatal: Incident | None = None
@@ -300,6 +301,9 @@ class World:
             ``torchrun_env=True``).
         per_rank_rng: in coop mode, give each rank its own torch and ``random`` state (default True).
         stack_size: thread stack size in bytes (default 256 KiB above 64 ranks, else the platform's).
+        p2p: what a blocking ``send`` waits for: ``"rendezvous"`` (default: until the receiver posted its recv,
+            as on gloo and NCCL) or ``"eager"`` (the message is buffered and the send returns at once, like MPI's
+            buffered sends; a program that needs this deadlocks on gloo and NCCL).
 
     After a run, ``world.trace`` is its trace, ``world.errors[r]`` the exception rank ``r`` raised (or
     ``None``) and ``world.results[r]`` its return value.
@@ -308,7 +312,7 @@ class World:
     def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float = 60.0,
                  device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | None = None,
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
-                 stack_size: int | None = None) -> None:
+                 stack_size: int | None = None, p2p: str = "rendezvous") -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise DistTypeError(format_message("simulator.run", "world_size must be an int",
                                                values={"world_size": world_size}, fix="pass e.g. world_size=4"))
@@ -318,6 +322,11 @@ class World:
         if mode not in ("coop", "threads"):
             raise DistValueError(format_message("simulator.run", "unknown mode", values={"mode": mode},
                                                 fix="pass mode='coop' (deterministic) or mode='threads' (fast)"))
+        if p2p not in ("rendezvous", "eager"):
+            raise DistValueError(format_message(
+                "simulator.run", "unknown point-to-point model", values={"p2p": p2p},
+                fix="pass p2p='rendezvous' (a send waits for its recv, as on gloo and NCCL) or p2p='eager' "
+                    "(buffered sends)"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise DistTypeError(format_message("simulator.run", "seed must be an int", values={"seed": seed},
                                                fix="pass e.g. seed=0"))
@@ -341,6 +350,7 @@ class World:
         self.env = dict(env or {})
         self.torchrun_env = torchrun_env
         self.per_rank_rng = per_rank_rng
+        self.p2p = p2p
         self.stack_size = stack_size if stack_size is not None else (256 * 1024 if world_size > 64 else 0)
         #: after a run: the torch seed each rank started from (the program's own seed when it seeded torch
         #: before the run, else :func:`rank_seed` of the run's seed)
@@ -576,7 +586,8 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
 def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
         faults: Sequence[Fault] = (), cost: CostModel | None = None, env: dict[str, str] | None = None,
-        torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None) -> list[Any]:
+        torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
+        p2p: str = "rendezvous") -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -594,5 +605,5 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         simulator.run(f, 4, mode="threads")    # same result, ranks run freely
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
-              env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size)
+              env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p)
     return w.run(fn, args, kwargs)

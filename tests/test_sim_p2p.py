@@ -116,3 +116,33 @@ def test_send_recv_shape_mismatch_is_reported_on_both_ranks():
     assert "sends dtype=float32 shape=(3,)" in msg and "shape=(4,)" in msg
     assert "test_sim_p2p.py" in msg
     assert "ranks [0, 1]" in "".join(ei.value.__notes__)
+
+
+# -- what a blocking send waits for (World(p2p=...)) -----------------------------
+def _both_send_first():
+    r = dist.get_rank()
+    x = tp.full((3,), float(r))
+    y = tp.empty(3)
+    dist.send(x, 1 - r)
+    x.fill_(-1.0)  # the buffer is reusable once send returned: the peer must still get the value sent
+    dist.recv(y, 1 - r)
+    return y
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_rendezvous_sends_deadlock_like_gloo_and_say_why(mode):
+    with pytest.raises(simulator.DeadlockError) as ei:
+        simulator.run(_both_send_first, 2, mode=mode, timeout=20)
+    text = str(ei.value)
+    assert "ranks 0 and 1 wait in a blocking send" in text and "p2p='eager'" in text and "isend" in text
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_eager_sends_complete_before_the_recv_with_the_value_at_send_time(mode):
+    out = simulator.run(_both_send_first, 2, mode=mode, p2p="eager")
+    assert [t.tolist() for t in out] == [[1.0] * 3, [0.0] * 3]
+
+
+def test_unknown_p2p_model_is_refused():
+    with pytest.raises(dist.DistValueError, match="p2p='buffered'.*Fix: pass p2p='rendezvous'"):
+        simulator.run(_both_send_first, 2, p2p="buffered")
