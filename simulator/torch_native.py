@@ -37,23 +37,25 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
-from torch._C._distributed_c10d import _create_work_from_future, _set_thread_isolation_mode
+from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 import tensorplay.distributed as tpd
 from tensorplay.distributed import _state
-from tensorplay.distributed.errors import DistRuntimeError, format_message
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
 tdist_rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
-__all__ = ["SUPPORTED_TORCH", "check_torch_version", "enabled", "SimProcessGroup"]
+__all__ = ["SUPPORTED_TORCH", "check_torch_version", "enabled", "SimProcessGroup", "SimWork"]
 
 #: torch releases the adapter is tested with (major.minor)
 SUPPORTED_TORCH = ("2.13", "2.14")
@@ -74,33 +76,187 @@ check_torch_version()
 
 
 # ---------------------------------------------------------------------------
-# the torch ProcessGroup that forwards to tensorplay.distributed
+# the torch Work and ProcessGroup that forward to tensorplay.distributed
 # ---------------------------------------------------------------------------
-def _done(result: Any) -> Any:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
 def _op(opts: Any) -> Any:
     op = opts.reduceOp
     return getattr(op, "op", op)  # torch's ReduceOp wraps a RedOpType; ours understands the latter
 
 
-class SimProcessGroup(tdist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on the simulator through tensorplay.distributed.
+class SimWork(tdist.Work):
+    """torch's ``Work`` for an operation issued on the simulator with ``async_op=True``.
 
-    Every call blocks until the simulated collective completed and returns an
-    already-completed Work; the simulator's matching, deadlock detection and
-    tracing apply to torch-native code as they do to tensorplay code.
+    ``wait()`` waits on the simulator's own work objects, so the scheduler sees
+    the wait (deadlock detection, coop hand-offs); nothing ever blocks in C++ on
+    something the simulator cannot see.  torch's C++ side (DDP's reducer,
+    functional collectives' ``wait_tensor``) reaches ``wait`` and
+    ``get_future`` through pybind's trampoline, so they run this code too.
+
+    ``result()``/``get_future().value()`` follow gloo: the op's output tensors.
     """
 
-    def __init__(self, group: TpGroup) -> None:
+    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None) -> None:
+        super().__init__()
+        self._works = [w for w in works if w is not None]
+        self._result = result
+        self._source = source  # () -> sender's group rank, for receives
+        self._done = False
+        self._exc: BaseException | None = None
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block (visibly to the simulator) until the operation finished; raise its error if it failed."""
+        if not self._done:
+            try:
+                for w in self._works:
+                    w.wait()
+            except BaseException as e:  # noqa: BLE001  kept for exception(), then re-raised as is
+                self._exc = e
+                raise
+            finally:
+                self._done = True
+        elif self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        if not self._done:
+            if not self.is_completed():
+                return False
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001  the failure is what is_success reports
+                return False
+        return self._exc is None
+
+    def exception(self) -> Any:
+        return self._exc
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        if self._source is None:
+            raise DistRuntimeError(format_message(
+                "Work.source_rank", "sourceRank() may only be called on work objects that correspond to a recv "
+                "or recv-from-any call", values={"work": "send" if not self._result else type(self).__name__},
+                fix="call source_rank() on the work that irecv returned"))
+        self.wait()
+        return int(self._source())
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding the op's outputs.
+
+        It is returned completed: torch waits on futures in C++ (DDP's reducer),
+        where the simulator could not see the wait, so the operation is waited
+        for here, visibly, first.
+        """
+        if self._fut is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            try:
+                self.wait()
+            except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
+                fut.set_exception(e)
+            else:
+                fut.set_result(self._result)
+            self._fut = fut
+        return self._fut
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class _SimBackendView:
+    """What ``ProcessGroup._get_backend(device)`` returns for a simulated group.
+
+    torch's Python code asks a group's backend a few capability questions
+    (splitting, coalescing, time estimates); the simulator supports none of
+    them, which sends torch down the same generic paths gloo takes.
+    """
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+    supports_tensor_alloc = False
+
+    def __init__(self, pg: "SimProcessGroup", device: torch.device) -> None:
+        self._pg = pg
+        self.device = device
+
+    def name(self) -> str:
+        return self._pg.getBackendName()
+
+    def rank(self) -> int:
+        return self._pg.rank()
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<simulated {self.name()} backend of {self._pg!r} for {self.device}>"
+
+
+def _device_types_for(named: str) -> list[torch.device]:
+    """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
+    from .world import rank_device
+
+    types: list[str] = []
+    try:
+        types = list(c10d.BackendConfig(tdist.Backend(named)).get_device_backend_map())
+    except Exception:  # noqa: BLE001  an unknown name: fall back to the rank's device below
+        types = []
+    own = rank_device().type
+    if own not in types:
+        types.append(own)
+    # c10d lists accelerators before cpu (gloo's group reports [cuda, cpu])
+    return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
+
+
+class SimProcessGroup(tdist.ProcessGroup):
+    """A torch ProcessGroup whose operations run on the simulator through tensorplay.distributed.
+
+    Every operation is issued asynchronously and returns a :class:`SimWork`;
+    torch itself calls ``wait()`` for the blocking forms, as it does on gloo.
+    The group reports the backend the program named (``"gloo"``, ``"nccl"``,
+    or ``"sim"``) and that backend's devices, so code that asks
+    (``get_backend``, object collectives, checkpointing) takes the path it
+    would take on a real run.
+    """
+
+    def __init__(self, group: TpGroup, named: str = "sim") -> None:
         super().__init__(group.rank(), group.size())
         self._g = group
+        self._named = str(named)
+        self._types = _device_types_for(self._named)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
-        return "sim"
+        return self._named
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return list(self._types)
+
+    def _get_backend(self, device: Any) -> _SimBackendView:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        if torch.device(dev.type) not in self._types:
+            raise RuntimeError(format_message(
+                "ProcessGroup._get_backend", "no backend is registered for this device type on the group",
+                values={"device": str(dev), "registered": [str(t) for t in self._types], "backend": self._named},
+                fix="use a tensor on one of the registered devices"))
+        return _SimBackendView(self, torch.device(dev.type))
 
     @property
     def group_name(self) -> str:
@@ -110,133 +266,110 @@ class SimProcessGroup(tdist.ProcessGroup):
     pg_name = group_name
 
     def __repr__(self) -> str:
-        return f"SimProcessGroup(ranks={list(self._g.ranks)}, rank={self._g.rank()})"
+        return f"SimProcessGroup(ranks={list(self._g.ranks)}, rank={self._g.rank()}, backend={self._named!r})"
 
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        for t in tensors:
-            tpd.all_reduce(t, op=_op(opts), group=self._g)
-        return _done(tensors)
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        op = _op(opts) if opts is not None else tpd.ReduceOp.SUM
+        return SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        for t in tensors:
-            tpd.broadcast(t, group=self._g, group_src=opts.rootRank)
-        return _done(tensors)
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return SimWork([tpd.broadcast(t, group=self._g, group_src=opts.rootRank, async_op=True) for t in tensors],
+                       tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        for t in tensors:
-            tpd.reduce(t, op=_op(opts), group=self._g, group_dst=opts.rootRank)
-        return _done(tensors)
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce(t, op=_op(opts), group=self._g, group_dst=opts.rootRank, async_op=True)
+                        for t in tensors], tensors)
 
-    def barrier(self, opts: Any = None) -> Any:
-        tpd.barrier(group=self._g)
-        return _done([])
+    def barrier(self, opts: Any = None) -> SimWork:
+        return SimWork([tpd.barrier(group=self._g, async_op=True)], [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier: a barrier; a rank that never arrives is a deadlock the simulator reports."""
+        self.barrier().wait()
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> Any:
-        for outs, t in zip(output_tensors, input_tensors):
-            tpd.all_gather(outs, t, group=self._g)
-        return _done(output_tensors)
+                  opts: Any = None) -> SimWork:
+        works = [tpd.all_gather(outs, t, group=self._g, async_op=True)
+                 for outs, t in zip(output_tensors, input_tensors)]
+        return SimWork(works, [t for outs in output_tensors for t in outs])
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        tpd.all_gather_into_tensor(output, input, group=self._g)
-        return _done([output])
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> SimWork:
+        return self.allgather(output_lists, input_list, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
-        for o, i in zip(outputs, inputs):
-            tpd.all_gather_into_tensor(o, i, group=self._g)
-        return _done(outputs)
+                                        opts: Any = None) -> SimWork:
+        return SimWork([tpd.all_gather_into_tensor(o, i, group=self._g, async_op=True)
+                        for o, i in zip(outputs, inputs)], outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any = None) -> Any:
+               opts: Any = None) -> SimWork:
         is_root = self._g.rank() == opts.rootRank
-        tpd.gather(input_tensors[0], output_tensors[0] if is_root else None, group=self._g,
-                   group_dst=opts.rootRank)
-        return _done(output_tensors)
+        w = tpd.gather(input_tensors[0], output_tensors[0] if is_root else None, group=self._g,
+                       group_dst=opts.rootRank, async_op=True)
+        return SimWork([w], output_tensors[0] if is_root and output_tensors else [])
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any = None) -> Any:
+                opts: Any = None) -> SimWork:
         is_root = self._g.rank() == opts.rootRank
-        tpd.scatter(output_tensors[0], input_tensors[0] if is_root else None, group=self._g,
-                    group_src=opts.rootRank)
-        return _done(output_tensors)
+        w = tpd.scatter(output_tensors[0], input_tensors[0] if is_root else None, group=self._g,
+                        group_src=opts.rootRank, async_op=True)
+        return SimWork([w], output_tensors)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> Any:
-        for o, ins in zip(output_tensors, input_tensors):
-            tpd.reduce_scatter(o, ins, op=_op(opts), group=self._g)
-        return _done(output_tensors)
+                       opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce_scatter(o, ins, op=_op(opts), group=self._g, async_op=True)
+                        for o, ins in zip(output_tensors, input_tensors)], output_tensors)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g)
-        return _done([output])
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g, async_op=True)],
+                       [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
-        for o, i in zip(outputs, inputs):
-            tpd.reduce_scatter_tensor(o, i, op=_op(opts), group=self._g)
-        return _done(outputs)
+                                        opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce_scatter_tensor(o, i, op=_op(opts), group=self._g, async_op=True)
+                        for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                          input_split_sizes: list[int], opts: Any = None) -> Any:
-        tpd.all_to_all_single(output, input, list(output_split_sizes) or None, list(input_split_sizes) or None,
-                              group=self._g)
-        return _done([output])
+                          input_split_sizes: list[int], opts: Any = None) -> SimWork:
+        w = tpd.all_to_all_single(output, input, list(output_split_sizes) or None,
+                                  list(input_split_sizes) or None, group=self._g, async_op=True)
+        return SimWork([w], [output])
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> Any:
-        tpd.all_to_all(output_tensors, input_tensors, group=self._g)
-        return _done(output_tensors)
+                 opts: Any = None) -> SimWork:
+        return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=self._g, async_op=True)],
+                       output_tensors)
 
     # -- point to point ----------------------------------------------------------
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        for t in tensors:
-            tpd.send(t, group=self._g, group_dst=dst, tag=tag)
-        return _done(tensors)
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
+        return SimWork([tpd.isend(t, group=self._g, group_dst=dst, tag=tag) for t in tensors], tensors)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        for t in tensors:
-            tpd.recv(t, group=self._g, group_src=src, tag=tag)
-        return _done(tensors)
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
+        works = [tpd.irecv(t, group=self._g, group_src=src, tag=tag) for t in tensors]
+        return SimWork(works, tensors, source=lambda: src)
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        sender = tpd.recv(tensors[0], group=self._g, tag=tag)
-        work = _SourceWork(self._g.group_rank(sender))
-        return work
-
-
-class _SourceWork:
-    """An any-source receive that already happened; torch asks it for the sender's group rank."""
-
-    def __init__(self, group_rank: int) -> None:
-        self._src = group_rank
-        self._work = _done([])
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def _source_rank(self) -> int:
-        return self._src
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
+        w = tpd.irecv(tensors[0], group=self._g, tag=tag)
+        # tensorplay reports the sender as a global rank; torch's _source_rank() is a group rank
+        return SimWork([w], tensors, source=lambda: self._g.group_rank(w.source_rank()))
 
 
 # ---------------------------------------------------------------------------
@@ -259,8 +392,12 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
     return pg
 
 
+_tls = threading.local()  # the backend name the program gave, while torch builds the group
+
+
 def _create(dist_backend_opts: Any, backend_options: Any) -> SimProcessGroup:
-    return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group)))
+    return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group)),
+                           getattr(_tls, "named", None) or "sim")
 
 
 # ---------------------------------------------------------------------------
@@ -319,28 +456,101 @@ _lock = threading.Lock()
 _active = 0
 _saved: dict[str, Any] = {}
 _stores: dict[int, Any] = {}
+_SCHEMES = ("env", "tcp", "file")
 
 
-def _rendezvous_env(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+def _sim_state() -> Any:
+    """The calling simulated rank's tensorplay state, or ``None`` outside a simulated world."""
     st = _state.current()
-    if st is None or st.backend.name != "sim":
-        yield from _saved["env"](url, timeout=timeout, **kwargs) if timeout is not None else _saved["env"](url, **kwargs)
-        return
-    # one in-memory store per simulated world, shared by its rank threads
-    key = id(st.backend.world_key())
-    with _lock:
-        store = _stores.setdefault(key, tdist.HashStore())
-    yield store, st.rank, st.world_size
+    return st if st is not None and st.backend.name == "sim" else None
 
 
-def _init_process_group(backend: Any = None, init_method: Any = None, *args: Any, **kwargs: Any) -> None:
-    """torch's init_process_group; on a simulated rank, whatever backend a script names binds to the simulator."""
-    st = _state.current()
-    if st is not None and st.backend.name == "sim":
-        backend = "sim"
-        if kwargs.get("store") is None:
-            init_method = "env://"  # the in-memory store, never a TCP rendezvous
-    return _saved["init"](backend, init_method, *args, **kwargs)
+def _mismatch(call: str, what: str, given: int, st: Any) -> DistValueError:
+    actual = st.rank if what == "rank" else st.world_size
+    return DistValueError(format_message(
+        call, f"the program asks for {what}={given}, but this simulated rank has {what}={actual}",
+        values={what: given, f"simulated_{what}": actual, "simulated_rank": st.rank,
+                "simulated_world_size": st.world_size},
+        fix=f"start the simulator with the world size the program expects (e.g. python -m simulator "
+            f"--nproc-per-node {given if what == 'world_size' else '<n>'} script.py), or let the program read "
+            "its rank and world size from the environment (RANK, WORLD_SIZE) as torchrun sets them"))
+
+
+def _rendezvous_handler(scheme: str) -> Any:
+    def handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+        st = _sim_state()
+        if st is None:
+            original = _saved["rdzv"][scheme]
+            yield from original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
+            return
+        # explicit rank/world_size (init_process_group(rank=..., world_size=...) or the URL) must be this rank's
+        query = tdist_rendezvous._query_to_dict(urlparse(url).query)
+        for what in ("rank", "world_size"):
+            if what in query and int(query[what]) != -1 and int(query[what]) != (
+                    st.rank if what == "rank" else st.world_size):
+                raise _mismatch("init_process_group", what, int(query[what]), st)
+        # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
+        key = id(st.backend.world_key())
+        with _lock:
+            store = _stores.setdefault(key, tdist.HashStore())
+        yield store, st.rank, st.world_size
+        raise DistRuntimeError(format_message(
+            "init_process_group", "a simulated rank cannot re-rendezvous", values={"init_method": url},
+            fix="destroy the process group and call init_process_group again"))
+
+    handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
+    return handler
+
+
+def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: list[int], backend: Any,
+                              store: Any, group_name: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's one place that builds a group's backend; on a simulated rank every backend is the simulator.
+
+    ``init_process_group``, ``new_group``, ``init_device_mesh`` and friends look
+    this module global up at call time, so no import style escapes it.
+    """
+    original = _saved["helper"]
+    st = _sim_state()
+    if st is None:
+        return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
+    default = len(global_ranks_in_group) == 0
+    if default:
+        if group_size not in (-1, st.world_size):
+            raise _mismatch("init_process_group", "world_size", group_size, st)
+        if group_rank not in (-1, st.rank):
+            raise _mismatch("init_process_group", "rank", group_rank, st)
+        group_size, group_rank = st.world_size, st.rank
+        # torch wraps sys.excepthook with a "[rank<r>]" prefixer; rank threads would nest them
+        _tls.excepthook = sys.excepthook
+    named = tdist.Backend(str(backend)) if backend is not None else tdist.Backend("undefined")
+    if len(args) >= 1:  # backend_options: options of the real backend mean nothing to the simulator
+        args = (None,) + tuple(args[1:])
+    kwargs.pop("backend_options", None)
+    _tls.named = str(named)
+    try:
+        pg, prefix_store = original(group_size, group_rank, global_ranks_in_group, "sim", store, group_name,
+                                    *args, **kwargs)
+    finally:
+        _tls.named = None
+    if isinstance(pg, SimProcessGroup):
+        # what a real run records: the backend the program named, and its configuration
+        world = c10d._world
+        world.pg_map[pg] = (named, world.pg_map[pg][1])
+        try:
+            world.pg_backend_config[pg] = str(c10d.BackendConfig(named))
+        except Exception:  # noqa: BLE001  a name torch cannot configure: keep torch's record
+            pass
+    return pg, prefix_store
+
+
+def _is_barrier_after_init() -> int:
+    """Runs right after init_process_group installed its excepthook: a simulated rank puts the old one back."""
+    hook = getattr(_tls, "excepthook", None)
+    if hook is not None and _sim_state() is not None:
+        _tls.excepthook = None
+        if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+            sys.excepthook = hook
+    return _saved["barrier_after_init"]()
 
 
 @contextlib.contextmanager
@@ -350,11 +560,16 @@ def enabled() -> Iterator[None]:
     with _lock:
         if _active == 0:
             _saved["world"] = c10d._world
-            _saved["env"] = tdist_rendezvous._rendezvous_handlers["env"]
-            _saved["init"] = c10d.init_process_group
+            _saved["rdzv"] = {s: tdist_rendezvous._rendezvous_handlers[s] for s in _SCHEMES
+                              if s in tdist_rendezvous._rendezvous_handlers}
+            _saved["helper"] = c10d._new_process_group_helper
+            _saved["barrier_after_init"] = c10d._is_barrier_after_init
+            _saved["excepthook"] = sys.excepthook
             c10d._world = _PerRankWorld(_saved["world"])
-            tdist_rendezvous._rendezvous_handlers["env"] = _rendezvous_env
-            c10d.init_process_group = tdist.init_process_group = _init_process_group
+            for s in _saved["rdzv"]:
+                tdist_rendezvous._rendezvous_handlers[s] = _rendezvous_handler(s)
+            c10d._new_process_group_helper = _new_process_group_helper
+            c10d._is_barrier_after_init = _is_barrier_after_init
             _set_thread_isolation_mode(True)
         _active += 1
     try:
@@ -364,8 +579,10 @@ def enabled() -> Iterator[None]:
             _active -= 1
             if _active == 0:
                 c10d._world = _saved.pop("world")
-                c10d.init_process_group = tdist.init_process_group = _saved.pop("init")
-                tdist_rendezvous._rendezvous_handlers["env"] = _saved.pop("env")
+                c10d._new_process_group_helper = _saved.pop("helper")
+                c10d._is_barrier_after_init = _saved.pop("barrier_after_init")
+                tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
+                sys.excepthook = _saved.pop("excepthook")
                 _set_thread_isolation_mode(False)
                 _stores.clear()
 
