@@ -354,11 +354,39 @@ def test_not_initialised_and_backend_errors():
     with pytest.raises(DistValueError, match="invalid worker name"):
         rpc.init_rpc("bad name!", rank=0, world_size=1)
 
-    def main():
-        rpc.init_rpc("w", backend="tensorpipe")
+    def bad_options():
+        rpc.init_rpc("w", rpc_backend_options={"rpc_timeout": 5})
 
-    with pytest.raises(DistRuntimeError, match="TensorPipe cannot run inside a simulated rank"):
-        simulator.run(main, 1)
+    with pytest.raises(DistTypeError, match="TensorPipeRpcBackendOptions or SimRpcBackendOptions"):
+        simulator.run(bad_options, 1)
+
+
+def test_tensorpipe_backend_and_options_run_unchanged_on_the_simulator():
+    """A program written for real runs (TensorPipe named, its options given) runs on the simulator's transport."""
+    def main():
+        me = dist.get_rank()
+        opts = rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:1", rpc_timeout=7,
+                                               num_worker_threads=3)
+        rpc.init_rpc(f"worker{me}", backend=rpc.BackendType.TENSORPIPE, rank=me, world_size=2,
+                     rpc_backend_options=opts)
+        from tensorplay.distributed.rpc import _agent
+
+        out = (_agent.current().kind, _agent.current().timeout,
+               rpc.rpc_sync(f"worker{1 - me}", C.add, (me, 10)))
+        rpc.shutdown()
+        return out
+
+    assert simulator.run(main, 2) == [("sim", 7.0, 10), ("sim", 7.0, 11)]
+
+    def no_timeout():  # torch's rpc_timeout=0 ("no timeout") is unbounded per call; the run still bounds it
+        rpc.init_rpc(f"worker{dist.get_rank()}", rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=0))
+        from tensorplay.distributed.rpc import _agent
+
+        t = _agent.current().timeout
+        rpc.shutdown()
+        return t
+
+    assert simulator.run(no_timeout, 1) == [float("inf")]
 
 
 def test_unpicklable_remote_exception_arrives_as_remote_error():

@@ -2,7 +2,7 @@
 
 The API is torch.distributed.rpc's: :func:`init_rpc`, :func:`rpc_sync`,
 :func:`rpc_async`, :func:`remote`, :class:`RRef`, :func:`get_worker_info`,
-:func:`shutdown`.  Two transports sit behind it:
+:func:`shutdown`, and ``functions.async_execution``.  Two transports sit behind it:
 
 * **TensorPipe** (torch's agent) between real processes.  It binds to
   loopback unless ``init_method``/``MASTER_ADDR`` name another address.
@@ -37,7 +37,9 @@ Example (two simulated workers)::
 """
 from __future__ import annotations
 
-from torch.distributed.rpc import TensorPipeRpcBackendOptions
+from torch.distributed.rpc import BackendType, TensorPipeRpcBackendOptions
+
+from . import functions
 
 from .api import (
     DEFAULT_RPC_TIMEOUT,
@@ -56,9 +58,9 @@ from .rref import RRef
 from .worker import WorkerInfo
 
 __all__ = [
-    "DEFAULT_RPC_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT", "Future", "InterfaceError", "RRef", "RemoteError", "RpcError",
+    "BackendType", "DEFAULT_RPC_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT", "Future", "InterfaceError", "RRef", "RemoteError", "RpcError",
     "RpcTimeoutError", "SimRpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "WorkerUnavailableError",
-    "get_worker_info", "init_rpc", "is_initialized", "remote", "rpc_async", "rpc_sync", "shutdown", "wait_all",
+    "functions", "get_worker_info", "init_rpc", "is_initialized", "remote", "rpc_async", "rpc_sync", "shutdown", "wait_all",
 ]
 
 

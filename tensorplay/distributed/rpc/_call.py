@@ -23,7 +23,12 @@ from typing import Any, Callable
 
 from .errors import RemoteError
 
-__all__ = ["RemoteFailure", "PickledFunction", "run_call", "unwrap", "callable_for_wire", "dill_pickler"]
+__all__ = ["RemoteFailure", "PickledFunction", "run_call", "run_call_async", "unwrap", "callable_for_wire",
+           "dill_pickler", "is_async", "ASYNC_ATTR", "async_outcome", "future_outcome"]
+
+#: the attribute ``@async_execution`` puts on a function (torch's name, so both decorators are understood
+#: by both transports)
+ASYNC_ATTR = "_wrapped_async_rpc_function"
 
 
 def _import_module(name: str) -> types.ModuleType:
@@ -59,13 +64,14 @@ def dill_pickler(f: io.BytesIO, pid: Callable[[Any], Any] | None = None) -> Any:
 class PickledFunction:
     """A callable that plain pickle refuses, carried as dill bytes."""
 
-    __slots__ = ("blob", "name")
+    __slots__ = ("blob", "name", "is_async")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         f = io.BytesIO()
         dill_pickler(f).dump(fn)
         self.blob = f.getvalue()
         self.name = getattr(fn, "__qualname__", repr(fn))
+        self.is_async = is_async(fn)
 
     def load(self) -> Callable[..., Any]:
         import dill
@@ -76,13 +82,23 @@ class PickledFunction:
         return self.load()(*args, **kwargs)
 
     def __reduce__(self):
-        return (_rebuild_pickled_function, (self.blob, self.name))
+        return (_rebuild_pickled_function, (self.blob, self.name, self.is_async))
 
 
-def _rebuild_pickled_function(blob: bytes, name: str) -> PickledFunction:
+def _rebuild_pickled_function(blob: bytes, name: str, async_: bool = False) -> PickledFunction:
     pf = PickledFunction.__new__(PickledFunction)
-    pf.blob, pf.name = blob, name
+    pf.blob, pf.name, pf.is_async = blob, name, async_
     return pf
+
+
+def is_async(fn: Any) -> bool:
+    """Whether ``fn`` was decorated with ``@async_execution`` (ours or torch's): it returns a future."""
+    if type(fn) is PickledFunction:
+        return fn.is_async
+    try:
+        return hasattr(fn, ASYNC_ATTR)
+    except Exception:  # noqa: BLE001  objects whose __getattr__ raises something else
+        return False
 
 
 def callable_for_wire(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,6 +178,62 @@ def run_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001  every failure goes back to the caller
         return RemoteFailure.capture(e, _worker_name())
+
+
+def _is_future(obj: Any) -> bool:
+    return isinstance(obj, torch_future_type()) or (callable(getattr(obj, "add_done_callback", None))
+                                                    and callable(getattr(obj, "done", None)))
+
+
+def torch_future_type() -> type:
+    import torch
+
+    return torch._C.Future
+
+
+def async_outcome(value: Any, fn: Any, worker: str) -> Any:
+    """What an ``@async_execution`` function returned, checked: its future, or a RemoteFailure.
+
+    Like torch, a function so decorated must return a future; anything else is the caller's error.
+    """
+    if type(value) is RemoteFailure or _is_future(value):
+        return value
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "name", None) or repr(fn)
+    err = TypeError(
+        f"tensorplay.distributed.rpc: function {name!r} is decorated with @async_execution, so it must return "
+        f"a torch.futures.Future (or an RPC future), but it returned {type(value).__name__}. Fix: return "
+        f"the future whose result is the answer (e.g. rpc.rpc_async(...).then(...)), or drop the decorator.")
+    return RemoteFailure.capture(err, worker)
+
+
+def future_outcome(fut: Any, worker: str) -> Any:
+    """The result of a completed future, or its exception as a :class:`RemoteFailure`."""
+    try:
+        return fut.value()
+    except BaseException as e:  # noqa: BLE001  the future's failure goes back to the caller
+        return RemoteFailure.capture(e, worker)
+
+
+def run_call_async(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The callee side of a call to an ``@async_execution`` function on TensorPipe.
+
+    torch's agent sees this function's async marker and sends the answer when
+    the returned (torch) future completes; its value is the function's
+    future's result, or a :class:`RemoteFailure`.
+    """
+    import torch
+
+    out = async_outcome(run_call(fn, args, kwargs), fn, _worker_name())
+    answer: Any = torch.futures.Future()
+    if type(out) is RemoteFailure:
+        answer.set_result(out)
+        return answer
+    worker = _worker_name()
+    out.add_done_callback(lambda f: answer.set_result(future_outcome(f, worker)))
+    return answer
+
+
+setattr(run_call_async, ASYNC_ATTR, run_call_async)
 
 
 def unwrap(value: Any) -> Any:

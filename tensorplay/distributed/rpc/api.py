@@ -102,12 +102,15 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     Args:
         name: this worker's unique name (letters, digits, ``_``, ``:``, ``-``; < 128 characters).
         backend: ``None`` (pick automatically), ``"tensorpipe"`` or ``"sim"``; torch's
-            ``BackendType.TENSORPIPE`` is accepted too.
+            ``BackendType.TENSORPIPE`` is accepted too.  Inside a simulated rank, TensorPipe
+            means the simulator's transport (a program written for real runs runs unchanged).
         rank: this worker's rank; ``-1`` reads ``RANK`` (or, in the simulator, the rank's own).
         world_size: number of workers; ``None`` reads ``WORLD_SIZE`` (or the simulated world's size).
-        rpc_backend_options: a :class:`TensorPipeRpcBackendOptions` (TensorPipe only).  Without one,
-            the rendezvous is ``tcp://$MASTER_ADDR:$MASTER_PORT`` with ``MASTER_ADDR`` defaulting to
-            ``127.0.0.1``, and calls time out after :data:`DEFAULT_RPC_TIMEOUT` seconds.
+        rpc_backend_options: a :class:`TensorPipeRpcBackendOptions`.  Without one, the rendezvous
+            is ``tcp://$MASTER_ADDR:$MASTER_PORT`` with ``MASTER_ADDR`` defaulting to ``127.0.0.1``,
+            and calls time out after :data:`DEFAULT_RPC_TIMEOUT` seconds.  Inside a simulated rank
+            it is mapped by :func:`tensorplay.distributed.rpc.sim.options_from` (``rpc_timeout`` and
+            ``device_maps`` kept, the rest has no meaning there); ``SimRpcBackendOptions`` work too.
 
     Example (two processes)::
 
@@ -134,9 +137,9 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             call, "backend='sim' only works inside a simulated rank", values={"name": name},
             fix="run the function with simulator.run(fn, world_size) or `python -m simulator`"))
     if kind == "tensorpipe" and sim:
-        raise DistRuntimeError(rpc_message(
-            call, "TensorPipe cannot run inside a simulated rank (all ranks share one process)",
-            values={"name": name}, fix="leave backend=None to use the simulator's transport"))
+        # a program written for real runs names TensorPipe; inside the simulator its calls run on the
+        # simulator's transport instead (TensorPipe cannot: every rank is a thread of this process)
+        kind = "sim"
 
     if kind == "sim":
         st = _state.current()  # not None: _in_simulator() found it
@@ -161,12 +164,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if kind == "sim":
         from . import sim
 
-        if rpc_backend_options is not None and not isinstance(rpc_backend_options, sim.SimRpcBackendOptions):
-            raise DistTypeError(rpc_message(
-                call, "the simulator's transport takes SimRpcBackendOptions (or None)",
-                values={"rpc_backend_options": type(rpc_backend_options).__name__},
-                fix="drop rpc_backend_options inside simulator.run, or pass SimRpcBackendOptions(rpc_timeout=...)"))
-        agent = sim.start(name, rank, world_size, rpc_backend_options)
+        agent = sim.start(name, rank, world_size, sim.options_from(rpc_backend_options))
         _agent.bind_thread(agent)
     else:
         from . import tensorpipe

@@ -1,8 +1,12 @@
 """The future returned by ``rpc_async``, ``forward_async`` and the RRef proxies.
 
-It mirrors the part of ``torch.futures.Future`` that RPC code uses:
-``wait()``, ``then(callback)``, ``add_done_callback``, ``done()``,
-``value()``, ``set_result``/``set_exception``.  Two differences on purpose:
+It *is* a ``torch.futures.Future`` (a subclass), so torch's own helpers take
+it: ``torch.futures.wait_all``, ``torch.futures.collect_all``, and torch's
+RPC agent when an ``@async_execution`` function returns one.  Its methods
+are the ones RPC code uses: ``wait()``, ``then(callback)``,
+``add_done_callback``, ``done()``, ``value()``, ``set_result``/``set_exception``;
+every completion is mirrored into torch's future state.  Two differences
+from torch's on purpose:
 
 * ``wait(timeout=...)`` takes an optional bound of its own, and the future of
   an RPC always completes (with the result, the remote exception, or an
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
+
+import torch
 
 from .errors import RpcTimeoutError, rpc_message
 
@@ -39,12 +45,32 @@ def _thread_wait(event: threading.Event, timeout: float | None) -> bool:
     return event.wait(timeout)
 
 
-class Future(Generic[T]):
-    """The eventual result of an asynchronous RPC."""
+#: installed by the simulator's transport: ``hook(future, timeout) -> bool`` blocks a simulated rank
+#: cooperatively until ``future`` completes and returns True; False means "not a simulated rank thread".
+coop_wait: Callable[["Future[Any]", "float | None"], bool] | None = None
 
-    __slots__ = ("_event", "_lock", "_result", "_exc", "_callbacks", "_waiter", "_what", "__weakref__")
+_TorchFuture = torch.futures.Future
+_C_set_result = torch._C.Future.set_result
+_C_set_unwrap = torch._C.Future._set_unwrap_func
 
-    def __init__(self, *, waiter: Waiter | None = None, what: str = "Future") -> None:
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+def _devices() -> list[int]:
+    # a torch future checks that the tensors of its value live on devices it was told about;
+    # CUDA tensors exist only once CUDA is initialised, so only then are the devices named
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+class Future(_TorchFuture[T]):
+    """The eventual result of an asynchronous RPC (a ``torch.futures.Future``)."""
+
+    __slots__ = ("_event", "_lock", "_result", "_exc", "_callbacks", "_waiter", "_what")
+
+    def __init__(self, *, waiter: Waiter | None = None, what: str = "Future", devices: Any = None) -> None:
+        super().__init__(devices=_devices() if devices is None else devices)
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._result: Any = None
@@ -69,8 +95,23 @@ class Future(Generic[T]):
             self._result, self._exc = result, exc
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
+        self._mirror(result, exc)
         for cb in callbacks:
             self._run_callback(cb)
+
+    def _mirror(self, result: Any, exc: BaseException | None) -> None:
+        """Complete torch's side too, so torch's wait_all/collect_all and its RPC agent see the outcome."""
+        try:
+            if exc is None:
+                _C_set_result(self, result)
+                return
+        except Exception as e:  # noqa: BLE001  e.g. tensors on a device this future was not told about
+            exc = RuntimeError(rpc_message(
+                f"{self._what}", "the result could not be stored in torch's future state",
+                values={"error": f"{type(e).__name__}: {e}"[:300]},
+                fix="read it with this future's own wait()/value() instead of torch.futures helpers"))
+        _C_set_unwrap(self, _raise)
+        _C_set_result(self, exc)
 
     def _run_callback(self, cb: Callable[["Future[T]"], None]) -> None:
         try:
@@ -91,7 +132,10 @@ class Future(Generic[T]):
             timeout: optional bound in seconds on this wait (the RPC's own timeout applies anyway).
         """
         if not self._event.is_set():
-            if not self._waiter(self._event, timeout):
+            hook = coop_wait
+            if hook is not None and hook(self, timeout):
+                pass  # a simulated rank waited its turn until the future completed
+            elif not self._waiter(self._event, timeout):
                 raise RpcTimeoutError(rpc_message(
                     f"{self._what}.wait", "the future did not complete in time", values={"timeout": timeout},
                     fix="raise the timeout, or check that the remote worker is alive and not blocked"))
@@ -141,8 +185,11 @@ class Future(Generic[T]):
         return f"<tensorplay.distributed.rpc.Future {state}>"
 
 
-def wait_all(futures: Iterable[Future[Any]], timeout: float | None = None) -> list[Any]:
-    """Wait for every future; return their results in order, or raise the first failure after all finished."""
+def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    """Wait for every future; return their results in order, or raise the first failure after all finished.
+
+    Plain ``torch.futures.Future`` objects are accepted too (their ``wait`` takes no bound).
+    """
     futures = list(futures)
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list[Any] = []
@@ -150,7 +197,7 @@ def wait_all(futures: Iterable[Future[Any]], timeout: float | None = None) -> li
     for f in futures:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            results.append(f.wait(left))
+            results.append(f.wait(left) if isinstance(f, Future) else f.wait())
         except BaseException as e:  # noqa: BLE001  keep waiting for the others, then raise the first
             results.append(None)
             if first is None:

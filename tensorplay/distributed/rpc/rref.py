@@ -115,8 +115,31 @@ class RRef(Generic[T]):
 
 
 def _invoke_on_rref(rref: RRef[Any], method: str, args: tuple, kwargs: dict) -> Any:
-    """Runs on the owner: ``getattr(value, method)(*args, **kwargs)``."""
-    return getattr(rref.local_value(), method)(*args, **kwargs)
+    """Runs on the owner: ``getattr(value, method)(*args, **kwargs)``, as a future.
+
+    The method may be an ``@async_execution`` one (the caller cannot know), so
+    this function is itself asynchronous: it returns the method's future, or
+    an already completed one holding the plain result.
+    """
+    from ._call import is_async
+    from .futures import Future
+
+    bound = getattr(rref.local_value(), method)
+    out = bound(*args, **kwargs)
+    if is_async(bound):
+        return out
+    done: Future[Any] = Future(what=f"RRef proxy {method}")
+    done.set_result(out)
+    return done
+
+
+def _mark_async() -> None:
+    from ._call import ASYNC_ATTR
+
+    setattr(_invoke_on_rref, ASYNC_ATTR, _invoke_on_rref)
+
+
+_mark_async()
 
 
 class _Proxy:

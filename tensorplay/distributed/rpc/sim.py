@@ -55,13 +55,14 @@ from .. import _state
 from ..errors import DistRuntimeError, DistTypeError, DistValueError
 from . import _agent
 from ._agent import Agent
-from ._call import RemoteFailure, dill_pickler, run_call, unwrap
+from . import futures as _futures
+from ._call import RemoteFailure, async_outcome, dill_pickler, future_outcome, is_async, run_call, unwrap
 from .errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
 from .futures import Future
 from .rref import RRef
 from .worker import WorkerInfo
 
-__all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start"]
+__all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "options_from"]
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,46 @@ class SimRpcBackendOptions:
     Args:
         rpc_timeout: default per-call timeout in seconds (the handler's run time plus injected delays).
         faults: :class:`MessageFaults` for the messages this worker sends, or ``None``.
+        device_maps: ``{worker name: {local device: remote device}}``, as in TensorPipe: a tensor this
+            worker sends to that worker on a mapped device arrives on the remote device (answers
+            travel back through the inverse map).  Tensors on unmapped devices keep their device.
     """
 
     rpc_timeout: float = 60.0
     faults: MessageFaults | None = None
     init_method: str = field(default="sim://", repr=False)
+    device_maps: dict[str, dict[torch.device, torch.device]] = field(default_factory=dict)
+
+
+def options_from(options: Any) -> SimRpcBackendOptions:
+    """The simulator's options for what ``init_rpc`` was given inside a simulated rank.
+
+    ``SimRpcBackendOptions`` pass through; a ``TensorPipeRpcBackendOptions``
+    (torch's class, which tensorplay re-exports) written for a real run is
+    mapped: ``rpc_timeout`` is kept (``0``, torch's "no timeout", becomes
+    unbounded: the run's own timeout and deadlock detection still apply) and
+    ``device_maps`` are applied to tensors crossing between workers.
+    ``init_method`` is not used (every worker is in this process),
+    ``num_worker_threads``, ``devices`` and the transport/channel lists have
+    no meaning here (a call runs on the caller's thread as the callee).
+    """
+    if options is None or isinstance(options, SimRpcBackendOptions):
+        return options or SimRpcBackendOptions()
+    import torch.distributed.rpc as trpc
+
+    if not isinstance(options, trpc.RpcBackendOptions):
+        raise DistTypeError(rpc_message(
+            "init_rpc", "rpc_backend_options must be TensorPipeRpcBackendOptions or SimRpcBackendOptions",
+            values={"rpc_backend_options": type(options).__name__},
+            fix="pass rpc.TensorPipeRpcBackendOptions(rpc_timeout=...) (mapped inside the simulator), "
+                "SimRpcBackendOptions(...), or None"))
+    timeout = float(options.rpc_timeout)
+    if timeout == 0:
+        timeout = float("inf")
+    maps: dict[str, dict[torch.device, torch.device]] = {}
+    for worker, m in dict(getattr(options, "device_maps", {}) or {}).items():
+        maps[str(worker)] = {torch.device(k): torch.device(v) for k, v in dict(m).items()}
+    return SimRpcBackendOptions(rpc_timeout=timeout, device_maps=maps)
 
 
 # ---------------------------------------------------------------------------
@@ -112,7 +148,9 @@ _codec = threading.local()  # .depth > 0 while a message is being encoded (RRefs
 
 
 def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
-    c = t.detach().clone()
+    dmap = getattr(_codec, "device_map", None)
+    dev = dmap.get(t.device) if dmap else None
+    c = t.detach().clone() if dev is None or dev == t.device else t.detach().to(dev, copy=True)
     if type(t) is nn.Parameter:
         return nn.Parameter(c, requires_grad=t.requires_grad)
     if t.requires_grad:
@@ -153,7 +191,7 @@ def _tensor_pid(obj: torch.Tensor, tensors: list, grad_sends: list) -> int:
         if ag.current_context_id() is not None:
             sid = ag.on_send(obj)
     if sid is not None:  # recorded for distributed autograd: the receiver gets a fresh leaf
-        tensors.append(obj.detach().clone())
+        tensors.append(_copy_tensor(obj).detach())
         grad_sends.append((i, sid))
     else:
         tensors.append(_copy_tensor(obj))
@@ -187,7 +225,16 @@ class _Message:
         return n
 
 
-def _encode(obj: Any, sender: str) -> _Message:
+def _encode(obj: Any, sender: str, device_map: dict | None = None) -> _Message:
+    prev_map = getattr(_codec, "device_map", None)
+    _codec.device_map = device_map
+    try:
+        return _encode_mapped(obj, sender)
+    finally:
+        _codec.device_map = prev_map
+
+
+def _encode_mapped(obj: Any, sender: str) -> _Message:
     tensors: list = []
     grad_sends: list = []
     f = io.BytesIO()
@@ -274,6 +321,68 @@ class _Dropped:
         self.error = error
 
 
+class _Pending:
+    """An ``@async_execution`` call whose future has not completed yet.
+
+    ``outcome`` completes (on whichever thread completes the function's
+    future) with the result or a :class:`RemoteFailure`, as seen by the callee.
+    """
+
+    __slots__ = ("outcome",)
+
+    def __init__(self, fut: Any, callee: str) -> None:
+        self.outcome: Future[Any] = Future(what="async_execution")
+        out = self.outcome
+        fut.add_done_callback(lambda f: out.set_result(future_outcome(f, callee)))
+
+
+class _FutureWait:
+    """What a simulated rank blocked in ``Future.wait`` waits for (read by the deadlock report)."""
+
+    __slots__ = ("done", "what")
+
+    def __init__(self, what: str) -> None:
+        self.done = False
+        self.what = what
+
+    def describe(self) -> str:
+        return f"in {self.what}.wait() (the future is not completed; nothing left running can complete it)"
+
+
+def _coop_wait(fut: Future[Any], timeout: float | None) -> bool:
+    """A simulated rank waiting for a future hands over to the others until it completes."""
+    rs = simulator.current_rank_state()
+    if rs is None:
+        return False
+    sched = rs.run.sched
+    w = _FutureWait(fut._what)
+
+    def wake(_: Any) -> None:
+        with sched.lock:
+            w.done = True
+            sched.wake(rs)
+
+    fut.add_done_callback(wake)
+    sched.block(rs, w)
+    return True
+
+
+_futures.coop_wait = _coop_wait
+
+
+def _resolve_async(value: Any, fn: Any, callee: str) -> Any:
+    """The callee's answer to a call: an async function's completed future is unwrapped, a pending one
+    becomes :class:`_Pending`, anything else is the value itself."""
+    if type(value) is RemoteFailure or not is_async(fn):
+        return value
+    value = async_outcome(value, fn, callee)
+    if type(value) is RemoteFailure:
+        return value
+    if value.done():
+        return future_outcome(value, callee)
+    return _Pending(value, callee)
+
+
 class _SimRRef:
     __slots__ = ("world", "owner_info", "rid", "holder", "__weakref__")
 
@@ -314,6 +423,8 @@ class _SimRRef:
             raise DistRuntimeError(rpc_message(call, "the RRef's value is gone from its owner",
                                                values={"owner": self.owner_info.name, "id": self.rid}))
         v = slot.value
+        if type(v) is _Pending:  # remote() of an @async_execution function that has not answered yet
+            v = v.outcome.wait()
         if type(v) is _Dropped:
             raise v.error
         return v
@@ -473,6 +584,7 @@ class SimAgent(Agent):
         self.world = world
         self.name, self.rank, self.world_size = name, rank, world.size
         self.timeout = float(options.rpc_timeout)
+        self.device_maps = dict(options.device_maps)
         self.objects: dict[Any, Any] = {}
         self.rrefs: dict[int, _Slot] = {}
         self.autograd: dict[int, Any] = {}
@@ -575,7 +687,7 @@ class SimAgent(Agent):
         peer = rec.peer
         start = rec.wall_start
         try:
-            req = _encode((fn, args, kwargs), self.name)
+            req = _encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name))
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise DistTypeError(rpc_message(
                 call, "the call's arguments cannot be serialised", worker=self.name,
@@ -589,16 +701,15 @@ class SimAgent(Agent):
                 f, a, k = _decode(req)
             except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
                 return RemoteFailure.capture(e, peer.name)
-            value = run_call(f, a, k)
+            value = _resolve_async(run_call(f, a, k), f, peer.name)
             if on_peer is not None:
                 return on_peer(peer, value)
-            try:
-                return _encode(value, peer.name)
-            except BaseException as e:  # noqa: BLE001  an answer that does not pickle
-                return _encode(RemoteFailure.capture(e, peer.name), peer.name)
+            if type(value) is _Pending:
+                return value
+            return peer._answer(value, self.name)
 
         answer = peer._as_sender(serve)
-        if on_peer is not None:
+        if on_peer is not None or type(answer) is _Pending:
             return answer
         rec.transfer(answer)
         late += peer._fault(call, dst, "answer", timeout)
@@ -609,19 +720,55 @@ class SimAgent(Agent):
                 fix="raise timeout=, or make the remote function faster"))
         return _decode(answer)
 
+    def _answer(self, value: Any, to: str) -> _Message:
+        """Encode ``value`` as this (callee) worker's answer to ``to``; one that does not pickle fails."""
+        back = self.world.agents.get(to)
+        dmap = back.device_maps.get(self.name) if back is not None else None
+        inverse = {v: k for k, v in dmap.items()} if dmap else None  # answers take the caller's map backwards
+        try:
+            return _encode(value, self.name, inverse)
+        except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+            return _encode(RemoteFailure.capture(e, self.name), self.name)
+
+    def _late_answer(self, call: str, dst: WorkerInfo, pending: _Pending) -> Future[Any]:
+        """A future of the (decoded) answer of an ``@async_execution`` call that completes later."""
+        fut: Future[Any] = Future(what=call)
+        peer = self.world.by_rank[dst.id]
+
+        def arrived(out: Future[Any]) -> None:
+            try:
+                msg = peer._as_sender(lambda: peer._answer(out.value(), self.name))
+                v = self._as_sender(lambda: _decode(msg))
+            except BaseException as e:  # noqa: BLE001  the future must complete whatever happens
+                fut.set_exception(e)
+                return
+            if type(v) is RemoteFailure:
+                fut.set_exception(v.to_exception())
+            else:
+                fut.set_result(v)
+
+        pending.outcome.add_done_callback(arrived)
+        return fut
+
     # -- calls ----------------------------------------------------------------
     def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                   timeout: float) -> Any:
-        return unwrap(self._exchange(call, dst, fn, args, kwargs, timeout))
+        v = self._exchange(call, dst, fn, args, kwargs, timeout)
+        if type(v) is _Pending:
+            return self._late_answer(call, dst, v).wait()
+        return unwrap(v)
 
     def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                    timeout: float) -> Future[Any]:
-        fut: Future[Any] = Future(what=call)
         try:
             v = self._exchange(call, dst, fn, args, kwargs, timeout)
         except RpcTimeoutError as e:  # a late or lost message fails the future; bad arguments raise here
+            fut: Future[Any] = Future(what=call)
             fut.set_exception(e)
             return fut
+        if type(v) is _Pending:
+            return self._late_answer(call, dst, v)
+        fut = Future(what=call)
         if type(v) is RemoteFailure:
             fut.set_exception(v.to_exception())
         else:
@@ -635,6 +782,14 @@ class SimAgent(Agent):
 
         def keep(owner: "SimAgent", value: Any) -> None:
             owner.rrefs[rid].value = value
+            if type(value) is _Pending:  # the value is the async function's result, once it is there
+                slot = owner.rrefs[rid]
+
+                def settle(out: Future[Any]) -> None:
+                    if slot.value is value:
+                        slot.value = out.value()
+
+                value.outcome.add_done_callback(settle)
 
         try:
             self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
@@ -742,7 +897,7 @@ def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions |
     rs = simulator.current_rank_state()
     if rs is None:  # pragma: no cover  checked by init_rpc
         raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
-    options = options or SimRpcBackendOptions()
+    options = options_from(options)
     if not options.rpc_timeout or options.rpc_timeout <= 0:
         raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
                                          values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))

@@ -35,7 +35,7 @@ import torch.distributed.rpc as trpc
 
 from ..errors import DistError, DistRuntimeError, DistValueError
 from ._agent import Agent
-from ._call import PickledFunction, RemoteFailure, run_call, unwrap
+from ._call import PickledFunction, RemoteFailure, is_async, run_call, run_call_async, unwrap
 from .._rendezvous import bound_tcp_store
 from .errors import RpcError, RpcTimeoutError, WorkerUnavailableError, rpc_message
 from .futures import Future
@@ -383,8 +383,11 @@ class TensorPipeAgent(Agent):
         A function that does not pickle by reference (a lambda, a local function) is retried once by value.
         """
         self._check(call, dst)
+        # an @async_execution function answers when its future completes: torch's agent does that for a
+        # function carrying the marker, so the callee runs it through run_call_async (which carries it)
+        runner = run_call_async if is_async(fn) else run_call
         try:
-            return send(dst.name, run_call, args=(fn, args, kwargs), timeout=timeout)
+            return send(dst.name, runner, args=(fn, args, kwargs), timeout=timeout)
         except _PICKLE_ERRORS as e:
             if type(fn) is PickledFunction or not _fn_unpicklable(fn):
                 raise _unpicklable(call, self.name, e) from e
