@@ -26,11 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import simulator
+import tensorplay.distributed as dist
+import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import DistValueError
 from tensorplay.distributed.pool import RankPool
 from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
                                      hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked,
-                                     scatter_torch_style_body)
+                                     RECEIVER_STYLES, ScatterCase, scatter_blocks, scatter_receivers_body, scatter_upstream,
+                                     scatter_hvp_body, scatter_receivers_reference, scatter_torch_style_body)
 
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
 PG_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_PG_TIMEOUT", "30"))
@@ -153,13 +156,96 @@ def test_integer_passthrough(run_world: Callable[..., list[Any]]) -> None:
 
 
 def test_scatter_torch_style_lists(run_world: Callable[..., list[Any]]) -> None:
-    """Non-src ranks may pass a list, as torch's module wants; it is ignored and gets no gradient."""
+    """Non-src ranks may pass a list, as torch's module wants; its values are unread and its gradient is zero."""
     res = run_world(scatter_torch_style_body, 3)
     (y0, g0, rg0), (y2, g2, rg2) = res[0], res[2]
     assert torch.equal(y0, torch.full((2,), 20.0)) and torch.equal(y2, torch.full((2,), 21.0))
     assert rg0 and rg2
-    assert g0 == [None, None]  # rank 0's list was never read
+    assert all(torch.equal(g, torch.zeros(2)) for g in g0), g0  # rank 0's blocks reach no output
     assert torch.equal(g2[0], torch.full((2,), 1.0)) and torch.equal(g2[1], torch.full((2,), 3.0))
+
+
+def _scatter_cases(world: int) -> list[ScatterCase]:
+    """Every src of the world and of the subgroups that fit, with src's blocks requiring grad or not, under
+    the issue's scenario (every non-src rank: autograd.grad on its own list) and under mixed styles."""
+    groups: list[tuple[int, ...] | None] = [None] + [g for g in [(2, 0), (3, 1, 2)] if max(g) < world]
+    out = []
+    for group in groups:
+        members = list(range(world)) if group is None else sorted(group)
+        n = len(members)
+        patterns = [("grad",) * n] + [tuple(RECEIVER_STYLES[(i + s) % 4] for i in range(n)) for s in range(4)]
+        for src in members:
+            for styles in patterns:
+                out.append(ScatterCase(group, src, True, styles))
+            out.append(ScatterCase(group, src, False, patterns[1]))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_scatter_receivers_join_the_backward(run_world: Callable[..., list[Any]], world: int) -> None:
+    """Issue 12, item 3: non-src ranks that take gradients of their own list (torch's convention), with
+    ``autograd.grad``, ``backward(inputs=...)``, a list that does not require grad or ``None``, all join
+    scatter's backward; src's blocks get every rank's gradient and the lists get zeros.  When src's
+    blocks do not require grad, no rank's result does, whatever the lists, so nobody waits in a backward."""
+    cases = _scatter_cases(world)
+    res = run_world(scatter_receivers_body, world, cases)
+    for k, case in enumerate(cases):
+        want = scatter_receivers_reference(case, world)
+        for r in range(world):
+            got = res[r][k]
+            if r not in want:
+                assert got is None
+                continue
+            y, requires_grad, grads = got
+            y_want, grads_want = want[r]
+            assert torch.equal(y, y_want), (case, r, y, y_want)
+            assert requires_grad is case.src_grad, (case, r)
+            if not case.src_grad:
+                assert grads == ["RuntimeError"], (case, r, grads)  # torch's own "does not require grad"
+                continue
+            assert len(grads) == len(grads_want), (case, r, grads)
+            for a, b in zip(grads, grads_want):
+                if b is None:
+                    assert a is None, (case, r, grads)
+                else:
+                    assert a is not None and torch.equal(a, b), (case, r, grads, grads_want)
+
+
+def test_scatter_hvp_through_lists(run_world: Callable[..., list[Any]]) -> None:
+    """With a list on every rank, a Hessian-vector product goes through scatter: the non-src lists'
+    (zero) first-order gradients come from the backward gather, so the second-order backward reaches
+    every rank and nobody waits."""
+    for world in (1, 2, 3, 4):
+        src = world - 1
+        res = run_world(scatter_hvp_body, world)
+        xs = [t.requires_grad_() for t in scatter_blocks(src, world)]
+        loss = sum((xs[i] ** 3).sum() * (i + 1) for i in range(world))  # rank i's loss uses src's block i
+        first = torch.autograd.grad(loss, xs, create_graph=True)
+        hv = torch.autograd.grad(first, xs, [scatter_upstream(src) + k for k in range(world)])
+        for r, (g_got, h_got) in enumerate(res):
+            g_want = [g.detach() for g in first] if r == src else [torch.zeros(3, dtype=torch.float64)] * world
+            h_want = list(hv) if r == src else [torch.zeros(3, dtype=torch.float64)] * world
+            for a, b in zip(g_got + h_got, g_want + h_want):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_scatter_non_src_bad_list_sim() -> None:
+    """A non-src rank that passes something other than None or a list of tensors fails at the call,
+    naming the call, the rank and the value, before it sends anything."""
+    def body() -> None:
+        r = dist.get_rank()
+        df.scatter([torch.ones(1), torch.ones(1)] if r == 0 else [torch.ones(1), "x"], src=0)
+
+    with pytest.raises(BaseException) as info:
+        simulator.run(body, 2)
+    text = "".join(str(e) for e in _leaf_errors(info.value))
+    assert "nn.functional.scatter" in text and "rank 1" in text and "tensors[1]" in text, text
+
+
+def _leaf_errors(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [x for sub in e.exceptions for x in _leaf_errors(sub)]
+    return [e, *([e.__cause__] if e.__cause__ is not None else [])]
 
 
 def test_call_time_errors(run_world: Callable[..., list[Any]]) -> None:

@@ -666,7 +666,7 @@ def errors_body() -> list[tuple[str, str, str]]:
 
 
 def scatter_torch_style_body() -> tuple[torch.Tensor, list[Any] | None, bool]:
-    """torch-style scatter: non-src ranks pass a list too (ignored); src is global rank 2 of [2, 0]."""
+    """torch-style scatter: non-src ranks pass a list too (its values unread); src is global rank 2 of [2, 0]."""
     group = get_group((2, 0))
     rank = dist.get_rank()
     if rank not in (0, 2):
@@ -675,3 +675,101 @@ def scatter_torch_style_body() -> tuple[torch.Tensor, list[Any] | None, bool]:
     y = df.scatter(parts, src=2, group=group)
     (y * (rank + 1)).sum().backward()
     return y.detach(), [p.grad for p in parts], y.requires_grad
+
+
+# ---------------------------------------------------------------------------
+# scatter: how non-src ranks take part in the backward (issue 12, item 3)
+# ---------------------------------------------------------------------------
+#: what a non-src rank passes and how it asks for gradients:
+#: grad: a list that requires grad, ``torch.autograd.grad(y, list, g)`` (torch's convention);
+#: inputs: the same list, ``torch.autograd.backward(y, g, inputs=list)``;
+#: none: ``None``, ``torch.autograd.backward(y, g)``;
+#: list_nograd: a list that does not require grad, ``y.backward(g)``
+RECEIVER_STYLES = ("grad", "inputs", "none", "list_nograd")
+
+
+@dataclass(frozen=True)
+class ScatterCase:
+    """One scatter: group (None: the world), src (global), whether src's blocks require grad, and the
+    style of each member by group rank (src's entry is unused: src always calls autograd.grad)."""
+
+    group: tuple[int, ...] | None
+    src: int
+    src_grad: bool
+    styles: tuple[str, ...]
+
+
+def scatter_blocks(rank: int, n: int) -> list[torch.Tensor]:
+    """The list global rank ``rank`` passes: distinct per rank and per block."""
+    return [torch.arange(3, dtype=torch.float64) * 0.25 + 100.0 * rank + 10.0 * k for k in range(n)]
+
+
+def scatter_upstream(rank: int) -> torch.Tensor:
+    """Global rank ``rank``'s upstream gradient of its scatter result."""
+    return torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) * (rank + 1) + rank
+
+
+def _scatter_one(case: ScatterCase, group: Any, rank: int) -> tuple[Any, ...] | None:
+    members = list(range(dist.get_world_size())) if case.group is None else sorted(case.group)
+    if rank not in members:
+        return None
+    n = len(members)
+    style = "src" if rank == case.src else case.styles[members.index(rank)]
+    want = case.src_grad if rank == case.src else style in ("grad", "inputs")
+    xs = None if style == "none" else [t.requires_grad_(want) for t in scatter_blocks(rank, n)]
+    y = df.scatter(xs, src=case.src, group=group)
+    g = scatter_upstream(rank)
+    try:
+        if style in ("src", "grad"):
+            got: list[Any] = list(torch.autograd.grad(y, xs, g))
+        elif style == "inputs":
+            torch.autograd.backward(y, g, inputs=xs)
+            got = [t.grad for t in xs]
+        else:
+            y.backward(g)
+            got = [None if t.grad is None else t.grad for t in xs or []]
+    except RuntimeError as e:  # expected only when src's blocks do not require grad
+        got = [type(e).__name__]
+    return y.detach(), y.requires_grad, got
+
+
+def scatter_receivers_body(cases: Sequence[ScatterCase]) -> list[tuple[Any, ...] | None]:
+    """Every rank runs every case in order (the world's members and the others alike)."""
+    groups = {spec: get_group(spec) for spec in sorted({c.group for c in cases if c.group is not None})}
+    rank = dist.get_rank()
+    return [_scatter_one(c, None if c.group is None else groups[c.group], rank) for c in cases]
+
+
+def scatter_receivers_reference(case: ScatterCase, world: int) -> dict[int, tuple[torch.Tensor, list[Any]]]:
+    """Per member: the expected result and input gradients, from a plain-torch world function
+    (``y_i = src's block i``; world loss ``sum_i <y_i, g_i>``) differentiated by torch.autograd."""
+    members = list(range(world)) if case.group is None else sorted(case.group)
+    n = len(members)
+    leaves = {r: [t.requires_grad_() for t in scatter_blocks(r, n)] for r in members}
+    ys = [leaves[case.src][i] * 1.0 for i in range(n)]
+    loss = sum((ys[i] * scatter_upstream(r)).sum() for i, r in enumerate(members))
+    flat = [t for r in members for t in leaves[r]]
+    grads = torch.autograd.grad(loss, flat, allow_unused=True, materialize_grads=True)
+    per = {r: list(grads[k * n:(k + 1) * n]) for k, r in enumerate(members)}
+    out = {}
+    for i, r in enumerate(members):
+        style = "src" if r == case.src else case.styles[i]
+        if style == "none":
+            want: list[Any] = []
+        elif style == "list_nograd":
+            want = [None] * n
+        else:
+            want = per[r]
+        out[r] = (ys[i].detach(), want)
+    return out
+
+
+def scatter_hvp_body() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Second order through scatter with a list on every rank: loss_r = (r + 1) * sum(y_r ** 3)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    xs = [t.requires_grad_() for t in scatter_blocks(rank, n)]
+    y = df.scatter(xs, src=n - 1)
+    loss = (y ** 3).sum() * (rank + 1)
+    first = torch.autograd.grad(loss, xs, create_graph=True)
+    hv = torch.autograd.grad(first, xs, [scatter_upstream(rank) + k for k in range(n)])
+    return [g.detach() for g in first], list(hv)

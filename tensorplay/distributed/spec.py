@@ -39,6 +39,7 @@ all_gather,
 all_gather_single
 all_to_all_single      a tensor (with ``in_splits[i]`` / ``out_splits[i]``)
 scatter                the src rank: a list of W tensors; other ranks: ``None``
+                       (the public function also takes a list there, unread)
 reduce_scatter         a list of W tensors
 all_to_all             a list of W tensors (``xs[j][i]`` goes to rank ``i``)
 =====================  ==========================================================
@@ -196,7 +197,8 @@ class Call:
     #: all_to_all_single: rows this rank sends to / receives from each group rank
     in_splits: tuple[int, ...] | None = None
     out_splits: tuple[int, ...] | None = None
-    #: all_to_all: this rank's block shapes (inputs by receiver, outputs by sender)
+    #: all_to_all: this rank's block shapes (inputs by receiver, outputs by sender); scatter on a
+    #: non-src rank: the shapes of the list it passed (its inputs after the stand-in)
     in_shapes: tuple[tuple[int, ...], ...] | None = None
     out_shapes: tuple[tuple[int, ...], ...] | None = None
     #: all_gather_single: the input's shape and the output's shape (concatenated or stacked)
@@ -300,10 +302,16 @@ def _vjp_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
 
 
 def _vjp_scatter(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
-    # rank i's output is src's i-th input: src collects the gradients; non-src ranks have no input
+    # rank i's output is src's i-th input: src collects the gradients with one gather.  Every rank whose
+    # result requires grad joins it (src decided that for all in the forward); a non-src rank's inputs
+    # (the stand-in, then any torch-style list) reach no output, so they get nothing and zeros.  The
+    # gather's zero blocks are reused where they fit, so a double backward still reaches this rank.
     (g,) = grads
     G = C.gather(g, c.root)
-    return tuple(G) if c.me == c.root else ()
+    if c.me == c.root:
+        return tuple(G)
+    own = c.in_shapes or ()
+    return (None, *(G[k] if k < len(G) and tuple(G[k].shape) == s else g.new_zeros(s) for k, s in enumerate(own)))
 
 
 def _vjp_all_gather(C: Collectives, c: Call, grads: tuple, saved: tuple) -> tuple:
@@ -437,7 +445,7 @@ SPECS: dict[str, CollectiveSpec] = {
             root="src",
             list_input=True,
             adjoint="gather",
-            backward="gather of the gradients to src: src's i-th input gets g_i; non-src inputs get none",
+            backward="gather of the gradients to src: src's i-th input gets g_i; non-src inputs get zeros",
             agree_on=("name", "group", "root", "dtype", "shape"),
         ),
         CollectiveSpec(

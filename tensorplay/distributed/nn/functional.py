@@ -194,7 +194,9 @@ class _Collective(torch.autograd.Function):
         with _state.backward_of(call.name):
             saved = ctx.saved_tensors if call.saves_tensors() else ()
             got = SPECS[call.name].vjp(_Differentiable(call.group), call, grads, saved)
-        # inputs without a gradient (scatter's non-src stand-in) get None
+        # inputs without a gradient (scatter's non-src stand-in) get None, and so does every input
+        # autograd did not ask about
+        got = [g if need else None for g, need in zip(got, ctx.needs_input_grad[1:])]
         return (None, *got, *([None] * (ctx.n_inputs - len(got))))
 
 
@@ -389,12 +391,20 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
             group_src: int | None = None) -> torch.Tensor:
     """Group rank ``i`` gets ``tensors[i]`` from ``src`` (default: global rank 0).
 
-    Only ``src`` passes ``tensors``; the other ranks pass ``None`` (a list is
-    accepted and ignored).  They learn the block's shape, dtype, device kind
-    and whether it requires grad from a 40-integer header that ``src`` broadcasts
-    first, so their result is part of the graph exactly when ``src``'s blocks
-    are: ``y.sum().backward()`` on every rank sends each rank's gradient back
-    to ``src``'s ``tensors[i]``.
+    ``src`` passes one tensor per group rank.  The other ranks pass ``None``
+    or, as torch's module wants, a list of tensors whose values are not read.
+    They learn the block's shape, dtype, device kind and whether it requires
+    grad from a 40-integer header that ``src`` broadcasts first.
+
+    Gradients: ``src``'s ``tensors[i]`` gets group rank ``i``'s gradient (one
+    gather to ``src``); a non-src rank's list gets zeros.  Whether the result
+    requires grad is decided by ``src`` alone, for every rank: when ``src``'s
+    blocks require grad, every rank's result does (so every rank joins the
+    backward gather, whatever its own list), and when they do not, no rank's
+    result does (a non-src list that requires grad is then not part of the
+    graph), so the backward can never wait for a rank that has no reason to run it.
+    ``y.sum().backward()`` on every rank, or ``torch.autograd.grad(y, tensors)``
+    with a list on every rank, both work.
 
     Example (2 ranks)::
 
@@ -408,7 +418,6 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
     pg = c.pg
     me = pg.rank()
     dev = _header_device(pg)
-    call = _new_call(c, "scatter", root=root)
     if me == root:
         refused: DistError | None = None
         try:
@@ -423,7 +432,8 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
         pg.backend.broadcast(header, root, pg, False)
         if refused is not None:
             raise refused
-        return _apply(call, *parts)
+        return _apply(_new_call(c, "scatter", root=root), *parts)
+    own = _scatter_receiver_list(c, tensors)
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=dev)
     pg.backend.broadcast(header, root, pg, False)
     status, wants_grad, code, on_gpu, ndim = header[:5].tolist()
@@ -432,11 +442,31 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
                       "fix the tensors passed on the src rank", src=pg.ranks[root])
     shape = tuple(header[5:5 + ndim].tolist())
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    # a stand-in with the block's shape and dtype and no storage: the graph input of non-src ranks
+    # a stand-in with the block's shape and dtype and no storage: it gives the forward the block's layout
+    # and, requiring grad exactly when src's blocks do, puts this rank into the backward whatever its list
     like = torch.empty((), dtype=_DTYPES[code], device=dev).expand(shape)
     if wants_grad and torch.is_grad_enabled():
         like = like.detach().requires_grad_()
-    return _apply(call, like)
+    else:
+        # src decides for everyone: a list that requires grad here must not pull this rank into a
+        # backward that src (and every other rank) will never run
+        own = [t.detach() for t in own]
+    # the list is an input of the graph too, so autograd.grad(y, tensors) reaches the collective here
+    call = _new_call(c, "scatter", root=root, in_shapes=tuple(tuple(t.shape) for t in own))
+    return _apply(call, like, *own)
+
+
+def _scatter_receiver_list(c: _Call, tensors: Any) -> list[torch.Tensor]:
+    """A non-src rank's ``tensors``: ``None`` or a list of tensors (torch's convention; values unread)."""
+    if tensors is None:
+        return []
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise c.error(DistTypeError, "tensors must be None or a list of tensors on a non-src rank",
+                      "pass None (or the list torch's module takes) on ranks other than src",
+                      tensors=type(tensors).__name__)
+    for i, t in enumerate(tensors):
+        _tensor(c, t, f"tensors[{i}]")
+    return list(tensors)
 
 
 def _scatter_parts(c: _Call, tensors: Any) -> list[torch.Tensor]:
