@@ -48,7 +48,7 @@ from .trace import CostModel, Event, Trace
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
-_ADAPTERS: tuple[str, ...] = ("torch_native",)
+_ADAPTERS: tuple[str, ...] = ("torch_native", "torch_rpc")
 #: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
 _BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None

@@ -1,0 +1,390 @@
+"""Run unmodified ``torch.distributed.rpc`` programs on simulated ranks.
+
+While a simulated world runs, a simulated rank that uses torch's RPC API -
+``torch.distributed.rpc`` (``init_rpc``, ``rpc_sync``, ``rpc_async``,
+``remote``, ``RRef``, ``get_worker_info``, ``shutdown``, ``functions.async_execution``),
+``torch.distributed.autograd`` (``context``, ``backward``, ``get_gradients``),
+``torch.distributed.optim.DistributedOptimizer`` and
+``torch.distributed.nn.RemoteModule`` - gets tensorplay's implementation on the
+simulator's RPC transport (:mod:`tensorplay.distributed.rpc.sim`).  Any other
+thread keeps torch's own RPC, untouched.
+
+How deep it reaches, so that ``from torch.distributed.rpc import rpc_sync``
+done before the world started does not escape:
+
+* ``rpc_sync``, ``rpc_async``, ``remote``, ``shutdown`` and ``get_worker_info``
+  are torch's ``_require_initialized`` wrappers; what each wrapper *calls* (its
+  closure cell) is swapped for a dispatcher, and the wrappers' "is an agent
+  set?" check answers for the simulated worker;
+* ``init_rpc`` is replaced in the module, and the original (imported by name)
+  reaches the simulator through the helpers it calls: its rendezvous uses an
+  in-memory store, ``dist_autograd._init`` is skipped and ``_init_rpc_backend``
+  starts the simulated agent;
+* ``RRef(value)``, ``DistributedOptimizer(...)`` and ``RemoteModule(...)``
+  construct tensorplay's objects (their ``__new__``);
+* ``torch.distributed.autograd``'s functions are module attributes (its
+  ``context`` class calls ``_new_context``/``_release_context``, which are routed);
+* ``torch.futures.wait_all``/``collect_all`` wait cooperatively for futures of
+  ``@async_execution`` calls that have not answered yet.
+
+What cannot be routed fails at once, never hangs: torch's C++ functions
+imported by name *before* the world started
+(``from torch.distributed.autograd import backward``) raise torch's "Could not
+find autograd context"; ``rpc.api._get_current_rpc_agent()`` raises "Current
+RPC agent is not set"; TorchScript RPC (``@torch.jit.script`` functions) is not
+supported.  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
+simulator's RRefs (use their methods instead).
+
+Like :mod:`simulator.torch_native`, this module touches private torch names
+(the wrappers' closures, ``_init_rpc_backend``, ``_new_context``...); it checks
+their shape when installing and refuses with a clear error if torch changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.autograd as tautograd
+import torch.distributed.rpc as trpc
+import torch.distributed.rpc.api as tapi
+
+from tensorplay.distributed.errors import DistRuntimeError, format_message
+
+__all__ = ["enabled"]
+
+#: torch's RPC functions whose wrapper closure is routed, and what they become on a simulated rank
+_WRAPPED = ("rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info")
+
+_lock = threading.Lock()
+_active = 0
+_undo: list[Callable[[], None]] = []
+_contexts = threading.local()  # open torch-style autograd contexts of this thread: {context id: ours}
+
+
+def _on_sim() -> bool:
+    """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
+    from tensorplay.distributed.rpc import api
+
+    return api._in_simulator()
+
+
+def _sim_agent() -> Any:
+    from tensorplay.distributed.rpc import _agent
+
+    a = _agent.current()
+    return a if a is not None and a.kind == "sim" else None
+
+
+# ---------------------------------------------------------------------------
+# torch's signatures -> tensorplay's
+# ---------------------------------------------------------------------------
+def _timeout(timeout: Any) -> Any:
+    """torch's timeout conventions: negative (UNSET) = the agent's default, 0 = no per-call bound."""
+    if timeout is None:
+        return None
+    t = float(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout)
+    if t < 0:
+        return None
+    return float("inf") if t == 0 else t
+
+
+def _rpc_call(name: str) -> Callable[..., Any]:
+    def call(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
+             timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
+        from tensorplay.distributed.rpc import api
+
+        return getattr(api, name)(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+
+    call.__name__ = name
+    return call
+
+
+def _shutdown(graceful: bool = True, timeout: Any = 0) -> None:
+    from tensorplay.distributed.rpc import api
+
+    t = _timeout(timeout)
+    api.shutdown(graceful=graceful, timeout=api.DEFAULT_SHUTDOWN_TIMEOUT if t in (None, float("inf")) else t)
+
+
+def _get_worker_info(worker_name: Any = None) -> Any:
+    from tensorplay.distributed.rpc import api
+
+    return api.get_worker_info(worker_name)
+
+
+_OURS: dict[str, Callable[..., Any]] = {
+    "rpc_sync": _rpc_call("rpc_sync"), "rpc_async": _rpc_call("rpc_async"), "remote": _rpc_call("remote"),
+    "shutdown": _shutdown, "get_worker_info": _get_worker_info,
+}
+
+
+def _init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+              rpc_backend_options: Any = None) -> None:
+    from tensorplay.distributed.rpc import api
+
+    api.init_rpc(name, backend=backend, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)
+
+
+def _dispatch(original: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
+    """``ours`` on a simulated rank, ``original`` on every other thread."""
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if _on_sim():
+            return ours(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    dispatch.__name__ = getattr(original, "__name__", "dispatch")
+    dispatch.__wrapped__ = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+# ---------------------------------------------------------------------------
+# what torch's init_rpc calls, for a copy of it imported by name before the world started
+# ---------------------------------------------------------------------------
+def _memory_rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[Any]:
+    # never a TCP rendezvous on a simulated rank: every worker is a thread of this process
+    yield tdist.HashStore(), rank, world_size
+
+
+class _DistForInitRpc:
+    """``torch.distributed`` as torch's ``init_rpc`` sees it: rendezvous in memory on simulated ranks."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def rendezvous(self, url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Any:
+        if _on_sim():
+            return _memory_rendezvous(url, rank, world_size)
+        return self._real.rendezvous(url, rank, world_size, **kwargs)
+
+    def _create_store_from_options(self, backend_options: Any, rank: int) -> Any:
+        if _on_sim():
+            return tdist.HashStore()
+        return self._real._create_store_from_options(backend_options, rank)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _init_rpc_backend(backend: Any = None, store: Any = None, name: Any = None, rank: int = -1,
+                      world_size: Any = None, rpc_backend_options: Any = None) -> None:
+    _init_rpc(name, backend, rank, world_size, rpc_backend_options)
+
+
+# ---------------------------------------------------------------------------
+# distributed autograd
+# ---------------------------------------------------------------------------
+class _ContextHandle:
+    """What torch's ``_new_context`` returns; ``context.__enter__`` asks it for the id."""
+
+    __slots__ = ("_cid",)
+
+    def __init__(self, cid: int) -> None:
+        self._cid = cid
+
+    def _context_id(self) -> int:
+        return self._cid
+
+
+def _new_context() -> _ContextHandle:
+    import tensorplay.distributed.autograd as ours
+
+    ctx = ours.context()
+    cid = ctx.__enter__()
+    open_ = getattr(_contexts, "open", None)
+    if open_ is None:
+        open_ = _contexts.open = {}
+    open_[cid] = ctx
+    return _ContextHandle(cid)
+
+
+def _release_context(context_id: int) -> None:
+    ctx = getattr(_contexts, "open", {}).pop(context_id, None)
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+
+
+def _autograd_backward(context_id: int, roots: Any, retain_graph: bool = False) -> None:
+    import tensorplay.distributed.autograd as ours
+
+    ours.backward(context_id, roots, retain_graph)
+
+
+def _autograd_get_gradients(context_id: int) -> Any:
+    import tensorplay.distributed.autograd as ours
+
+    return ours.get_gradients(context_id)
+
+
+def _get_rpc_timeout() -> float:
+    from tensorplay.distributed.rpc import _agent
+
+    return _agent.require("get_rpc_timeout").timeout
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------
+# constructors: RRef, DistributedOptimizer, RemoteModule
+# ---------------------------------------------------------------------------
+def _route_new(cls: type, ours: Callable[..., Any], *, exact: bool = True) -> Callable[[], None]:
+    """Make ``cls(...)`` build ``ours(...)`` on a simulated rank; returns the undo."""
+    had = "__new__" in cls.__dict__
+    saved = cls.__dict__.get("__new__")
+    inherited = super(cls, cls).__new__ if not had else None  # type: ignore[misc]
+    takes_args = inherited is not object.__new__
+
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+        if _on_sim() and (klass is cls or not exact):
+            return ours(*args, **kwargs)
+        if had:
+            return saved.__get__(None, klass)(klass, *args, **kwargs)  # type: ignore[union-attr]
+        return inherited(klass, *args, **kwargs) if takes_args else inherited(klass)  # type: ignore[misc]
+
+    cls.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        if had:
+            cls.__new__ = saved  # type: ignore[method-assign]
+        else:
+            del cls.__new__
+
+    return undo
+
+
+def _rref(value: Any, type_hint: Any = None) -> Any:
+    from tensorplay.distributed.rpc import RRef
+
+    return RRef(value, type_hint)
+
+
+def _dist_optimizer(optimizer_class: type, params_rref: Any, *args: Any, **kwargs: Any) -> Any:
+    from tensorplay.distributed.optim import DistributedOptimizer
+
+    return DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)
+
+
+def _remote_module(remote_device: str, module_cls: type, args: Any = None, kwargs: Any = None,
+                   _module_interface_cls: Any = None) -> Any:
+    from tensorplay.distributed.nn import RemoteModule
+
+    if _module_interface_cls is not None:
+        raise DistRuntimeError(format_message(
+            "torch.distributed.nn.RemoteModule", "TorchScript module interfaces are not supported on the simulator",
+            values={"_module_interface_cls": _module_interface_cls},
+            fix="use tensorplay.distributed.nn.RemoteModule(..., interface=I) with an @interface class"))
+    return RemoteModule(remote_device, module_cls, tuple(args or ()), dict(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------
+# torch.futures.wait_all / collect_all on futures that answer later
+# ---------------------------------------------------------------------------
+def _collect_all(original: Callable[..., Any]) -> Callable[..., Any]:
+    def collect_all(futures: Any) -> Any:
+        if _on_sim():
+            from tensorplay.distributed.rpc.futures import Future
+
+            for f in futures:  # a pending one would block this rank in C++, where no other rank can run
+                if isinstance(f, Future) and not f.done():
+                    try:
+                        f.wait()
+                    except BaseException:  # noqa: BLE001  torch reports it from the collected future
+                        pass
+        return original(futures)
+
+    return collect_all
+
+
+# ---------------------------------------------------------------------------
+# installing
+# ---------------------------------------------------------------------------
+def _set(obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` (a module global or attribute) and remember how to put it back."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    _undo.append(lambda: setattr(obj, name, old))
+
+
+def _swap_wrapped(name: str) -> None:
+    """Route what torch's ``_require_initialized`` wrapper of ``name`` calls."""
+    wrapper = getattr(tapi, name)
+    code = getattr(wrapper, "__code__", None)
+    if code is None or code.co_freevars != ("func",) or wrapper.__closure__ is None:
+        raise DistRuntimeError(format_message(
+            "simulator.torch_rpc", "torch.distributed.rpc's function does not have the expected shape",
+            values={"function": name, "torch": torch.__version__},
+            fix="use tensorplay.distributed.rpc directly, or a supported torch release"))
+    cell = wrapper.__closure__[0]
+    original = cell.cell_contents
+    cell.cell_contents = _dispatch(original, _OURS[name])
+
+    def undo() -> None:
+        cell.cell_contents = original
+
+    _undo.append(undo)
+
+
+def _install() -> None:
+    from simulator.torch_native import check_torch_version
+
+    check_torch_version()
+    for name in _WRAPPED:
+        _swap_wrapped(name)
+    real_set = tapi._is_current_rpc_agent_set
+    _set(tapi, "_is_current_rpc_agent_set",
+         lambda: (_sim_agent() is not None) if _on_sim() else real_set())
+    # init_rpc, as a module attribute and through what a copy imported by name calls
+    _set(trpc, "init_rpc", _dispatch(trpc.init_rpc, _init_rpc))
+    _set(trpc, "_init_rpc_backend", _dispatch(trpc._init_rpc_backend, _init_rpc_backend))
+    _set(trpc, "dist", _DistForInitRpc(trpc.dist))
+    _set(trpc, "_set_profiler_node_id", _dispatch(trpc._set_profiler_node_id, _skip))
+    _set(trpc, "get_rpc_timeout", _dispatch(trpc.get_rpc_timeout, _get_rpc_timeout))
+    _set(tautograd, "_init", _dispatch(tautograd._init, _skip))
+    # distributed autograd
+    _set(tautograd, "_new_context", _dispatch(tautograd._new_context, _new_context))
+    _set(tautograd, "_release_context", _dispatch(tautograd._release_context, _release_context))
+    _set(tautograd, "backward", _dispatch(tautograd.backward, _autograd_backward))
+    _set(tautograd, "get_gradients", _dispatch(tautograd.get_gradients, _autograd_get_gradients))
+    # constructors
+    _undo.append(_route_new(tapi.RRef, _rref))
+    from torch.distributed.optim import DistributedOptimizer as TorchDO
+
+    _undo.append(_route_new(TorchDO, _dist_optimizer))
+    from torch.distributed.nn.api.remote_module import RemoteModule as TorchRM
+
+    _undo.append(_route_new(TorchRM, _remote_module))
+    _set(torch._C, "_collect_all", _collect_all(torch._C._collect_all))
+
+
+def _uninstall() -> None:
+    while _undo:
+        _undo.pop()()
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """While active, torch's RPC API on simulated rank threads runs on the simulator's RPC transport.
+
+    Nested and concurrent worlds share one installation (counted); the last
+    one to leave restores torch's objects exactly.
+    """
+    global _active
+    with _lock:
+        if _active == 0:
+            try:
+                _install()
+            except BaseException:
+                _uninstall()
+                raise
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                _uninstall()
