@@ -1,87 +1,215 @@
-"""``python -m simulator``: run a torchrun-style script on N simulated ranks in this process.
+"""``python -m simulator``: run a distributed script on simulated ranks in this process.
 
-Each rank runs the script as ``__main__`` in its own thread and sees its own
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
-and ``MASTER_PORT`` in ``os.environ``; ``init_process_group()`` (any backend,
-``env://``) binds to the simulated world.  The exit code is 0 when every rank
-succeeds, else 1 with the failing rank's traceback on stderr.
+Two kinds of script, told apart by ``--nproc-per-node``:
+
+* **torchrun-style** (``--nproc-per-node N`` given, as with ``torchrun``): the
+  script runs as ``__main__`` on each of N ranks, in its own thread, and sees its
+  own ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+  ``MASTER_ADDR`` and ``MASTER_PORT`` in ``os.environ``; ``init_process_group()``
+  (any backend) binds to the simulated world.
+* **launcher** (no ``--nproc-per-node``, as with ``python script.py``): the script
+  runs once and starts its own ranks with ``torch.multiprocessing.spawn`` or
+  ``multiprocessing.Process``; each process it starts becomes a simulated rank
+  (see :mod:`simulator.launch`).
+
+The exit code is 0 when the script and every rank succeed, 1 when a rank fails
+(its traceback on stderr, once, naming the rank) or exits with a non-zero
+status, 2 for a usage error (including a script run in the wrong style), and
+the script's own ``sys.exit`` status otherwise.
 
 Example::
 
     python -m simulator --nproc-per-node 4 --seed 3 train.py --epochs 1
     python -m simulator --nproc-per-node 8 --mode threads --trace run.json train.py
+    python -m simulator ddp_tutorial.py          # the script calls mp.spawn(fn, nprocs=4)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import runpy
+import shlex
 import sys
-import traceback
-from typing import Sequence
+from typing import Any, Sequence
 
+from . import launch as _launch
 from .world import World
 
 __all__ = ["main"]
 
+_DEFAULT_TIMEOUT = 300.0
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
-                   help="number of simulated ranks (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
+                   help="run the script torchrun-style on this many simulated ranks; without it the script "
+                        "runs once as a launcher that starts its own ranks (mp.spawn / multiprocessing.Process)")
     p.add_argument("--seed", type=int, default=0, help="schedule seed for --mode coop (default 0)")
     p.add_argument("--mode", choices=["coop", "threads"], default="coop",
                    help="coop: one rank at a time, reproducible; threads: free-running (default coop)")
-    p.add_argument("--timeout", type=float, default=300.0, help="abort the run after this many seconds")
+    p.add_argument("--timeout", type=float, default=_DEFAULT_TIMEOUT,
+                   help="abort a simulated world after this many seconds (default 300)")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace/Perfetto JSON of the run to PATH")
     p.add_argument("--summary", action="store_true", help="print the per-rank communication summary")
-    p.add_argument("script", help="the Python script to run on every rank")
+    p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
 
 
+def _command(ns: argparse.Namespace, nproc: Any) -> str:
+    """The command line that reruns this script with these settings (``nproc=None``: launcher style)."""
+    parts = ["python", "-m", "simulator"]
+    if nproc is not None:
+        parts += ["--nproc-per-node", str(nproc)]
+    parts += ["--seed", str(ns.seed), "--mode", ns.mode]
+    if ns.timeout != _DEFAULT_TIMEOUT:
+        parts += ["--timeout", f"{ns.timeout:g}"]
+    return shlex.join([*parts, ns.script, *ns.script_args])
+
+
+def _err(text: str) -> None:
+    print(f"python -m simulator: {text}", file=sys.stderr, flush=True)
+
+
+def _find(exc: BaseException, cls: type) -> BaseException | None:
+    """``exc`` or the first exception of class ``cls`` inside it (exception groups)."""
+    if isinstance(exc, cls):
+        return exc
+    for sub in getattr(exc, "exceptions", ()) if isinstance(exc, BaseExceptionGroup) else ():
+        found = _find(sub, cls)
+        if found is not None:
+            return found
+    return None
+
+
+def _report(exc: BaseException) -> int:
+    """Print a failure once, naming the rank; return the exit code."""
+    from torch.multiprocessing.spawn import ProcessException
+
+    style = _find(exc, _launch.LaunchStyleError)
+    if style is not None:  # every rank may raise it: say it once, it is a usage error
+        _err(str(style))
+        return 2
+    rank = getattr(exc, "rank", None)
+    if isinstance(exc, ProcessException) and rank is not None:
+        kind = type(getattr(exc, "rank_exception", None) or exc).__name__
+        code = getattr(exc, "exit_code", None)
+        what = f"exited with code {code}" if code is not None else f"failed ({kind})"
+        _err(f"rank {rank} (process {exc.error_index} of torch.multiprocessing.spawn) {what}; the launcher got "
+             f"{type(exc).__name__}:")
+        sys.stderr.write(_launch.format_rank_traceback(exc))
+        return 1
+    if isinstance(exc, SystemExit) and rank is None:  # the script's own sys.exit()
+        code = exc.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    exit_code = getattr(exc, "exit_code", None)
+    if exit_code is None and isinstance(exc, SystemExit):
+        exit_code = exc.code
+    if rank is not None and rank >= 0 and exit_code is not None:
+        _err(f"rank {rank} exited with code {exit_code} (a rank that exits non-zero is a failed rank, as under "
+             f"torchrun); where it exited:")
+        where = exc.__cause__ if isinstance(exc.__cause__, SystemExit) else exc
+        sys.stderr.write(_launch.format_rank_traceback(where))
+        for note in getattr(exc, "__notes__", ()) if where is not exc else ():
+            sys.stderr.write(note + "\n")
+        return 1
+    if rank is not None and rank >= 0:
+        _err(f"rank {rank} failed ({type(exc).__name__}); its traceback:")
+    elif rank is not None:  # the world's own failures (a timeout) concern no single rank
+        _err(f"the run failed ({type(exc).__name__}):")
+    else:
+        _err(f"the script raised {type(exc).__name__}; its traceback:")
+    sys.stderr.write(_launch.format_rank_traceback(exc))
+    return 1
+
+
+def _write_traces(ns: argparse.Namespace, worlds: list[World]) -> None:
+    traces = [w.trace for w in worlds if w.trace is not None]
+    if ns.trace and traces:
+        if len(traces) == 1:
+            traces[0].to_chrome(ns.trace)
+        else:  # one file per launched world, numbered in launch order
+            stem, ext = os.path.splitext(ns.trace)
+            names = [f"{stem}.{i}{ext or '.json'}" for i in range(len(traces))]
+            for tr, name in zip(traces, names):
+                tr.to_chrome(name)
+            _err(f"{len(traces)} worlds ran; their traces: {', '.join(names)}")
+    if ns.summary:
+        for i, tr in enumerate(traces):
+            if len(traces) > 1:
+                print(f"world {i} ({tr.world_size} ranks):")
+            print(tr.format_summary())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     ns = _parser().parse_args(argv)
     script = os.path.abspath(ns.script)
     if not os.path.isfile(script):
-        print(f"python -m simulator: no such script: {ns.script}", file=sys.stderr)
+        _err(f"no such script: {ns.script}")
         return 2
-    if ns.nproc < 1:
-        print(f"python -m simulator: --nproc-per-node must be at least 1, got {ns.nproc}", file=sys.stderr)
+    if ns.nproc is not None and ns.nproc < 1:
+        _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
+    try:
+        World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout)  # the settings, checked before the script runs
+    except Exception as e:  # noqa: BLE001  a bad option is a usage error
+        _err(str(e))
+        return 2
+    hook = sys.excepthook
+    try:
+        if ns.nproc is None:
+            code, worlds = _run_launcher(ns, script)
+        else:
+            code, worlds = _run_torchrun_style(ns, script)
+    finally:
+        sys.excepthook = hook  # torch's init_process_group wraps it once per rank ("[rank1]: [rank0]: ...")
+    _write_traces(ns, worlds)
+    return code
 
+
+def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
+    launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, device="cpu",
+                                 replay_hint=_command(ns, None))
+    exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
+    code = 0 if exc is None else _report(exc)
+    if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
+        code = _report(launcher.failures[0])
+    return code, launcher.worlds
+
+
+def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     def rank_main() -> None:
         try:
             runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:  # sys.exit(0) in a rank is a normal return
+        except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
             if e.code not in (None, 0):
                 raise
 
-    old_argv = sys.argv
-    sys.argv = [script, *ns.script_args]
-    sys.path.insert(0, os.path.dirname(script))
     world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True)
+    if hasattr(world, "replay_hint"):
+        world.replay_hint = _command(ns, ns.nproc)  # type: ignore[attr-defined]
     code = 0
+    # set once for all ranks: a rank restoring them while another still runs would race
+    old_argv, folder = sys.argv, os.path.dirname(script)
+    sys.argv = [script, *ns.script_args]
+    sys.path.insert(0, folder)
     try:
-        world.run(rank_main)
+        with _launch.patched(None, hint=_command(ns, None)):
+            world.run(rank_main)
     except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
         if isinstance(e, KeyboardInterrupt):
             raise
-        rank = getattr(e, "rank", None)
-        who = f"rank {rank}" if rank is not None else "the run"
-        print(f"python -m simulator: {who} failed ({type(e).__name__}); its traceback:", file=sys.stderr)
-        traceback.print_exception(e, file=sys.stderr)
-        code = 1
+        code = _report(e)
     finally:
         sys.argv = old_argv
-        if sys.path and sys.path[0] == os.path.dirname(script):
+        if sys.path and sys.path[0] == folder:
             del sys.path[0]
-    if world.trace is not None:
-        if ns.trace:
-            world.trace.to_chrome(ns.trace)
-        if ns.summary:
-            print(world.trace.format_summary())
-    return code
+    return code, [world]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,741 @@
+"""Scripts that start their own ranks (``torch.multiprocessing.spawn``, ``multiprocessing.Process``).
+
+Most PyTorch tutorials are *launchers*: the script's main process starts N
+processes itself, each of which joins a process group::
+
+    def run(rank, world_size):
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        ...
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(4,), nprocs=4, join=True)
+
+:func:`launch` runs such a script (or a launcher function) unmodified in the
+calling thread, with the launch APIs patched: every process the launcher
+starts becomes a simulated rank instead (rank ``i`` = the ``i``-th process
+started, so ``fn(i, ...)`` of ``spawn`` runs on rank ``i``).  The ranks started
+before the launcher first waits for one of them (``join``, ``is_alive``,
+``exitcode``, ``sentinel``, ``ProcessContext.join``) form one simulated world,
+which runs to completion inside that wait; processes started later form the
+next world.  Ranks still pending when the launcher returns run then, as
+Python joins non-daemon children at exit.
+
+What the launcher sees is what a real run shows: ``Process.exitcode`` is 0, 1
+when the rank raised, or the ``sys.exit`` code; ``spawn`` raises torch's own
+``ProcessRaisedException`` (the rank's traceback in the message) or
+``ProcessExitedException``.  Each rank gets its own copy of the arguments
+(tensors are shared, as torch's multiprocessing shares them, except tensors
+not in shared memory under the ``fork`` start method, which are copied like
+the rest) and its own ``os.environ``, a copy of the launcher's.
+
+Example (the Python API; the command line is ``python -m simulator script.py``)::
+
+    from simulator.launch import launch
+
+    worlds = launch("ddp_tutorial.py", argv=["--epochs", "1"], seed=3)
+    worlds[0].trace.format_summary()
+
+Inside a simulated rank, starting more ranks (``spawn``, or a ``Process``
+whose target is the script's own code) is refused with
+:class:`LaunchStyleError`; library processes (``DataLoader`` workers, pools)
+are started for real.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process as mp_process
+import os
+import pickle
+import runpy
+import shlex
+import signal
+import sys
+import sysconfig
+import threading
+import traceback
+import types
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from tensorplay.distributed.errors import format_message
+
+from .errors import RankFailedError, SimError
+from .world import World, current_rank_state
+
+__all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]
+
+
+class LaunchStyleError(SimError):
+    """The script starts ranks in a way the current run cannot simulate (the message says how to run it)."""
+
+
+# ---------------------------------------------------------------------------
+# which processes become ranks
+# ---------------------------------------------------------------------------
+_LIB_DIRS = tuple({os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                   if (p := sysconfig.get_paths().get(key))})
+_OWN_PACKAGES = ("simulator", "tensorplay", "conformance")
+
+
+def _entry_function(proc: mp_process.BaseProcess) -> Any:
+    """What the process runs: its ``run`` override, else its target (partials and methods unwrapped)."""
+    run = type(proc).run
+    fn: Any = run if run is not mp_process.BaseProcess.run else getattr(proc, "_target", None)
+    for _ in range(8):  # functools.partial / bound methods, nested a few levels at most
+        inner = getattr(fn, "func", None) or getattr(fn, "__func__", None)
+        if inner is None:
+            break
+        fn = inner
+    return fn
+
+
+def _is_user_process(proc: mp_process.BaseProcess) -> bool:
+    """True when the process runs the program's own code (a rank), not a library's worker.
+
+    DataLoader workers, multiprocessing pools and executors start processes
+    whose code lives in the standard library or site-packages; those stay real.
+    """
+    fn = _entry_function(proc)
+    if fn is None:
+        return False
+    mod_name = getattr(fn, "__module__", None) or ""
+    if mod_name in ("__main__", "__mp_main__"):
+        return True
+    if mod_name.split(".", 1)[0] in _OWN_PACKAGES:
+        return False
+    mod = sys.modules.get(mod_name)
+    path = getattr(mod, "__file__", None)
+    if not path:
+        return True
+    path = os.path.realpath(path)
+    return not any(path.startswith(d + os.sep) for d in _LIB_DIRS)
+
+
+def _start_method(proc: mp_process.BaseProcess) -> str:
+    method = getattr(type(proc), "_start_method", None)
+    if method:
+        return str(method)
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method:
+        return method
+    return multiprocessing.get_all_start_methods()[0]  # the platform's default comes first
+
+
+# ---------------------------------------------------------------------------
+# per-rank copies of the arguments
+# ---------------------------------------------------------------------------
+def _shared_kinds() -> tuple[type, ...]:
+    """Objects that real child processes share with the launcher (or that are passed by reference)."""
+    import multiprocessing.managers
+    import multiprocessing.queues
+    import multiprocessing.synchronize
+
+    kinds: list[type] = [types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
+                         multiprocessing.queues.Queue, multiprocessing.queues.SimpleQueue,
+                         multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Condition,
+                         multiprocessing.synchronize.Event, multiprocessing.synchronize.Barrier,
+                         multiprocessing.connection.Connection, multiprocessing.managers.BaseProxy,
+                         io.IOBase, type(threading.Lock()), type(threading.RLock()), threading.Condition,
+                         threading.Event]
+    try:
+        from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
+
+        kinds += [Synchronized, SynchronizedArray]
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(kinds)
+
+
+class _Transfer(pickle.Pickler):
+    """Pickles a rank's arguments, passing by reference what a real child would share."""
+
+    def __init__(self, buf: io.BytesIO, share_all_tensors: bool) -> None:
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.share_all_tensors = share_all_tensors
+        self.kinds = _shared_kinds()
+        self.shared: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            # spawn/forkserver: torch moves tensors to shared memory; fork: only shared ones stay shared
+            share = self.share_all_tensors or obj.device.type != "cpu" or obj.is_shared()
+        else:
+            share = isinstance(obj, self.kinds)
+        if not share:
+            return None
+        self.shared.append(obj)
+        return len(self.shared) - 1
+
+
+class _Receive(pickle.Unpickler):
+    def __init__(self, buf: io.BytesIO, shared: list[Any]) -> None:
+        super().__init__(buf)
+        self.shared = shared
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.shared[pid]
+
+
+def _copy_for_rank(args: tuple, kwargs: dict, method: str) -> tuple[tuple, dict]:
+    """The arguments as a child process would see them: its own copy, shared objects shared."""
+    buf = io.BytesIO()
+    p = _Transfer(buf, share_all_tensors=method != "fork")
+    try:
+        p.dump((args, kwargs))
+        buf.seek(0)
+        return _Receive(buf, p.shared).load()
+    except Exception:  # noqa: BLE001  not copyable here: the rank gets the launcher's objects themselves
+        return args, kwargs
+
+
+# ---------------------------------------------------------------------------
+# the simulated child process
+# ---------------------------------------------------------------------------
+def _fake_pid_base() -> int:
+    # above the kernel's largest pid, so os.kill() on a simulated pid can never reach a real process
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read()) + 1
+    except (OSError, ValueError):
+        return 1 << 22
+
+
+_no_trigger = threading.local()
+
+
+class _SimPopen:
+    """Stands in for multiprocessing's ``Popen``: the process is a rank of a simulated world."""
+
+    def __init__(self, launcher: "_Launcher", pid: int) -> None:
+        self.launcher = launcher
+        self.pid = pid
+        self.returncode: int | None = None
+        self.exc: BaseException | None = None  # what the rank raised (None: it returned or exited)
+        self.rank: int | None = None
+        self.world: World | None = None
+        self.exited = False  # the rank called sys.exit() with a non-zero status
+        self.cancelled = False
+        self._fd: int | None = None
+
+    def _finish(self) -> None:
+        if self.returncode is None and not getattr(_no_trigger, "on", False):
+            self.launcher.run_pending(self)
+
+    def poll(self, flag: int = 0) -> int | None:
+        self._finish()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._finish()
+        return self.returncode
+
+    def _cancel(self, sig: int) -> None:
+        # a pending rank can be stopped before its world starts; a finished one has nothing left to stop
+        if self.returncode is None and self.launcher.cancel(self):
+            self.returncode = -sig
+            self.cancelled = True
+
+    def terminate(self) -> None:
+        self._cancel(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._cancel(signal.SIGKILL)
+
+    def sentinel(self) -> int:
+        """A descriptor that is readable once the rank ended (``multiprocessing.connection.wait`` works)."""
+        self._finish()
+        if self._fd is None:
+            r, w = os.pipe()
+            os.close(w)  # end of file right away: the rank has ended
+            self._fd = r
+            self.launcher.fds.append(r)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            with contextlib.suppress(ValueError):
+                self.launcher.fds.remove(self._fd)
+            self._fd = None
+
+
+def _sim_popen(proc: Any) -> _SimPopen | None:
+    popen = getattr(proc, "_popen", None)
+    return popen if isinstance(popen, _SimPopen) else None
+
+
+def _exit_status(code: Any) -> int:
+    """A child's exit status for ``sys.exit(code)``, as ``multiprocessing`` computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stderr.write(str(code) + "\n")  # multiprocessing prints a non-integer exit message
+    return 1
+
+
+def _rank_entry(procs: list[mp_process.BaseProcess]) -> None:
+    """Body of every rank of a launched world: run the process the launcher started as this rank."""
+    rs = current_rank_state()
+    proc = procs[rs.rank]  # type: ignore[union-attr]
+    popen = _sim_popen(proc)
+    assert popen is not None  # noqa: S101  (internal invariant: only simulated processes are in a batch)
+    try:
+        proc.run()
+    except SystemExit as e:
+        popen.returncode = _exit_status(e.code)
+        if popen.returncode != 0:
+            popen.exited = True
+            raise  # a non-zero exit is a rank failure, as under torchrun
+        return
+    except BaseException as e:  # noqa: BLE001  recorded for the launcher, then reported by the world
+        popen.returncode = 1
+        popen.exc = e
+        raise
+    popen.returncode = 0
+
+
+def format_rank_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without the simulator's and runpy's frames: the rank's (or launcher's) own code."""
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen: set[int] = set()
+    todo = [te]
+    while todo:  # the exception and its causes/contexts, each once
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        kept = [f for f in t.stack if not _internal_file(f.filename)]
+        if kept:  # a traceback entirely inside the simulator is shown as it is
+            t.stack = traceback.StackSummary.from_list(kept)
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format())
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _internal_file(path: str) -> bool:
+    if path.startswith("<frozen runpy"):
+        return True
+    path = os.path.abspath(path)
+    return (os.path.dirname(path) == _HERE or os.path.basename(path) == "runpy.py"
+            or path.endswith(os.path.join("multiprocessing", "process.py")))
+
+
+class _Launcher:
+    """One launcher run: the processes it started that have not run yet, and the worlds that ran."""
+
+    def __init__(self, *, seed: int, mode: str, timeout: float, device: str, replay_hint: str | None) -> None:
+        self.seed = seed
+        self.mode = mode
+        self.timeout = timeout
+        self.device = device
+        self.replay_hint = replay_hint
+        self.pending: list[mp_process.BaseProcess] = []
+        self.worlds: list[World] = []
+        self.failures: list[BaseException] = []  # per world that failed: what World.run raised
+        self.failure_of: dict[int, BaseException] = {}  # id(world) -> what its run raised
+        self.fds: list[int] = []
+        self.thread = threading.current_thread()
+        self.lock = threading.Lock()
+        self.next_pid = _fake_pid_base()
+
+    def add(self, proc: mp_process.BaseProcess) -> None:
+        with self.lock:
+            proc._popen = _SimPopen(self, self.next_pid)  # type: ignore[attr-defined]
+            self.next_pid += 1
+            proc._sentinel = None  # type: ignore[attr-defined]  # close() deletes it; the property makes one
+            method = _start_method(proc)
+            # a child gets the arguments as they were at start(), in its own copy
+            proc._args, proc._kwargs = _copy_for_rank(proc._args, proc._kwargs, method)  # type: ignore[attr-defined]
+            self.pending.append(proc)
+
+    def cancel(self, popen: _SimPopen) -> bool:
+        with self.lock:
+            for i, p in enumerate(self.pending):
+                if p._popen is popen:  # type: ignore[attr-defined]
+                    del self.pending[i]
+                    return True
+        return False
+
+    def run_pending(self, popen: _SimPopen | None = None) -> None:
+        """Run the processes started so far as one simulated world (waits end up here)."""
+        if current_rank_state() is not None:
+            raise LaunchStyleError(format_message(
+                "simulator.launch", "a simulated rank waited for a process that the launcher started",
+                rank=current_rank_state().rank,  # type: ignore[union-attr]
+                fix="join/wait for the launched processes in the launcher (the script's main code), not in a rank"))
+        with self.lock:
+            if popen is not None and popen.returncode is not None:
+                return
+            batch, self.pending = self.pending, []
+            if not batch:
+                return
+            world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout, device=self.device,
+                          env=dict(os.environ))  # each rank: its own copy of the launcher's environment
+            if self.replay_hint and hasattr(world, "replay_hint"):
+                world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
+            for r, p in enumerate(batch):
+                p._popen.rank, p._popen.world = r, world  # type: ignore[attr-defined]
+            self.worlds.append(world)
+            hook = sys.excepthook
+            try:
+                world.run(_rank_entry, args=(batch,))
+            except BaseException as e:  # noqa: BLE001  delivered as exit codes (and by spawn as torch's errors)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                self.failures.append(e)
+                self.failure_of[id(world)] = e
+            finally:
+                sys.excepthook = hook  # torch's init_process_group wraps it once per rank
+            for r, p in enumerate(batch):
+                po = p._popen  # type: ignore[attr-defined]
+                if po.returncode is None:  # released by another rank's failure, or never got to run
+                    po.returncode = 1
+                    po.exc = world.errors[r]
+
+    def finish(self) -> None:
+        """The launcher ended: run what is still pending (Python joins children at exit), free descriptors."""
+        try:
+            self.run_pending()
+        finally:
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.fds.clear()
+
+
+# ---------------------------------------------------------------------------
+# torch.multiprocessing.spawn / start_processes
+# ---------------------------------------------------------------------------
+class SimProcessContext:
+    """What the simulated ``start_processes(..., join=False)`` returns (torch's ``ProcessContext`` API)."""
+
+    def __init__(self, processes: list[mp_process.BaseProcess]) -> None:
+        self.processes = processes
+        self.error_files = [None] * len(processes)
+        self._reported = False
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.processes]
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Run the ranks (if not yet); raise torch's error for a failed one, as a real join does."""
+        for p in self.processes:
+            p.join()
+        failed = [p for p in self.processes if p.exitcode != 0]
+        if not failed or self._reported:
+            return True
+        self._reported = True
+        raise _process_error(self.processes.index(_first_failed(failed)), _first_failed(failed))
+
+
+def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProcess:
+    """The process whose failure stopped its world (a real join reports the first process that died)."""
+    for p in failed:
+        po = _sim_popen(p)
+        failure = po.launcher.failure_of.get(id(po.world)) if po is not None else None
+        if po is not None and failure is not None and getattr(failure, "rank", None) == po.rank:
+            return p
+
+    def released(p: mp_process.BaseProcess) -> bool:
+        po = _sim_popen(p)
+        return po is None or not (po.exited or (po.exc is not None and not isinstance(po.exc, RankFailedError)))
+
+    return min(failed, key=released)  # min keeps the first of equals: the lowest index
+
+
+def _process_error(index: int, proc: mp_process.BaseProcess) -> BaseException:
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+    popen = _sim_popen(proc)
+    code = proc.exitcode
+    exc = popen.exc if popen is not None else None
+    if exc is not None and not popen.exited:  # type: ignore[union-attr]
+        msg = f"\n\n-- Process {index:d} terminated with the following error:\n" + format_rank_traceback(exc)
+        err: BaseException = ProcessRaisedException(msg, index, proc.pid)
+    elif code is not None and code < 0:
+        name = signal.Signals(-code).name
+        err = ProcessExitedException(f"process {index:d} terminated with signal {name}", error_index=index,
+                                     error_pid=proc.pid, exit_code=code, signal_name=name)
+    else:
+        err = ProcessExitedException(f"process {index:d} terminated with exit code {code:d}", error_index=index,
+                                     error_pid=proc.pid, exit_code=code)
+    err.rank = popen.rank if popen is not None else index  # type: ignore[attr-defined]
+    err.rank_exception = exc  # type: ignore[attr-defined]
+    failure = popen.launcher.failure_of.get(id(popen.world)) if popen is not None else None
+    if failure is not None and exc is None and getattr(failure, "rank", None) == err.rank:
+        for note in getattr(failure, "__notes__", ()):  # the replay hint of the world that ran the rank
+            err.add_note(note)
+    return err
+
+
+def _start_processes(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+                     daemon: bool = False, start_method: str = "spawn") -> SimProcessContext | None:
+    ctx = multiprocessing.get_context(start_method)
+    procs = [ctx.Process(target=fn, args=(i, *tuple(args)), daemon=daemon) for i in range(nprocs)]
+    for p in procs:
+        p._sim_rank_process = True  # type: ignore[attr-defined]  # every spawned process is a rank
+        p.start()  # the patched start: refused inside a rank, a pending rank in the launcher
+    context = SimProcessContext(procs)
+    if not join:
+        return context
+    while not context.join():
+        pass
+    return None
+
+
+def _spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+           daemon: bool = False, start_method: str = "spawn") -> SimProcessContext | None:
+    # torch.multiprocessing.spawn always uses the spawn start method (it only warns about another)
+    return _start_processes(fn, args, nprocs, join, daemon, start_method="spawn")
+
+
+# ---------------------------------------------------------------------------
+# the patches
+# ---------------------------------------------------------------------------
+_active: "_Patches | None" = None
+_patch_lock = threading.Lock()
+
+
+class _Patches:
+    """The launch APIs while a launcher (``launcher`` set) or a torchrun-style run (``launcher=None``) runs."""
+
+    def __init__(self, launcher: _Launcher | None, hint: str) -> None:
+        self.launcher = launcher
+        self.hint = hint  # how to run this script the other way (for LaunchStyleError)
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    # -- the refusals ------------------------------------------------------------
+    def refuse_in_rank(self, call: str) -> None:
+        rs = current_rank_state()
+        if rs is None:
+            return
+        if self.launcher is None:
+            problem = (f"{call} was called on a simulated rank: this script starts its own ranks, but it was run "
+                       f"torchrun-style (every rank runs the whole script) because --nproc-per-node was given")
+            fix = f"run it as a launcher, without --nproc-per-node: {self.hint}"
+        else:
+            problem = f"{call} was called inside a simulated rank: a rank cannot start more ranks"
+            fix = "start every rank from the launcher (the script's main code)"
+        raise LaunchStyleError(format_message("simulator.launch", problem, rank=rs.rank, fix=fix))
+
+    def refuse_init_in_launcher(self, call: str) -> None:
+        if self.launcher is None or current_rank_state() is not None:
+            return
+        raise LaunchStyleError(format_message(
+            "simulator.launch",
+            f"{call} was called by the launcher (the script's main code, outside any rank it started): without "
+            f"--nproc-per-node `python -m simulator` runs a script once as a launcher, and only the processes it "
+            f"starts with torch.multiprocessing.spawn or multiprocessing.Process are simulated ranks",
+            fix=f"this looks like a torchrun-style script: run it with N ranks as {self.hint}"))
+
+    # -- installing ---------------------------------------------------------
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self.saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def install(self) -> None:
+        import torch.distributed as tdist
+        import torch.distributed.distributed_c10d as c10d
+        import torch.multiprocessing as tmp
+
+        import tensorplay.distributed as tpd
+        import tensorplay.distributed.api as tpd_api
+
+        patches = self
+        spawn_mod = sys.modules["torch.multiprocessing.spawn"]
+        orig_start = mp_process.BaseProcess.start
+        orig_repr = mp_process.BaseProcess.__repr__
+        orig_sentinel = mp_process.BaseProcess.__dict__["sentinel"]
+
+        def start(proc: mp_process.BaseProcess) -> None:
+            if not (getattr(proc, "_sim_rank_process", False) or _is_user_process(proc)):
+                return orig_start(proc)
+            patches.refuse_in_rank(f"multiprocessing {type(proc).__name__}.start()")
+            if patches.launcher is None:
+                return orig_start(proc)
+            proc._check_closed()  # type: ignore[attr-defined]
+            if proc._popen is not None:  # type: ignore[attr-defined]
+                raise AssertionError("cannot start a process twice")  # multiprocessing's own message
+            patches.launcher.add(proc)
+
+        def repr_(proc: mp_process.BaseProcess) -> str:
+            _no_trigger.on = True  # printing a process is no reason to start its world
+            try:
+                return orig_repr(proc)
+            finally:
+                _no_trigger.on = False
+
+        def sentinel(proc: mp_process.BaseProcess) -> Any:
+            popen = _sim_popen(proc)
+            if popen is None:
+                return orig_sentinel.__get__(proc)
+            proc._check_closed()  # type: ignore[attr-defined]
+            return popen.sentinel()
+
+        def spawn(*a: Any, **k: Any) -> Any:
+            patches.refuse_in_rank("torch.multiprocessing.spawn")
+            if patches.launcher is None:
+                return patches.orig_spawn(*a, **k)
+            return _spawn(*a, **k)
+
+        def start_processes(*a: Any, **k: Any) -> Any:
+            patches.refuse_in_rank("torch.multiprocessing.start_processes")
+            if patches.launcher is None:
+                return patches.orig_start_processes(*a, **k)
+            return _start_processes(*a, **k)
+
+        self.orig_spawn = spawn_mod.spawn
+        self.orig_start_processes = spawn_mod.start_processes
+        self._set(mp_process.BaseProcess, "start", start)
+        self._set(mp_process.BaseProcess, "__repr__", repr_)
+        self._set(mp_process.BaseProcess, "sentinel", property(sentinel))
+        for owner in (spawn_mod, tmp):
+            self._set(owner, "spawn", spawn)
+            self._set(owner, "start_processes", start_processes)
+        if self.launcher is None:
+            return
+        # the launcher itself must not join a process group: that would wait for peers that never come
+        orig_init = c10d.init_process_group
+        orig_tp_init = tpd_api.init_process_group
+
+        def init_process_group(*a: Any, **k: Any) -> Any:
+            patches.refuse_init_in_launcher("torch.distributed.init_process_group")
+            return orig_init(*a, **k)
+
+        def tp_init_process_group(*a: Any, **k: Any) -> Any:
+            patches.refuse_init_in_launcher("tensorplay.distributed.init_process_group")
+            return orig_tp_init(*a, **k)
+
+        for owner in (c10d, tdist):
+            self._set(owner, "init_process_group", init_process_group)
+        for owner in (tpd, tpd_api):
+            self._set(owner, "init_process_group", tp_init_process_group)
+        # and the rendezvous, which torch's own modules reach through names bound before this patch
+        handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
+        for scheme, handler in list(handlers.items()):
+            def guarded(url: str, *a: Any, _h: Any = handler, _s: str = scheme, **k: Any) -> Any:
+                patches.refuse_init_in_launcher(f"the {_s}:// rendezvous of init_process_group")
+                return _h(url, *a, **k)
+
+            self.saved.append((handlers, scheme, handler))
+            handlers[scheme] = guarded
+
+    def uninstall(self) -> None:
+        for owner, name, value in reversed(self.saved):
+            if isinstance(owner, dict):
+                owner[name] = value
+            else:
+                setattr(owner, name, value)
+        self.saved.clear()
+
+
+@contextlib.contextmanager
+def patched(launcher: _Launcher | None = None, *, hint: str = "python -m simulator script.py") -> Iterator[None]:
+    """Patch the launch APIs for the duration of a launcher run (``launcher``) or a torchrun-style run (None).
+
+    In a torchrun-style run, ``spawn`` and script-defined processes are refused
+    on the ranks with :class:`LaunchStyleError` naming ``hint``, the command
+    that runs the script as a launcher instead.
+    """
+    global _active
+    with _patch_lock:
+        if _active is not None:
+            raise LaunchStyleError(format_message(
+                "simulator.launch", "a launcher run is already in progress in this process",
+                fix="run one launcher at a time"))
+        p = _Patches(launcher, hint)
+        p.install()
+        _active = p
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            p.uninstall()
+            _active = None
+
+
+# ---------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------
+def launch(target: str | os.PathLike[str] | Callable[..., Any], *, args: Sequence[Any] = (),
+           argv: Sequence[str] = (), seed: int = 0, mode: str = "coop", timeout: float = 60.0,
+           device: str = "cpu", replay_hint: str | None = None) -> list[World]:
+    """Run a launcher with its ranks simulated; return the worlds that ran, in order.
+
+    Args:
+        target: a script path (run as ``__main__`` with ``sys.argv = [path, *argv]``, its folder first on
+            ``sys.path``, as ``python script.py`` would) or a callable (called as ``target(*args)``).
+        args: arguments of a callable ``target``.
+        argv: command-line arguments of a script ``target``.
+        seed, mode, timeout, device: settings of every world (see :class:`simulator.World`); ``timeout``
+            bounds each world, not the launcher's own code.
+        replay_hint: the command that replays a failure, shown in rank failures instead of the
+            ``simulator.run`` hint (where :class:`World` supports it).
+
+    Raises:
+        whatever the launcher raised (e.g. torch's ``ProcessRaisedException`` from ``spawn``), re-raised after
+        pending ranks ran; else, when a rank failed and the launcher carried on, what the first failed world
+        raised (the rank's exception, with ``.rank``), so a rank failure never goes unnoticed.
+    """
+    World(1, seed=seed, mode=mode, timeout=timeout, device=device)  # checks the settings before anything runs
+    launcher = _Launcher(seed=seed, mode=mode, timeout=timeout, device=device, replay_hint=replay_hint)
+    other = "python -m simulator --nproc-per-node N " + (
+        shlex.join([os.fspath(target), *argv]) if not callable(target) else "script.py")
+    exc = _execute(launcher, target, args, argv, other_style=other)
+    if exc is not None:
+        raise exc
+    return launcher.worlds
+
+
+def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequence[str], *,
+             other_style: str) -> BaseException | None:
+    """Run the launcher; return what :func:`launch` raises (None on success). ``launcher.worlds`` holds the runs.
+
+    ``other_style`` is the torchrun-style command named when the launcher itself initialises a process group.
+    """
+    default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
+    saved_method = getattr(default_ctx, "_actual_context", None)
+    hook = sys.excepthook
+    own_exc: BaseException | None = None
+    try:
+        with patched(launcher, hint=other_style):
+            try:
+                if callable(target):
+                    target(*args)
+                else:
+                    _run_script(os.fspath(target), argv)
+            except BaseException as e:  # noqa: BLE001  returned below, after the pending ranks ran
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                own_exc = e
+            launcher.finish()
+    finally:
+        sys.excepthook = hook
+        if hasattr(default_ctx, "_actual_context"):
+            default_ctx._actual_context = saved_method  # set_start_method() belongs to this launcher run
+    if own_exc is not None and not (isinstance(own_exc, SystemExit) and own_exc.code in (None, 0)):
+        return own_exc
+    if launcher.failures:
+        return launcher.failures[0]
+    return None
+
+
+def _run_script(path: str, argv: Sequence[str]) -> None:
+    path = os.path.abspath(path)
+    old_argv, folder = sys.argv, os.path.dirname(path)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, folder)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
