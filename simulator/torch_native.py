@@ -230,10 +230,11 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     Every operation is issued asynchronously and returns a :class:`SimWork`;
     torch itself calls ``wait()`` for the blocking forms, as it does on gloo.
-    The group reports the backend the program named (``"gloo"``, ``"nccl"``,
-    or ``"sim"``) and that backend's devices, so code that asks
-    (``get_backend``, object collectives, checkpointing) takes the path it
-    would take on a real run.
+    To Python callers the group reports the backend the program named
+    (``"gloo"``, ``"nccl"`` or ``"sim"``: ``get_backend``,
+    ``_get_backend_name``) and that backend's devices (``_device_types``), so
+    code that asks (object collectives, checkpointing) takes the path it would
+    take on a real run; torch's C++ side sees backend ``"sim"``.
     """
 
     def __init__(self, group: TpGroup, named: str = "sim") -> None:
@@ -243,6 +244,11 @@ class SimProcessGroup(tdist.ProcessGroup):
         self._types = _device_types_for(self._named)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
+        # what torch's C++ side reads (DDP's logger, ...): "gloo" there would send it looking for a
+        # ProcessGroupGloo; Python callers get the named backend from get_backend()/_get_backend_name()
+        return "sim"
+
+    def _get_backend_name(self) -> str:
         return self._named
 
     @property

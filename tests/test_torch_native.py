@@ -7,6 +7,7 @@ works with the pinned torch.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -180,3 +181,252 @@ def test_torchrun_style_script_with_torch_distributed_runs_under_python_m_simula
     assert out.returncode == 0, out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
     assert lines == [f"rank {r} of 3: sum=3.0" for r in range(3)]
+
+
+# ---------------------------------------------------------------------------
+# issue 12: fidelity of the adapter (async work, devices, interception depth, excepthook)
+# ---------------------------------------------------------------------------
+def test_tutorial_ring_with_isend_before_recv_completes() -> None:
+    """PyTorch's ring all-reduce tutorial posts isend before the blocking recv on every rank (item 1)."""
+    def body() -> tuple[torch.Tensor, torch.Tensor]:
+        tdist.init_process_group("gloo")
+        rank, size = tdist.get_rank(), tdist.get_world_size()
+        t = torch.arange(3.0) + 10 * rank
+        send, recv, acc = t.clone(), torch.zeros(3), t.clone()
+        left, right = (rank - 1) % size, (rank + 1) % size
+        for _ in range(size - 1):
+            req = tdist.isend(send, right)
+            tdist.recv(recv, left)
+            req.wait()
+            acc += recv
+            send.copy_(recv)
+        got = torch.zeros(3)
+        reqs = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, t, right), tdist.P2POp(tdist.irecv, got, left)])
+        for r in reqs:
+            r.wait()
+        return acc, got
+
+    n = 4
+    expected = sum(torch.arange(3.0) + 10 * r for r in range(n))
+    for rank, (acc, got) in enumerate(simulator.run(body, n)):
+        assert torch.equal(acc, expected), rank
+        assert torch.equal(got, torch.arange(3.0) + 10 * ((rank - 1) % n)), rank
+
+
+def test_work_api_behaves_as_on_gloo() -> None:
+    """wait/is_completed/is_success/exception/result/get_future/source_rank of the adapter's torch Work."""
+    def body() -> dict:
+        tdist.init_process_group("gloo")
+        r = tdist.get_rank()
+        x = torch.tensor([float(r + 1)])
+        work = tdist.all_reduce(x, async_op=True)
+        assert isinstance(work, tdist.Work)
+        fut = work.get_future()  # completed: the op was waited for visibly
+        out = {"done": work.is_completed(), "ok": work.is_success(), "exc": work.exception(),
+               "result": [t.clone() for t in work.result()], "future": [t.clone() for t in fut.wait()],
+               "then": fut.then(lambda f: f.value()[0] * 2).wait()}
+        if r == 0:
+            buf = torch.zeros(1)
+            recv_work = tdist.irecv(buf)  # any source
+            recv_work.wait()
+            out["source"] = recv_work._source_rank()
+            out["buf"] = buf
+        elif r == 1:
+            send_work = tdist.isend(torch.tensor([7.0]), 0)
+            send_work.wait()
+            with pytest.raises(RuntimeError, match="recv"):
+                send_work.source_rank()
+        return out
+
+    outs = simulator.run(body, 2)
+    for o in outs:
+        assert o["done"] and o["ok"] and o["exc"] is None
+        assert o["result"] == [torch.tensor([3.0])] and o["future"] == [torch.tensor([3.0])]
+        assert torch.equal(o["then"], torch.tensor([6.0]))
+    assert outs[0]["source"] == 1 and torch.equal(outs[0]["buf"], torch.tensor([7.0]))
+
+
+def test_functional_collective_waits_through_the_python_work() -> None:
+    """C++ wait_tensor reaches the adapter's Python wait (pybind trampoline): async results are right."""
+    import torch.distributed._functional_collectives as fc
+
+    def body() -> torch.Tensor:
+        tdist.init_process_group("gloo")
+        r = tdist.get_rank()
+        y = fc.all_reduce(torch.full((2,), float(r + 1)), "sum", tdist.group.WORLD)
+        z = fc.all_gather_single(torch.tensor([float(r)]), 0, tdist.group.WORLD)
+        return (y + 0).clone(), (z + 0).clone()
+
+    for y, z in simulator.run(body, 3):
+        assert torch.equal(y, torch.full((2,), 6.0)) and torch.equal(z, torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_group_reports_the_named_backend_and_its_devices() -> None:
+    """get_backend and _device_types are what a gloo run reports; the default device is found (item 2)."""
+    import warnings
+
+    def body() -> tuple:
+        tdist.init_process_group("gloo")
+        g = tdist.new_group([0, 1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            default_device = c10d._get_pg_default_device()
+        tdist.monitored_barrier()  # gloo-only API: reached because the group reports gloo
+        return (tdist.get_backend(), tdist.get_backend(g), sorted(str(d) for d in tdist.group.WORLD._device_types),
+                str(default_device), c10d._get_object_coll_device(), type(g).__name__)
+
+    import torch.distributed.distributed_c10d as c10d
+
+    for out in simulator.run(body, 2):
+        assert out == ("gloo", "gloo", ["cpu", "cuda"], "cpu", "cpu", "SimProcessGroup")
+
+
+def test_dcp_save_and_load_with_fsdp2_state_dict_helpers(tmp_path) -> None:
+    """get_state_dict/set_state_dict and dcp.save/load run on simulated ranks and restore the model (item 2)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def body() -> list[torch.Tensor]:
+        tdist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+        model = _model()
+        fully_shard(model, mesh=mesh)
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(tmp_path))
+        torch.manual_seed(5)
+        other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+        fully_shard(other, mesh=mesh)
+        sd = get_model_state_dict(other)
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+        set_model_state_dict(other, sd)
+        return [p.full_tensor().clone() for p in other.parameters()]
+
+    ref = [p.detach() for p in _model().parameters()]
+    for params in simulator.run(body, 2):
+        for p, q in zip(params, ref):
+            assert torch.equal(p, q)
+
+
+def _dcp_save_fsdp2(path: str) -> None:
+    """Save a fixed model, fully sharded over the whole world, with DCP (on whatever backend runs it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (tdist.get_world_size(),)))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+
+
+def _dcp_load_fsdp2(path: str) -> list[torch.Tensor]:
+    """Load the checkpoint into a differently initialised model sharded over this world; full parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    fully_shard(model, mesh=init_device_mesh("cpu", (tdist.get_world_size(),)))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd["model"])
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W2")
+def test_dcp_reshards_from_four_simulated_ranks_to_two_on_sim_and_on_gloo(tmp_path, rank_pool) -> None:
+    """A checkpoint saved by 4 simulated ranks loads at world size 2 on the simulator and on real gloo ranks."""
+    path = str(tmp_path / "ckpt")
+
+    def save() -> None:
+        tdist.init_process_group("gloo")
+        _dcp_save_fsdp2(path)
+
+    def load() -> list[torch.Tensor]:
+        tdist.init_process_group("gloo")
+        return _dcp_load_fsdp2(path)
+
+    simulator.run(save, 4)
+    ref = [p.detach() for p in _model().parameters()]
+    sim = simulator.run(load, 2)
+    real = rank_pool(2).run(_dcp_load_fsdp2, path)
+    for side, outs in (("sim", sim), ("gloo", real)):
+        for rank, params in enumerate(outs):
+            for p, q in zip(params, ref):
+                assert torch.equal(p, q), f"{side} rank {rank}"
+
+
+def test_device_mesh_without_init_process_group_binds_to_the_simulator() -> None:
+    """init_device_mesh calls torch's init_process_group by its own name: still the simulated world (item 9)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def body() -> tuple:
+        mesh = init_device_mesh("cpu", (tdist.get_world_size() if tdist.is_initialized() else 2,))
+        x = torch.tensor([float(tdist.get_rank() + 1)])
+        tdist.all_reduce(x, group=mesh.get_group())
+        return type(tdist.group.WORLD).__name__, x
+
+    for name, x in simulator.run(body, 2, torchrun_env=True):
+        assert name == "SimProcessGroup" and x.item() == 3.0
+
+
+def test_init_process_group_imported_by_name_and_any_init_method_bind_to_the_simulator(tmp_path) -> None:
+    """`from torch.distributed import init_process_group` taken before the run, tcp:// and file:// (item 9)."""
+    from torch.distributed import init_process_group as ipg  # the original function object, by name
+
+    def body(method: str) -> tuple:
+        r = int(__import__("os").environ["RANK"])
+        if method == "env":
+            ipg(backend="gloo")
+        elif method == "tcp":
+            ipg(backend="gloo", init_method="tcp://127.0.0.1:1", rank=r, world_size=3)  # port 1: never dialled
+        else:
+            ipg(backend="gloo", init_method=f"file://{tmp_path}/rdzv", rank=r, world_size=3)
+        g = tdist.new_group([0, 2], backend="gloo")
+        x = torch.tensor([float(r)])
+        tdist.all_reduce(x)
+        return type(tdist.group.WORLD).__name__, type(g).__name__ if r != 1 else None, x.item()
+
+    for method in ("env", "tcp", "file"):
+        outs = simulator.run(body, 3, args=(method,), torchrun_env=True)
+        assert [o[0] for o in outs] == ["SimProcessGroup"] * 3, method
+        assert [o[1] for o in outs] == ["SimProcessGroup", None, "SimProcessGroup"], method
+        assert [o[2] for o in outs] == [3.0] * 3, method
+
+
+def test_rank_or_world_size_that_disagree_with_the_simulated_rank_are_a_clear_error() -> None:
+    def body(kind: str) -> None:
+        if kind == "world_size":
+            tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:1", rank=tdist_rank(), world_size=5)
+        else:
+            tdist.init_process_group("gloo", store=tdist.HashStore(), rank=(tdist_rank() + 1) % 2, world_size=2)
+
+    def tdist_rank() -> int:
+        return int(__import__("os").environ["RANK"])
+
+    for kind, pattern in (("world_size", r"asks for world_size=5.*simulated_world_size=2"),
+                          ("rank", r"asks for rank=1, .*simulated_rank=0")):
+        w = simulator.World(2, torchrun_env=True)
+        with pytest.raises(BaseException):
+            w.run(body, (kind,))
+        assert all(isinstance(e, ValueError) for e in w.errors), (kind, w.errors)  # every rank, before any exchange
+        assert re.search(pattern, str(w.errors[0])), str(w.errors[0])
+
+
+def test_excepthook_is_left_as_found() -> None:
+    """torch wraps sys.excepthook with a [rank<r>] prefixer at each init; thread ranks would nest them (item 12)."""
+    import sys
+
+    before = sys.excepthook
+
+    def body() -> bool:
+        tdist.init_process_group("gloo")
+        same = sys.excepthook is before
+        tdist.destroy_process_group()
+        tdist.init_process_group("gloo")
+        return same and sys.excepthook is before
+
+    assert simulator.run(body, 3) == [True] * 3
+    assert sys.excepthook is before
