@@ -27,6 +27,11 @@ done before the world started does not escape:
 * ``torch.futures.wait_all``/``collect_all`` wait cooperatively for futures of
   ``@async_execution`` calls that have not answered yet.
 
+A remote function's exception reaches ``rpc_sync`` and ``Future.wait`` as torch
+raises it: a ``RuntimeError`` whose message starts with the original type's
+name (``"KeyError: On WorkerInfo(id=1, name=worker1): ..."``), the original
+exception as its ``__cause__``.  (tensorplay's own API keeps the type.)
+
 What cannot be routed fails at once, never hangs: torch's C++ functions
 imported by name *before* the world started
 (``from torch.distributed.autograd import backward``) raise torch's "Could not
@@ -91,12 +96,49 @@ def _timeout(timeout: Any) -> Any:
     return float("inf") if t == 0 else t
 
 
+def _as_torch_error(e: BaseException) -> BaseException:
+    """A remote exception as torch's RPC raises it from ``rpc_sync``/``Future.wait``: a RuntimeError
+    whose message starts with the remote type's name and names the worker (the original is its cause)."""
+    worker = getattr(e, "remote_worker", None)
+    if worker is None:  # not raised by the remote function: the transport's own error
+        return e
+    from tensorplay.distributed.rpc import _agent
+
+    wid = "?"
+    a = _agent.current()
+    if a is not None:
+        wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
+    err = RuntimeError(f"{type(e).__name__}: On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n"
+                       f"{getattr(e, 'remote_traceback', '')}")
+    err.__cause__ = e
+    return err
+
+
 def _rpc_call(name: str) -> Callable[..., Any]:
     def call(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
              timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
         from tensorplay.distributed.rpc import api
 
-        return getattr(api, name)(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+        fn = getattr(api, name)
+        if name == "remote":
+            return fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+        if name == "rpc_sync":
+            try:
+                return fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+            except Exception as e:
+                err = _as_torch_error(e)
+                if err is e:
+                    raise
+                raise err from e
+        fut = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+
+        def torch_errors(f: Any) -> Any:
+            try:
+                return f.value()
+            except Exception as e:
+                raise _as_torch_error(e) from e
+
+        return fut.then(torch_errors)
 
     call.__name__ = name
     return call

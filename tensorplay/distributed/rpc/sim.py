@@ -346,7 +346,9 @@ class _FutureWait:
         self.what = what
 
     def describe(self) -> str:
-        return f"in {self.what}.wait() (the future is not completed; nothing left running can complete it)"
+        return (f"in {self.what}.wait() (the future is not completed and nothing left running can complete it; "
+                f"note that on the simulator an RPC handler runs on its caller's thread, so a handler that waits "
+                f"for a later request from its own caller cannot be served: see docs/rpc.md)")
 
 
 def _coop_wait(fut: Future[Any], timeout: float | None) -> bool:

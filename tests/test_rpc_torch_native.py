@@ -1,0 +1,351 @@
+"""Programs written with plain ``torch.distributed.rpc`` run unchanged on the simulator, as on real processes.
+
+Each program below uses torch's RPC API only (``import torch.distributed.rpc
+as rpc``, ``torch.distributed.autograd``, ``torch.distributed.optim``,
+``torch.futures``) and takes its rank, world size and rendezvous URL as
+arguments.  It runs
+
+* on the simulator (``simulator.run``: torch's RPC is routed to the
+  simulator's transport by ``simulator.torch_rpc``), and
+* on real processes with torch's TensorPipe agent (the session's gloo
+  ``rank_pool``; the rendezvous is ``tensorplay-tcp://127.0.0.1:<free port>``,
+  whose store binds loopback only, and TensorPipe/gloo are pinned to ``lo``),
+
+and the two results are compared.  The parameter-server tutorial's shape (a
+model behind ``remote``, ``dist_autograd.context``, ``DistributedOptimizer``)
+is also checked against a local reference model, step by step.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef, rpc_async, rpc_sync  # by name, before any world starts
+
+import simulator
+import tensorplay.distributed as tpd
+from simulator.errors import DeadlockError
+from tensorplay.distributed.pool import free_port
+
+
+# ---------------------------------------------------------------------------
+# remote functions and classes (module level: both transports send them by reference)
+# ---------------------------------------------------------------------------
+def raise_key(k: str) -> None:
+    raise KeyError(k)
+
+
+class Counter:
+    def __init__(self, start: int) -> None:
+        self.value = start
+
+    def add(self, n: int) -> int:
+        self.value += n
+        return self.value
+
+
+@rpc.functions.async_execution
+def async_add_then_double(to: str, x: torch.Tensor, y: float) -> torch.futures.Future:
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() * 2)
+
+
+class AsyncOps:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_add(to: str, x: torch.Tensor, y: float) -> torch.futures.Future:
+        return rpc.rpc_async(to, torch.add, args=(x, y))
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_add(cls, to: str, x: torch.Tensor, y: float) -> torch.futures.Future:
+        out: torch.futures.Future = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: out.set_result(fut.wait() + 100))
+        return out
+
+    @rpc.functions.async_execution
+    def bound_add(self, x: torch.Tensor, y: float) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(x + y)
+        return fut
+
+
+def _loopback() -> None:
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import tensorplay.distributed.rpc.tensorpipe  # noqa: F401  registers the loopback-only store scheme
+
+
+def _init(rank: int, world_size: int, init_method: str) -> None:
+    _loopback()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=30, num_worker_threads=8)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+
+
+# ---------------------------------------------------------------------------
+# the programs
+# ---------------------------------------------------------------------------
+def basic_program(rank: int, world_size: int, init_method: str) -> dict:
+    """Calls, futures, RRefs, proxies, async_execution, remote exceptions - plain torch RPC."""
+    _init(rank, world_size, init_method)
+    out: dict = {}
+    if rank == 0:
+        x = torch.arange(4.0)
+        last = f"worker{world_size - 1}"
+        out["sync"] = rpc_sync("worker1", torch.add, args=(x, 1))
+        futs = [rpc_async(f"worker{r}", torch.mul, args=(x, r + 2)) for r in range(world_size)]
+        out["wait_all"] = torch.futures.wait_all(futs)
+        out["collect_all"] = [f.value() for f in torch.futures.collect_all(futs).wait()]
+        out["then"] = rpc.rpc_async("worker1", torch.add, args=(x, 1)).then(lambda f: f.value() * 10).wait()
+        rref = rpc.remote("worker1", torch.ones, args=((2, 2),))
+        out["to_here"] = rref.to_here()
+        out["owner"] = rref.owner().name
+        counter = rpc.remote("worker1", Counter, args=(5,))
+        out["proxy"] = [counter.rpc_sync().add(3), counter.rpc_async().add(4).wait(),
+                        counter.remote().add(1).to_here()]
+        out["local_rref"] = RRef(torch.full((2,), 7.0)).to_here()
+        out["async_fn"] = rpc.rpc_sync("worker1", async_add_then_double, args=(last, x, 2))
+        out["async_fn_future"] = rpc.rpc_async("worker1", async_add_then_double, args=("worker0", x, 3)).wait()
+        out["async_fn_remote"] = rpc.remote("worker1", async_add_then_double, args=(last, x, 4)).to_here()
+        out["async_static"] = rpc.rpc_sync("worker1", AsyncOps.static_add, args=(last, x, 5))
+        out["async_class"] = rpc.rpc_async("worker1", AsyncOps.class_add, args=(last, x, 6)).wait()
+        out["async_bound"] = rpc.remote("worker1", AsyncOps).rpc_sync().bound_add(x, 7)
+        for how in ("sync", "async"):
+            try:
+                if how == "sync":
+                    rpc.rpc_sync("worker1", raise_key, args=("missing",))
+                else:
+                    rpc.rpc_async("worker1", raise_key, args=("missing",)).wait()
+            except RuntimeError as e:  # torch's RPC raises a remote KeyError as "RuntimeError: KeyError: ..."
+                out[f"remote_exception_{how}"] = (type(e).__name__, str(e).split(":")[0], "name=worker1" in str(e))
+        me, other = rpc.get_worker_info(), rpc.get_worker_info("worker1")
+        out["infos"] = (me.name, me.id, other.name, other.id)
+    rpc.shutdown()
+    return out
+
+
+class Net(nn.Module):
+    """A small model whose initial weights come from ``seed`` alone (no global RNG)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 3), nn.Linear(3, 1)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def param_rrefs(self) -> list:
+        return [RRef(p) for p in self.parameters()]
+
+    def snapshot(self) -> list:
+        return [p.detach().clone() for p in self.parameters()]
+
+
+def _batches(steps: int) -> list:
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)) for _ in range(steps)]
+
+
+def parameter_server_program(rank: int, world_size: int, init_method: str, steps: int = 3) -> list | None:
+    """The RPC tutorial's shape: the trainer (worker0) drives a model on the parameter server (worker1)."""
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        model = rpc.remote("worker1", Net, args=(7,))
+        opt = DistributedOptimizer(torch.optim.SGD, model.rpc_sync().param_rrefs(), lr=0.05)
+        out = []
+        for x, y in _batches(steps):
+            with dist_autograd.context() as context_id:
+                loss = nn.functional.mse_loss(model.rpc_sync().forward(x), y)
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
+            out.append(model.rpc_sync().snapshot())
+    rpc.shutdown()
+    return out
+
+
+def local_reference(steps: int = 3) -> list:
+    net = Net(7)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    out = []
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        out.append(net.snapshot())
+    return out
+
+
+def on_sim(program, world_size: int, *args):
+    return simulator.run(lambda: program(tpd.get_rank(), world_size, "tcp://127.0.0.1:1", *args), world_size)
+
+
+def on_real(pool, program, world_size: int, *args):
+    url = f"tensorplay-tcp://127.0.0.1:{free_port()}"
+    return pool.run_per_rank(program, [(r, world_size, url, *args) for r in range(world_size)], timeout=120)
+
+
+def _assert_same(a, b, path="result"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.allclose(a, b), (path, a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (path, sorted(a), sorted(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (path, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+# ---------------------------------------------------------------------------
+# simulator only
+# ---------------------------------------------------------------------------
+def test_basic_program_on_the_simulator_gives_torchs_answers():
+    out = on_sim(basic_program, 3)[0]
+    x = torch.arange(4.0)
+    assert torch.equal(out["sync"], x + 1)
+    assert all(torch.equal(t, x * (r + 2)) for r, t in enumerate(out["wait_all"]))
+    assert all(torch.equal(t, x * (r + 2)) for r, t in enumerate(out["collect_all"]))
+    assert torch.equal(out["then"], (x + 1) * 10)
+    assert torch.equal(out["to_here"], torch.ones(2, 2)) and out["owner"] == "worker1"
+    assert out["proxy"] == [8, 12, 13]
+    assert torch.equal(out["local_rref"], torch.full((2,), 7.0))
+    assert torch.equal(out["async_fn"], (x + 2) * 2) and torch.equal(out["async_fn_future"], (x + 3) * 2)
+    assert torch.equal(out["async_fn_remote"], (x + 4) * 2)
+    assert torch.equal(out["async_static"], x + 5) and torch.equal(out["async_class"], x + 106)
+    assert torch.equal(out["async_bound"], x + 7)
+    assert out["remote_exception_sync"] == out["remote_exception_async"] == ("RuntimeError", "KeyError", True)
+    assert out["infos"] == ("worker0", 0, "worker1", 1)
+
+
+def test_parameter_server_tutorial_shape_matches_a_local_model():
+    sim = on_sim(parameter_server_program, 2)[0]
+    ref = local_reference()
+    assert len(sim) == len(ref) == 3
+    for step, (a, b) in enumerate(zip(sim, ref)):
+        for p, q in zip(a, b):
+            assert torch.allclose(p, q, atol=1e-6), (step, p, q)
+    assert not torch.equal(sim[0][0], sim[-1][0])  # the optimizer did move the parameters
+
+
+def test_torch_remote_module_runs_on_the_simulator():
+    from torch.distributed.nn import RemoteModule
+
+    def main():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        out = None
+        if me == 0:
+            rm = RemoteModule("worker1/cpu", nn.Linear, args=(4, 2))
+            y = rm(torch.ones(3, 4))
+            out = (tuple(y.shape), len(rm.remote_parameters()))
+        rpc.shutdown()
+        return out
+
+    assert simulator.run(main, 2)[0] == ((3, 2), 2)
+
+
+def test_init_rpc_imported_by_name_before_the_world_and_default_options():
+    from torch.distributed.rpc import init_rpc, shutdown
+
+    def main():
+        init_rpc(f"w{tpd.get_rank()}", rank=-1, world_size=None)  # rank and size from the simulated world
+        r = rpc_sync("w1", torch.add, args=(torch.ones(1), tpd.get_rank())) if tpd.get_rank() == 0 else None
+        t = rpc.get_rpc_timeout()
+        shutdown()
+        return r, t
+
+    (r0, t0), (_, t1) = simulator.run(main, 2)
+    assert torch.equal(r0, torch.ones(1)) and t0 == t1 == 60.0
+
+
+def test_uninitialised_and_unroutable_parts_fail_at_once():
+    def main():
+        try:
+            rpc_sync("worker1", torch.add, args=(1, 2))
+        except RuntimeError as e:
+            first = str(e)
+        rpc.init_rpc(f"worker{tpd.get_rank()}", rank=tpd.get_rank(), world_size=1)
+        try:
+            rpc.api._get_current_rpc_agent()
+        except RuntimeError as e:
+            second = str(e)
+        rpc.shutdown()
+        return first, second
+
+    first, second = simulator.run(main, 1)[0]
+    assert "init_rpc" in first and "agent" in second.lower()
+
+
+def test_torch_rpc_outside_a_world_is_untouched():
+    import torch.distributed.autograd as ta
+
+    before = (rpc.rpc_sync.__closure__[0].cell_contents, rpc.init_rpc, ta._new_context, RRef.__dict__.get("__new__"),
+              DistributedOptimizer.__dict__.get("__new__"), torch._C._collect_all)
+    seen = []
+
+    def main():
+        seen.append(rpc.init_rpc is not before[1])  # routed while the world runs
+        return None
+
+    simulator.run(main, 1)
+    after = (rpc.rpc_sync.__closure__[0].cell_contents, rpc.init_rpc, ta._new_context, RRef.__dict__.get("__new__"),
+             DistributedOptimizer.__dict__.get("__new__"), torch._C._collect_all)
+    assert seen == [True]
+    assert all(a is b for a, b in zip(before, after))
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        rpc_sync("worker1", torch.add, args=(1, 2))
+
+
+def test_a_handler_waiting_for_its_own_callers_next_request_is_reported_not_hung():
+    """The simulator runs a handler on its caller's thread (documented): such a wait is a DeadlockError."""
+    def main():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        if me == 0:
+            rpc.rpc_sync("worker1", wait_for_second_request, args=())
+        rpc.shutdown()
+
+    with pytest.raises(DeadlockError, match=r"rank 0 waits in rpc_sync\.wait\(\).*caller's thread"):
+        simulator.run(main, 2, timeout=30)
+
+
+_PENDING: dict = {}
+
+
+@rpc.functions.async_execution
+def wait_for_second_request() -> torch.futures.Future:
+    return _PENDING.setdefault("fut", torch.futures.Future())
+
+
+# ---------------------------------------------------------------------------
+# the simulator against real TensorPipe processes
+# ---------------------------------------------------------------------------
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W2")
+def test_basic_program_same_on_simulator_and_tensorpipe(rank_pool):
+    real = on_real(rank_pool(2), basic_program, 2)
+    sim = on_sim(basic_program, 2)
+    _assert_same(sim, real)
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W2")
+def test_parameter_server_same_on_simulator_and_tensorpipe(rank_pool):
+    real = on_real(rank_pool(2), parameter_server_program, 2)
+    sim = on_sim(parameter_server_program, 2)
+    for a, b in zip(sim[0], real[0]):
+        for p, q in zip(a, b):
+            assert torch.allclose(p, q, atol=1e-6)
+    assert sim[1] is None and real[1] is None
