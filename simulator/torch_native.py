@@ -461,7 +461,7 @@ class _PerRankWorld:
 _lock = threading.Lock()
 _active = 0
 _saved: dict[str, Any] = {}
-_stores: dict[int, Any] = {}
+_stores: dict[Any, Any] = {}  # world -> rendezvous store; (world, host, port) -> TCPStore stand-in
 _SCHEMES = ("env", "tcp", "file")
 
 
@@ -506,6 +506,38 @@ def _rendezvous_handler(scheme: str) -> Any:
 
     handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
     return handler
+
+
+class _StoreClassMeta(type):
+    """``isinstance(x, torch.distributed.TCPStore)`` stays true for real TCP stores while the stand-in is installed."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _saved.get("TCPStore", tdist.TCPStore)) or obj in _sim_tcp_stores()
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _saved.get("TCPStore", tdist.TCPStore))
+
+
+def _sim_tcp_stores() -> list[Any]:
+    return [v for k, v in list(_stores.items()) if isinstance(k, tuple)]
+
+
+class _TCPStore(metaclass=_StoreClassMeta):
+    """Stands in for ``torch.distributed.TCPStore`` while a simulated world runs.
+
+    On a simulated rank, ``TCPStore(host, port, world_size, is_master, ...)``
+    returns the world's in-memory store for that address: rank threads cannot
+    serve each other over sockets (the master would wait in C++ for workers the
+    simulator never gets to run).  Elsewhere it is the real ``TCPStore``.
+    """
+
+    def __new__(cls, host_name: str = "", port: int = 0, *args: Any, **kwargs: Any) -> Any:
+        st = _sim_state()
+        if st is None:
+            return _saved["TCPStore"](host_name, port, *args, **kwargs)
+        key = (id(st.backend.world_key()), str(host_name), int(port))
+        with _lock:
+            return _stores.setdefault(key, tdist.HashStore())  # type: ignore[arg-type]
 
 
 def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: list[int], backend: Any,
@@ -576,6 +608,8 @@ def enabled() -> Iterator[None]:
                 tdist_rendezvous._rendezvous_handlers[s] = _rendezvous_handler(s)
             c10d._new_process_group_helper = _new_process_group_helper
             c10d._is_barrier_after_init = _is_barrier_after_init
+            _saved["TCPStore"] = tdist.TCPStore
+            tdist.TCPStore = _TCPStore  # type: ignore[misc]
             _set_thread_isolation_mode(True)
         _active += 1
     try:
@@ -589,6 +623,7 @@ def enabled() -> Iterator[None]:
                 c10d._is_barrier_after_init = _saved.pop("barrier_after_init")
                 tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
                 sys.excepthook = _saved.pop("excepthook")
+                tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
                 _set_thread_isolation_mode(False)
                 _stores.clear()
 

@@ -430,3 +430,25 @@ def test_excepthook_is_left_as_found() -> None:
 
     assert simulator.run(body, 3) == [True] * 3
     assert sys.excepthook is before
+
+
+def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -> None:
+    """A script that builds its own TCPStore (rank 0 the master) and passes it to init_process_group runs.
+
+    On real processes rank 0's store waits for the workers to connect; rank threads cannot serve sockets
+    to each other, so on a simulated rank the address names the world's in-memory store instead.
+    """
+    import os
+
+    def body() -> tuple:
+        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = tdist.TCPStore("127.0.0.1", 1, ws, rank == 0)  # port 1: never bound or dialled
+        store.set(f"k{rank}", str(rank))
+        tdist.init_process_group("gloo", store=store, rank=rank, world_size=ws)
+        x = torch.tensor([float(rank)])
+        tdist.all_reduce(x)
+        seen = sorted(store.get(f"k{r}").decode() for r in range(ws))  # every rank set its key before the exchange
+        return isinstance(store, tdist.TCPStore), x.item(), seen
+
+    assert simulator.run(body, 3, torchrun_env=True) == [(True, 3.0, ["0", "1", "2"])] * 3
+    assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
