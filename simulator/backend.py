@@ -40,7 +40,7 @@ from .errors import CollectiveMismatchError, InjectedFault
 from .faults import Crash, Delay
 from .report import mismatch_message
 from .trace import Event
-from .world import Incident, RankState
+from .world import Incident, RankState, _local
 
 __all__ = ["SimBackend"]
 
@@ -136,6 +136,21 @@ class _P2P:
 
 
 # ---------------------------------------------------------------------------
+# which actor calls: a rank, or a thread the rank started (see simulator/threads.py)
+# ---------------------------------------------------------------------------
+def _caller(rs: RankState) -> RankState:
+    """The calling thread's actor when it is one of ``rs``'s rank (a rank's threads share its backend and works)."""
+    me = _local.__dict__.get("rs")
+    return me if me is not None and me is not rs and me.run is rs.run and me.rank == rs.rank else rs
+
+
+def _done_with(rs: RankState) -> None:
+    """After an operation of a rank's thread: the thread goes back to running outside the schedule."""
+    if rs.parent is not None:
+        rs.run.sched.leave(rs)
+
+
+# ---------------------------------------------------------------------------
 # work objects
 # ---------------------------------------------------------------------------
 class _CollWork(Work):
@@ -147,10 +162,13 @@ class _CollWork(Work):
         self._call = call
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        rs, slot = self._rs, self._slot
-        if not slot.done:
-            rs.run.sched.block(rs, slot)
-        _observe_coll(rs, slot, self._call)
+        rs, slot = _caller(self._rs), self._slot
+        try:
+            if not slot.done:
+                rs.run.sched.block(rs, slot)
+            _observe_coll(rs, slot, self._call)
+        finally:
+            _done_with(rs)
         if slot.error is not None:
             raise slot.error.make(rs.rank)
         return True
@@ -173,10 +191,13 @@ class _P2PWork(Work):
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         rec = self._rec
-        rs = rec.rs
-        if not rec.done:
-            rs.run.sched.block(rs, rec)
-        _observe_p2p(rs, rec)
+        rs = _caller(rec.rs)
+        try:
+            if not rec.done:
+                rs.run.sched.block(rs, rec)
+            _observe_p2p(rs, rec)
+        finally:
+            _done_with(rs)
         if rec.error is not None:
             raise rec.error.make(rs.rank)
         return True
@@ -498,9 +519,13 @@ class SimBackend(Backend):
     def _collective(self, g: _Group, name: str, key: tuple, data: Any, nbytes: int, async_op: bool,
                     kernel: Callable[[list[_Call]], None], detail: str | None = None,
                     check: Callable[[list[_Call]], str | None] | None = None, return_slot: bool = False) -> Any:
-        rs = self._rs
+        rs = _caller(self._rs)
         site = call_site(3)
-        self._enter(rs, name, site)
+        try:
+            self._enter(rs, name, site)
+        except BaseException:
+            _done_with(rs)
+            raise
         seq = self._seq.get(g.gid, 0) + 1
         self._seq[g.gid] = seq
         call = _Call(rs, key, data, site, nbytes, async_op, detail)
@@ -523,6 +548,7 @@ class SimBackend(Backend):
             return slot
         if async_op:
             rs.unflushed.append(work)
+            _done_with(rs)
             return work
         work.wait()
         return None
@@ -555,13 +581,15 @@ class SimBackend(Backend):
         for w in slot.waiters:
             wake(w)
 
-    def _flush_unobserved(self) -> None:
-        for w in self._rs.unflushed:
+    def _flush_unobserved(self, rs: RankState | None = None) -> None:
+        """At the end of a rank (or of a thread it started): trace the async operations nobody waited for."""
+        rs = rs or self._rs
+        for w in rs.unflushed:
             if isinstance(w, _CollWork) and w._slot.done:
-                _observe_coll(self._rs, w._slot, w._call)
+                _observe_coll(rs, w._slot, w._call)
             elif isinstance(w, _P2PWork) and w._rec.done:
-                _observe_p2p(self._rs, w._rec)
-        self._rs.unflushed.clear()
+                _observe_p2p(rs, w._rec)
+        rs.unflushed.clear()
 
     # -- collectives --------------------------------------------------------
     def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
@@ -636,9 +664,13 @@ class SimBackend(Backend):
 
     # -- point to point -----------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, group: ProcessGroup, tag: int, async_op: bool) -> Work | None:
-        rs = self._rs
+        rs = _caller(self._rs)
         site = call_site(2)
-        self._enter(rs, "send", site)
+        try:
+            self._enter(rs, "send", site)
+        except BaseException:
+            _done_with(rs)
+            raise
         g: _Group = group.handle
         dst = g.ranks[peer]
         run = rs.run
@@ -665,9 +697,13 @@ class SimBackend(Backend):
 
     def recv(self, tensor: torch.Tensor, peer: int | None, group: ProcessGroup, tag: int,
              async_op: bool) -> Work | int:
-        rs = self._rs
+        rs = _caller(self._rs)
         site = call_site(2)
-        self._enter(rs, "recv", site)
+        try:
+            self._enter(rs, "recv", site)
+        except BaseException:
+            _done_with(rs)
+            raise
         g: _Group = group.handle
         src = None if peer is None else g.ranks[peer]
         rec = _P2P("recv", rs, src, rs.rank, g, tag, tensor, site, async_op)
@@ -692,7 +728,8 @@ class SimBackend(Backend):
     def _p2p_finish(self, rec: _P2P, async_op: bool) -> Any:
         work = _P2PWork(rec)
         if async_op:
-            self._rs.unflushed.append(work)
+            rec.rs.unflushed.append(work)
+            _done_with(rec.rs)
             return work
         work.wait()
         return None

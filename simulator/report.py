@@ -125,6 +125,12 @@ def describe_world(run: "_Run", headline: str) -> str:
             groups[text] = []
             order.append(text)
         groups[text].append(rs.rank)
+    threads = []  # threads the ranks started: one line each, after the ranks
+    for rs in run.children:
+        if rs.state == BLOCKED:
+            threads.append(f"  {rs.label} waits " + describe_wait(run, rs))
+        elif rs.state != DONE:
+            threads.append(f"  {rs.label} is running outside the schedule (a thread the simulator cannot see waiting)")
     lines = [f"{headline} (world_size={run.n}, mode={run.mode!r}, seed={run.seed})"]
     for text in order:
         ranks = groups[text]
@@ -141,6 +147,7 @@ def describe_world(run: "_Run", headline: str) -> str:
                      f"the same, so this program hangs there too; only buffered sends (p2p='eager', MPI-style) "
                      f"would let it through. Fix: post sends with isend (or batch_isend_irecv) before the recvs, "
                      f"or order the send/recv pairs so that one side receives first")
+    lines.extend(threads)
     if len(recv_waiters) >= 2:
         both = "both" if len(recv_waiters) == 2 else "all"
         hints.append(f"ranks {_and(recv_waiters)} {both} wait in recv: each waits for a send nobody issues")

@@ -1,12 +1,23 @@
 """The two schedulers: ``coop`` (one rank at a time, seeded) and ``threads`` (free-running).
 
-Both expose the same five calls, used by the backend and the world:
+Both expose the same calls, used by the backend and the world:
 
 * ``lock``  - context manager guarding the shared matching state;
 * ``point(rs)`` - a scheduling point at the start of every operation;
 * ``block(rs, waitable)`` - wait until ``waitable.done`` (or an incident for this rank);
 * ``wake(rs)`` - called (under ``lock``) by whoever completed something ``rs`` may wait for;
-* ``exit(rs)`` - the rank's function returned or raised.
+* ``exit(rs)`` - the rank's function returned or raised (or a thread it started ended);
+* ``add_thread(rs)`` - a rank started a thread (an actor of the same rank, see below);
+* ``leave(rs)`` / ``rejoin(rs)`` - an actor steps out of the schedule around a wait the
+  scheduler cannot see (a rank joining its own threads), and back in;
+* ``prepare``, ``kick``, ``enter_rank`` - start-up.
+
+Threads a rank starts belong to that rank (as in a process): each is an extra
+*actor* with the rank's identity.  In ``coop`` mode it runs FREE, outside the
+schedule, and takes the baton only for its own operations; while any FREE
+thread lives, "nobody is runnable" parks the baton instead of declaring a
+deadlock, since that thread may still act.  The schedule of such a run is no
+longer a pure function of the seed.
 
 Every rank owns a ``threading.Lock`` kept locked; releasing it lets the rank
 through its next acquire.  In ``coop`` mode that lock is the *baton*: only the
@@ -32,9 +43,10 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from .world import RankState, _Run
 
-__all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED"]
+__all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
 
-NOT_STARTED, RUNNABLE, BLOCKED, DONE = 0, 1, 2, 3
+#: FREE: a thread a rank started, running outside the scheduler (it enters it only for its operations)
+NOT_STARTED, RUNNABLE, BLOCKED, DONE, FREE = 0, 1, 2, 3, 4
 _GRACE_S = 5.0  # a rank's own bound on a wait, beyond the run's deadline (the main thread aborts first)
 
 
@@ -172,6 +184,27 @@ class _SchedulerBase:
     def __init__(self, run: "_Run") -> None:
         self.run = run
 
+    def _wake_joiners(self, rs: "RankState") -> None:
+        """``rs`` (a thread a rank started) ended: wake whoever waits in ``Thread.join`` for it (under the lock)."""
+        if rs.parent is None:
+            return
+        for a in self.run.actors:
+            if a.state == BLOCKED and getattr(a.waiting, "actor", None) is rs:
+                self.wake(a)
+
+    def _count_exit(self, rs: "RankState") -> bool:
+        """Book ``rs``'s end; True when the world is over (every rank and every non-daemon thread ended).
+
+        A process ends when its main thread and its non-daemon threads have
+        ended, so the run waits for those threads too; daemon threads are
+        abandoned, as at a real process's exit.
+        """
+        run = self.run
+        run.live -= 1
+        if rs.waits_exit:
+            run.to_exit -= 1
+        return run.to_exit == 0
+
     def _acquire(self, rs: "RankState") -> None:
         """Take ``rs``'s own lock, bounded by the run's deadline (plus grace)."""
         run = self.run
@@ -190,6 +223,8 @@ class _SchedulerBase:
             raise self.run.make_error(inc, rs)
         if self.run.fatal is not None:
             raise self.run.make_error(self.run.fatal, rs)
+        if self.run.over:
+            raise self.run.over_error(rs)
 
 
 class CoopScheduler(_SchedulerBase):
@@ -204,6 +239,11 @@ class CoopScheduler(_SchedulerBase):
         self.swap_rng = swap_rng
         self.blocked = 0
         self.current: "RankState | None" = None  # the baton holder
+        # threads a rank started run FREE; they join the schedule for their operations only
+        self.free = 0
+        self.requests: list["RankState"] = []  # FREE threads asking for the baton
+        self.parked = False  # nobody holds the baton: every actor is blocked or done, some FREE thread may act
+        self.flock = threading.Lock()  # guards free/requests/parked (FREE threads touch them without the baton)
         _STEER.refresh()
 
     # runnable set with O(1) add/remove; its order is a pure function of the history
@@ -247,12 +287,12 @@ class CoopScheduler(_SchedulerBase):
             self.check(rs)
 
     def _save_rng(self, rs: "RankState") -> None:
-        if self.swap_rng:
+        if self.swap_rng and rs.parent is None:  # a rank's threads share its generator, as in a process
             rs.torch_rng = torch.get_rng_state()
             _PY_RNG.save(rs.py_rng)
 
     def _load_rng(self, rs: "RankState") -> None:
-        if self.swap_rng:
+        if self.swap_rng and rs.parent is None:
             if rs.py_rng is None:  # built on first use: 2.5 KB per rank
                 rs.py_rng = random.Random(f"simulator:{self.run.seed}:{rs.rank}")
             torch.set_rng_state(rs.torch_rng)
@@ -267,8 +307,101 @@ class CoopScheduler(_SchedulerBase):
         self.current = rs
         self._load_rng(rs)
 
+    def _take(self, rs: "RankState") -> None:
+        """Holding the baton: take it over (after a wake-up or from the parked state)."""
+        _STEER.free(rs)
+        self.current = rs
+        self._load_rng(rs)
+
+    # -- threads a rank started (FREE actors) -----------------------------------
+    def add_thread(self, rs: "RankState") -> None:
+        with self.flock:
+            rs.state = FREE
+            self.free += 1
+            self.run.live += 1
+            if rs.waits_exit:
+                self.run.to_exit += 1
+
+    def _drain(self) -> None:
+        """Baton holder: FREE actors that asked for the baton become runnable."""
+        with self.flock:
+            for r in self.requests:
+                r.state = RUNNABLE
+                self.free -= 1
+                self._add(r)
+            self.requests.clear()
+
+    def _join(self, rs: "RankState") -> None:
+        """A FREE actor enters the schedule: wait for the baton (or take it when parked)."""
+        with self.flock:
+            if self.run.over:
+                raise self.run.over_error(rs)
+            if self.parked:
+                self.parked = False
+                self.free -= 1
+                rs.state = RUNNABLE
+                self._add(rs)
+                self._take(rs)
+                return
+            self.requests.append(rs)
+        self._acquire(rs)
+        self._take(rs)
+
+    def _park_or_deadlock(self) -> bool:
+        """No runnable actor: park the baton if a FREE actor may still act (True), else it is a deadlock (False)."""
+        self._drain()
+        if self.runnable:
+            return True
+        with self.flock:
+            if self.requests:
+                pass  # raced in after the drain: handled by the caller's next pick
+            elif self.free > 0:
+                self.parked = True
+                return True
+        if self.requests:
+            self._drain()
+            return True
+        return False
+
+    def leave(self, rs: "RankState") -> None:
+        """``rs`` (holding the baton) goes back to running outside the schedule (a thread after its operation,
+        or a rank about to wait for its threads)."""
+        if rs.state == FREE:
+            return
+        self._save_rng(rs)
+        if rs.state == RUNNABLE:
+            self._remove(rs)
+        with self.flock:
+            rs.state = FREE
+            self.free += 1
+        self._pass_on()
+
+    def _pass_on(self) -> None:
+        """The caller gives the baton up: wake the next runnable actor, or park the baton for a FREE one."""
+        while True:
+            if self.requests:
+                self._drain()
+            if self.runnable:
+                nxt = self._pick()
+                _STEER.towards_me(nxt)
+                nxt.wake.release()
+                return
+            with self.flock:
+                if not self.requests:  # checked under the lock: a FREE actor asking now finds the baton parked
+                    self.parked = True
+                    return
+
+    def rejoin(self, rs: "RankState") -> None:
+        """A rank that left the schedule (:meth:`leave`) takes part again."""
+        if rs.state == FREE:
+            self._join(rs)
+
     # -- scheduling points ------------------------------------------------
     def point(self, rs: "RankState") -> None:
+        if rs.state == FREE:
+            self._join(rs)
+        if self.requests:
+            self._drain()
         if len(self.runnable) > 1:
             nxt = self._pick()
             if nxt is not rs:
@@ -276,6 +409,8 @@ class CoopScheduler(_SchedulerBase):
         self.check(rs)
 
     def block(self, rs: "RankState", w: Any) -> None:
+        if rs.state == FREE and not w.done:
+            self._join(rs)
         while not w.done:
             if rs.pending is not None or self.run.aborted:
                 break
@@ -283,8 +418,13 @@ class CoopScheduler(_SchedulerBase):
             rs.waiting = w
             self.blocked += 1
             self._remove(rs)
-            if not self.runnable:
+            if not self.runnable and not self._park_or_deadlock():
                 self.run.deadlock()  # makes every blocked rank runnable with a DeadlockError pending
+            if not self.runnable:  # parked: a FREE thread takes the baton and wakes us when it can
+                self._save_rng(rs)
+                self._acquire(rs)
+                self._take(rs)
+                continue
             nxt = self._pick()
             if nxt is not rs:
                 self._handoff(rs, nxt)
@@ -305,24 +445,37 @@ class CoopScheduler(_SchedulerBase):
             self.wake(rs)
 
     def exit(self, rs: "RankState") -> None:
+        run = self.run
+        if rs.state == FREE:
+            if not (run.aborted or run.over):
+                try:
+                    self._join(rs)  # a thread ends inside the schedule: its joiners are woken by the baton holder
+                except BaseException:  # noqa: BLE001  the world ended meanwhile: end outside it
+                    pass
+            if rs.state == FREE:
+                with self.flock:
+                    self.free -= 1
+                    rs.state = DONE
+                    over = self._count_exit(rs)
+                if over:
+                    run.finished()
+                return
         self._save_rng(rs)
         if rs.state == RUNNABLE:
             self._remove(rs)
         rs.state = DONE
-        run = self.run
-        run.live -= 1
+        over = self._count_exit(rs)
         if run.aborted:
-            if run.live == 0:
+            if over:
                 run.finished()
             return
-        if not self.runnable and self.blocked:
+        self._wake_joiners(rs)
+        if not self.runnable and self.blocked and not self._park_or_deadlock():
             run.deadlock()
-        if self.runnable:
-            nxt = self._pick()
-            _STEER.towards_me(nxt)
-            nxt.wake.release()
-        elif run.live == 0:
+        if over and not self.runnable and not self.requests:
             run.finished()
+        elif not self.parked:
+            self._pass_on()
 
 
 class ThreadScheduler(_SchedulerBase):
@@ -337,6 +490,19 @@ class ThreadScheduler(_SchedulerBase):
         for rs in ranks:
             rs.state = RUNNABLE
 
+    def add_thread(self, rs: "RankState") -> None:
+        with self.lock:
+            rs.state = RUNNABLE
+            self.run.live += 1
+            if rs.waits_exit:
+                self.run.to_exit += 1
+
+    def leave(self, rs: "RankState") -> None:
+        return None  # free-running: there is no baton to give back
+
+    def rejoin(self, rs: "RankState") -> None:
+        return None
+
     def kick(self) -> None:
         return None
 
@@ -344,7 +510,7 @@ class ThreadScheduler(_SchedulerBase):
         return None
 
     def point(self, rs: "RankState") -> None:
-        if rs.pending is not None or self.run.fatal is not None:
+        if rs.pending is not None or self.run.fatal is not None or self.run.over:
             self.check(rs)
 
     def block(self, rs: "RankState", w: Any) -> None:
@@ -400,8 +566,8 @@ class ThreadScheduler(_SchedulerBase):
         run = self.run
         with self.lock:
             rs.state = DONE
-            run.live -= 1
-            if run.live == 0:
+            self._wake_joiners(rs)
+            if self._count_exit(rs):
                 run.finished()
-            elif self.blocked == run.live and not run.aborted:
+            elif self.blocked == run.live and run.live and not run.aborted:
                 run.deadlock()

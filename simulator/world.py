@@ -37,18 +37,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tensorplay.distributed import _state
-from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, DistValueError, format_message
 
 from . import _environ
 from .errors import DeadlockError, RankExitError, RankFailedError, SimError, SimTimeoutError
 from .faults import Fault, FaultPlan
-from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
+from .sched import BLOCKED, DONE, FREE, CoopScheduler, ThreadScheduler
 from .trace import CostModel, Event, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
-_ADAPTERS: tuple[str, ...] = ("torch_native", "torch_rpc")
+_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc")
 #: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
 _BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None
@@ -131,7 +131,7 @@ class RankState:
     __slots__ = (
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
-        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered",
+        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered", "parent", "waits_exit",
     )
 
     def __init__(self, rank: int, run: "_Run") -> None:
@@ -161,7 +161,32 @@ class RankState:
         self.thread: threading.Thread | None = None
         self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
         self.steered = False
+        #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)
+        self.parent: RankState | None = None
+        #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
+        self.waits_exit = True
 
+    @property
+    def label(self) -> str:
+        """``rank 2``, or ``rank 2 (thread 'comm')`` for a thread the rank started."""
+        if self.parent is None:
+            return f"rank {self.rank}"
+        name = self.thread.name if self.thread is not None else "?"
+        return f"rank {self.rank} (thread {name!r})"
+
+    def child(self, thread: threading.Thread) -> "RankState":
+        """A new actor of this rank for ``thread``, which the rank starts: same identity, own waits and clock."""
+        root = self.parent or self
+        c = RankState(self.rank, self.run)
+        c.parent = root
+        c.backend = root.backend
+        c.env = root.env
+        c.device = root.device
+        c.vt = self.vt
+        c.last_site = self.last_site
+        c.thread = thread
+        c.waits_exit = not thread.daemon
+        return c
 
 class _Run:
     """The shared state of one execution of a world."""
@@ -176,7 +201,10 @@ class _Run:
         self.deadline = time.monotonic() + world.timeout
         self.aborted = False
         self.fatal: Incident | None = None
-        self.live = self.n
+        self.live = self.n  # actors not yet ended (ranks and the threads they started)
+        self.to_exit = self.n  # actors the run waits for (ranks and their non-daemon threads)
+        self.over = False  # every rank and non-daemon thread ended; a daemon thread's later call fails
+        self.children: list[RankState] = []  # threads the ranks started, in start order
         self.all_done = threading.Event()
         self.events: list[Event] = []
         self.wall_origin = time.perf_counter()
@@ -202,7 +230,10 @@ class _Run:
         one thread, which is idle anyway while the world runs.
         """
         box: list[Any] = [None, None]
-        done = threading.Event()
+        # a plain lock, not an Event: a rank's Condition waits may step out of the schedule (simulator/threads.py),
+        # and this wait happens inside a collective, with the schedule's state half-updated
+        done = threading.Lock()
+        done.acquire()
 
         def job() -> None:
             try:
@@ -210,10 +241,10 @@ class _Run:
             except BaseException as e:  # noqa: BLE001  (re-raised on the rank)
                 box[1] = e
             finally:
-                done.set()
+                done.release()
 
         self.jobs.put(job)
-        while not done.wait(0.25):
+        while not done.acquire(timeout=0.25):
             if self.aborted or time.monotonic() > self.deadline + 5.0:
                 raise self.make_error(self.fatal, self.ranks[0]) if self.fatal else RuntimeError("run aborted")
         if box[1] is not None:
@@ -221,16 +252,32 @@ class _Run:
         return box[0]
 
     def finished(self) -> None:
-        """The last rank has exited (called under the scheduler lock)."""
+        """The last rank (or non-daemon thread) has exited (called under the scheduler lock)."""
+        self.over = True
         self.all_done.set()
         self.jobs.put(None)
+        # daemon threads still waiting in an operation are abandoned, as at a process's exit: release them
+        for c in self.children:
+            if c.state == BLOCKED:
+                c.pending = Incident(DistRuntimeError, _OVER_TEXT)
+                self.sched.wake(c)
+                if self.mode == "coop":  # coop's wake only marks it runnable; nobody will hand it the baton
+                    c.wake.release()
+
+    def over_error(self, rs: RankState) -> BaseException:
+        return Incident(DistRuntimeError, _OVER_TEXT).make(rs.rank)
+
+    @property
+    def actors(self) -> list[RankState]:
+        """Every rank, then every thread the ranks started."""
+        return self.ranks + self.children if self.children else self.ranks
 
     # -- incidents ----------------------------------------------------------
     def make_error(self, inc: Incident, rs: RankState) -> BaseException:
         return inc.make(rs.rank)
 
     def _blocked(self) -> list[RankState]:
-        return [rs for rs in self.ranks if rs.state == BLOCKED]
+        return [rs for rs in self.actors if rs.state == BLOCKED]
 
     def deadlock(self) -> None:
         """Every live rank is blocked: give each a DeadlockError and wake it (called under the lock)."""
@@ -275,7 +322,7 @@ class _Run:
             inc = Incident(SimTimeoutError, text)
             self.fatal = inc
             self.aborted = True
-            for rs in self.ranks:
+            for rs in self.actors:
                 if rs.state != DONE:
                     rs.pending = inc
                     rs.sleeping = False
@@ -284,6 +331,11 @@ class _Run:
                     except RuntimeError:
                         pass  # already released
         return inc.make(-1)  # type: ignore[return-value]
+
+
+_OVER_TEXT = format_message(
+    "simulator.run", "the simulated world has ended (every rank returned): a daemon thread a rank started made "
+    "a distributed call afterwards", fix="join the thread before the rank returns, or stop it from communicating")
 
 
 class World:

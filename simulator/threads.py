@@ -1,0 +1,229 @@
+"""Threads a simulated rank starts belong to that rank, as threads of a real rank process do.
+
+A rank that starts a ``threading.Thread`` (a communication thread overlapping
+compute, a background all_reduce, a ``ThreadPoolExecutor`` worker) expects the
+thread to see the rank's process group: on gloo every thread of the process
+does.  While a simulated world runs, :func:`enabled` makes a thread started by a
+rank inherit that rank's state (tensorplay's process group, torch's c10d state,
+the rank's environment and device) and gives it an actor of its own in the
+scheduler (``RankState.child``), so its operations are matched, traced and
+diagnosed like the rank's and its waits are its own.
+
+Two waits of a rank are invisible to the scheduler and could stall a coop run
+(only the baton holder runs): ``Thread.join`` of a thread the rank started, and
+``threading.Condition.wait`` (under ``Event.wait``, ``Queue.get``,
+``Future.result``...).  While the calling rank has live threads of its own, it
+steps out of the schedule around those waits (``sched.leave``/``rejoin``), so
+its threads can take their turn.
+
+Example (2 ranks, each with a communication thread)::
+
+    import threading, torch, simulator, tensorplay.distributed as dist
+
+    def rank_fn():
+        x = torch.ones(2) * (dist.get_rank() + 1)
+        t = threading.Thread(target=dist.all_reduce, args=(x,))
+        t.start()
+        t.join()
+        return x
+
+    simulator.run(rank_fn, 2)   # [tensor([3., 3.]), tensor([3., 3.])]
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Iterator
+
+from tensorplay.distributed import _state
+
+from . import _environ
+from .sched import DONE, FREE
+from .world import RankState, _local, current_rank_state
+
+__all__ = ["enabled"]
+
+_lock = threading.Lock()
+_quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait must not step out of the schedule
+_active = 0
+_saved: dict[str, Any] = {}
+
+
+class _Inherited:
+    """What a thread takes over from the rank that started it."""
+
+    __slots__ = ("actor", "dist_state", "c10d_world", "cuda")
+
+    def __init__(self, parent: RankState, thread: threading.Thread) -> None:
+        self.actor = parent.child(thread)
+        self.dist_state = _state.current()
+        self.c10d_world = _c10d_world()
+        self.cuda = parent.device if parent.device.type == "cuda" else None
+
+
+def _c10d_world() -> Any:
+    """The calling rank thread's own torch c10d state, when the torch-native adapter gave it one."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+    except ImportError:  # pragma: no cover  (torch built without distributed)
+        return None
+    local = getattr(c10d._world, "_local", None)
+    return getattr(local, "world", None) if local is not None else None
+
+
+def _adopt_c10d(world: Any) -> None:
+    """Give this thread the rank's c10d state, and its groups in torch's per-thread name registry."""
+    import torch.distributed.distributed_c10d as c10d
+
+    local = getattr(c10d._world, "_local", None)
+    if local is None:
+        return
+    local.world = world
+    try:  # functional collectives find groups by name in a per-thread registry (thread isolation mode)
+        from torch._C._distributed_c10d import _register_process_group
+
+        for pg, name in list(world.pg_names.items()):
+            _register_process_group(name, pg)
+    except Exception:  # noqa: BLE001  a group torch refuses to re-register is one the thread cannot name anyway
+        pass
+
+
+def _start(self: threading.Thread) -> None:
+    parent = current_rank_state()
+    if parent is not None and parent.run.sched is not None and not parent.run.over:
+        inh = _Inherited(parent, self)
+        self._tp_sim_inherited = inh  # type: ignore[attr-defined]
+        parent.run.children.append(inh.actor)
+        parent.run.sched.add_thread(inh.actor)
+    # start() waits for the new thread to signal that it runs, holding locks of the caller's (e.g. the
+    # executor's shutdown lock): a short wait the rank must not step out of the schedule for
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        _saved["start"](self)
+    finally:
+        _quiet.depth -= 1
+
+
+def _bootstrap_inner(self: threading.Thread) -> None:
+    inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
+    if inh is None:
+        return _saved["bootstrap_inner"](self)
+    actor = inh.actor
+    actor.tid = threading.get_native_id()
+    actor.cpu_mark = time.thread_time()
+    _local.rs = actor
+    _state.bind_thread(inh.dist_state)
+    if actor.env is not None:
+        _environ.bind(actor.env)
+    if inh.c10d_world is not None:
+        _adopt_c10d(inh.c10d_world)
+    if inh.cuda is not None:
+        import torch
+
+        torch.cuda.set_device(inh.cuda)
+    try:
+        _saved["bootstrap_inner"](self)  # runs the target; an exception goes to threading.excepthook, as usual
+    finally:
+        try:
+            actor.backend._flush_unobserved(actor)
+        except BaseException:  # noqa: BLE001  (pragma: no cover) never lose the thread's end
+            pass
+        _local.rs = None
+        _state.unbind_thread()
+        if actor.env is not None:
+            _environ.unbind()
+        if inh.c10d_world is not None:
+            import torch.distributed.distributed_c10d as c10d
+
+            local = getattr(c10d._world, "_local", None)  # None once the world's adapters were removed
+            if local is not None:
+                local.world = None
+        actor.run.sched.exit(actor)
+
+
+def _own_live_threads(rs: RankState) -> bool:
+    root = rs.parent or rs
+    return any(c.parent is root and c.state != DONE for c in rs.run.children)
+
+
+@contextlib.contextmanager
+def _stepped_out(rs: RankState | None) -> Iterator[None]:
+    """Around a wait the scheduler cannot see: let the rank's own threads run meanwhile."""
+    if (rs is None or rs.state == FREE or rs.run.over or getattr(_quiet, "depth", 0)
+            or not _own_live_threads(rs)):
+        yield  # nothing of this rank's could be waiting for the baton this wait holds
+        return
+    sched = rs.run.sched
+    sched.leave(rs)
+    try:
+        yield
+    finally:
+        sched.rejoin(rs)
+
+
+class _ThreadEnd:
+    """What ``Thread.join`` waits for, as a scheduler wait: a deadlock through a join is named, not timed out."""
+
+    __slots__ = ("actor",)
+
+    def __init__(self, actor: RankState) -> None:
+        self.actor = actor
+
+    @property
+    def done(self) -> bool:
+        return self.actor.state == DONE
+
+    def describe(self) -> str:
+        a = self.actor
+        return f"in Thread.join of its thread {a.thread.name if a.thread else '?'!r} (started at {a.last_site})"
+
+
+def _join(self: threading.Thread, timeout: float | None = None) -> None:
+    rs = current_rank_state()
+    inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
+    if rs is None or inh is None or rs.run is not inh.actor.run or rs.run.over:
+        return _saved["join"](self, timeout)
+    if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
+        end = _ThreadEnd(inh.actor)
+        if not end.done:
+            sched = rs.run.sched
+            sched.block(rs, end)
+            if rs.parent is not None:
+                sched.leave(rs)
+        return _saved["join"](self, None)
+    with _stepped_out(rs):  # a bounded join is a real wait: let the rank's threads run meanwhile
+        return _saved["join"](self, timeout)
+
+
+def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
+    rs = current_rank_state()
+    if rs is None:
+        return _saved["cond_wait"](self, timeout)
+    with _stepped_out(rs):
+        return _saved["cond_wait"](self, timeout)
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """While active, threads started by simulated ranks belong to their rank (see the module docstring)."""
+    global _active
+    with _lock:
+        if _active == 0:
+            _saved.update(start=threading.Thread.start, bootstrap_inner=threading.Thread._bootstrap_inner,
+                          join=threading.Thread.join, cond_wait=threading.Condition.wait)
+            threading.Thread.start = _start  # type: ignore[method-assign]
+            threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+            threading.Thread.join = _join  # type: ignore[method-assign]
+            threading.Condition.wait = _cond_wait  # type: ignore[method-assign]
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                threading.Thread.start = _saved.pop("start")  # type: ignore[method-assign]
+                threading.Thread._bootstrap_inner = _saved.pop("bootstrap_inner")  # type: ignore[attr-defined]
+                threading.Thread.join = _saved.pop("join")  # type: ignore[method-assign]
+                threading.Condition.wait = _saved.pop("cond_wait")  # type: ignore[method-assign]

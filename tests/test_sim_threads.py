@@ -1,0 +1,154 @@
+"""Threads a simulated rank starts belong to that rank, as threads of a real rank process do (issue 12, item 4).
+
+Every program here also runs unchanged on gloo processes: a thread of a rank
+process sees the process group.  The simulator must run them to the same
+result and keep naming deadlocks that go through a thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import simulator
+import tensorplay.distributed as dist
+
+MODES = ["coop", "threads"]
+
+
+def _comm_thread_all_reduce():
+    """A communication thread overlapping the rank's compute (torch front door)."""
+    tdist.init_process_group("gloo")
+    x = torch.arange(3.0) + 10 * tdist.get_rank()
+    box = {}
+
+    def comm():
+        y = x.clone()
+        tdist.all_reduce(y)
+        box["y"] = y
+
+    t = threading.Thread(target=comm, name="comm")
+    t.start()
+    z = x * 2  # compute while the thread communicates
+    t.join()
+    return box["y"], z
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_collective_from_a_thread_the_rank_started(mode, seed):
+    w = 3
+    res = simulator.run(_comm_thread_all_reduce, w, mode=mode, seed=seed, timeout=30)
+    ref = sum(torch.arange(3.0) + 10 * r for r in range(w))
+    for r, (y, z) in enumerate(res):
+        assert torch.equal(y, ref) and torch.equal(z, (torch.arange(3.0) + 10 * r) * 2)
+
+
+def _executor():
+    x = torch.full((2,), float(dist.get_rank() + 1))
+    with ThreadPoolExecutor(max_workers=1) as ex:
+        fut = ex.submit(dist.all_reduce, x)
+        fut.result()  # a Condition wait: the rank steps out so its worker can take its turn
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_thread_pool_worker_runs_collectives(mode):
+    assert [t.tolist() for t in simulator.run(_executor, 4, mode=mode, timeout=30)] == [[10.0, 10.0]] * 4
+
+
+def _queue_worker():
+    """A long-lived comm thread fed through queues (the rank waits on Queue.get)."""
+    todo, done = queue.Queue(), queue.Queue()
+
+    def worker():
+        while (t := todo.get()) is not None:
+            dist.all_reduce(t)
+            done.put(t)
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+    outs = []
+    for i in range(3):
+        todo.put(torch.full((2,), float(dist.get_rank() * 10 + i)))
+        outs.append(done.get().tolist())
+    todo.put(None)
+    th.join()
+    return outs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_queue_fed_comm_thread(mode):
+    w = 2
+    expect = [[float(sum(r * 10 + i for r in range(w)))] * 2 for i in range(3)]
+    assert simulator.run(_queue_worker, w, mode=mode, timeout=30) == [expect] * w
+
+
+def _p2p_from_thread():
+    r, w = dist.get_rank(), dist.get_world_size()
+    out = torch.empty(2)
+    t = threading.Thread(target=dist.send, args=(torch.full((2,), float(r)), (r + 1) % w))
+    t.start()  # the blocking send runs in the thread while the rank receives
+    src = dist.recv(out, (r - 1) % w)
+    t.join()
+    return out.tolist(), src
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocking_send_in_a_thread_and_recv_in_the_rank(mode):
+    w = 3
+    assert simulator.run(_p2p_from_thread, w, mode=mode, timeout=30) == \
+        [([float((r - 1) % w)] * 2, (r - 1) % w) for r in range(w)]
+
+
+def _thread_waits_for_a_rank_that_returned():
+    x = torch.ones(1)
+    if dist.get_rank() == 0:
+        t = threading.Thread(target=dist.all_reduce, args=(x,), name="comm")
+        t.start()
+        t.join()
+    return x
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread gets it too
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_through_a_thread_is_named_not_timed_out(mode):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(simulator.DeadlockError) as ei:
+        simulator.run(_thread_waits_for_a_rank_that_returned, 2, mode=mode, timeout=30)
+    assert time.monotonic() - t0 < 5.0
+    text = str(ei.value)
+    assert "rank 0 waits in Thread.join of its thread 'comm'" in text
+    assert "rank 0 (thread 'comm') waits in all_reduce #1 on group [0, 1]" in text and "missing: [1]" in text
+    assert "rank 1 has returned" in text
+
+
+def _daemon_thread_left_behind():
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, args=(30.0,), daemon=True).start()
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_run_does_not_wait_for_daemon_threads(mode):
+    import time
+
+    t0 = time.monotonic()
+    assert simulator.run(_daemon_thread_left_behind, 2, mode=mode, timeout=30) == [2.0, 2.0]
+    assert time.monotonic() - t0 < 10.0  # a process exits without waiting for its daemon threads
+
+
+def test_threads_outside_a_world_are_untouched():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(simulator.current_rank_state()))
+    t.start()
+    t.join()
+    assert seen == [None] and not hasattr(t, "_tp_sim_inherited")
