@@ -490,3 +490,72 @@ def check_timeout(out: dict) -> None:
     assert "timeout" in out["sync"] and "timeout=0.2" in out["sync"], out
     assert "timeout" in out["async"], out
     assert out["sync_s"] < 2.0 and out["after"] == 2
+
+
+# ---------------------------------------------------------------------------
+# @async_execution and torch.futures interop (tensorplay's API)
+# ---------------------------------------------------------------------------
+@rpc.functions.async_execution
+def async_scaled_sum(to: str, x: torch.Tensor, k: float) -> Any:
+    """Answers when the nested call does: (x + k) * 3."""
+    return rpc.rpc_async(to, torch.add, args=(x, k)).then(lambda f: f.value() * 3)
+
+
+class AsyncHolder:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_fail(to: str) -> Any:
+        return rpc.rpc_async(to, raise_value_error, args=("late failure",))
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_plain(cls, x: torch.Tensor) -> Any:
+        f: Any = torch.futures.Future()
+        f.set_result(x - 1)
+        return f
+
+    @rpc.functions.async_execution
+    def bound(self, x: torch.Tensor) -> Any:
+        f: Any = torch.futures.Future()
+        f.set_result(x * 10)
+        return f
+
+
+@rpc.functions.async_execution
+def async_returns_no_future() -> int:
+    return 3
+
+
+def raise_value_error(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def async_cases() -> dict:
+    x = torch.arange(3.0)
+    out: dict[str, Any] = {}
+    out["sync"] = rpc.rpc_sync("worker1", async_scaled_sum, args=("worker2", x, 1)).tolist()
+    out["async"] = rpc.rpc_async("worker1", async_scaled_sum, args=("worker0", x, 2)).wait().tolist()
+    out["remote"] = rpc.remote("worker1", async_scaled_sum, args=("worker2", x, 3)).to_here().tolist()
+    out["class"] = rpc.rpc_sync("worker1", AsyncHolder.class_plain, args=(x,)).tolist()
+    out["bound"] = rpc.remote("worker2", AsyncHolder).rpc_sync().bound(x).tolist()
+    try:
+        rpc.rpc_sync("worker1", AsyncHolder.static_fail, args=("worker2",))
+    except ValueError as e:
+        out["static_fail"] = str(e)
+    try:
+        rpc.rpc_sync("worker1", async_returns_no_future)
+    except TypeError as e:
+        out["no_future"] = "must return" in str(e)
+    futs = [rpc.rpc_async(f"worker{r}", torch.mul, args=(x, r + 1)) for r in range(3)]
+    out["torch_wait_all"] = [t.tolist() for t in torch.futures.wait_all(futs)]
+    out["torch_collect_all"] = [f.value().tolist() for f in torch.futures.collect_all(futs).wait()]
+    out["is_torch_future"] = isinstance(futs[0], torch.futures.Future)
+    return out
+
+
+def check_async(out: dict) -> None:
+    assert out["sync"] == [3.0, 6.0, 9.0] and out["async"] == [6.0, 9.0, 12.0] and out["remote"] == [9.0, 12.0, 15.0]
+    assert out["class"] == [-1.0, 0.0, 1.0] and out["bound"] == [0.0, 10.0, 20.0], out
+    assert out["static_fail"] == "late failure" and out["no_future"] is True, out
+    expected = [[0.0, r + 1.0, 2 * (r + 1.0)] for r in range(3)]
+    assert out["torch_wait_all"] == expected and out["torch_collect_all"] == expected and out["is_torch_future"]

@@ -50,6 +50,11 @@ def drive(body, world_size=2, *, mode="coop", seed=0, options=None, **kwargs):
 # the shared cases (also run on TensorPipe)
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_async_execution_and_torch_futures(mode):
+    C.check_async(drive(C.async_cases, 3, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
 def test_documented_example(mode):
     out = drive(C.documented_example, mode=mode)
     C.check_documented_example(out)

@@ -42,6 +42,10 @@ def test_documented_example(pool):
     C.check_documented_example(pool.run_on(0, C.documented_example))
 
 
+def test_async_execution_and_torch_futures(pool):
+    C.check_async(pool.run_on(0, C.async_cases))
+
+
 def test_calls_by_value_exceptions_and_futures(pool):
     C.check_calls(pool.run_on(0, C.calls))
 
