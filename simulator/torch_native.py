@@ -274,6 +274,16 @@ class SimProcessGroup(tdist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SimProcessGroup(ranks={list(self._g.ranks)}, rank={self._g.rank()}, backend={self._named!r})"
 
+    def _start_coalescing(self, device: Any) -> None:
+        # gloo has no coalescing either; torch's generic paths (batch_isend_irecv, ...) never ask for it here
+        raise RuntimeError(format_message(
+            "ProcessGroup._start_coalescing", f"backend {self._named} does not implement startCoalescing",
+            values={"backend": self._named, "device": str(device)},
+            fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
+
+    def _end_coalescing(self, device: Any) -> None:
+        self._start_coalescing(device)
+
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         op = _op(opts) if opts is not None else tpd.ReduceOp.SUM
