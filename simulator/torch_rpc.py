@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -393,10 +394,12 @@ def _install() -> None:
     _set(tautograd, "get_gradients", _dispatch(tautograd.get_gradients, _autograd_get_gradients))
     # constructors
     _undo.append(_route_new(tapi.RRef, _rref))
-    from torch.distributed.optim import DistributedOptimizer as TorchDO
+    with warnings.catch_warnings():  # these torch modules warn about TorchScript at import; not the user's doing
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.nn.api.remote_module import RemoteModule as TorchRM
+        from torch.distributed.optim import DistributedOptimizer as TorchDO
 
     _undo.append(_route_new(TorchDO, _dist_optimizer))
-    from torch.distributed.nn.api.remote_module import RemoteModule as TorchRM
 
     _undo.append(_route_new(TorchRM, _remote_module))
     _set(torch._C, "_collect_all", _collect_all(torch._C._collect_all))
