@@ -27,11 +27,52 @@ import torch
 
 from .cases import Case, output_buffers, rank_inputs, split_sizes, upstream_grads
 
-__all__ = ["DEFAULT_IMPL", "RankOutcome", "default_dist_module", "load_module", "resolve_function", "run_case"]
+__all__ = ["DEFAULT_IMPL", "KNOWN_IMPLS", "NOT_IMPLS", "RankOutcome", "check_impl_name", "default_dist_module",
+           "load_module", "resolve_function", "run_case"]
 
 DEFAULT_IMPL = "tensorplay.distributed.nn.functional"
 #: names an implementation may use instead of ours
 ALIASES = {"all_gather_single": ("_all_gather_base", "all_gather_base", "all_gather_into_tensor")}
+
+
+#: implementations that ship with tensorplay and torch (any module or .py file with the same signatures works too)
+KNOWN_IMPLS = {
+    DEFAULT_IMPL: "the default: tensorplay's autograd collectives",
+    "torch.distributed.nn.functional": "torch's autograd collectives, with --backend gloo or nccl",
+}
+#: modules people pass by mistake: they have functions with the collectives' names but other meanings
+NOT_IMPLS = {
+    "torch": "torch's tensor library (torch.gather and torch.scatter are indexing ops)",
+    "torch.nn.functional": "torch's neural-network functions",
+    "torch.distributed": "torch's c10d collectives: they write into their arguments and have no autograd",
+    "torch.distributed._functional_collectives": "torch's traceable collectives: other signatures "
+                                                 "(group as a required argument, AsyncCollectiveTensor results)",
+    "tensorplay": "tensorplay's tensor namespace",
+    "tensorplay.distributed": "tensorplay's c10d-style collectives: they write into their arguments and have no "
+                              "autograd",
+}
+
+
+def check_impl_name(impl: str) -> str:
+    """Empty when ``impl`` can be an implementation (a findable module or an existing ``.py`` file), else
+    why not, with the valid values.  Nothing is imported: the ranks import the implementation."""
+    valid = ", ".join(f"{k} ({v})" for k, v in KNOWN_IMPLS.items())
+    choices = (f"Valid values: {valid}, or any module (a dotted name or a path to a .py file) with "
+               f"torch.distributed.nn.functional's signatures")
+    name = impl.strip()
+    if name in NOT_IMPLS:
+        return f"impl={impl!r} is not an implementation of the collectives: it is {NOT_IMPLS[name]}. {choices}"
+    if name.endswith(".py") or os.sep in name:
+        if not os.path.isfile(name):
+            return f"impl={impl!r}: no such file. {choices}"
+        return ""
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return f"impl={impl!r}: no module of that name can be imported here. {choices}"
+    return ""
 
 
 def default_dist_module(impl: str) -> str:

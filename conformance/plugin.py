@@ -132,18 +132,46 @@ def conformance_runner(conformance_config: "SuiteConfig") -> Iterator[Any]:
         runner.close()
 
 
+#: where an xdist worker hands its case results to the controller (``workeroutput`` carries plain data only)
+_WORKER_KEY = "conformance_results_json"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: collect the case results a worker sent when it finished (see pytest_sessionfinish)."""
+    data = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
+    if not data:
+        return
+    import json
+
+    from .report import Result
+
+    results_of(node.config).extend(Result.from_json({"cases": json.loads(data)}).results)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     path = _opt(config, "conformance_report")
     results = results_of(config)
     if not path or not results:
         return
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller has no results; write per worker
-        path = f"{path}-{config.workerinput.get('workerid', 'w')}"
+    if hasattr(config, "workerinput"):
+        # an xdist worker: hand the results to the controller, which writes the one documented report
+        import json
+
+        config.workeroutput[_WORKER_KEY] = json.dumps([r.to_json() for r in results])
+        return
     from .report import Result
 
-    res = Result(config=config_from_pytest(config).as_dict(), results=list(results))
-    res.seconds = sum(r.seconds for r in results)
+    cfg = config_from_pytest(config)
+    ordered = list(results)
+    if cfg.cases or len(ordered) > 1:  # workers finish in any order: report in the planned order
+        from .suite import plan_cases
+
+        rank = {c.id(): i for i, c in enumerate(plan_cases(cfg))}
+        ordered.sort(key=lambda r: rank.get(r.case.id(), len(rank)))
+    res = Result(config=cfg.as_dict(), results=ordered)
+    res.seconds = sum(r.seconds for r in ordered)
     for p in res.write(path):
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:

@@ -19,6 +19,9 @@ skip reason from :meth:`Runner.skip_reason` instead.
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +31,8 @@ import torch
 from .cases import Case
 from .execute import DEFAULT_IMPL, RankOutcome, default_dist_module, run_case
 
-__all__ = ["BACKENDS", "DEVICES", "RunnerError", "Runner", "RunReport", "SimRunner", "PoolRunner", "make_runner",
-           "validate_backend_device"]
+__all__ = ["BACKENDS", "DEVICES", "MAIN_FREE_PREFIXES", "RunnerError", "Runner", "RunReport", "SimRunner",
+           "PoolRunner", "main_free_children", "make_runner", "refuse_while_bootstrapping", "validate_backend_device"]
 
 BACKENDS = ("sim", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
@@ -125,12 +128,21 @@ class SimRunner(Runner):
     """Every case in a fresh simulated world (threads in this process)."""
 
     backend = "sim"
+    _warm = False
 
     def _run(self, case: Case) -> RunReport:
         try:
             import simulator
         except ImportError as e:
             return RunReport(error=f"the simulator cannot be imported: {e}")
+        if not self._warm:
+            # the first simulated world of a process sets the simulator up (seconds on a loaded machine): do it
+            # once, outside the per-case bound, so that the first case is not reported as timed out
+            self._warm = True
+            try:
+                simulator.run(functools.partial(_warm_up, self.impl, self.dist_module), 1, timeout=120.0)
+            except BaseException:  # noqa: BLE001  whatever fails here fails again in the case, and is reported there
+                pass
         fn = functools.partial(run_case, case, self.impl, self.dist_module, self.device, 0)
         try:
             results = simulator.run(fn, case.world_size, seed=case.seed, timeout=self.timeout, device=self.device)
@@ -142,6 +154,18 @@ class SimRunner(Runner):
             if isinstance(o, RankOutcome):
                 outcomes[o.rank if o.rank >= 0 else r] = o
         return RunReport(outcomes=outcomes)
+
+
+def _warm_up(impl: str, dist_module: str) -> str:
+    """Import what every case needs on a rank (never raises: a broken import is the cases' finding)."""
+    from .execute import load_module
+
+    try:
+        load_module(dist_module)
+        load_module(impl)
+    except BaseException as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _probe() -> float:
@@ -186,6 +210,7 @@ class PoolRunner(Runner):
         return ""
 
     def _pool(self, w: int) -> Any:
+        main_free_children()
         pool = self._pools.get(w)
         if pool is None:
             pool = _CasePool(w, self.backend, call_timeout=self.timeout, pg_timeout=max(60.0, 4 * self.timeout))
@@ -193,6 +218,9 @@ class PoolRunner(Runner):
         if not pool.alive:
             t0 = time.perf_counter()
             pool.start()
+            # the first call of fresh ranks imports the implementation: do it now, under the start-up bound,
+            # so that a loaded machine does not turn the first case of every world into "timed out"
+            pool.call(_warm_up, [(self.impl, self.dist_module)] * w, timeout=pool.start_timeout, grace=1.0)
             self.start_seconds += time.perf_counter() - t0
         return pool
 
@@ -233,6 +261,61 @@ class PoolRunner(Runner):
         self._pools.clear()
 
 
+#: the suite's own processes (rank processes, ``-n`` workers) are named with these prefixes
+MAIN_FREE_PREFIXES = ("conformance-rank", "conformance-worker")
+_MAIN_FREE_LOCK = threading.Lock()
+
+
+def main_free_children() -> None:
+    """Start the suite's own processes without re-running the parent's main script.
+
+    A spawn or forkserver child of ``multiprocess`` first re-executes the
+    parent's ``__main__`` module (as ``__mp_main__``) so that functions defined
+    there can be unpickled.  A script that calls ``conformance.check(...)`` at
+    top level, without an ``if __name__ == "__main__":`` guard, would then run
+    the whole suite again inside every rank process, which cannot start
+    processes of its own while it bootstraps: every rank dies, every case
+    restarts the ranks, and the run crawls for many minutes.  Nothing the suite
+    sends its processes lives in ``__main__`` (targets, cases and configs are
+    importable; the implementation is loaded by name or path), so for
+    processes named with :data:`MAIN_FREE_PREFIXES` the preparation data
+    leaves the main module out.  Other processes are not affected.
+    """
+    from multiprocess import spawn
+
+    with _MAIN_FREE_LOCK:
+        if getattr(spawn.get_preparation_data, "_conformance_main_free", False):
+            return
+        original = spawn.get_preparation_data
+
+        def get_preparation_data(name: str) -> dict[str, Any]:
+            data = original(name)
+            if isinstance(name, str) and name.startswith(MAIN_FREE_PREFIXES):
+                data.pop("init_main_from_path", None)
+                data.pop("init_main_from_name", None)
+            return data
+
+        get_preparation_data._conformance_main_free = True  # type: ignore[attr-defined]
+        spawn.get_preparation_data = get_preparation_data
+
+
+def refuse_while_bootstrapping(call: str) -> None:
+    """Raise :class:`RunnerError` at once when this process is a multiprocessing child still importing
+    the main script (the script was run again by a child the *caller* started, and its top-level code
+    reached ``call``); starting processes from there can only fail, and would fail obscurely."""
+    for name in ("multiprocessing.process", "multiprocess.process"):
+        mod = sys.modules.get(name)
+        if mod is None or not getattr(mod.current_process(), "_inheriting", False):
+            continue
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None) or getattr(getattr(main, "__spec__", None), "name", "the main module")
+        raise RunnerError(
+            f"{call} was called while this process (pid {os.getpid()}) is a {name.split('.')[0]} child process "
+            f"re-running the main script to start up (main={path!r}); it cannot start the suite's processes from "
+            f"there. Fix: put the call under `if __name__ == \"__main__\":` in {path}, so that child processes "
+            f"importing it do not run it")
+
+
 _FORKSERVER: list[Any] = []
 
 
@@ -241,6 +324,7 @@ def _forkserver() -> Any:
     if not _FORKSERVER:
         import multiprocess as mp
 
+        main_free_children()
         ctx = None
         if "forkserver" in mp.get_all_start_methods():
             ctx = mp.get_context("forkserver")

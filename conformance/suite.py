@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .cases import COLLECTIVES, OPS, Case, cell_rows, parse_case_id
-from .execute import DEFAULT_IMPL, default_dist_module
+from .execute import DEFAULT_IMPL, check_impl_name, default_dist_module
 from .expect import Verdict, check_case
 from .report import CaseResult, Progress, Result, repro_command
-from .runners import BACKENDS, DEFAULT_TIMEOUT, DEVICES, RunnerError, make_runner, validate_backend_device
+from .runners import (BACKENDS, DEFAULT_TIMEOUT, DEVICES, RunnerError, main_free_children, make_runner,
+                      refuse_while_bootstrapping, validate_backend_device)
 
 __all__ = ["DEFAULT_EXAMPLES", "ConfigError", "SuiteConfig", "plan_cases", "run_suite", "draw"]
 
@@ -77,6 +78,9 @@ class SuiteConfig:
             raise ConfigError(f"workers={self.workers!r} (-n) must be an int >= 1")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds")
+        why = check_impl_name(self.impl) if isinstance(self.impl, str) else f"impl={self.impl!r} must be a str"
+        if why:
+            raise ConfigError(why)
         try:
             validate_backend_device(self.backend, self.device, self.impl, self.dist_module)
         except RunnerError as e:
@@ -239,6 +243,12 @@ def run_suite(config: SuiteConfig, *, progress: bool | Progress = True,
     import warnings
 
     config.validate()
+    if config.backend != "sim" or config.workers > 1:
+        try:
+            refuse_while_bootstrapping("conformance.check()" if config.command.startswith("conformance.check")
+                                       else "the conformance suite")
+        except RunnerError as e:
+            raise ConfigError(str(e)) from None
     t0 = time.perf_counter()
     cases = plan_cases(config)
     cd = config.as_dict()
@@ -275,6 +285,7 @@ def _run_parallel(config: SuiteConfig, cases: list[Case], record: Callable[[Case
     """Split ``cases`` over ``config.workers`` processes (chunks grouped by world size); results in case order."""
     import multiprocess as mp
 
+    main_free_children()
     ctx = mp.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.Queue()
     indexed = sorted(enumerate(cases), key=lambda ic: (ic[1].world_size, ic[0]))
