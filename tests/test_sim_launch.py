@@ -1,0 +1,285 @@
+"""`python -m simulator script.py`: scripts that start their own ranks (mp.spawn, multiprocessing.Process).
+
+Each script is written as a PyTorch tutorial writes it and run unmodified, by
+the CLI in a subprocess; two of them also run for real (gloo on 127.0.0.1) and
+their output is compared with the simulated run's.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from simulator.launch import LaunchStyleError, launch
+from tensorplay.distributed.pool import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# the mp.spawn tutorial shape: MASTER_ADDR/PORT set in the rank, env:// rendezvous, fn(rank, *args)
+SPAWN = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def setup(rank, world_size):
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = "{port}"
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    def demo(rank, world_size, mode):
+        setup(rank, world_size)
+        x = torch.arange(3, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(x)
+        gathered = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(gathered, torch.tensor([float(rank * rank)]))
+        print(f"rank {{rank}}/{{dist.get_world_size()}} sum={{x.tolist()}} squares={{[g.item() for g in gathered]}}",
+              flush=True)
+        if mode == "fail" and rank == 1:
+            raise ValueError("rank one fails on purpose")
+        if mode == "exit" and rank == 2:
+            sys.exit(3)
+        dist.barrier()
+        dist.destroy_process_group()
+        if mode == "exit0":
+            sys.exit(0)  # a normal end, as for a process
+
+    if __name__ == "__main__":
+        mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+        try:
+            mp.spawn(demo, args=(3, mode), nprocs=3, join=True)
+        except mp.ProcessRaisedException as e:
+            print(f"launcher: ProcessRaisedException index={{e.error_index}}", flush=True)
+            raise
+        except mp.ProcessExitedException as e:
+            print(f"launcher: ProcessExitedException index={{e.error_index}} code={{e.exit_code}}", flush=True)
+            raise
+        print("launcher: done", flush=True)
+""")
+
+# the "Writing distributed applications" tutorial shape: Process + tcp:// init, start all, then join all;
+# also what each rank gets of the launcher's objects (a shared-memory tensor is shared, a dict is a copy)
+PROCESS = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from multiprocessing import Process
+
+    def run(rank, size, shared, plain):
+        tensor = torch.zeros(1)
+        if rank == 0:
+            tensor += 1
+            dist.send(tensor=tensor, dst=1)
+        elif rank == 1:
+            dist.recv(tensor=tensor, src=0)
+        print(f"Rank {{rank}} has data {{tensor[0].item()}}", flush=True)
+        shared += rank + 1
+        plain[rank] = "seen"
+        if "--exit" in sys.argv and rank == 1:
+            sys.exit(3)
+        dist.barrier()
+
+    def init_process(rank, size, fn, shared, plain, backend="gloo"):
+        dist.init_process_group(backend, rank=rank, world_size=size, init_method="tcp://127.0.0.1:{port}")
+        fn(rank, size, shared, plain)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        size = 3
+        shared = torch.zeros(1).share_memory_()
+        plain = {{}}
+        processes = []
+        for rank in range(size):
+            p = Process(target=init_process, args=(rank, size, run, shared, plain))
+            p.start()
+            processes.append(p)
+        for p in processes:
+            p.join()
+        print(f"exitcodes={{[p.exitcode for p in processes]}} alive={{[p.is_alive() for p in processes]}}",
+              flush=True)
+        print(f"shared={{shared.item()}} plain={{plain}}", flush=True)
+""")
+
+TORCHRUN = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    print("rank", dist.get_rank(), x.item(), flush=True)
+""")
+
+
+def _write(tmp_path, name, text, port=None):
+    path = tmp_path / name
+    path.write_text(text.format(port=port if port is not None else free_port()))
+    return path
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _sim(tmp_path, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "simulator", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=str(tmp_path))
+
+
+def _real(tmp_path, script, *args, timeout=240):
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=str(tmp_path))
+
+
+def _real_run(tmp_path, name, text, ok):
+    """Run ``text`` for real on a fresh port; retry once on another port when a rank lost a port race."""
+    for attempt in range(2):
+        script = _write(tmp_path, name, text)
+        p = _real(tmp_path, script)
+        if ok(p) or attempt == 1 or "ddress already in use" not in p.stderr + p.stdout:
+            return script, p
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _lines(out):
+    # real processes share the pipe and print() writes the text and the newline separately, so two ranks'
+    # lines can interleave as "Rank 1 ...Rank 0 ...\n\n": split before every rank's line
+    out = re.sub(r"(?<=[^\n])(?=[Rr]ank \d)", "\n", out)
+    return sorted(line for line in out.splitlines() if line.strip())
+
+
+def test_spawn_script_runs_unmodified_with_the_expected_values(tmp_path):
+    script = _write(tmp_path, "spawn_demo.py", SPAWN)
+    p = _sim(tmp_path, "--seed", "2", script)
+    assert p.returncode == 0, p.stderr
+    # all_reduce of arange(3) * (r + 1) over 3 ranks: arange(3) * 6; all_gather of r^2
+    expect = [f"rank {r}/3 sum=[0.0, 6.0, 12.0] squares=[0.0, 1.0, 4.0]" for r in range(3)]
+    assert _lines(p.stdout) == sorted(expect + ["launcher: done"])
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W3")
+def test_spawn_script_output_matches_a_real_gloo_run(tmp_path):
+    script, real = _real_run(tmp_path, "spawn_demo.py", SPAWN, lambda p: p.returncode == 0)
+    assert real.returncode == 0, real.stderr
+    sim = _sim(tmp_path, script)
+    assert sim.returncode == 0, sim.stderr
+    assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W3")
+def test_process_script_output_matches_a_real_gloo_run(tmp_path):
+    # the launcher exits 0 whatever its children did: a lost port race shows in the exit codes it prints
+    script, real = _real_run(tmp_path, "process_demo.py", PROCESS, lambda p: "exitcodes=[0, 0, 0]" in p.stdout)
+    assert real.returncode == 0 and "exitcodes=[0, 0, 0]" in real.stdout, real.stderr
+    sim = _sim(tmp_path, "--mode", "threads", script)
+    assert sim.returncode == 0, sim.stderr
+    assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
+    # what both runs agree on, spelled out: ranks 0/1 exchanged, every rank added to the shared tensor,
+    # the launcher's dict was copied into each rank
+    assert "Rank 1 has data 1.0" in sim.stdout and "Rank 2 has data 0.0" in sim.stdout
+    assert "exitcodes=[0, 0, 0] alive=[False, False, False]" in sim.stdout
+    assert "shared=6.0 plain={}" in sim.stdout
+
+
+def test_failing_spawned_rank_reaches_the_launcher_as_torchs_exception(tmp_path):
+    script = _write(tmp_path, "spawn_demo.py", SPAWN)
+    p = _sim(tmp_path, "--seed", "5", script, "fail")
+    assert p.returncode == 1
+    assert "launcher: ProcessRaisedException index=1" in p.stdout
+    assert "rank 1 (process 1 of torch.multiprocessing.spawn) failed (ValueError)" in p.stderr
+    assert "-- Process 1 terminated with the following error:" in p.stderr
+    assert p.stderr.count("ValueError: rank one fails on purpose") == 1  # the rank's traceback, once
+    assert f"replay with python -m simulator --seed 5 --mode coop {script} fail" in p.stderr
+    assert "[rank" not in p.stderr  # no excepthook prefixes
+
+
+def test_sys_exit_in_a_spawned_rank_is_a_failure_with_its_code(tmp_path):
+    script = _write(tmp_path, "spawn_demo.py", SPAWN)
+    p = _sim(tmp_path, script, "exit")
+    assert p.returncode == 1
+    assert "launcher: ProcessExitedException index=2 code=3" in p.stdout
+    assert "rank 2 (process 2 of torch.multiprocessing.spawn) exited with code 3" in p.stderr
+    ok = _sim(tmp_path, script, "exit0")
+    assert ok.returncode == 0, ok.stderr
+    assert "launcher: done" in ok.stdout
+
+
+def test_sys_exit_in_a_process_rank_sets_its_exitcode_and_fails_the_cli(tmp_path):
+    script = _write(tmp_path, "process_demo.py", PROCESS)
+    p = _sim(tmp_path, script, "--exit")
+    assert p.returncode == 1
+    # the launcher itself carries on, as on a real run, and sees rank 1's status; the others were released
+    assert "exitcodes=[1, 3, 1]" in p.stdout
+    assert "rank 1 exited with code 3" in p.stderr and "sys.exit(3)" in p.stderr
+
+
+def test_wrong_script_style_is_a_usage_error_not_a_hang(tmp_path):
+    spawn = _write(tmp_path, "spawn_demo.py", SPAWN)
+    p = _sim(tmp_path, "--nproc-per-node", "3", spawn)
+    assert p.returncode == 2
+    assert "torch.multiprocessing.spawn was called on a simulated rank" in p.stderr
+    assert f"without --nproc-per-node: python -m simulator --seed 0 --mode coop {spawn}" in p.stderr
+    assert p.stderr.count("Fix:") == 1  # every rank raised it; said once
+
+    torchrun = _write(tmp_path, "torchrun_demo.py", TORCHRUN)
+    p = _sim(tmp_path, torchrun)
+    assert p.returncode == 2
+    assert "init_process_group was called by the launcher" in p.stderr
+    assert f"python -m simulator --nproc-per-node N --seed 0 --mode coop {torchrun}" in p.stderr
+    ok = _sim(tmp_path, "--nproc-per-node", "2", torchrun)
+    assert ok.returncode == 0, ok.stderr
+    assert _lines(ok.stdout) == ["rank 0 2.0", "rank 1 2.0"]
+
+
+# ---- the Python API, in this process ------------------------------------------
+def _ring(rank, size, out):
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", rank=rank, world_size=size, init_method="tcp://127.0.0.1:1")
+    x = torch.tensor([float(rank + 1)])
+    tdist.all_reduce(x)
+    out[rank] = x.item()  # a copy of `out` per rank: the launcher does not see it
+    if rank == 1 and size == 3:
+        raise KeyError("three is a crowd")
+
+
+def _launcher(size, seen):
+    import torch.multiprocessing as mp
+
+    out: dict = {}
+    mp.spawn(_ring, args=(size, out), nprocs=size)
+    seen.append(out)
+
+
+def test_launch_api_runs_a_launcher_function_and_restores_the_patches():
+    import multiprocessing.process as mp_process
+
+    import torch.multiprocessing as mp
+
+    start, spawn = mp_process.BaseProcess.start, mp.spawn
+    seen: list = []
+    worlds = launch(_launcher, args=(2, seen), seed=1)
+    assert [w.world_size for w in worlds] == [2] and seen == [{}]
+    assert "all_reduce" in [e.op for e in worlds[0].trace.by_rank(0)]
+    with pytest.raises(mp.ProcessRaisedException) as ei:
+        launch(_launcher, args=(3, seen))
+    assert ei.value.error_index == 1 and ei.value.rank == 1 and "KeyError: 'three is a crowd'" in str(ei.value)
+    assert mp_process.BaseProcess.start is start and mp.spawn is spawn
+
+
+def test_launch_api_refuses_a_launcher_that_joins_a_group_itself():
+    import torch.distributed as tdist
+
+    def launcher():
+        tdist.init_process_group("gloo", rank=0, world_size=2, init_method="tcp://127.0.0.1:1")
+
+    with pytest.raises(LaunchStyleError, match="init_process_group was called by the launcher"):
+        launch(launcher)
