@@ -133,7 +133,11 @@ SCRIPT = textwrap.dedent("""
     print(f"rank={rank} sum={x.item()} argv={sys.argv[1:]}", flush=True)
     if "--fail" in sys.argv and rank == 1:
         raise ValueError("rank one fails on purpose")
+    if "--exit3" in sys.argv and rank == 2:
+        sys.exit(3)
     dist.destroy_process_group()
+    if "--exit0" in sys.argv:
+        sys.exit(0)
 """)
 
 
@@ -160,6 +164,19 @@ def test_cli_failure_exits_non_zero_with_the_rank_traceback(tmp_path):
     assert p.returncode == 1
     assert "rank 1 failed (ValueError)" in p.stderr
     assert "rank one fails on purpose" in p.stderr and "train.py" in p.stderr
+    # the replay hint is the command line (issue 16), the traceback is printed once, without "[rankN]:" prefixes
+    assert "replay with python -m simulator --nproc-per-node 3 --seed 0 --mode threads" in p.stderr
+    assert p.stderr.count("ValueError: rank one fails on purpose") == 1
+    assert "[rank" not in p.stderr
+
+
+def test_cli_rank_exit_status(tmp_path):
+    p = _cli(tmp_path, "--nproc-per-node", "3", ["--exit3"])
+    assert p.returncode == 1
+    assert "rank 2 exited with code 3" in p.stderr and "sys.exit(3)" in p.stderr
+    ok = _cli(tmp_path, "--nproc-per-node", "3", ["--exit0"])  # sys.exit(0) is a normal end of a rank
+    assert ok.returncode == 0, ok.stderr
+    assert len([line for line in ok.stdout.splitlines() if line.startswith("rank=")]) == 3
 
 
 def test_environ_is_restored_after_a_run():
