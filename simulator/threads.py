@@ -44,10 +44,12 @@ from .world import RankState, _local, current_rank_state
 
 __all__ = ["enabled"]
 
+# the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
+_ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
+             "join": threading.Thread.join, "cond_wait": threading.Condition.wait}
 _lock = threading.Lock()
 _quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait must not step out of the schedule
 _active = 0
-_saved: dict[str, Any] = {}
 
 
 class _Inherited:
@@ -100,7 +102,7 @@ def _start(self: threading.Thread) -> None:
     # executor's shutdown lock): a short wait the rank must not step out of the schedule for
     _quiet.depth = getattr(_quiet, "depth", 0) + 1
     try:
-        _saved["start"](self)
+        _ORIGINAL["start"](self)
     finally:
         _quiet.depth -= 1
 
@@ -108,7 +110,7 @@ def _start(self: threading.Thread) -> None:
 def _bootstrap_inner(self: threading.Thread) -> None:
     inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
     if inh is None:
-        return _saved["bootstrap_inner"](self)
+        return _ORIGINAL["bootstrap_inner"](self)
     actor = inh.actor
     actor.tid = threading.get_native_id()
     actor.cpu_mark = time.thread_time()
@@ -123,7 +125,7 @@ def _bootstrap_inner(self: threading.Thread) -> None:
 
         torch.cuda.set_device(inh.cuda)
     try:
-        _saved["bootstrap_inner"](self)  # runs the target; an exception goes to threading.excepthook, as usual
+        _ORIGINAL["bootstrap_inner"](self)  # runs the target; an exception goes to threading.excepthook, as usual
     finally:
         try:
             actor.backend._flush_unobserved(actor)
@@ -183,7 +185,7 @@ def _join(self: threading.Thread, timeout: float | None = None) -> None:
     rs = current_rank_state()
     inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
     if rs is None or inh is None or rs.run is not inh.actor.run or rs.run.over:
-        return _saved["join"](self, timeout)
+        return _ORIGINAL["join"](self, timeout)
     if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
         end = _ThreadEnd(inh.actor)
         if not end.done:
@@ -191,17 +193,17 @@ def _join(self: threading.Thread, timeout: float | None = None) -> None:
             sched.block(rs, end)
             if rs.parent is not None:
                 sched.leave(rs)
-        return _saved["join"](self, None)
+        return _ORIGINAL["join"](self, None)
     with _stepped_out(rs):  # a bounded join is a real wait: let the rank's threads run meanwhile
-        return _saved["join"](self, timeout)
+        return _ORIGINAL["join"](self, timeout)
 
 
 def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
     rs = current_rank_state()
-    if rs is None:
-        return _saved["cond_wait"](self, timeout)
+    if rs is None or (timeout is not None and timeout <= 0):  # a poll (Semaphore.acquire(timeout=0)) never waits
+        return _ORIGINAL["cond_wait"](self, timeout)
     with _stepped_out(rs):
-        return _saved["cond_wait"](self, timeout)
+        return _ORIGINAL["cond_wait"](self, timeout)
 
 
 @contextlib.contextmanager
@@ -210,8 +212,6 @@ def enabled() -> Iterator[None]:
     global _active
     with _lock:
         if _active == 0:
-            _saved.update(start=threading.Thread.start, bootstrap_inner=threading.Thread._bootstrap_inner,
-                          join=threading.Thread.join, cond_wait=threading.Condition.wait)
             threading.Thread.start = _start  # type: ignore[method-assign]
             threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
             threading.Thread.join = _join  # type: ignore[method-assign]
@@ -223,7 +223,7 @@ def enabled() -> Iterator[None]:
         with _lock:
             _active -= 1
             if _active == 0:
-                threading.Thread.start = _saved.pop("start")  # type: ignore[method-assign]
-                threading.Thread._bootstrap_inner = _saved.pop("bootstrap_inner")  # type: ignore[attr-defined]
-                threading.Thread.join = _saved.pop("join")  # type: ignore[method-assign]
-                threading.Condition.wait = _saved.pop("cond_wait")  # type: ignore[method-assign]
+                threading.Thread.start = _ORIGINAL["start"]  # type: ignore[method-assign]
+                threading.Thread._bootstrap_inner = _ORIGINAL["bootstrap_inner"]  # type: ignore[attr-defined]
+                threading.Thread.join = _ORIGINAL["join"]  # type: ignore[method-assign]
+                threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
