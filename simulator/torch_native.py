@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 import tensorplay.distributed as tpd
 from tensorplay.distributed import _state
-from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -95,8 +95,9 @@ class SimWork(tdist.Work):
     ``result()``/``get_future().value()`` follow gloo: the op's output tensors.
     """
 
-    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None) -> None:
+    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None) -> None:
         super().__init__()
+        self._refuse = refuse  # an error gloo gives this rank once the exchange is done (see _autograd_refusal)
         self._works = [w for w in works if w is not None]
         self._result = result
         self._source = source  # () -> sender's group rank, for receives
@@ -110,6 +111,8 @@ class SimWork(tdist.Work):
             try:
                 for w in self._works:
                     w.wait()
+                if self._refuse is not None:
+                    raise DistBackendError(self._refuse)
             except BaseException as e:  # noqa: BLE001  kept for exception(), then re-raised as is
                 self._exc = e
                 raise
@@ -170,6 +173,38 @@ class SimWork(tdist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+_LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _autograd_refusal(name: str, rank: int, outputs: Any, input: torch.Tensor | None = None) -> str | None:
+    """The error gloo gives this rank after the exchange, where it writes results with autograd-checked torch ops.
+
+    gloo (torch 2.13) writes the results of all_reduce, broadcast, reduce,
+    scatter, all_to_all_single and recv as raw memory, but copies those of
+    all_gather, gather (on the root), all_to_all, reduce_scatter_tensor,
+    all_reduce_coalesced and all_gather_into_tensor into the outputs with torch
+    ops, in the caller's grad mode: a leaf output that requires grad makes that
+    rank fail (for all_gather_into_tensor also an input that requires grad),
+    while the other ranks finish.  Measured per collective on 2 gloo processes;
+    none fails under ``torch.no_grad()``.  tensorplay's own API writes every
+    result as memory on every backend, so this is the torch front door's only.
+    """
+    if not torch.is_grad_enabled():
+        return None
+    bad = [i for i, t in enumerate(outputs or ()) if t.requires_grad and t.is_leaf]
+    what: dict[str, Any] | None = {"outputs_requiring_grad": bad} if bad else None
+    if input is not None and input.requires_grad:
+        what = {"input.requires_grad": True}
+    if what is None:
+        return None
+    return format_message(
+        f"torch.distributed.{name}", f"{_LEAF_INPLACE} (gloo writes this collective's results with torch ops that "
+        f"autograd checks, so this rank fails once the exchange is done, as it does on gloo)", rank=rank, values=what,
+        fix="pass tensors that do not require grad (torch.empty(...), or .detach()), or call it under "
+            "torch.no_grad(); for a collective that autograd differentiates, use "
+            "tensorplay.distributed.nn.functional")
 
 
 class _SimBackendView:
@@ -290,7 +325,9 @@ class SimProcessGroup(tdist.ProcessGroup):
         return SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        return self.allreduce(tensors, opts)
+        work = self.allreduce(tensors, opts)
+        work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
+        return work
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         return SimWork([tpd.broadcast(t, group=self._g, group_src=opts.rootRank, async_op=True) for t in tensors],
@@ -311,14 +348,16 @@ class SimProcessGroup(tdist.ProcessGroup):
                   opts: Any = None) -> SimWork:
         works = [tpd.all_gather(outs, t, group=self._g, async_op=True)
                  for outs, t in zip(output_tensors, input_tensors)]
-        return SimWork(works, [t for outs in output_tensors for t in outs])
+        flat = [t for outs in output_tensors for t in outs]
+        return SimWork(works, flat, refuse=_autograd_refusal("all_gather", self._g.rank(), flat))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> SimWork:
         return self.allgather(output_lists, input_list, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
-        return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output])
+        return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output],
+                       refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output], input))
 
     _allgather_base = all_gather_single
 
@@ -334,7 +373,8 @@ class SimProcessGroup(tdist.ProcessGroup):
         is_root = self._g.rank() == opts.rootRank
         w = tpd.gather(input_tensors[0], output_tensors[0] if is_root else None, group=self._g,
                        group_dst=opts.rootRank, async_op=True)
-        return SimWork([w], output_tensors[0] if is_root and output_tensors else [])
+        outs = output_tensors[0] if is_root and output_tensors else []
+        return SimWork([w], outs, refuse=_autograd_refusal("gather", self._g.rank(), outs))
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> SimWork:
@@ -350,7 +390,7 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         return SimWork([tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g, async_op=True)],
-                       [output])
+                       [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -372,7 +412,7 @@ class SimProcessGroup(tdist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> SimWork:
         return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=self._g, async_op=True)],
-                       output_tensors)
+                       output_tensors, refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
 
     # -- point to point ----------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
