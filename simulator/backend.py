@@ -180,7 +180,7 @@ class _CollWork(Work):
         return self._slot.done and self._slot.error is None
 
     def result(self) -> list[torch.Tensor]:
-        return []
+        return _outputs(self._slot.name, self._call.data)
 
 
 class _P2PWork(Work):
@@ -208,12 +208,28 @@ class _P2PWork(Work):
     def is_success(self) -> bool:
         return self._rec.done and self._rec.error is None
 
+    def result(self) -> list[torch.Tensor]:
+        return [self._rec.tensor] if self._rec.kind == "recv" else []
+
     def source_rank(self) -> int:
         rec = self._rec
         if rec.kind != "recv":
             return super().source_rank()
         self.wait()
         return rec.source  # type: ignore[return-value]
+
+
+def _outputs(name: str, data: Any) -> list[torch.Tensor]:
+    """The tensors a collective wrote on this rank (what ``Work.result()`` gives), from its call data."""
+    if data is None:
+        return []
+    if isinstance(data, torch.Tensor):  # all_reduce, broadcast, reduce
+        return [data]
+    if name in ("all_gather", "all_to_all"):
+        return list(data[0])
+    if name == "gather":
+        return list(data[1] or ())
+    return [data[0]]  # one output tensor: *_into_tensor, scatter, reduce_scatter*, all_to_all_single
 
 
 def _observe_coll(rs: RankState, slot: _Slot, call: _Call) -> None:

@@ -36,6 +36,7 @@ Example (4 simulated ranks, plain torch code)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import threading
@@ -49,7 +50,7 @@ from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 import tensorplay.distributed as tpd
 from tensorplay.distributed import _state
-from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -178,7 +179,7 @@ class SimWork(tdist.Work):
 _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation"
 
 
-def _autograd_refusal(name: str, rank: int, outputs: Any, input: torch.Tensor | None = None) -> str | None:
+def _autograd_refusal(name: str, rank: int, outputs: Any) -> str | None:
     """The error gloo gives this rank after the exchange, where it writes results with autograd-checked torch ops.
 
     gloo (torch 2.13) writes the results of all_reduce, broadcast, reduce,
@@ -186,19 +187,18 @@ def _autograd_refusal(name: str, rank: int, outputs: Any, input: torch.Tensor | 
     all_gather, gather (on the root), all_to_all, reduce_scatter_tensor,
     all_reduce_coalesced and all_gather_into_tensor into the outputs with torch
     ops, in the caller's grad mode: a leaf output that requires grad makes that
-    rank fail (for all_gather_into_tensor also an input that requires grad),
-    while the other ranks finish.  Measured per collective on 2 gloo processes;
-    none fails under ``torch.no_grad()``.  tensorplay's own API writes every
-    result as memory on every backend, so this is the torch front door's only.
+    rank fail, while the other ranks finish.  Measured per collective on 2 gloo
+    processes; none fails under ``torch.no_grad()``.  (An all_gather_into_tensor
+    *input* that requires grad fails on some gloo ranks and not others, varying
+    between runs: not imitated.)  tensorplay's own API writes every result as
+    memory on every backend, so this is the torch front door's only.
     """
     if not torch.is_grad_enabled():
         return None
     bad = [i for i, t in enumerate(outputs or ()) if t.requires_grad and t.is_leaf]
-    what: dict[str, Any] | None = {"outputs_requiring_grad": bad} if bad else None
-    if input is not None and input.requires_grad:
-        what = {"input.requires_grad": True}
-    if what is None:
+    if not bad:
         return None
+    what = {"outputs_requiring_grad": bad}
     return format_message(
         f"torch.distributed.{name}", f"{_LEAF_INPLACE} (gloo writes this collective's results with torch ops that "
         f"autograd checks, so this rank fails once the exchange is done, as it does on gloo)", rank=rank, values=what,
@@ -353,11 +353,30 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> SimWork:
-        return self.allgather(output_lists, input_list, opts)
+        # output_lists[r][i] receives rank r's input_list[i]: one all_gather per input tensor, as gloo does
+        works = [tpd.all_gather([outs[i] for outs in output_lists], t, group=self._g, async_op=True)
+                 for i, t in enumerate(input_list)]
+        flat = [t for outs in output_lists for t in outs]
+        return SimWork(works, flat, refuse=_autograd_refusal("all_gather_coalesced", self._g.rank(), flat))
+
+    def _gloo_layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> None:
+        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0); NCCL also the stacked one."""
+        if self._named == "nccl":
+            return
+        w = self._g.size()
+        rows = part.shape[0] if part.dim() else 1
+        want = (w * rows, *part.shape[1:])
+        if tuple(flat.shape) != want:
+            raise DistBackendError(format_message(
+                f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
+                f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
+                rank=self._g.rank(), values={f"{what}.shape": tuple(flat.shape), "expected": want},
+                fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        self._gloo_layout("all_gather_into_tensor", output, input, "output")
         return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output],
-                       refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output], input))
+                       refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output]))
 
     _allgather_base = all_gather_single
 
@@ -389,6 +408,7 @@ class SimProcessGroup(tdist.ProcessGroup):
                         for o, ins in zip(output_tensors, input_tensors)], output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        self._gloo_layout("reduce_scatter_tensor", input, output, "input")
         return SimWork([tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g, async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
@@ -411,6 +431,14 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> SimWork:
+        shapes = {tuple(t.shape) for t in [*output_tensors, *input_tensors]}
+        if len(shapes) > 1 and self._named != "nccl":  # NCCL exchanges per-pair shapes; gloo only equal blocks
+            raise DistBackendError(format_message(
+                "torch.distributed.all_to_all", f"invalid tensor size: {self._named} exchanges equal blocks only "
+                f"(ProcessGroupGloo::alltoall refuses per-pair shapes)", rank=self._g.rank(),
+                values={"input_shapes": [tuple(t.shape) for t in input_tensors],
+                        "output_shapes": [tuple(t.shape) for t in output_tensors]},
+                fix="pad the blocks to one shape, or use all_to_all_single with split sizes"))
         return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=self._g, async_op=True)],
                        output_tensors, refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
 
@@ -459,6 +487,40 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> SimProcessGroup:
 # ---------------------------------------------------------------------------
 # per-thread c10d state while a simulated world runs
 # ---------------------------------------------------------------------------
+def _backend_errors(method: Any) -> Any:
+    """Validation errors raised inside a group's call reach the caller as gloo's do: as RuntimeError.
+
+    torch validates its own arguments in Python before calling the group; what
+    tensorplay then refuses (an unknown op, a root outside the group, a shape)
+    gloo refuses in C++, which torch raises as ``RuntimeError``
+    (``DistBackendError``).  The message and the original error are kept.
+    """
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except DistError as e:
+            if isinstance(e, RuntimeError):
+                raise
+            raise DistBackendError(str(e)) from e
+
+    return call
+
+
+_GROUP_CALLS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "barrier", "allgather",
+                "allgather_coalesced", "all_gather_single", "allgather_into_tensor_coalesced", "gather", "scatter",
+                "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+                "alltoall", "send", "recv", "recv_anysource")
+#: torch's other names for some calls (bound to the same functions when the class was made)
+_ALIASES = {"_allgather_base": "all_gather_single", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+            "_reduce_scatter_base": "reduce_scatter_single",
+            "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced", "alltoall_base": "all_to_all_single"}
+for _name in _GROUP_CALLS:
+    setattr(SimProcessGroup, _name, _backend_errors(getattr(SimProcessGroup, _name)))
+for _alias, _name in _ALIASES.items():
+    setattr(SimProcessGroup, _alias, getattr(SimProcessGroup, _name))
+
+
 class _RankWorld(c10d._World):
     """One simulated rank's c10d bookkeeping.
 

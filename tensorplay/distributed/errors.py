@@ -83,8 +83,9 @@ def format_message(
         where.append(f"group {list(group)}")
     if rank is not None:
         where.append(f"rank {rank}")
-    # the harness's own calls ("simulator.run", "conformance.check") are named as they are; the rest are ours
-    qualified = collective.split(".", 1)[0] in ("simulator", "conformance")
+    # the harness's own calls ("simulator.run", "conformance.check") and torch's ("torch.distributed.send") are
+    # named as they are; the rest are ours
+    qualified = collective.split(".", 1)[0] in ("simulator", "conformance", "torch")
     head = collective if qualified else f"tensorplay.distributed.{collective}"
     if where:
         head += f" ({', '.join(where)})"

@@ -10,13 +10,6 @@ import torch
 
 from .harness import case
 
-#: the diagnosis shared by the cases whose bad input gloo refuses with RuntimeError
-_ERR_CLASS = ("the torch-native adapter validates torch.distributed calls with tensorplay.distributed's checks, which "
-              "raise {cls} where gloo raises RuntimeError from ProcessGroupGloo, so `except RuntimeError` differs; "
-              "fix in simulator/torch_native.py: raise the torch door's validation errors as classes that also "
-              "derive from RuntimeError")
-
-
 def _x(ctx, n=4, salt=0, dtype=torch.float64):
     """Distinct per rank and position, integer-valued (any summation order is exact)."""
     return (torch.arange(n, dtype=torch.float64) * (ctx.rank + 2) + 10 * ctx.rank + salt).to(dtype).to(ctx.device)
@@ -88,8 +81,7 @@ def all_reduce_shapes(ctx):
     return [scalar, empty, mat, base]
 
 
-@case(front_doors=("torch",), world_sizes=(2,), raises=True,
-      known_divergence=_ERR_CLASS.format(cls="DistValueError('unknown reduce op') (ValueError)"))
+@case(front_doors=("torch",), world_sizes=(2,), raises=True)
 def all_reduce_premul_sum_refused_by_gloo(ctx):
     # gloo refuses PREMUL_SUM on every rank before communicating
     x = _x(ctx)
@@ -97,8 +89,7 @@ def all_reduce_premul_sum_refused_by_gloo(ctx):
     return x
 
 
-@case(world_sizes=(2,), raises=True,
-      known_divergence={"torch": _ERR_CLASS.format(cls="DistTypeError (TypeError)")})
+@case(world_sizes=(2,), raises=True)
 def all_reduce_bitwise_op_on_float_raises(ctx):
     x = _x(ctx)
     ctx.dist.all_reduce(x, op=ctx.dist.ReduceOp.BAND)
@@ -155,8 +146,7 @@ def reduce_async(ctx):
     return x if ctx.rank == 1 else None
 
 
-@case(world_sizes=(2,), raises=True,
-      known_divergence={"torch": _ERR_CLASS.format(cls="RankNotInGroupError (ValueError)")})
+@case(world_sizes=(2,), raises=True)
 def broadcast_src_out_of_range_raises(ctx):
     x = _x(ctx)
     ctx.dist.broadcast(x, src=ctx.world_size + 3)
@@ -193,11 +183,6 @@ def all_gather_into_tensor_concat(ctx):
 
 
 @case(world_sizes=(2, 3), raises=True,
-      known_divergence={"torch": "the simulator accepts a stacked output (W, *input.shape) for "
-                                 "torch.distributed.all_gather_into_tensor (the adapter goes through tensorplay, which "
-                                 "accepts NCCL's stacked form); gloo refuses it on every rank with RuntimeError "
-                                 "'ProcessGroupGloo::allgather: invalid tensor size'. Fix in simulator/torch_native.py: "
-                                 "refuse non-concatenated outputs from the torch door when imitating gloo"},
       door_drift="tensorplay accepts the stacked output form on every backend (torch's gloo does not)")
 def all_gather_into_tensor_stacked_output(ctx):
     stack = torch.zeros(ctx.world_size, 2, 3, dtype=torch.float64, device=ctx.device)
@@ -213,8 +198,7 @@ def all_gather_base_deprecated(ctx):
     return out
 
 
-@case(world_sizes=(2,), raises=True,
-      known_divergence={"torch": _ERR_CLASS.format(cls="DistValueError (ValueError)")})
+@case(world_sizes=(2,), raises=True)
 def all_gather_into_tensor_wrong_size_raises(ctx):
     out = torch.zeros(3 * ctx.world_size + 1, dtype=torch.float64, device=ctx.device)
     ctx.dist.all_gather_into_tensor(out, _x(ctx, 3))
@@ -290,11 +274,7 @@ def _all_raised_runtime_error(per_rank):
 @case(front_doors=("torch",), world_sizes=(2,), raises=True,
       gloo="ProcessGroupGloo aborts the rank process (CHECK failure 'outputShape[0] * worldSize == inputShape[0]') "
            "on a stacked (W, n) input with an (n,) output",
-      expect_sim=_all_raised_runtime_error,
-      known_divergence="the simulator accepts a stacked (W, n) input to torch.distributed.reduce_scatter_tensor "
-                       "(tensorplay's NCCL-style form) where gloo kills the process; a program that passes on the "
-                       "simulator crashes under torchrun. Fix in simulator/torch_native.py: refuse it with a "
-                       "RuntimeError naming the shapes")
+      expect_sim=_all_raised_runtime_error)
 def reduce_scatter_tensor_stacked_input(ctx):
     out = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     ctx.dist.reduce_scatter_tensor(out, _x(ctx, 4 * ctx.world_size).reshape(ctx.world_size, 4))
@@ -350,10 +330,6 @@ def all_to_all_list_even(ctx):
 
 
 @case(world_sizes=(2, 3), raises=True,
-      known_divergence={"torch": "torch.distributed.all_to_all with per-pair shapes: gloo refuses it on every rank "
-                                 "(RuntimeError 'ProcessGroupGloo::alltoall: invalid tensor size'), the simulator runs "
-                                 "it. Fix in simulator/torch_native.py: refuse ragged list all_to_all from the torch "
-                                 "door as gloo does"},
       door_drift="tensorplay's c10d backend emulates ragged list all_to_all with all_to_all_single (docs/design.md)")
 def all_to_all_list_uneven(ctx):
     W, r = ctx.world_size, ctx.rank
@@ -404,12 +380,7 @@ def coalescing_manager_reduce_scatter_tensor(ctx):
     return outs
 
 
-@case(front_doors=("torch",), world_sizes=(2, 3),
-      known_divergence="torch.distributed.all_gather_coalesced with tensors of different shapes: gloo gathers each "
-                       "tensor, the simulator raises DistValueError from tensorplay.distributed.all_gather ('tensor_list "
-                       "must hold one tensor per group rank' / 'must have the shape of the tensor'): the adapter maps "
-                       "the coalesced list onto one all_gather. Fix in simulator/torch_native.py: run one all_gather per "
-                       "input tensor (output_tensor_lists[r][i] <- rank r's input i)")
+@case(front_doors=("torch",), world_sizes=(2, 3))
 def all_gather_coalesced_list(ctx):
     xs = [_x(ctx, 2), _x(ctx, 3, salt=1)]
     outs = [[torch.zeros_like(x) for x in xs] for _ in range(ctx.world_size)]

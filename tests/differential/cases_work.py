@@ -21,10 +21,7 @@ def work_wait_with_timeout_then_is_completed(ctx):
     return [ok, work.is_completed(), x]
 
 
-@case(world_sizes=(1, 2, 3), known_divergence={"tensorplay": "tensorplay.distributed's Work on the simulator (simulator backend _CollWork) has "
-                                      "no get_future()/exception(), while on gloo it wraps torch's Work, which has "
-                                      "both. Fix in simulator/backend.py: give the sim Work get_future() (a "
-                                      "torch.futures.Future holding the output tensors) and exception()"})
+@case(world_sizes=(1, 2, 3))
 def work_get_future_value(ctx):
     """The future of an all_reduce resolves to the list of its output tensors."""
     x = _x(ctx)
@@ -41,10 +38,7 @@ def work_future_then_callback(ctx):
     return [doubled.wait(), x]
 
 
-@case(world_sizes=(2, 3), known_divergence={"tensorplay": "tensorplay.distributed's Work on the simulator (simulator backend _CollWork) has "
-                                      "no get_future()/exception(), while on gloo it wraps torch's Work, which has "
-                                      "both. Fix in simulator/backend.py: give the sim Work get_future() (a "
-                                      "torch.futures.Future holding the output tensors) and exception()"})
+@case(world_sizes=(2, 3))
 def work_exception_after_success(ctx):
     """A completed, successful work has no exception."""
     x = _x(ctx)

@@ -56,6 +56,32 @@ class Work(abc.ABC):
     def result(self) -> list[torch.Tensor]:
         return []
 
+    def exception(self) -> BaseException | None:
+        """The error a finished operation failed with, or ``None`` (also while it is still running)."""
+        if not self.is_completed():
+            return None
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001  the failure is what this reports
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` of the operation's output tensors (:meth:`result`), as c10d's Work gives.
+
+        The operation is waited for first, where the backend can see the wait
+        (the simulator's scheduler cannot see a wait inside a torch future), so
+        the future is returned completed, with the result or the error.
+        """
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
+            fut.set_exception(e)
+        else:
+            fut.set_result(self.result())
+        return fut
+
 
 class CompletedWork(Work):
     """A Work that is already done (the result was produced synchronously)."""
