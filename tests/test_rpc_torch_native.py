@@ -17,6 +17,8 @@ is also checked against a local reference model, step by step.
 """
 from __future__ import annotations
 
+import gc
+
 import os
 
 import pytest
@@ -168,6 +170,10 @@ def parameter_server_program(rank: int, world_size: int, init_method: str, steps
                 dist_autograd.backward(context_id, [loss])
                 opt.step(context_id)
             out.append(model.rpc_sync().snapshot())
+        # drop the RRefs while RPC runs: a user RRef that dies during shutdown sends its delete to an owner that
+        # may have stopped already (torch's TensorPipe agent then fails the shutdown; seen under load)
+        del model, opt
+        gc.collect()
     rpc.shutdown()
     return out
 
