@@ -589,9 +589,10 @@ def _mismatch(call: str, what: str, given: int, st: Any) -> DistValueError:
         call, f"the program asks for {what}={given}, but this simulated rank has {what}={actual}",
         values={what: given, f"simulated_{what}": actual, "simulated_rank": st.rank,
                 "simulated_world_size": st.world_size},
-        fix=f"start the simulator with the world size the program expects (e.g. python -m simulator "
-            f"--nproc-per-node {given if what == 'world_size' else '<n>'} script.py), or let the program read "
-            "its rank and world size from the environment (RANK, WORLD_SIZE) as torchrun sets them"))
+        fix=f"start as many simulated ranks as the program expects (python -m simulator --nproc-per-node "
+            f"{given if what == 'world_size' else 'N'} script.py; for a script that starts its own ranks, "
+            f"nprocs=N or N Process objects), or let the program read its rank and world size from the "
+            "environment (RANK, WORLD_SIZE) as torchrun sets them"))
 
 
 def _rendezvous_handler(scheme: str) -> Any:

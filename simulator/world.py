@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import queue
 import random
+import re
 import threading
 import time
 from datetime import timedelta
@@ -611,7 +612,7 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
     firsts = list(seen.values())
     # ranks that raised the same error independently (same class and text up to the rank's own number, e.g. the
     # same bad argument on every rank) report it once, as the lowest rank's own exception: that is what each real process would raise
-    same = len({(type(rs.exc), str(rs.exc).replace(f"rank {rs.rank}", "rank <r>")) for rs in firsts}) == 1
+    same = len({(type(rs.exc), re.sub(rf"(rank[ =]){rs.rank}\b", r"\1<r>", str(rs.exc))) for rs in firsts}) == 1
     if len(firsts) == 1 or same:
         rs = firsts[0]
         exc = rs.exc

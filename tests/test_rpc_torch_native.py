@@ -195,6 +195,9 @@ def on_sim(program, world_size: int, *args):
 
 
 def on_real(pool, program, world_size: int, *args):
+    # torch's RPC does not come back cleanly in a process where it ran before (its RRef context outlives
+    # shutdown: "RPC is no longer running" from the previous program's peer), so every program gets fresh ranks
+    pool.restart()
     url = f"tensorplay-tcp://127.0.0.1:{free_port()}"
     return pool.run_per_rank(program, [(r, world_size, url, *args) for r in range(world_size)], timeout=120)
 

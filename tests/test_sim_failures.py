@@ -338,3 +338,23 @@ def test_run_argument_errors():
         simulator.run(lambda: None, 2, mode="fast")
     with pytest.raises(dist.DistTypeError):
         simulator.run(42, 2)
+
+
+@pytest.mark.parametrize("kw", [{"world_size": 3}, {"rank": 5}])
+def test_init_process_group_with_another_rank_or_world_size_is_refused(kw):
+    """tensorplay's init_process_group on a simulated rank checks what the program names, as torch's does."""
+    def fn():
+        dist.init_process_group("gloo", **kw)
+
+    with pytest.raises(dist.DistValueError) as ei:
+        simulator.run(fn, 2)
+    what, given = next(iter(kw.items()))
+    assert f"{what}={given}" in str(ei.value) and "simulated_" in str(ei.value) and "--nproc-per-node" in str(ei.value)
+
+
+def test_init_process_group_with_this_ranks_values_returns():
+    def fn():
+        dist.init_process_group("gloo", rank=dist.get_rank(), world_size=2)
+        return dist.get_world_size()
+
+    assert simulator.run(fn, 2) == [2, 2]
