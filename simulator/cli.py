@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="coop: one rank at a time, reproducible; threads: free-running (default coop)")
     p.add_argument("--timeout", type=float, default=_DEFAULT_TIMEOUT,
                    help="abort a simulated world after this many seconds (default 300)")
+    p.add_argument("--p2p", choices=["rendezvous", "eager"], default="rendezvous",
+                   help="what a blocking send waits for: its recv (rendezvous, as gloo and NCCL; default) or "
+                        "nothing (eager: buffered, MPI-style)")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace/Perfetto JSON of the run to PATH")
     p.add_argument("--summary", action="store_true", help="print the per-rank communication summary")
     p.add_argument("script", help="the Python script to run")
@@ -63,6 +66,8 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
     if nproc is not None:
         parts += ["--nproc-per-node", str(nproc)]
     parts += ["--seed", str(ns.seed), "--mode", ns.mode]
+    if ns.p2p != "rendezvous":
+        parts += ["--p2p", ns.p2p]
     if ns.timeout != _DEFAULT_TIMEOUT:
         parts += ["--timeout", f"{ns.timeout:g}"]
     return shlex.join([*parts, ns.script, *ns.script_args])
@@ -174,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, device="cpu",
-                                 replay_hint=_command(ns, None))
+                                 replay_hint=_command(ns, None), p2p=ns.p2p)
     exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
     code = 0 if exc is None else _report(exc)
     if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
@@ -190,7 +195,7 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
             if e.code not in (None, 0):
                 raise
 
-    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True)
+    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p)
     if hasattr(world, "replay_hint"):
         world.replay_hint = _command(ns, ns.nproc)  # type: ignore[attr-defined]
     code = 0

@@ -331,8 +331,10 @@ def _internal_file(path: str) -> bool:
 class _Launcher:
     """One launcher run: the processes it started that have not run yet, and the worlds that ran."""
 
-    def __init__(self, *, seed: int, mode: str, timeout: float, device: str, replay_hint: str | None) -> None:
+    def __init__(self, *, seed: int, mode: str, timeout: float, device: str, replay_hint: str | None,
+                 p2p: str = "rendezvous") -> None:
         self.seed = seed
+        self.p2p = p2p
         self.mode = mode
         self.timeout = timeout
         self.device = device
@@ -378,7 +380,7 @@ class _Launcher:
             if not batch:
                 return
             world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout, device=self.device,
-                          env=dict(os.environ))  # each rank: its own copy of the launcher's environment
+                          env=dict(os.environ), p2p=self.p2p)  # each rank: its own copy of the launcher's environment
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
             for r, p in enumerate(batch):

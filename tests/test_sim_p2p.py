@@ -146,3 +146,28 @@ def test_eager_sends_complete_before_the_recv_with_the_value_at_send_time(mode):
 def test_unknown_p2p_model_is_refused():
     with pytest.raises(dist.DistValueError, match="p2p='buffered'.*Fix: pass p2p='rendezvous'"):
         simulator.run(_both_send_first, 2, p2p="buffered")
+
+
+_SEND_FIRST_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank(); x = torch.full((2,), float(r)); y = torch.empty(2)
+dist.send(x, 1 - r); dist.recv(y, 1 - r)
+print(f"rank {r} got {y.tolist()}")
+"""
+
+
+@pytest.mark.parametrize("p2p", ["rendezvous", "eager"])
+def test_cli_p2p_option(tmp_path, p2p):
+    import subprocess
+    import sys
+
+    script = tmp_path / "send_first.py"
+    script.write_text(_SEND_FIRST_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", "--p2p", p2p, str(script)],
+                         capture_output=True, text=True, timeout=120)
+    if p2p == "eager":
+        assert out.returncode == 0, out.stderr
+        assert "rank 0 got [1.0, 1.0]" in out.stdout and "rank 1 got [0.0, 0.0]" in out.stdout
+    else:
+        assert out.returncode == 1 and "DeadlockError" in out.stderr and "wait in a blocking send" in out.stderr
