@@ -46,6 +46,8 @@ __all__ = ["SimBackend"]
 
 _OFFLOAD_BYTES = 1 << 20  # kernels on buffers this big run on the main thread (see _Run.execute)
 _thread_time = time.thread_time
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _perf = time.perf_counter
 
 
@@ -284,8 +286,12 @@ def _no_grad(kernel: Callable[[list["_Call"]], Any], calls: list["_Call"]) -> An
     ``requires_grad``, so an in-place collective on a leaf that requires grad
     succeeds there; without this, torch would refuse the in-place write.
     """
-    with torch.no_grad():
+    prev = _grad_enabled()
+    _set_grad_enabled(False)  # torch.no_grad() costs about 4x more, once per collective
+    try:
         return kernel(calls)
+    finally:
+        _set_grad_enabled(prev)
 
 
 # ---------------------------------------------------------------------------
