@@ -34,15 +34,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tensorplay.distributed import _state
 
 from . import _environ
-from .sched import DONE, FREE
+from .sched import DONE, FREE, RUNNABLE, CoopScheduler
 from .world import RankState, _local, current_rank_state
 
-__all__ = ["enabled"]
+__all__ = ["enabled", "start_actor"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
@@ -227,3 +227,66 @@ def enabled() -> Iterator[None]:
                 threading.Thread._bootstrap_inner = _ORIGINAL["bootstrap_inner"]  # type: ignore[attr-defined]
                 threading.Thread.join = _ORIGINAL["join"]  # type: ignore[method-assign]
                 threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
+
+
+def start_actor(owner: RankState, target: Callable[[], None], name: str) -> RankState:
+    """Run ``target`` on a new thread that belongs to ``owner``'s rank, whoever starts it; returns its actor.
+
+    This is the thread a simulated RPC agent runs a request on: started by the
+    *caller*, but an actor of the *callee* rank (``RankState.child`` of it), so
+    its waits are scheduler waits of that rank and a deadlock through it is
+    named.  Unlike a thread a rank starts itself (FREE, see the module
+    docstring), it is scheduled like a rank: in ``coop`` mode it joins the
+    runnable set at once and runs only while it holds the baton, so a run
+    stays a function of its seed.  In ``coop`` mode the caller must be the
+    baton holder; a FREE caller joins the schedule for the start and leaves it
+    again.  The run waits for the actor as for a non-daemon thread (the OS
+    thread itself is a daemon, so it never holds up the interpreter).
+    ``target`` must not raise: report failures through what it completes.
+    """
+    root = owner.parent or owner
+    run = root.run
+    sched = run.sched
+    t = threading.Thread(name=name, daemon=True)
+    actor = root.child(t)
+    actor.waits_exit = True
+    coop = isinstance(sched, CoopScheduler)
+    me = current_rank_state()
+    was_free = me is not None and me.state == FREE
+    if coop and was_free:
+        sched.rejoin(me)  # take the baton: the runnable set is the baton holder's
+    sched.add_thread(actor)
+    if coop:
+        with sched.flock:
+            actor.state = RUNNABLE
+            sched.free -= 1
+        sched._add(actor)
+    run.children.append(actor)
+
+    def body() -> None:
+        actor.tid = threading.get_native_id()
+        _local.rs = actor
+        try:
+            if coop:
+                sched._acquire(actor)  # the baton, when the seeded schedule picks this actor
+                sched._take(actor)
+            actor.cpu_mark = time.thread_time()
+            if actor.env is not None:
+                _environ.bind(actor.env)
+            if not run.aborted:
+                target()
+        finally:
+            if actor.env is not None:
+                _environ.unbind()
+            _local.rs = None
+            sched.exit(actor)
+
+    t.run = body  # type: ignore[method-assign]
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1  # start()'s short wait for the thread is not a rank's wait
+    try:
+        _ORIGINAL["start"](t)
+    finally:
+        _quiet.depth -= 1
+    if coop and was_free:
+        sched.leave(me)
+    return actor

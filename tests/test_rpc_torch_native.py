@@ -178,6 +178,94 @@ def parameter_server_program(rank: int, world_size: int, init_method: str, steps
     return out
 
 
+class BatchUpdateServer:
+    """The batch-processing tutorial's parameter server: one model, updated once every trainer sent its gradients."""
+
+    def __init__(self, trainers: int) -> None:
+        import threading
+
+        self.model = Net(11)
+        self.trainers = trainers
+        self.lock = threading.Lock()
+        self.arrived = 0
+        self.future_model: torch.futures.Future = torch.futures.Future()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def get_model(self) -> Net:
+        return self.model
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def update_and_fetch_model(ps_rref: RRef, grads: list) -> torch.futures.Future:
+        self = ps_rref.local_value()
+        with self.lock:
+            for p, g in zip(self.model.parameters(), grads):
+                p.grad = g.clone() if p.grad is None else p.grad + g
+            self.arrived += 1
+            fut = self.future_model
+            if self.arrived == self.trainers:  # the last trainer of the batch: step, and answer everyone
+                for p in self.model.parameters():
+                    p.grad /= self.trainers
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.arrived = 0
+                fut.set_result(self.model)
+                self.future_model = torch.futures.Future()
+        return fut
+
+
+def _trainer_batches(rank: int, steps: int) -> list:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(steps)]
+
+
+def run_batch_trainer(ps_rref: RRef, rank: int, steps: int) -> list:
+    """A trainer of the tutorial: runs as an RPC handler the server started; each step waits for the batch."""
+    model = ps_rref.rpc_sync().get_model()
+    seen = []
+    for x, y in _trainer_batches(rank, steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        model = rpc.rpc_sync(ps_rref.owner(), BatchUpdateServer.update_and_fetch_model,
+                             args=(ps_rref, [p.grad for p in model.parameters()]))
+        seen.append(model.snapshot())
+    return seen
+
+
+def batch_server_program(rank: int, world_size: int, init_method: str, steps: int = 3) -> dict | None:
+    """The batch-processing tutorial's shape: the server's rank starts every trainer with rpc_async and waits."""
+    _init(rank, world_size, init_method)
+    out = None
+    if rank == 0:
+        ps_rref = RRef(BatchUpdateServer(world_size - 1))
+        futs = [rpc_async(f"worker{r}", run_batch_trainer, args=(ps_rref, r, steps)) for r in range(1, world_size)]
+        seen = torch.futures.wait_all(futs)
+        out = {"trainers": seen, "final": ps_rref.local_value().model.snapshot()}
+        del ps_rref
+        gc.collect()
+    rpc.shutdown()
+    return out
+
+
+def batch_reference(world_size: int, steps: int = 3) -> list:
+    """The same training, locally: each step averages every trainer's gradient, then one SGD step."""
+    net = Net(11)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = [_trainer_batches(r, steps) for r in range(1, world_size)]
+    out = []
+    for step in range(steps):
+        grads = []
+        for d in data:
+            net.zero_grad(set_to_none=True)
+            x, y = d[step]
+            nn.functional.mse_loss(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for p, *gs in zip(net.parameters(), *grads):
+            p.grad = sum(gs) / len(gs)
+        opt.step()
+        out.append(net.snapshot())
+    return out
+
+
 def local_reference(steps: int = 3) -> list:
     net = Net(7)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -317,8 +405,8 @@ def test_torch_rpc_outside_a_world_is_untouched():
         rpc_sync("worker1", torch.add, args=(1, 2))
 
 
-def test_a_handler_waiting_for_its_own_callers_next_request_is_reported_not_hung():
-    """The simulator runs a handler on its caller's thread (documented): such a wait is a DeadlockError."""
+def test_an_async_handler_nobody_completes_is_reported_as_a_deadlock_naming_the_handler():
+    """A handler runs on a thread of the callee rank: a future nobody completes is a named deadlock, not a hang."""
     def main():
         me = tpd.get_rank()
         rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
@@ -326,8 +414,30 @@ def test_a_handler_waiting_for_its_own_callers_next_request_is_reported_not_hung
             rpc.rpc_sync("worker1", wait_for_second_request, args=())
         rpc.shutdown()
 
-    with pytest.raises(DeadlockError, match=r"rank 0 waits in rpc_sync\.wait\(\).*caller's thread"):
+    _PENDING.clear()
+    with pytest.raises(DeadlockError, match=r"(?s)rank 0 waits in rpc_sync\.wait\(\).*"
+                                            r"1 request\(s\) still being served.*"
+                                            r"rank 1 \(thread 'rpc-rpc_sync-from-worker0-1'\) waits in "
+                                            r"async_execution\.wait\(\)"):
         simulator.run(main, 2, timeout=30)
+
+
+def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():
+    """The server's rank starts the trainers by RPC; each trainer's rpc_sync waits for the whole batch."""
+    for mode in ("coop", "threads"):
+        out = simulator.run(lambda: batch_server_program(tpd.get_rank(), 3, "tcp://127.0.0.1:1"), 3,
+                            mode=mode, timeout=60)
+        assert out[1] is None and out[2] is None
+        ref = batch_reference(3)
+        for seen in out[0]["trainers"]:  # every trainer got the model after each batch update
+            assert len(seen) == len(ref)
+            for step, (a, b) in enumerate(zip(seen, ref)):
+                for p, q in zip(a, b):
+                    assert torch.allclose(p, q, atol=1e-6), (mode, step, p, q)
+        for p, q in zip(out[0]["final"], ref[-1]):
+            assert torch.allclose(p, q, atol=1e-6), (mode, p, q)
+        assert not torch.equal(ref[0][0], ref[-1][0])  # the updates did move the parameters
+    simulator.check_reproducible(lambda: batch_server_program(tpd.get_rank(), 3, "tcp://127.0.0.1:1"), 3, seed=3)
 
 
 _PENDING: dict = {}
@@ -358,3 +468,18 @@ def test_parameter_server_same_on_simulator_and_tensorpipe(rank_pool):
         for p, q in zip(a, b):
             assert torch.allclose(p, q, atol=1e-6)
     assert sim[1] is None and real[1] is None
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W3")
+def test_batch_server_same_on_simulator_and_tensorpipe(rank_pool):
+    real = on_real(rank_pool(3), batch_server_program, 3)
+    sim = on_sim(batch_server_program, 3)
+    assert real[1] is None and real[2] is None and sim[1] is None and sim[2] is None
+    # gradients of one batch are summed in arrival order, which differs between runs: equal up to rounding
+    assert len(sim[0]["trainers"]) == len(real[0]["trainers"]) == 2
+    for a, b in zip(sim[0]["trainers"] + [[sim[0]["final"]]], real[0]["trainers"] + [[real[0]["final"]]]):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            for p, q in zip(x, y):
+                assert torch.allclose(p, q, atol=1e-6), (p, q)

@@ -47,7 +47,8 @@ import simulator
 import torch
 from simulator.callsite import call_site
 from simulator.errors import RankFailedError, SimError
-from simulator.sched import DONE
+from simulator.sched import DONE, FREE
+from simulator.threads import start_actor
 from simulator.trace import Event
 from torch import nn
 
@@ -330,10 +331,11 @@ class _Pending:
 
     __slots__ = ("outcome",)
 
-    def __init__(self, fut: Any, callee: str) -> None:
-        self.outcome: Future[Any] = Future(what="async_execution")
+    def __init__(self, fut: Any = None, callee: str = "", what: str = "async_execution") -> None:
+        self.outcome: Future[Any] = Future(what=what)
         out = self.outcome
-        fut.add_done_callback(lambda f: out.set_result(future_outcome(f, callee)))
+        if fut is not None:  # else a placeholder (an RRef's value before its handler ran), completed by hand
+            fut.add_done_callback(lambda f: out.set_result(future_outcome(f, callee)))
 
 
 class _FutureWait:
@@ -347,8 +349,11 @@ class _FutureWait:
 
     def describe(self) -> str:
         return (f"in {self.what}.wait() (the future is not completed and nothing left running can complete it; "
-                f"note that on the simulator an RPC handler runs on its caller's thread, so a handler that waits "
-                f"for a later request from its own caller cannot be served: see docs/rpc.md)")
+                f"an RPC's answer comes from its handler, which runs on a thread of the callee rank: see the "
+                f"callee's threads below)")
+
+
+_rng_tl = threading.local()  # .rs: the rank whose torch RNG stream this thread draws from while it serves a call
 
 
 def _coop_wait(fut: Future[Any], timeout: float | None) -> bool:
@@ -365,7 +370,17 @@ def _coop_wait(fut: Future[Any], timeout: float | None) -> bool:
             sched.wake(rs)
 
     fut.add_done_callback(wake)
-    sched.block(rs, w)
+    was_free = rs.state == FREE  # a thread the rank started joins the schedule for the wait, then leaves it
+    lender = getattr(_rng_tl, "rs", None)  # a handler drawing from its callee's stream: others draw meanwhile
+    if lender is not None:
+        lender.torch_rng = torch.get_rng_state()
+    try:
+        sched.block(rs, w)
+    finally:
+        if lender is not None:
+            torch.set_rng_state(lender.torch_rng)
+        if was_free:
+            sched.leave(rs)
     return True
 
 
@@ -482,8 +497,9 @@ class _Barrier:
 
     def describe(self) -> str:  # read by the simulator's deadlock report
         missing = [r for r in range(self.world.size) if r not in self.arrived]
+        serving = f", {self.world.handlers} request(s) still being served" if self.world.handlers else ""
         return (f"in rpc.{self.what} (RPC world of {self.world.size}: arrived {sorted(self.arrived)}, "
-                f"missing {missing})")
+                f"missing {missing}{serving})")
 
 
 class _RpcWorld:
@@ -497,6 +513,7 @@ class _RpcWorld:
         self.by_rank: dict[int, SimAgent] = {}
         self.init_barrier = _Barrier("init_rpc", self)
         self.shutdown_barrier = _Barrier("shutdown", self)
+        self.handlers = 0  # requests being served (handler threads running): a graceful shutdown waits for them
         self.next_context = itertools.count(1)
 
     # -- RRef counting ------------------------------------------------------------
@@ -524,7 +541,8 @@ class _RpcWorld:
             complete = len(b.arrived) == self.size
         else:  # a worker that left (thread ended, or shutdown(graceful=False)) is not waited for
             left = gone | {a.rank for a in self.by_rank.values() if a.closed}
-            complete = all(r in b.arrived or r in left or r not in self.by_rank for r in range(self.size))
+            complete = (self.handlers == 0  # as TensorPipe's graceful shutdown, no request is left unanswered
+                        and all(r in b.arrived or r in left or r not in self.by_rank for r in range(self.size)))
             b.missing = sorted(r for r in range(self.size) if r not in b.arrived)
         if complete:
             b.done = True
@@ -636,17 +654,22 @@ class SimAgent(Agent):
         prev_state = _state.current()
         _state.bind_thread(self.dist_state)
         swap = self._swap_rng()
+        prev_lender = getattr(_rng_tl, "rs", None)
+        if swap is not None:
+            _rng_tl.rs = self.rs
         try:
             return fn()
         finally:
             if swap is not None:
+                _rng_tl.rs = prev_lender
                 self.rs.torch_rng = torch.get_rng_state()
                 torch.set_rng_state(swap)
             _state.bind_thread(prev_state)
             _agent.bind_thread(prev_agent)
 
     def _swap_rng(self) -> torch.Tensor | None:
-        """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream."""
+        """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream (a handler thread of
+        this rank included: the scheduler loads a rank's stream for the rank's own thread only)."""
         me = simulator.current_rank_state()
         sched = self.rs.run.sched
         if me is None or me is self.rs or not getattr(sched, "swap_rng", False) or self.rs.torch_rng is None:
@@ -655,39 +678,41 @@ class SimAgent(Agent):
         torch.set_rng_state(self.rs.torch_rng)
         return mine
 
-    def _fault(self, call: str, dst: WorkerInfo, leg: str, timeout: float) -> float:
-        """Apply this sender's message faults to one message; returns the injected delay (virtual seconds)."""
+    def _fault(self, call: str, dst: WorkerInfo, leg: str, timeout: float, rec: "_RpcRecord") -> float:
+        """Apply this sender's message faults to one message; returns the injected delay (virtual seconds),
+        which the call's clock (``rec``) takes."""
         f = self.faults
         if f is None:
             return 0.0
         r = self.rng
         if f.drop and r.random() < f.drop:
-            self.rs.vt += timeout
+            rec.v += timeout
             raise RpcTimeoutError(rpc_message(
                 call, "the call did not finish within its timeout", worker=self.name,
                 values={"to": dst.name, "timeout": timeout, "cause": f"simulated loss of the {leg}"},
                 fix="retry idempotent calls, or lower MessageFaults.drop"))
         if f.delay and r.random() < f.delay:
             d = r.uniform(0.0, f.max_delay_s)
-            self.rs.vt += d
+            rec.v += d
             return d
         return 0.0
 
     def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None) -> Any:
-        """One request/answer, recorded on the simulator's trace (see :class:`_RpcRecord`)."""
+                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None
+                  ) -> "tuple[Future[Any], _RpcRecord]":
+        """Send one request; its handler runs on a new thread of the callee's rank.
+
+        Returns the future of the decoded answer (with ``on_peer``, for ``remote``: of ``None``
+        once the callee kept the value) and the call's record.  Bad arguments and a lost request
+        raise here, on the caller.  The handler runs as the callee (its agent, state and RNG
+        stream) in the caller's distributed-autograd context, as torch's agent does, and may
+        wait for anything a later operation completes (e.g. an ``@async_execution`` future
+        completed by another request): the caller's wait is a scheduler wait, so a wait nobody
+        can end is reported as a deadlock.  The call is an event on the trace
+        (:class:`_RpcRecord`), recorded when its answer arrives.
+        """
         peer = self._peer(call, dst)
         rec = _RpcRecord(self, call, peer)
-        try:
-            return self._exchange_with(rec, call, dst, fn, args, kwargs, timeout, on_peer)
-        finally:
-            rec.close()
-
-    def _exchange_with(self, rec: "_RpcRecord", call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple,
-                       kwargs: dict, timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None) -> Any:
-        """Encode here, run on the peer, encode there, decode here."""
-        peer = rec.peer
-        start = rec.wall_start
         try:
             req = _encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name))
         except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -696,31 +721,79 @@ class SimAgent(Agent):
                 values={"error": f"{type(e).__name__}: {e}"[:300]},
                 fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
         rec.transfer(req)
-        late = self._fault(call, dst, "request", timeout)
+        try:
+            late = self._fault(call, dst, "request", timeout, rec)
+        finally:
+            rec.sent()
+        ag = _autograd()
+        cid = ag.current_context_id()
+        fut: Future[Any] = Future(what=call)
+        world = self.world
+        sched = world.run.sched
 
-        def serve() -> Any:
+        def handle() -> None:  # on the callee's handler thread
+            me = simulator.current_rank_state()
+            ag._tl.cid = cid
+            me.vt = max(me.vt, rec.v)  # the request arrived
+            delay = late
+            result: Any = None
+            exc: BaseException | None = None
             try:
-                f, a, k = _decode(req)
-            except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
-                return RemoteFailure.capture(e, peer.name)
-            value = _resolve_async(run_call(f, a, k), f, peer.name)
-            if on_peer is not None:
-                return on_peer(peer, value)
-            if type(value) is _Pending:
-                return value
-            return peer._answer(value, self.name)
+                wall = time.perf_counter()
+                value = peer._as_sender(lambda: peer._serve(req))
+                took = time.perf_counter() - wall
+                pending = type(value) is _Pending
+                if pending:  # an async function's future: its completion is the answer
+                    value = value.outcome.wait()
+                if on_peer is not None:
+                    peer._as_sender(lambda: on_peer(peer, value))
+                    answer = None
+                else:
+                    answer = peer._as_sender(lambda: peer._answer(value, self.name))
+                now = time.thread_time()
+                me.vt += (now - me.cpu_mark) * me.run.cost.compute_scale  # the handler's compute
+                me.cpu_mark = now
+                rec.v = max(rec.v, me.vt)
+                if answer is not None:
+                    rec.transfer(answer)
+                    delay += peer._fault(call, dst, "answer", timeout, rec)
+                    if not pending and delay + took > timeout:
+                        raise RpcTimeoutError(rpc_message(
+                            call, "the call did not finish within its timeout", worker=self.name,
+                            values={"to": dst.name, "timeout": timeout, "took_s": round(delay + took, 6)},
+                            fix="raise timeout=, or make the remote function faster"))
+                    result = self._as_sender(lambda: _decode(answer))
+                    if type(result) is RemoteFailure:
+                        exc, result = result.to_exception(), None
+            except BaseException as e:  # noqa: BLE001  the caller's future completes whatever happens
+                exc = e
+            finally:
+                ag._tl.cid = None
+                rec.close()
+            # completed as the caller: its then() callbacks run as they would on the caller's agent
+            self._as_sender(lambda: fut.set_exception(exc) if exc is not None else fut.set_result(result))
+            with sched.lock:
+                world.handlers -= 1
+                world._settle(world.shutdown_barrier)
 
-        answer = peer._as_sender(serve)
-        if on_peer is not None or type(answer) is _Pending:
-            return answer
-        rec.transfer(answer)
-        late += peer._fault(call, dst, "answer", timeout)
-        if late + (time.perf_counter() - start) > timeout:
-            raise RpcTimeoutError(rpc_message(
-                call, "the call did not finish within its timeout", worker=self.name,
-                values={"to": dst.name, "timeout": timeout, "took_s": round(late + time.perf_counter() - start, 6)},
-                fix="raise timeout=, or make the remote function faster"))
-        return _decode(answer)
+        with sched.lock:
+            world.handlers += 1
+        try:
+            start_actor(peer.rs, handle, f"rpc-{call}-from-{self.name}-{rec.seq}")
+        except BaseException:
+            with sched.lock:
+                world.handlers -= 1
+                world._settle(world.shutdown_barrier)
+            raise
+        return fut, rec
+
+    def _serve(self, req: _Message) -> Any:
+        """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`_Pending`."""
+        try:
+            f, a, k = _decode(req)
+        except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
+            return RemoteFailure.capture(e, self.name)
+        return _resolve_async(run_call(f, a, k), f, self.name)
 
     def _answer(self, value: Any, to: str) -> _Message:
         """Encode ``value`` as this (callee) worker's answer to ``to``; one that does not pickle fails."""
@@ -732,71 +805,51 @@ class SimAgent(Agent):
         except BaseException as e:  # noqa: BLE001  an answer that does not pickle
             return _encode(RemoteFailure.capture(e, self.name), self.name)
 
-    def _late_answer(self, call: str, dst: WorkerInfo, pending: _Pending) -> Future[Any]:
-        """A future of the (decoded) answer of an ``@async_execution`` call that completes later."""
-        fut: Future[Any] = Future(what=call)
-        peer = self.world.by_rank[dst.id]
-
-        def arrived(out: Future[Any]) -> None:
-            try:
-                msg = peer._as_sender(lambda: peer._answer(out.value(), self.name))
-                v = self._as_sender(lambda: _decode(msg))
-            except BaseException as e:  # noqa: BLE001  the future must complete whatever happens
-                fut.set_exception(e)
-                return
-            if type(v) is RemoteFailure:
-                fut.set_exception(v.to_exception())
-            else:
-                fut.set_result(v)
-
-        pending.outcome.add_done_callback(arrived)
-        return fut
-
     # -- calls ----------------------------------------------------------------
     def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                   timeout: float) -> Any:
-        v = self._exchange(call, dst, fn, args, kwargs, timeout)
-        if type(v) is _Pending:
-            return self._late_answer(call, dst, v).wait()
-        return unwrap(v)
+        fut, rec = self._exchange(call, dst, fn, args, kwargs, timeout)
+        try:
+            return fut.wait()
+        finally:
+            rec.arrived()
 
     def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                    timeout: float) -> Future[Any]:
         try:
-            v = self._exchange(call, dst, fn, args, kwargs, timeout)
-        except RpcTimeoutError as e:  # a late or lost message fails the future; bad arguments raise here
+            return self._exchange(call, dst, fn, args, kwargs, timeout)[0]
+        except RpcTimeoutError as e:  # a lost request fails the future; bad arguments raise here
             fut: Future[Any] = Future(what=call)
             fut.set_exception(e)
             return fut
-        if type(v) is _Pending:
-            return self._late_answer(call, dst, v)
-        fut = Future(what=call)
-        if type(v) is RemoteFailure:
-            fut.set_exception(v.to_exception())
-        else:
-            fut.set_result(v)
-        return fut
 
     def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                timeout: float) -> RRef[Any]:
         peer = self._peer("remote", dst)
-        rid = peer.new_slot(None)  # reserved for the RRef returned here
+        placeholder = _Pending(what="remote")  # the value, once the handler kept it (to_here waits for it)
+        rid = peer.new_slot(placeholder)
 
         def keep(owner: "SimAgent", value: Any) -> None:
-            owner.rrefs[rid].value = value
-            if type(value) is _Pending:  # the value is the async function's result, once it is there
-                slot = owner.rrefs[rid]
-
-                def settle(out: Future[Any]) -> None:
-                    if slot.value is value:
-                        slot.value = out.value()
-
-                value.outcome.add_done_callback(settle)
+            slot = owner.rrefs.get(rid)
+            if slot is not None and slot.value is placeholder:
+                slot.value = value
+            if not placeholder.outcome.done():
+                placeholder.outcome.set_result(value)
 
         try:
-            self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
+            fut, _ = self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
         except RpcTimeoutError as e:  # a lost request: to_here() reports it
-            peer.rrefs[rid].value = _Dropped(e)
+            keep(peer, _Dropped(e))
+        except BaseException:
+            self.world.release(peer.name, rid)
+            raise
+        else:
+            def failed(f: Future[Any]) -> None:  # the handler failed before keeping a value (e.g. a deadlock)
+                e = f.exception()
+                if e is not None:
+                    keep(peer, _Dropped(e))
+
+            fut.add_done_callback(failed)
         return RRef._wrap(_SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
 
     def new_slot(self, value: Any) -> int:
@@ -851,28 +904,36 @@ class SimAgent(Agent):
 class _RpcRecord:
     """One RPC as an event on the simulator's trace, with virtual time from the run's cost model.
 
-    The caller's clock first takes the compute since its last operation (as a
-    collective does), then advances by the request's transfer, any injected
-    delay, the answer's transfer and the CPU time the call itself took on this
-    thread, where the simulated callee runs: the callee's compute and both
-    ends' (de)serialisation, which the caller would wait for.  ``group`` is
-    ``(caller, callee)`` and ``peer`` the callee.  An RPC issued while acting
-    for another rank (a nested call made by a callee) is recorded on that rank
-    without touching its compute accounting, which belongs to its own thread.
+    The call has its own clock ``v``: it starts at the caller's clock after the
+    compute since the caller's last operation (as a collective does), takes the
+    request's serialisation and transfer and any injected delay (the caller's
+    clock follows it that far: sending is the caller's work), then the
+    callee's clock when its handler ends (the handler thread starts at the
+    request's arrival and takes its own compute), then the answer's transfer.
+    ``rpc_sync`` moves the caller's clock to the answer's arrival; an
+    ``rpc_async`` caller goes on.  The event (``group = (caller, callee)``,
+    ``peer`` the callee, ``seq`` the caller's RPC counter at the call) is
+    recorded when the answer arrives.  The caller is the calling thread's actor
+    when it belongs to the agent's rank (the rank, a thread of it, a handler
+    thread of it), else the agent's rank, whose compute accounting is left alone.
     """
 
-    __slots__ = ("agent", "call", "peer", "rs", "own", "wall_start", "vstart", "nbytes", "cpu_start", "site")
+    __slots__ = ("agent", "call", "peer", "rs", "own", "seq", "wall_start", "vstart", "v", "nbytes", "site")
 
     def __init__(self, agent: SimAgent, call: str, peer: SimAgent) -> None:
-        self.agent, self.call, self.peer, self.rs = agent, call, peer, agent.rs
-        self.own = simulator.current_rank_state() is self.rs
-        rs = self.rs
-        self.cpu_start = now = time.thread_time()
+        self.agent, self.call, self.peer = agent, call, peer
+        me = simulator.current_rank_state()
+        self.own = me is not None and me.run is agent.rs.run and me.rank == agent.rank
+        self.rs = rs = me if self.own else agent.rs
         if self.own:
+            now = time.thread_time()
             rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
+            rs.cpu_mark = now
         self.site = call_site(4)
+        agent.rpc_seq += 1
+        self.seq = agent.rpc_seq
         self.wall_start = time.perf_counter()
-        self.vstart = rs.vt
+        self.vstart = self.v = rs.vt
         self.nbytes = 0
 
     def transfer(self, msg: Any) -> None:
@@ -880,18 +941,28 @@ class _RpcRecord:
         if type(msg) is _Message:
             n = msg.nbytes
             self.nbytes += n
-            self.rs.vt += self.rs.run.cost.cost("send", n, 2)
+            self.v += self.rs.run.cost.cost("send", n, 2)
+
+    def sent(self) -> None:
+        """The request left: the caller's clock takes its serialisation, transfer and delay."""
+        rs = self.rs
+        if self.own:
+            now = time.thread_time()
+            self.v += (now - rs.cpu_mark) * rs.run.cost.compute_scale
+            rs.cpu_mark = now
+        rs.vt = max(rs.vt, self.v)
+
+    def arrived(self) -> None:
+        """The caller waited for the answer: its clock moves to the answer's arrival."""
+        self.rs.vt = max(self.rs.vt, self.v)
+        if self.own:
+            self.rs.cpu_mark = time.thread_time()  # the wait is not the caller's compute
 
     def close(self) -> None:
         rs = self.rs
-        now = time.thread_time()
-        rs.vt += (now - self.cpu_start) * rs.run.cost.compute_scale
-        if self.own:
-            rs.cpu_mark = now
-        self.agent.rpc_seq += 1
-        rs.run.events.append(Event(rs.rank, self.call, (self.agent.rank, self.peer.rank), self.agent.rpc_seq,
+        rs.run.events.append(Event(rs.rank, self.call, (self.agent.rank, self.peer.rank), self.seq,
                                    self.nbytes, self.site, self.peer.rank, self.wall_start, time.perf_counter(),
-                                   self.vstart, rs.vt, None))
+                                   self.vstart, self.v, None))
 
 
 def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
