@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
-__all__ = ["CostModel", "Event", "Trace"]
+__all__ = ["CostModel", "Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
+
+#: events a run keeps by default (about 300 bytes each, so about 30 MB); older ones are counted, not kept
+DEFAULT_TRACE_LIMIT = 100_000
 
 _RPC_OPS = frozenset({"rpc_sync", "rpc_async", "remote"})  # recorded by tensorplay.distributed.rpc on sim
 
@@ -99,12 +103,55 @@ class Event(NamedTuple):
         return (self.rank, self.op, self.group, self.seq, self.nbytes, self.site, self.peer, self.backward)
 
 
+class EventLog:
+    """Where a run records its events: the last ``limit`` kept (a ring buffer, like NCCL's flight recorder), and
+    per-rank totals of every event (what the summary needs), so a long run's memory stays bounded.
+
+    ``limit=None`` keeps every event; ``limit=0`` keeps none (the totals are still kept).
+    """
+
+    __slots__ = ("kept", "limit", "dropped", "ops", "nbytes", "comm_s")
+
+    def __init__(self, world_size: int, limit: int | None = DEFAULT_TRACE_LIMIT) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"simulator.run: trace_limit={limit!r} must be None (keep all), 0 (keep none) or a "
+                             f"positive number of events. Fix: pass e.g. trace_limit=100_000")
+        self.kept: deque[Event] = deque(maxlen=limit)
+        self.limit = limit
+        self.dropped = 0
+        self.ops = [0] * world_size
+        self.nbytes = [0] * world_size
+        self.comm_s = [0.0] * world_size
+
+    def append(self, e: Event) -> None:
+        r = e.rank
+        self.ops[r] += 1
+        self.nbytes[r] += e.nbytes
+        self.comm_s[r] += e.vend - e.vstart
+        kept = self.kept
+        if self.limit is not None and len(kept) == self.limit:
+            self.dropped += 1
+            if self.limit == 0:
+                return
+        kept.append(e)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __iter__(self):
+        return iter(self.kept)
+
+
 class Trace:
-    """Every event of one run, in the order the ranks finished them (a total order in coop mode)."""
+    """The events of one run (the last ``trace_limit`` of them), in the order the ranks finished them (a total
+    order in coop mode), and per-rank totals over every event."""
 
     def __init__(self, events: Iterable[Event], world_size: int, *, seed: int, mode: str,
                  cost: CostModel, wall_origin: float, end_vtime: list[float]) -> None:
         self.events: list[Event] = list(events)
+        #: events recorded but no longer kept (the run's trace_limit)
+        self.dropped = events.dropped if isinstance(events, EventLog) else 0
+        self._totals = (events.ops, events.nbytes, events.comm_s) if isinstance(events, EventLog) else None
         self.world_size = world_size
         self.seed = seed
         self.mode = mode
@@ -124,7 +171,8 @@ class Trace:
 
     def signature(self) -> tuple:
         """Hashable summary of the schedule: equal for two runs with the same seed in coop mode."""
-        return tuple(e.signature() for e in self.events)
+        totals = (tuple(self._totals[0]), tuple(self._totals[1])) if self._totals else ()
+        return (self.dropped, totals, *(e.signature() for e in self.events))
 
     # -- summaries ------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
@@ -133,6 +181,10 @@ class Trace:
         ``comm_s`` adds up ``vend - vstart`` of the rank's operations: the time it
         would spend waiting for the slowest member plus the modelled transfers.
         """
+        if self._totals is not None:  # every event counted, kept or not
+            ops, nbytes, comm = self._totals
+            return [{"rank": r, "ops": ops[r], "bytes": nbytes[r], "comm_s": comm[r], "end_s": self.end_vtime[r]}
+                    for r in range(self.world_size)]
         rows = [
             {"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0, "end_s": self.end_vtime[r]}
             for r in range(self.world_size)

@@ -44,7 +44,7 @@ from . import _environ
 from .errors import DeadlockError, RankExitError, RankFailedError, SimError, SimTimeoutError
 from .faults import Fault, FaultPlan
 from .sched import BLOCKED, DONE, FREE, CoopScheduler, ThreadScheduler
-from .trace import CostModel, Event, Trace
+from .trace import DEFAULT_TRACE_LIMIT, CostModel, Event, EventLog, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
@@ -207,7 +207,7 @@ class _Run:
         self.over = False  # every rank and non-daemon thread ended; a daemon thread's later call fails
         self.children: list[RankState] = []  # threads the ranks started, in start order
         self.all_done = threading.Event()
-        self.events: list[Event] = []
+        self.events = EventLog(self.n, world.trace_limit)
         self.wall_origin = time.perf_counter()
         self.ranks = [RankState(r, self) for r in range(self.n)]
         if world.mode == "coop":
@@ -354,6 +354,8 @@ class World:
             ``torchrun_env=True``).
         per_rank_rng: in coop mode, give each rank its own torch and ``random`` state (default True).
         stack_size: thread stack size in bytes (default 256 KiB above 64 ranks, else the platform's).
+        trace_limit: events the trace keeps (the last ones: a ring buffer); ``None`` keeps all, ``0`` none.
+            Per-rank totals (the summary) always cover every event. Default 100,000 (about 30 MB).
         p2p: what a blocking ``send`` waits for: ``"rendezvous"`` (default: until the receiver posted its recv,
             as on gloo and NCCL) or ``"eager"`` (the message is buffered and the send returns at once, like MPI's
             buffered sends; a program that needs this deadlocks on gloo and NCCL).
@@ -365,7 +367,9 @@ class World:
     def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float = 60.0,
                  device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | None = None,
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
-                 stack_size: int | None = None, p2p: str = "rendezvous") -> None:
+                 stack_size: int | None = None, p2p: str = "rendezvous",
+                 trace_limit: int | None = DEFAULT_TRACE_LIMIT) -> None:
+        EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise DistTypeError(format_message("simulator.run", "world_size must be an int",
                                                values={"world_size": world_size}, fix="pass e.g. world_size=4"))
@@ -404,6 +408,7 @@ class World:
         self.torchrun_env = torchrun_env
         self.per_rank_rng = per_rank_rng
         self.p2p = p2p
+        self.trace_limit = trace_limit
         self.stack_size = stack_size if stack_size is not None else (256 * 1024 if world_size > 64 else 0)
         #: after a run: the torch seed each rank started from (the program's own seed when it seeded torch
         #: before the run, else :func:`rank_seed` of the run's seed)
@@ -640,7 +645,7 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
         faults: Sequence[Fault] = (), cost: CostModel | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
-        p2p: str = "rendezvous") -> list[Any]:
+        p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -658,5 +663,6 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         simulator.run(f, 4, mode="threads")    # same result, ranks run freely
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
-              env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p)
+              env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
+              trace_limit=trace_limit)
     return w.run(fn, args, kwargs)

@@ -203,3 +203,46 @@ def test_cuda_tensors_round_robin():
     res = simulator.run(fn, 4, device="cuda")
     for x, t in res:
         assert t == "cuda" and torch.equal(x, torch.full((4,), 6.0))
+
+
+# -- a bounded trace (trace_limit) ----------------------------------------------------------------------------------
+def _many_all_reduces(n: int = 2000):
+    import tensorplay as tp
+    import tensorplay.distributed as dist
+
+    x = tp.ones(4)
+    for _ in range(n):
+        dist.all_reduce(x)
+    return x.sum().item()
+
+
+@pytest.mark.parametrize("limit", [None, 500, 0])
+def test_trace_keeps_the_last_events_and_totals_of_all(limit):
+    import tracemalloc
+
+    import simulator
+
+    tracemalloc.start()
+    try:
+        simulator.run(_many_all_reduces, 3, trace_limit=limit)
+        kept_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    tr = simulator.last_trace()
+    total = 3 * 2000
+    assert len(tr.events) == (total if limit is None else limit)
+    assert tr.dropped == (0 if limit is None else total - limit)
+    assert [row["ops"] for row in tr.summary()] == [2000] * 3  # the summary counts every event
+    if limit:
+        assert tr.events[-1].seq == 2000  # the newest are kept
+    if limit is not None:
+        assert kept_bytes < 1 << 20  # a long run's memory does not grow with its length
+
+
+def test_default_trace_is_bounded():
+    import simulator
+    from simulator.trace import DEFAULT_TRACE_LIMIT
+
+    assert simulator.World(2).trace_limit == DEFAULT_TRACE_LIMIT
+    with pytest.raises(ValueError, match="trace_limit=-1"):
+        simulator.World(2, trace_limit=-1)
