@@ -100,13 +100,32 @@ def describe_wait(run: "_Run", rs: Any) -> str:
     return "in an unknown wait"
 
 
-def describe_world(run: "_Run", headline: str) -> str:
-    """One line per distinct situation: who waits where, who returned, who is still running."""
+def _where(rs: Any, depth: int = 3) -> str:
+    """The innermost frames of the program that ``rs``'s thread is executing now (for a timeout report)."""
+    import sys
+    import traceback
+
+    t = rs.thread
+    frame = sys._current_frames().get(t.ident) if t is not None and t.ident is not None else None
+    if frame is None:
+        return "?"
+    frames = [f for f in traceback.extract_stack(frame)
+              if "/simulator/" not in f.filename and "/threading.py" not in f.filename]
+    return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+
+
+def describe_world(run: "_Run", headline: str, timeout: bool = False) -> str:
+    """One line per distinct situation: who waits where, who returned, who is still running.
+
+    With ``timeout=True`` a rank that is running (not waiting in any operation) is shown with where it is
+    computing, since a stuck computation, not a collective-order bug, is what a timeout usually means.
+    """
     from .backend import _P2P, _Slot
 
     groups: dict[str, list[int]] = {}
     order: list[str] = []
     recv_waiters: list[int] = []
+    computing: list[int] = []
     hints: list[str] = []
     for rs in run.ranks:
         if rs.state == BLOCKED:
@@ -117,10 +136,14 @@ def describe_world(run: "_Run", headline: str) -> str:
             text = "has returned" if rs.exc is None else f"has failed ({type(rs.exc).__name__})"
         else:
             last = f"last call at {rs.last_site}" if rs.ops else "before its first operation"
-            if getattr(run.sched, "current", rs) is rs:
-                text = f"is running ({last})"
+            if getattr(run.sched, "current", rs) is rs or run.mode == "threads":
+                if timeout:
+                    computing.append(rs.rank)
+                    text = f"is computing, in no operation, at {_where(rs)} ({last})"
+                else:
+                    text = f"is running ({last})"
             else:
-                text = f"is ready, waiting for its turn ({last})"
+                text = f"is ready, waiting for the baton while another rank computes ({last})"
         if text not in groups:
             groups[text] = []
             order.append(text)
@@ -175,6 +198,12 @@ def describe_world(run: "_Run", headline: str) -> str:
                 break
     for h in hints:
         lines.append("Hint: " + h)
-    lines.append("Fix: every member of a group must reach the same collectives in the same order, and every "
-                 "recv needs a matching send (same group and tag)")
+    if computing:
+        who = f"rank {computing[0]} is" if len(computing) == 1 else f"ranks {_and(computing)} are"
+        lines.append(f"Fix: {who} still computing, not waiting for another rank: a computation that does not end "
+                     f"(an endless loop, a long sleep, a wait on something outside the simulator) is not a "
+                     f"collective-order bug; look at the code shown above, or raise timeout= if it is just slow")
+    else:
+        lines.append("Fix: every member of a group must reach the same collectives in the same order, and every "
+                     "recv needs a matching send (same group and tag)")
     return "\n".join(lines)

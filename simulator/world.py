@@ -319,7 +319,8 @@ class _Run:
         from .report import describe_world
 
         with self.sched.lock:
-            text = describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s")
+            text = describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s",
+                                  timeout=True)
             inc = Incident(SimTimeoutError, text)
             self.fatal = inc
             self.aborted = True
@@ -478,6 +479,7 @@ class World:
             if not finished:
                 timeout_exc = run.abort_timeout()
                 run.all_done.wait(2.0)
+                _warn_still_running(run)
             else:
                 for t in threads:
                     t.join(timeout=5.0)
@@ -510,6 +512,22 @@ class World:
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "simulator"})
         env.update(self.env)
         return env
+
+
+def _warn_still_running(run: _Run) -> None:
+    """After a timeout: name the rank threads that are still executing (a computation that does not end)."""
+    from .report import _where
+
+    alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
+    if alive:
+        import warnings
+
+        where = "; ".join(f"{rs.label} at {_where(rs)}" for rs in alive[:8])
+        warnings.warn(format_message(
+            "simulator.run", f"{len(alive)} rank thread(s) still running after the run timed out (threads cannot be "
+            f"stopped from outside; they are daemons and end when their computation does): {where}",
+            fix="make the stuck computation end (it is shown above), or run the program in a separate process"),
+            RuntimeWarning, stacklevel=3)
 
 
 def _serve(run: _Run) -> bool:

@@ -307,7 +307,22 @@ def test_global_timeout_lists_who_arrived(mode):
     assert "timeout: the run did not finish within 0.3 s" in msg
     if mode == "threads":
         assert "ranks 1 and 2 wait in all_reduce #1" in msg and "arrived: [1, 2]" in msg
-    assert "rank 0 is running (before its first operation)" in msg
+    # the computing rank is singled out, with where it computes, and the fix fits a stuck computation
+    assert "rank 0 is computing, in no operation, at test_sim_failures.py:" in msg and "in fn" in msg
+    assert "(before its first operation)" in msg
+    assert "Fix: rank 0 is still computing, not waiting for another rank" in msg
+    assert "same collectives in the same order" not in msg
+
+
+def test_rank_threads_still_running_after_a_timeout_are_named():
+    def fn():
+        if dist.get_rank() == 1:
+            time.sleep(4.0)
+
+    with pytest.warns(RuntimeWarning, match=r"1 rank thread\(s\) still running.*rank 1 at test_sim_failures.py:\d+ in fn"):
+        with pytest.raises(simulator.SimTimeoutError):
+            simulator.run(fn, 2, timeout=0.3)
+    time.sleep(2.0)  # let the sleeping rank thread end before the next test
 
 
 def test_errors_after_failure_are_rank_failed_at_next_op():
