@@ -38,3 +38,45 @@ def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> None
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+_LOCAL_WORLD = """
+import json, os, sys
+sys.path.insert(0, sys.argv[3])
+from _net import listening
+import tensorplay.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=int(sys.argv[2]), world_size=2)
+socks = listening()
+dist.barrier()
+print(json.dumps({"sockets": socks, "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_loopback_world_without_gloo_socket_ifname_listens_on_loopback_only(tmp_path) -> None:
+    """A user's own script (no GLOO_SOCKET_IFNAME): gloo must not listen on the hostname's address."""
+    import json
+    import subprocess
+    import sys
+
+    from tensorplay.distributed.pool import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "local_world.py"
+    script.write_text(_LOCAL_WORLD)
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), here], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (out, err) in enumerate(outs):
+        assert procs[r].returncode == 0, err[-2000:]
+        rep = json.loads(out.strip().splitlines()[-1])
+        bad = [s for s in rep["sockets"] if s[0] not in LOOPBACK]
+        assert not bad, f"rank {r} listens beyond loopback: {bad}"
+        assert rep["ifname"] is not None and rep["ifname"].startswith("lo")

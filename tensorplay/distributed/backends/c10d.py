@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import atexit
 import gc
+import ipaddress
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -98,6 +100,45 @@ def _bound_rendezvous(init_method: str | None, rank: int, world_size: int,
         return None
     store = bound_tcp_store(host, int(port), rank, world_size, timeout, caller="init_process_group")
     return store, rank, world_size
+
+
+def _rendezvous_host(init_method: str | None) -> str | None:
+    url = urlparse(init_method or "env://")
+    if url.scheme == "env":
+        return os.environ.get("MASTER_ADDR")
+    return url.hostname
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), if one is found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def _pin_gloo_to_loopback(init_method: str | None) -> None:
+    """A world whose rendezvous is on loopback is local: gloo listens on loopback too, not on the hostname's address.
+
+    gloo picks its listening address from ``GLOO_SOCKET_IFNAME`` or else the
+    address the hostname resolves to, which on most machines is reachable from
+    the network; a world rendezvousing on 127.0.0.1 never needs that.  An
+    explicit ``GLOO_SOCKET_IFNAME`` is left alone.
+    """
+    host = _rendezvous_host(init_method)
+    if not host or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return
+    lo = _loopback_interface() if loopback else None
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo  # also for the groups created later in this process
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -207,6 +248,8 @@ class C10dBackend(Backend):
             bound = _bound_rendezvous(init_method, rank, world_size, timeout)
             if bound is not None:
                 store, rank, world_size = bound
+        if cls.name == "gloo":
+            _pin_gloo_to_loopback(init_method)
         kwargs: dict[str, Any] = dict(backend=cls.name, timeout=timeout, world_size=world_size, rank=rank)
         if store is not None:
             kwargs["store"] = store
