@@ -107,6 +107,50 @@ def test_rpc_async_completes_as_the_callee():
     assert who == ("worker1", 1, 1)  # rpc identity, dist rank, and the rank of get_worker_info().id
 
 
+_SERVED: dict = {}
+
+
+def _slow_record(key: str, x: torch.Tensor) -> int:
+    y = x
+    for _ in range(50):  # some compute on the callee's handler thread
+        y = torch.tanh(y + 1)
+    _SERVED[key] = (dist.get_rank(), rpc.get_worker_info().name, y.clone())
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_a_request_still_being_served_keeps_shutdown_and_the_run_waiting(mode):
+    """rpc_async then shutdown at once: the handler (a thread of the callee rank) still runs to its end."""
+    _SERVED.clear()
+
+    def body():
+        rpc.rpc_async("worker1", _slow_record, args=("a", torch.arange(3.0)))
+        return "left"
+
+    assert drive(body, mode=mode) == "left"
+    rank, name, y = _SERVED["a"]
+    x = torch.arange(3.0)
+    for _ in range(50):
+        x = torch.tanh(x + 1)
+    assert (rank, name) == (1, "worker1") and torch.equal(y, x)
+
+
+def test_handler_threads_are_actors_of_the_callee_with_its_clock_on_the_trace():
+    """The handler's compute lands between the request's arrival and the answer, on the caller's event."""
+    def body():
+        fut = rpc.rpc_async("worker1", _slow_record, args=("b", torch.ones(1000)))
+        return rpc.rpc_sync("worker2", _slow_record, args=("c", torch.ones(1))), fut.wait()
+
+    assert drive(body, 3) == (2, 1)
+    tr = simulator.last_trace()
+    rpcs = sorted((e for e in tr.events if e.op in ("rpc_sync", "rpc_async")), key=lambda e: e.seq)
+    assert [(e.op, e.rank, e.peer, e.seq) for e in rpcs] == [("rpc_async", 0, 1, 1), ("rpc_sync", 0, 2, 2)]
+    cost = simulator.CostModel()
+    a, s = rpcs
+    assert a.vend - a.vstart >= cost.cost("send", 4000, 2)  # the request's transfer at least
+    assert s.vstart >= a.vstart  # issued later, on the same caller's clock
+
+
 def test_two_hop_autograd_matches_local():
     out = drive(C.two_hop_autograd, 3)
     assert out["grad_close"], out

@@ -6,12 +6,16 @@ Used automatically when ``init_rpc`` runs inside ``simulator.run`` or
 * **By value.**  Every request and answer is serialised: plain ``pickle``
   (``dill`` when pickle cannot, e.g. a lambda), with tensors copied out of
   band (``clone``), so no object is ever shared between two workers.
-* **The callee's identity.**  A call runs on the caller's thread *as* the
-  callee: the callee's RPC agent and ``tensorplay.distributed`` state are
-  bound while it runs (``get_worker_info()``, ``dist.get_rank()`` and
-  ``RRef.local_value()`` answer as the callee), and in ``coop`` mode with
-  per-rank RNGs the callee's torch RNG stream is used.  ``rpc_async`` therefore
-  completes before it returns.
+* **The callee's identity.**  A call's handler runs on a thread of the
+  callee's rank (an actor of that rank in the simulator's scheduler, see
+  :func:`simulator.threads.start_actor`) *as* the callee: the callee's RPC
+  agent and ``tensorplay.distributed`` state are bound (``get_worker_info()``,
+  ``dist.get_rank()`` and ``RRef.local_value()`` answer as the callee), the
+  caller's distributed-autograd context is carried over, and in ``coop`` mode
+  with per-rank RNGs the callee's torch RNG stream is used.  The caller's
+  wait is a scheduler wait, so a handler may wait for later requests (an
+  ``@async_execution`` future completed by them) and a wait nobody can end
+  is reported as a deadlock naming the handler thread.
 * **Ownership.**  RRef values live in their owner's table with a reference
   count; RRefs cross workers only inside messages; to_here copies.
 * **Failures.**  A rank whose thread ended without ``shutdown`` (returned or
@@ -27,9 +31,10 @@ Used automatically when ``init_rpc`` runs inside ``simulator.run`` or
   waiting rank hands over to the others, and a wait nobody can end is
   reported as a deadlock naming who is missing.
 
-Limits: a call's handler runs inline, so it must not wait for something only
-the callee's *own thread* would do (e.g. a ``threading.Event`` it sets) in
-``coop`` mode; collectives inside RPC handlers are not supported.
+Limits: in ``coop`` mode a rank that waits through a ``threading`` primitive
+(an ``Event`` a handler sets) while none of its threads runs keeps the baton;
+run such code in ``mode="threads"``.  Collectives inside RPC handlers are not
+supported.
 """
 from __future__ import annotations
 
@@ -121,7 +126,7 @@ def options_from(options: Any) -> SimRpcBackendOptions:
     ``device_maps`` are applied to tensors crossing between workers.
     ``init_method`` is not used (every worker is in this process),
     ``num_worker_threads``, ``devices`` and the transport/channel lists have
-    no meaning here (a call runs on the caller's thread as the callee).
+    no meaning here (every handler gets a thread of its own on the callee's rank).
     """
     if options is None or isinstance(options, SimRpcBackendOptions):
         return options or SimRpcBackendOptions()
@@ -348,6 +353,9 @@ class _FutureWait:
         self.what = what
 
     def describe(self) -> str:
+        if self.what == "async_execution":
+            return (f"in {self.what}.wait() (serving a request: the future the @async_execution function "
+                    f"returned is not completed and nothing left running can complete it)")
         return (f"in {self.what}.wait() (the future is not completed and nothing left running can complete it; "
                 f"an RPC's answer comes from its handler, which runs on a thread of the callee rank: see the "
                 f"callee's threads below)")
