@@ -247,6 +247,9 @@ def start_actor(owner: RankState, target: Callable[[], None], name: str) -> Rank
     root = owner.parent or owner
     run = root.run
     sched = run.sched
+    if run.over or run.aborted:  # nobody would schedule the thread: fail the start instead of losing it
+        me = current_rank_state() or root
+        raise run.make_error(run.fatal, me) if run.fatal is not None else run.over_error(me)
     t = threading.Thread(name=name, daemon=True)
     actor = root.child(t)
     actor.waits_exit = True
