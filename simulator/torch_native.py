@@ -570,6 +570,72 @@ class _PerRankWorld:
         setattr(self._target(), name, value)
 
 
+class _PerThreadTable:
+    """Stands in for a process-global mutable table of torch's (a set or dict in a class attribute).
+
+    A real process has one such table per rank; rank threads would share one,
+    and torch code that keeps "in progress" bookkeeping there (FSDP1's
+    ``SimpleProfiler.profiling`` around collectives of ``optim_state_dict``)
+    then sees another rank's entries.  Each thread gets its own table, made by
+    ``factory``; threads outside a simulated world use the original.
+    """
+
+    def __init__(self, original: Any, factory: Any) -> None:
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_factory", factory)
+        object.__setattr__(self, "_local", threading.local())
+
+    def _target(self) -> Any:
+        if _state.current() is None:
+            return self._original
+        t = getattr(self._local, "table", None)
+        if t is None:
+            t = self._factory()
+            self._local.table = t
+        return t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._target()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._target()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._target()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._target()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._target())
+
+    def __len__(self) -> int:
+        return len(self._target())
+
+    def __bool__(self) -> bool:
+        return bool(self._target())
+
+    def __repr__(self) -> str:
+        return repr(self._target())
+
+
+def _per_thread_tables() -> list[tuple[Any, str, Any]]:
+    """torch's class-level tables made per thread while a world runs: (owner, attribute, factory)."""
+    out: list[tuple[Any, str, Any]] = []
+    try:
+        from torch.distributed.fsdp._debug_utils import SimpleProfiler
+    except ImportError:  # an FSDP1 without the profiler: nothing to isolate
+        return out
+    from collections import defaultdict
+
+    out.append((SimpleProfiler, "profiling", set))
+    out.append((SimpleProfiler, "results", lambda: defaultdict(float)))
+    return out
+
+
 _lock = threading.Lock()
 _active = 0
 _saved: dict[str, Any] = {}
@@ -723,6 +789,11 @@ def enabled() -> Iterator[None]:
             c10d._is_barrier_after_init = _is_barrier_after_init
             _saved["TCPStore"] = tdist.TCPStore
             tdist.TCPStore = _TCPStore  # type: ignore[misc]
+            _saved["tables"] = []
+            for owner, attr, factory in _per_thread_tables():
+                original = owner.__dict__[attr]
+                _saved["tables"].append((owner, attr, original))
+                setattr(owner, attr, _PerThreadTable(original, factory))
             _set_thread_isolation_mode(True)
         _active += 1
     try:
@@ -737,6 +808,8 @@ def enabled() -> Iterator[None]:
                 tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
                 sys.excepthook = _saved.pop("excepthook")
                 tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
+                for owner, attr, original in _saved.pop("tables"):
+                    setattr(owner, attr, original)
                 _set_thread_isolation_mode(False)
                 _stores.clear()
 
