@@ -31,7 +31,7 @@ Example (4 simulated ranks, plain torch code)::
         tdist.all_reduce(x)
         return x
 
-    simulator.run(body, 4, torch_native=True)   # [tensor([6., 6.])] * 4
+    simulator.run(body, 4)   # [tensor([6., 6.])] * 4
 """
 from __future__ import annotations
 
@@ -465,7 +465,7 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
         raise DistRuntimeError(format_message(
             "init_process_group", "the 'sim' torch backend runs only on simulated ranks",
             values={"backend": "sim"},
-            fix="run the code under simulator.run(fn, world_size, torch_native=True) or `python -m simulator`"))
+            fix="run the code under simulator.run(fn, world_size) or `python -m simulator`"))
     ranks = tuple(sorted(global_ranks)) if global_ranks else tuple(range(st.world_size))
     if ranks == st.world.ranks:
         return st.world

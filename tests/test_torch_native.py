@@ -452,3 +452,26 @@ def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -
 
     assert simulator.run(body, 3, torchrun_env=True) == [(True, 3.0, ["0", "1", "2"])] * 3
     assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
+
+
+def test_fsdp1_profiler_tables_are_per_rank_while_a_world_runs_and_restored_after() -> None:
+    from torch.distributed.fsdp._debug_utils import SimpleProfiler
+
+    profiling, results = SimpleProfiler.__dict__["profiling"], SimpleProfiler.__dict__["results"]
+
+    def body():
+        tdist.init_process_group("gloo")
+        rank = tdist.get_rank()
+        # a rank holds a profile open across a collective, as FSDP1's optim_state_dict does: the other rank
+        # enters and leaves the same profile type meanwhile, which on one shared set fails either rank
+        with SimpleProfiler.profile("preprocessing_with_comm"):
+            tdist.barrier()
+            seen = sorted(SimpleProfiler.profiling)
+            tdist.barrier()
+        return seen, rank, sorted(SimpleProfiler.results)
+
+    out = simulator.run(body, 2)
+    assert out == [(["preprocessing_with_comm"], 0, ["preprocessing_with_comm"]),
+                   (["preprocessing_with_comm"], 1, ["preprocessing_with_comm"])]
+    assert SimpleProfiler.__dict__["profiling"] is profiling and SimpleProfiler.__dict__["results"] is results
+    assert "preprocessing_with_comm" not in profiling
