@@ -219,7 +219,6 @@ class _SimBackendView:
     supports_coalescing = False
     supports_time_estimate = False
     supports_shrinking = False
-    supports_tensor_alloc = False
 
     def __init__(self, pg: "SimProcessGroup", device: torch.device) -> None:
         self._pg = pg
@@ -233,6 +232,10 @@ class _SimBackendView:
 
     def size(self) -> int:
         return self._pg.size()
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        """A method on torch's ``Backend`` (FSDP2's ``set_allocate_memory_from_process_group_for_comm`` asks)."""
+        return False
 
     def _set_sequence_number_for_group(self) -> None:
         pass

@@ -187,3 +187,26 @@ def ddp_distributed_sampler_loop(ctx):
             opt.step()
             losses.append(loss.detach())
     return {"indices": seen, "losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@case(world_sizes=(2,), front_doors=TORCH, compare="close")
+def fsdp2_buffers_from_the_process_group(ctx):
+    """FSDP2 asked to take its staging buffers from the group's allocator: gloo has none, torch.empty is used."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _Net().to(ctx.device)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for s in range(2):
+        x, y = _data(ctx.rank, s)
+        loss = F.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
