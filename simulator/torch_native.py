@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
 import sys
 import threading
 from typing import Any, Iterator
@@ -625,18 +626,129 @@ class _PerThreadTable:
         return repr(self._target())
 
 
-def _per_thread_tables() -> list[tuple[Any, str, Any]]:
-    """torch's class-level tables made per thread while a world runs: (owner, attribute, factory)."""
-    out: list[tuple[Any, str, Any]] = []
-    try:
-        from torch.distributed.fsdp._debug_utils import SimpleProfiler
-    except ImportError:  # an FSDP1 without the profiler: nothing to isolate
-        return out
+def _isolate_fsdp1_profiler(module: Any) -> Any:
+    """FSDP1's ``SimpleProfiler`` keeps "being profiled" in class-level tables: per thread while a world runs."""
     from collections import defaultdict
 
-    out.append((SimpleProfiler, "profiling", set))
-    out.append((SimpleProfiler, "results", lambda: defaultdict(float)))
-    return out
+    owner = module.SimpleProfiler
+    saved = {attr: owner.__dict__[attr] for attr in ("profiling", "results")}
+    owner.profiling = _PerThreadTable(saved["profiling"], set)
+    owner.results = _PerThreadTable(saved["results"], lambda: defaultdict(float))
+
+    def undo() -> None:
+        for attr, original in saved.items():
+            setattr(owner, attr, original)
+
+    return undo
+
+
+def _isolate_dtensor_op_handlers(module: Any) -> Any:
+    """DTensor's custom op handlers (one process-wide table) per rank thread.
+
+    ``loss_parallel()`` adds its handlers to ``DTensor._op_dispatcher._custom_op_handlers``
+    on entry and pops them on exit: rank threads sharing one table pop each other's
+    entries (``KeyError`` on the second exit) and run their loss outside the context
+    while another rank has left it.  A property on the dispatcher class hands each
+    rank thread its own copy of the table (torch's C++ dispatch reads the attribute
+    on every call); other threads read the dispatcher's own table.
+    """
+    cls = module.OpDispatcher
+    name = "_custom_op_handlers"
+    local = threading.local()
+
+    def tables() -> dict[int, dict[Any, Any]]:
+        t = getattr(local, "tables", None)
+        if t is None:
+            t = local.tables = {}
+        return t
+
+    def get(self: Any) -> dict[Any, Any]:
+        own = self.__dict__[name]
+        if _state.current() is None:
+            return own
+        t = tables()
+        if id(self) not in t:
+            t[id(self)] = dict(own)
+        return t[id(self)]
+
+    def set_(self: Any, value: dict[Any, Any]) -> None:
+        if _state.current() is None or name not in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            tables()[id(self)] = value
+
+    had = name in cls.__dict__
+    previous = cls.__dict__.get(name)
+    setattr(cls, name, property(get, set_))
+
+    def undo() -> None:
+        if had:
+            setattr(cls, name, previous)
+        else:
+            delattr(cls, name)
+
+    return undo
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` right after module ``name`` is first executed (a post-import hook)."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        loader, then = spec.loader, self.then
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                then(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _when_imported(name: str, apply: Any) -> Any:
+    """``apply(module)`` to module ``name`` now if imported, else right after its import; returns the undo.
+
+    The modules patched this way (FSDP1, DTensor) take a second or more to
+    import: a program that never imports them must not pay for it.
+    """
+    undos: list[Any] = []
+    module = sys.modules.get(name)
+    if module is not None:
+        undos.append(apply(module))
+        hook = None
+    else:
+        hook = _AfterImport(name, lambda m: undos.append(apply(m)))
+        sys.meta_path.insert(0, hook)
+
+    def undo() -> None:
+        if hook is not None and hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+        while undos:
+            undos.pop()()
+
+    return undo
+
+
+#: torch's process-wide tables that code changes around collectives: (module, isolate(module) -> undo)
+_ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
+             ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers))
 
 
 _lock = threading.Lock()
@@ -792,11 +904,7 @@ def enabled() -> Iterator[None]:
             c10d._is_barrier_after_init = _is_barrier_after_init
             _saved["TCPStore"] = tdist.TCPStore
             tdist.TCPStore = _TCPStore  # type: ignore[misc]
-            _saved["tables"] = []
-            for owner, attr, factory in _per_thread_tables():
-                original = owner.__dict__[attr]
-                _saved["tables"].append((owner, attr, original))
-                setattr(owner, attr, _PerThreadTable(original, factory))
+            _saved["isolated"] = [_when_imported(name, isolate) for name, isolate in _ISOLATED]
             _set_thread_isolation_mode(True)
         _active += 1
     try:
@@ -811,8 +919,8 @@ def enabled() -> Iterator[None]:
                 tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
                 sys.excepthook = _saved.pop("excepthook")
                 tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
-                for owner, attr, original in _saved.pop("tables"):
-                    setattr(owner, attr, original)
+                for undo in reversed(_saved.pop("isolated")):
+                    undo()
                 _set_thread_isolation_mode(False)
                 _stores.clear()
 

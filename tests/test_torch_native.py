@@ -475,3 +475,28 @@ def test_fsdp1_profiler_tables_are_per_rank_while_a_world_runs_and_restored_afte
                    (["preprocessing_with_comm"], 1, ["preprocessing_with_comm"])]
     assert SimpleProfiler.__dict__["profiling"] is profiling and SimpleProfiler.__dict__["results"] is results
     assert "preprocessing_with_comm" not in profiling
+
+
+def test_dtensor_op_handlers_are_per_rank_while_a_world_runs_and_restored_after() -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    dispatcher = DTensor._op_dispatcher
+    table = dispatcher.__dict__["_custom_op_handlers"]
+    before = dict(table)
+
+    def body():
+        tdist.init_process_group("gloo")
+        # rank 0 adds a handler and keeps it across a barrier; rank 1 must not see it
+        if tdist.get_rank() == 0:
+            dispatcher._custom_op_handlers["probe"] = len
+        tdist.barrier()
+        seen = "probe" in dispatcher._custom_op_handlers
+        tdist.barrier()
+        if tdist.get_rank() == 0:
+            dispatcher._custom_op_handlers.pop("probe")
+        return seen
+
+    assert simulator.run(body, 2) == [True, False]
+    assert "_custom_op_handlers" not in OpDispatcher.__dict__
+    assert dispatcher._custom_op_handlers is table and table == before

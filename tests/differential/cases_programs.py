@@ -210,3 +210,37 @@ def fsdp2_buffers_from_the_process_group(ctx):
         opt.zero_grad()
         losses.append(loss.detach())
     return {"losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+
+
+@case(world_sizes=(2,), front_doors=TORCH, compare="close")
+def tp_loss_parallel(ctx):
+    """TP tutorial shape: a vocabulary-sharded output layer and the loss computed under loss_parallel().
+
+    loss_parallel adds DTensor op handlers on entry and removes them on exit; every rank enters and
+    leaves it on its own.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   loss_parallel, parallelize_module)
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(16, 8), "norm": nn.LayerNorm(8), "out": nn.Linear(8, 16, bias=False)})
+    model.to(ctx.device)
+    parallelize_module(model, mesh, {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "out": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        tok = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(step)).to(ctx.device)
+        logits = model["out"](model["norm"](model["emb"](tok)))
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), tok.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().detach())
+    return {"losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
