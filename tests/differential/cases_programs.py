@@ -244,3 +244,15 @@ def tp_loss_parallel(ctx):
         opt.zero_grad()
         losses.append(loss.full_tensor().detach())
     return {"losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()]}
+
+
+@case(world_sizes=(2, 3, 4), front_doors=TORCH, known_divergence=(
+    "gloo's reduce leaves partial results in the non-dst ranks' tensors (a ring reduce-scatter: chunk c "
+    "of ceil(n/W) elements is folded along ranks c-1, c-2, ..., c (mod W), each writing its running value, "
+    "then sent to dst); the simulator leaves non-dst tensors as they were (torch documents them as "
+    "unspecified)"))
+def reduce_tutorial_prints_every_rank(ctx):
+    """A program that prints its tensor on every rank after reduce, as a newcomer to the collectives does."""
+    t = torch.arange(5, dtype=torch.float64) + 10 * ctx.rank
+    ctx.dist.reduce(t, dst=1 % ctx.world_size)
+    return t
