@@ -196,6 +196,14 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
                 raise
 
     world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p)
+    if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
+        # depend on the thread count (bf16 matmuls) then match a real run bit for bit
+        import torch
+
+        torch.set_num_threads(1)
+        _err("OMP_NUM_THREADS is not set: as torchrun does, each rank computes with 1 intra-op thread "
+             "(set OMP_NUM_THREADS to choose)")
     if hasattr(world, "replay_hint"):
         world.replay_hint = _command(ns, ns.nproc)  # type: ignore[attr-defined]
     code = 0

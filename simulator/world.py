@@ -508,8 +508,12 @@ class World:
         if self.torchrun_env:
             n = str(self.world_size)
             env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
-                        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "simulator"})
+                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
+                        "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                        "TORCHELASTIC_RUN_ID": "simulator", "TORCHELASTIC_RESTART_COUNT": "0",
+                        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+            if self.world_size > 1 and "OMP_NUM_THREADS" not in real:
+                env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes per node
         env.update(self.env)
         return env
 

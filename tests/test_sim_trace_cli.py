@@ -246,3 +246,27 @@ def test_default_trace_is_bounded():
     assert simulator.World(2).trace_limit == DEFAULT_TRACE_LIMIT
     with pytest.raises(ValueError, match="trace_limit=-1"):
         simulator.World(2, trace_limit=-1)
+
+
+def test_torchrun_style_ranks_see_torchruns_environment(tmp_path):
+    """The variables torchrun sets for each of several local processes, OMP_NUM_THREADS=1 included."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, torch\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_WORLD_SIZE', "
+                      "'ROLE_NAME', 'TORCHELASTIC_RESTART_COUNT', 'TORCHELASTIC_MAX_RESTARTS', 'OMP_NUM_THREADS']\n"
+                      "print(json.dumps({k: os.environ.get(k) for k in keys} | {'threads': torch.get_num_threads()}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", str(script)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["RANK"])
+    assert [r["RANK"] for r in rows] == ["0", "1"]
+    for r in rows:
+        assert r["WORLD_SIZE"] == "2" and r["GROUP_WORLD_SIZE"] == "1" and r["ROLE_NAME"] == "default"
+        assert r["TORCHELASTIC_RESTART_COUNT"] == "0" and r["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert r["OMP_NUM_THREADS"] == "1" and r["threads"] == 1
+    assert "OMP_NUM_THREADS is not set" in out.stderr
