@@ -42,6 +42,9 @@ from .faults import Crash, Delay, Fault, random_faults
 from .trace import CostModel, Event, Trace
 from .world import World, current_rank_state, last_trace, rank_device, run
 from .backend import SimBackend  # noqa: E402  (registers the "sim" backend)
+from tensorplay.distributed.rpc._agent import register_transport  # noqa: E402
+
+register_transport("sim", f"{__name__}.rpc")  # RPC inside a simulated world (imported when a world uses it)
 from .explore import ExploreReport, check_reproducible, explore
 
 __all__ = [

@@ -6,7 +6,7 @@ While a simulated world runs, a simulated rank that uses torch's RPC API -
 ``torch.distributed.autograd`` (``context``, ``backward``, ``get_gradients``),
 ``torch.distributed.optim.DistributedOptimizer`` and
 ``torch.distributed.nn.RemoteModule`` - gets tensorplay's implementation on the
-simulator's RPC transport (:mod:`tensorplay.distributed.rpc.sim`).  Any other
+simulator's RPC transport (:mod:`simulator.rpc`).  Any other
 thread keeps torch's own RPC, untouched.
 
 How deep it reaches, so that ``from torch.distributed.rpc import rpc_sync``

@@ -27,7 +27,7 @@ from tensorplay.distributed.rpc import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
-from tensorplay.distributed.rpc.sim import MessageFaults, SimRpcBackendOptions
+from simulator.rpc import MessageFaults, SimRpcBackendOptions
 
 import test_rpc_cases as C
 

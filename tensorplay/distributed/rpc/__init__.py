@@ -65,8 +65,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "SimRpcBackendOptions":
-        from .sim import SimRpcBackendOptions
+    if name == "SimRpcBackendOptions":  # the simulator's options class, from its registered transport
+        from ._agent import transport
 
-        return SimRpcBackendOptions
+        return transport("sim", "SimRpcBackendOptions").SimRpcBackendOptions
     raise AttributeError(f"module 'tensorplay.distributed.rpc' has no attribute {name!r}")

@@ -4,7 +4,7 @@ An *agent* is one worker's end of an RPC world.  Two implementations:
 
 * :class:`~tensorplay.distributed.rpc.tensorpipe.TensorPipeAgent` - one per
   process, wrapping ``torch.distributed.rpc``'s TensorPipe agent;
-* :class:`~tensorplay.distributed.rpc.sim.SimAgent` - one per simulated rank
+* :class:`simulator.rpc.SimAgent` - one per simulated rank
   thread, talking through an in-process mailbox.
 
 Like :mod:`tensorplay.distributed._state`, a thread may carry its own agent
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import DistTypeError, DistValueError, NotInitializedError
+from ..errors import DistRuntimeError, DistTypeError, DistValueError, NotInitializedError
 from .errors import rpc_message
 from .worker import WorkerInfo
 
@@ -133,3 +133,27 @@ def bind_thread(agent: Agent | None) -> Agent | None:
 
 def unbind_thread() -> None:
     _thread.agent = None
+
+
+# -- transports other packages provide ------------------------------------------------------------------------
+#: transport name -> the module implementing it (``start``, ``options_from``, its options class); a module named
+#: here is imported only when a world uses it, and tensorplay never names one itself (the simulator registers "sim")
+_TRANSPORTS: dict[str, str] = {}
+
+
+def register_transport(name: str, module: str) -> None:
+    """Make ``init_rpc`` use ``module`` (imported on first use) for worlds whose backend is named ``name``."""
+    _TRANSPORTS[name] = module
+
+
+def transport(name: str, call: str = "init_rpc") -> Any:
+    """The module registered for transport ``name``; a clear error when none is."""
+    import importlib
+
+    module = _TRANSPORTS.get(name)
+    if module is None:
+        raise DistRuntimeError(rpc_message(
+            call, f"no RPC transport is registered for backend {name!r}",
+            values={"backend": name, "registered": sorted(_TRANSPORTS)},
+            fix="import the package that provides it first (e.g. `import simulator` for the simulator's transport)"))
+    return importlib.import_module(module)

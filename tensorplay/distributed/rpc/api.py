@@ -109,7 +109,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         rpc_backend_options: a :class:`TensorPipeRpcBackendOptions`.  Without one, the rendezvous
             is ``tcp://$MASTER_ADDR:$MASTER_PORT`` with ``MASTER_ADDR`` defaulting to ``127.0.0.1``,
             and calls time out after :data:`DEFAULT_RPC_TIMEOUT` seconds.  Inside a simulated rank
-            it is mapped by :func:`tensorplay.distributed.rpc.sim.options_from` (``rpc_timeout`` and
+            it is mapped by :func:`simulator.rpc.options_from` (``rpc_timeout`` and
             ``device_maps`` kept, the rest has no meaning there); ``SimRpcBackendOptions`` work too.
 
     Example (two processes)::
@@ -162,8 +162,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
                                          fix="number the workers 0 .. world_size-1"))
 
     if kind == "sim":
-        from . import sim
-
+        sim = _agent.transport("sim", call)
         agent = sim.start(name, rank, world_size, sim.options_from(rpc_backend_options))
         _agent.bind_thread(agent)
     else:

@@ -48,25 +48,25 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import simulator
 import torch
-from simulator.callsite import call_site
-from simulator.errors import RankFailedError, SimError
-from simulator.sched import DONE, FREE
-from simulator.threads import start_actor
-from simulator.trace import Event
+from .callsite import call_site
+from .errors import RankFailedError, SimError
+from .sched import DONE, FREE
+from .threads import start_actor
+from .trace import Event
+from .world import current_rank_state
 from torch import nn
 
-from .. import _state
-from ..errors import DistRuntimeError, DistTypeError, DistValueError
-from . import _agent
-from ._agent import Agent
-from . import futures as _futures
-from ._call import RemoteFailure, async_outcome, dill_pickler, future_outcome, is_async, run_call, unwrap
-from .errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
-from .futures import Future
-from .rref import RRef
-from .worker import WorkerInfo
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, DistValueError
+from tensorplay.distributed.rpc import _agent
+from tensorplay.distributed.rpc._agent import Agent
+from tensorplay.distributed.rpc import futures as _futures
+from tensorplay.distributed.rpc._call import RemoteFailure, async_outcome, dill_pickler, future_outcome, is_async, run_call, unwrap
+from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
+from tensorplay.distributed.rpc.futures import Future
+from tensorplay.distributed.rpc.rref import RRef
+from tensorplay.distributed.rpc.worker import WorkerInfo
 
 __all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "options_from"]
 
@@ -183,7 +183,7 @@ _dautograd: Any = None
 def _autograd() -> Any:
     global _dautograd
     if _dautograd is None:
-        from ..autograd import _sim
+        from tensorplay.distributed.autograd import _sim
 
         _dautograd = _sim
     return _dautograd
@@ -366,7 +366,7 @@ _rng_tl = threading.local()  # .rs: the rank whose torch RNG stream this thread 
 
 def _coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     """A simulated rank waiting for a future hands over to the others until it completes."""
-    rs = simulator.current_rank_state()
+    rs = current_rank_state()
     if rs is None:
         return False
     sched = rs.run.sched
@@ -560,7 +560,7 @@ class _RpcWorld:
 
     def wait(self, b: _Barrier, rank: int) -> None:
         """Arrive at ``b`` as ``rank`` and wait (cooperatively) until it completes."""
-        rs = simulator.current_rank_state()
+        rs = current_rank_state()
         sched = self.run.sched
         with sched.lock:
             b.arrived.add(rank)
@@ -678,7 +678,7 @@ class SimAgent(Agent):
     def _swap_rng(self) -> torch.Tensor | None:
         """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream (a handler thread of
         this rank included: the scheduler loads a rank's stream for the rank's own thread only)."""
-        me = simulator.current_rank_state()
+        me = current_rank_state()
         sched = self.rs.run.sched
         if me is None or me is self.rs or not getattr(sched, "swap_rng", False) or self.rs.torch_rng is None:
             return None
@@ -740,7 +740,7 @@ class SimAgent(Agent):
         sched = world.run.sched
 
         def handle() -> None:  # on the callee's handler thread
-            me = simulator.current_rank_state()
+            me = current_rank_state()
             ag._tl.cid = cid
             me.vt = max(me.vt, rec.v)  # the request arrived
             delay = late
@@ -930,7 +930,7 @@ class _RpcRecord:
 
     def __init__(self, agent: SimAgent, call: str, peer: SimAgent) -> None:
         self.agent, self.call, self.peer = agent, call, peer
-        me = simulator.current_rank_state()
+        me = current_rank_state()
         self.own = me is not None and me.run is agent.rs.run and me.rank == agent.rank
         self.rs = rs = me if self.own else agent.rs
         if self.own:
@@ -975,7 +975,7 @@ class _RpcRecord:
 
 def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
     """Register this simulated rank as worker ``name`` and wait until the whole RPC world has."""
-    rs = simulator.current_rank_state()
+    rs = current_rank_state()
     if rs is None:  # pragma: no cover  checked by init_rpc
         raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
     options = options_from(options)
