@@ -50,6 +50,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 import tensorplay.distributed as tpd
+from tensorplay.distributed.backends.base import completed_future
 from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
@@ -163,14 +164,7 @@ class SimWork(tdist.Work):
         for here, visibly, first.
         """
         if self._fut is None:
-            fut: torch.futures.Future = torch.futures.Future()
-            try:
-                self.wait()
-            except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
-                fut.set_exception(e)
-            else:
-                fut.set_result(self._result)
-            self._fut = fut
+            self._fut = completed_future(self.wait, lambda: self._result)
         return self._fut
 
     def synchronize(self) -> None:

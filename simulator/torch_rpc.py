@@ -47,8 +47,6 @@ their shape when installing and refuses with a clear error if torch changed.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import sys
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -398,62 +396,13 @@ def _install() -> None:
     _undo.append(_route_new(tapi.RRef, _rref))
     # DistributedOptimizer and RemoteModule live in modules that take about 2 s to import: route them now when
     # the program imported them already, else the moment it does (a program that never uses them never pays)
+    from .torch_native import _when_imported  # one post-import hook for both adapters
+
     _undo.append(_when_imported("torch.distributed.optim.optimizer",
                                 lambda m: _route_new(m.DistributedOptimizer, _dist_optimizer)))
     _undo.append(_when_imported("torch.distributed.nn.api.remote_module",
                                 lambda m: _route_new(m.RemoteModule, _remote_module)))
     _set(torch._C, "_collect_all", _collect_all(torch._C._collect_all))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then(module)`` right after module ``name`` is first executed (a post-import hook)."""
-
-    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                break
-        else:
-            return None
-        create, execute, then = spec.loader.create_module, spec.loader.exec_module, self.then
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return create(spec)
-
-            def exec_module(self, module: Any) -> None:
-                execute(module)
-                then(module)
-
-        spec.loader = _Loader()
-        return spec
-
-
-def _when_imported(name: str, route: Callable[[Any], Callable[[], None]]) -> Callable[[], None]:
-    """Apply ``route(module)`` to module ``name`` now or when it is imported; returns the undo."""
-    undos: list[Callable[[], None]] = []
-    module = sys.modules.get(name)
-    if module is not None:
-        undos.append(route(module))
-        return lambda: [u() for u in undos] and None
-    hook = _AfterImport(name, lambda m: undos.append(route(m)))
-    sys.meta_path.insert(0, hook)
-
-    def undo() -> None:
-        if hook in sys.meta_path:
-            sys.meta_path.remove(hook)
-        for u in undos:
-            u()
-
-    return undo
 
 
 def _uninstall() -> None:

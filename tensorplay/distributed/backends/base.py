@@ -73,14 +73,19 @@ class Work(abc.ABC):
         (the simulator's scheduler cannot see a wait inside a torch future), so
         the future is returned completed, with the result or the error.
         """
-        fut: torch.futures.Future = torch.futures.Future()
-        try:
-            self.wait()
-        except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
-            fut.set_exception(e)
-        else:
-            fut.set_result(self.result())
-        return fut
+        return completed_future(self.wait, self.result)
+
+
+def completed_future(wait: Callable[[], Any], result: Callable[[], Any]) -> torch.futures.Future:
+    """A ``torch.futures.Future`` completed after ``wait()``: with ``result()``, or with the error ``wait`` raised."""
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        wait()
+    except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
+        fut.set_exception(e)
+    else:
+        fut.set_result(result())
+    return fut
 
 
 class CompletedWork(Work):
