@@ -318,11 +318,34 @@ def _gloo_entry(module: str, func: str, door: str, device: str, tmpdir: str) -> 
         out = Outcome("ok", value=_call(module, func, door, "gloo", device, tmpdir))
     except BaseException as e:  # noqa: BLE001  the exception is this rank's outcome
         out = _exc_outcome(e)
-    # every rank reaches this barrier (cases that raise do so before communicating), so the next case starts
-    # together on every rank.  Groups a case created are left alive: torch caches them (device meshes, the
-    # functional collectives' rank-list lookup), and destroying one under a cache makes a later case hang.
-    tdist.barrier()
+    # Every rank meets here so the next case starts together on every rank.  The meeting goes through the
+    # store, not ``tdist.barrier()``: gloo's barrier first waits on the group's work still in flight and
+    # rethrows its error, and a failed collective stays in flight for a moment after its ``wait()`` raised,
+    # so a barrier right after a raising case can fail on one rank without reaching the others (which then
+    # wait for it).  Groups a case created are left alive: torch caches them (device meshes, the functional
+    # collectives' rank-list lookup), and destroying one under a cache makes a later case hang.
+    _meet(tdist)
     return out
+
+
+_MEETINGS = [0]
+
+
+def _meet(tdist: Any, timeout: float = 120.0) -> None:
+    """A store-based barrier of the default group's ranks, bounded by ``timeout`` seconds."""
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _MEETINGS[0] += 1
+    store, key = _get_default_store(), f"tensorplay-diff/meet/{_MEETINGS[0]}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < tdist.get_world_size():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"differential harness: ranks did not meet after case {_MEETINGS[0]} within "
+                               f"{timeout}s (count={store.add(key, 0)}, world_size={tdist.get_world_size()})")
+        time.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
