@@ -1,6 +1,6 @@
 """Time every blocking collective through tensorplay.distributed and through raw torch.distributed, on gloo.
 
-Both run in the same rank processes (a :class:`~tensorplay.distributed.pool.RankPool`
+Both run in the same rank processes (a :class:`~tensorplay.testing.RankPool`
 on 127.0.0.1), interleaved call by call so that other work on the machine
 disturbs both alike.  Each call's time is its slowest rank's; the table shows
 the median over calls (and the 10th percentile, the least disturbed calls) and
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     import bench_collectives as me
     import torch
 
-    from tensorplay.distributed.pool import RankPool
+    from tensorplay.testing import RankPool
 
     names = args.only or [*COLLECTIVES, "ragged all_to_all"]
     print(f"# torch {torch.__version__}, gloo on 127.0.0.1, float32; per call the slowest rank counts; "

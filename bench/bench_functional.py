@@ -1,7 +1,7 @@
 """Forward+backward latency of every autograd collective: tensorplay vs torch.distributed.nn.functional, on gloo.
 
 Both implementations run in the same rank processes (a
-:class:`~tensorplay.distributed.pool.RankPool` on 127.0.0.1; tensorplay's gloo
+:class:`~tensorplay.testing.RankPool` on 127.0.0.1; tensorplay's gloo
 backend and torch's module share one torch process group), interleaved
 iteration by iteration so that other work on the machine disturbs both alike.
 One iteration is: barrier, forward, ``loss.backward()`` with ``loss`` the sum
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="A/A run: both columns run tensorplay, to show the noise floor of the ratios")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tensorplay.distributed.pool import RankPool
+    from tensorplay.testing import RankPool
 
     print(f"{'collective':<18} {'W':>2} {'n':>8} | {'tensorplay fwd/bwd/total ms':>28} | "
           f"{'torch fwd/bwd/total ms':>24} | {'ratio':>6} {'bwd ratio':>9}")

@@ -14,7 +14,7 @@ resist load spikes); the raw and RemoteModule forwards are called in turn in
 one loop so that load hits both alike.  1e6-element calls and training steps
 run fewer times (a tenth and a quarter of ``--calls``).
 TensorPipe runs in two real processes on 127.0.0.1 (a warm
-:class:`~tensorplay.distributed.rpc.testing.RpcPool`), the simulator in this
+:class:`~tensorplay.testing.RpcPool`), the simulator in this
 process (``mode="coop"``).
 
 Targets: the simulator's no-op ``rpc_sync`` at least 10x faster than
@@ -140,7 +140,7 @@ def run_sim(calls: int) -> dict[str, float]:
 
 
 def run_tensorpipe(calls: int) -> dict[str, float]:
-    from tensorplay.distributed.rpc.testing import RpcPool
+    from tensorplay.testing import RpcPool
 
     with RpcPool(2, rpc_timeout=60.0, call_timeout=600.0) as pool:
         return pool.run_on(0, measure, calls, timeout=600.0)

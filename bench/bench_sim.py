@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import simulator  # noqa: E402
 import tensorplay.distributed as dist  # noqa: E402
-from tensorplay.distributed.pool import free_port  # noqa: E402
+from tensorplay.testing import free_port  # noqa: E402
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 =============  ==============================================================
 ``sim``        in-process, one thread per rank, via ``simulator.run`` (CPU or CUDA tensors)
-``gloo``       a persistent :class:`~tensorplay.distributed.pool.RankPool` of real rank
+``gloo``       a persistent :class:`~tensorplay.testing.RankPool` of real rank
                processes on loopback per world size, reused across cases
 ``nccl``       the same with the nccl backend, one GPU per rank (needs >= 2 GPUs)
 =============  ==============================================================
@@ -329,13 +329,13 @@ def _forkserver() -> Any:
         if "forkserver" in mp.get_all_start_methods():
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(["torch", "torch.distributed", "tensorplay.distributed",
-                                        "tensorplay.distributed.pool", "conformance.execute"])
+                                        "tensorplay.testing.pool", "conformance.execute"])
         _FORKSERVER.append(ctx)
     return _FORKSERVER[0]
 
 
 def _make_case_pool() -> type:
-    from tensorplay.distributed.pool import RankPool
+    from tensorplay.testing import RankPool
 
     class CasePool(RankPool):
         """A RankPool whose calls return every reply that came, instead of raising on the first failure.

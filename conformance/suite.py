@@ -283,7 +283,11 @@ def run_suite(config: SuiteConfig, *, progress: bool | Progress = True,
 
 def _run_parallel(config: SuiteConfig, cases: list[Case], record: Callable[[CaseResult], None]) -> list[CaseResult]:
     """Split ``cases`` over ``config.workers`` processes (chunks grouped by world size); results in case order."""
-    import multiprocess as mp
+    try:
+        import multiprocess as mp
+    except ImportError as e:
+        raise ConfigError(f"workers={config.workers} (-n) runs the cases in worker processes, which need the "
+                          "'multiprocess' package. Fix: pip install \"tensorplay[testing]\", or drop -n") from e
 
     main_free_children()
     ctx = mp.get_context("spawn")

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tensorplay.distributed.pool import RankPool
+from tensorplay.testing import RankPool
 
 #: bound on one pool call; a healthy call takes milliseconds
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))

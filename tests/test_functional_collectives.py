@@ -29,7 +29,7 @@ import simulator
 import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import DistValueError
-from tensorplay.distributed.pool import RankPool
+from tensorplay.testing import RankPool
 from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
                                      hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked,
                                      RECEIVER_STYLES, ScatterCase, scatter_blocks, scatter_receivers_body, scatter_upstream,

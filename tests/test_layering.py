@@ -17,3 +17,39 @@ def test_tensorplay_imports_nothing_from_the_harness() -> None:
             found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                       if n.split(".")[0] in HARNESS]
     assert not found, "the product must not depend on the harness:\n" + "\n".join(found)
+
+
+def test_without_the_testing_extra_the_product_and_simulator_work() -> None:
+    """``pip install .`` (no extras) leaves out ``multiprocess``: tensorplay.distributed, a simulated world and
+    the conformance suite on sim still work, and the pools say which extra they need."""
+    import subprocess
+    import sys
+
+    program = r'''
+import sys
+sys.modules["multiprocess"] = None          # as if the package were not installed
+import torch
+import tensorplay.distributed as dist
+import simulator
+
+def body():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+assert simulator.run(body, 3) == [6.0, 6.0, 6.0]
+import conformance
+r = conformance.check(backend="sim", world_sizes=(2,), collectives=("all_reduce",), examples=3)
+assert r.exit_code == 0 and len(r.results) > 0, r.failures
+import tensorplay.testing as tt
+assert tt.free_port() > 0
+try:
+    tt.RankPool
+except ImportError as e:
+    assert "tensorplay[testing]" in str(e), e
+else:
+    raise SystemExit("RankPool imported without multiprocess")
+print("OK")
+'''
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

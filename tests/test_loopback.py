@@ -28,7 +28,7 @@ def test_process_group_listens_on_loopback_only(rank_pool) -> None:
 def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> None:
     import socket
 
-    from tensorplay.distributed.pool import _ephemeral_range, free_port
+    from tensorplay.testing._ports import _ephemeral_range, free_port
 
     lo, hi = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
@@ -60,7 +60,7 @@ def test_a_loopback_world_without_gloo_socket_ifname_listens_on_loopback_only(tm
     import subprocess
     import sys
 
-    from tensorplay.distributed.pool import free_port
+    from tensorplay.testing import free_port
 
     here = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "local_world.py"

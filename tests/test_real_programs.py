@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorplay.distributed.pool import free_port
+from tensorplay.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 240

@@ -21,7 +21,7 @@ import pytest
 from _net import LOOPBACK, listening
 
 import tensorplay.distributed.rpc as rpc
-from tensorplay.distributed.rpc.testing import RpcPool
+from tensorplay.testing import RpcPool
 
 import test_rpc_cases as C
 
@@ -87,7 +87,7 @@ def test_timeout_is_honoured(pool):
 
 def test_init_rpc_is_bounded_when_a_worker_never_comes():
     from tensorplay.distributed import DistRuntimeError
-    from tensorplay.distributed.pool import free_port
+    from tensorplay.testing import free_port
 
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", rpc_timeout=1.5)
     t = time.perf_counter()

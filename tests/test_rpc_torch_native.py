@@ -32,7 +32,7 @@ from torch.distributed.rpc import RRef, rpc_async, rpc_sync  # by name, before a
 import simulator
 import tensorplay.distributed as tpd
 from simulator.errors import DeadlockError
-from tensorplay.distributed.pool import free_port
+from tensorplay.testing import free_port
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from simulator.launch import LaunchStyleError, launch
-from tensorplay.distributed.pool import free_port
+from tensorplay.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

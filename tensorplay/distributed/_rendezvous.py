@@ -31,7 +31,7 @@ def bound_tcp_store(host: str, port: int, rank: int, world_size: int, timeout: t
             raise DistRuntimeError(format_message(
                 caller, "rank 0 cannot bind the rendezvous address",
                 values={"host": host, "port": port, "error": str(e)},
-                fix="pick a free port (tensorplay.distributed.pool.free_port()) and an address of this machine")) from e
+                fix="pick a free port (tensorplay.testing.free_port()) and an address of this machine")) from e
         sock.listen(128)
         return tdist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
                               master_listen_fd=sock.detach(), use_libuv=True)

@@ -562,7 +562,7 @@ def reproduce(name: str, world_size: int, door: str = "torch", *, gloo: bool = T
         def pool_for(n: int) -> Any:
             nonlocal pool
             if pool is None:
-                from tensorplay.distributed.pool import RankPool
+                from tensorplay.testing import RankPool
 
                 pool = RankPool(n, call_timeout=c.timeout + _GLOO_SLACK_S)
                 pool.start()

@@ -1,7 +1,7 @@
 """A persistent TensorPipe RPC world on loopback, for tests and benchmarks.
 
 :class:`RpcPool` starts ``world_size`` real processes once (a
-:class:`~tensorplay.distributed.pool.RankPool`), initialises RPC in each as
+:class:`~tensorplay.testing.RankPool`), initialises RPC in each as
 ``worker0``, ``worker1``, ... on ``127.0.0.1`` at a free port, and then runs
 any number of functions on them.  Starting costs seconds (``import torch``);
 a call on a warm pool costs milliseconds.  When a call fails (a rank raised or
@@ -12,7 +12,7 @@ Functions travel with dill: module-level functions of importable modules
 
 Example::
 
-    from tensorplay.distributed.rpc.testing import RpcPool
+    from tensorplay.testing import RpcPool
 
     def body():
         import torch, tensorplay.distributed.rpc as rpc
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..pool import RankPool, free_port
+from .pool import RankPool, free_port
 
 __all__ = ["RpcPool"]
 
