@@ -1,0 +1,1 @@
+"""Helpers the test modules share (not tests themselves: pytest collects nothing here)."""
