@@ -28,11 +28,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tensorplay.distributed import _state
 from tensorplay.distributed.backends import Backend, Work, register_backend
 from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
+from tensorplay.distributed.spec import CallKey
 
 from . import kernels
 from .callsite import call_site
@@ -40,101 +40,15 @@ from .errors import CollectiveMismatchError, InjectedFault
 from .faults import Crash, Delay
 from .report import mismatch_message
 from .trace import Event
-from .world import Incident, RankState, _local
+from .state import Incident, P2PRecord, RankCall, RankState, SimGroup, Slot, _local
 
 __all__ = ["SimBackend"]
 
-_OFFLOAD_BYTES = 1 << 20  # kernels on buffers this big run on the main thread (see _Run.execute)
+_OFFLOAD_BYTES = 1 << 20  # kernels on buffers this big run on the main thread (see Run.execute)
 _thread_time = time.thread_time
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _perf = time.perf_counter
-
-
-class _Group:
-    """The world-wide identity of a group: its ranks and its open slots."""
-
-    __slots__ = ("gid", "ranks", "size", "index", "slots")
-
-    def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
-        self.gid = gid
-        self.ranks = ranks
-        self.size = len(ranks)
-        self.index = {g: i for i, g in enumerate(ranks)}
-        self.slots: dict[int, _Slot] = {}
-
-    def __repr__(self) -> str:
-        return f"<sim group {self.gid} ranks={list(self.ranks)}>"
-
-
-class _Call:
-    """One rank's part in a collective."""
-
-    __slots__ = ("rs", "key", "data", "site", "vstart", "wall_start", "backward", "nbytes", "detail", "async_op",
-                 "observed")
-
-    def __init__(self, rs: RankState, key: tuple, data: Any, site: str, nbytes: int, async_op: bool,
-                 detail: str | None = None) -> None:
-        self.rs = rs
-        self.key = key
-        self.data = data
-        self.site = site
-        self.vstart = rs.vt
-        self.wall_start = _perf()
-        self.backward = _state.current_backward()
-        self.nbytes = nbytes
-        self.detail = detail
-        self.async_op = async_op
-        self.observed = False
-
-
-class _Slot:
-    """Collective number ``seq`` of a group: filled by the members' calls, completed by the last one."""
-
-    __slots__ = ("group", "seq", "name", "calls", "arrived", "waiters", "done", "error", "vend", "result")
-
-    def __init__(self, group: _Group, seq: int, name: str) -> None:
-        self.group = group
-        self.seq = seq
-        self.name = name
-        self.calls: list[_Call | None] = [None] * group.size
-        self.arrived = 0
-        self.waiters: list[RankState] = []
-        self.done = False
-        self.error: Incident | None = None
-        self.vend = 0.0
-        self.result: Any = None
-
-
-class _P2P:
-    """One posted send or receive."""
-
-    __slots__ = ("kind", "rs", "src", "dst", "group", "tag", "tensor", "site", "vstart", "wall_start", "done",
-                 "error", "source", "vend", "backward", "seq", "observed", "key", "detail", "async_op")
-
-    def __init__(self, kind: str, rs: RankState, src: int | None, dst: int, group: _Group, tag: int,
-                 tensor: torch.Tensor, site: str, async_op: bool) -> None:
-        self.kind = kind
-        self.rs = rs
-        self.src = src
-        self.dst = dst
-        self.group = group
-        self.tag = tag
-        self.tensor = tensor
-        self.site = site
-        self.vstart = rs.vt
-        self.wall_start = _perf()
-        self.done = False
-        self.error: Incident | None = None
-        self.source: int | None = None  # sender's group rank, for receives
-        self.vend = 0.0
-        self.backward = _state.current_backward()
-        rs.p2p_seq += 1
-        self.seq = rs.p2p_seq
-        self.observed = False
-        self.key = (kind, None, None, tensor.dtype, tuple(tensor.shape))
-        self.detail = None
-        self.async_op = async_op
 
 
 # ---------------------------------------------------------------------------
@@ -158,7 +72,7 @@ def _done_with(rs: RankState) -> None:
 class _CollWork(Work):
     __slots__ = ("_rs", "_slot", "_call")
 
-    def __init__(self, rs: RankState, slot: _Slot, call: _Call) -> None:
+    def __init__(self, rs: RankState, slot: Slot, call: RankCall) -> None:
         self._rs = rs
         self._slot = slot
         self._call = call
@@ -188,7 +102,7 @@ class _CollWork(Work):
 class _P2PWork(Work):
     __slots__ = ("_rec",)
 
-    def __init__(self, rec: _P2P) -> None:
+    def __init__(self, rec: P2PRecord) -> None:
         self._rec = rec
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
@@ -234,7 +148,7 @@ def _outputs(name: str, data: Any) -> list[torch.Tensor]:
     return [data[0]]  # one output tensor: *_into_tensor, scatter, reduce_scatter*, all_to_all_single
 
 
-def _observe_coll(rs: RankState, slot: _Slot, call: _Call) -> None:
+def _observe_coll(rs: RankState, slot: Slot, call: RankCall) -> None:
     """Record the event once and advance the rank's virtual clock to the collective's end."""
     if call.observed:
         return
@@ -249,7 +163,7 @@ def _observe_coll(rs: RankState, slot: _Slot, call: _Call) -> None:
     rs.cpu_mark = _thread_time()
 
 
-def _observe_p2p(rs: RankState, rec: _P2P) -> None:
+def _observe_p2p(rs: RankState, rec: P2PRecord) -> None:
     if rec.observed:
         return
     rec.observed = True
@@ -279,7 +193,7 @@ def _stage(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch
     return srcs
 
 
-def _no_grad(kernel: Callable[[list["_Call"]], Any], calls: list["_Call"]) -> Any:
+def _no_grad(kernel: Callable[[list["RankCall"]], Any], calls: list["RankCall"]) -> Any:
     """Run a kernel as c10d does: on the tensors' memory, invisible to autograd.
 
     gloo and NCCL write results into the buffers without looking at
@@ -300,7 +214,7 @@ def _no_grad(kernel: Callable[[list["_Call"]], Any], calls: list["_Call"]) -> An
 _FIELDS = ("collective", "op", "root", "dtype", "shape")
 
 
-def _disagreement(calls: list[_Call]) -> str | None:
+def _disagreement(calls: list[RankCall]) -> str | None:
     k0 = calls[0].key
     for c in calls:
         if c.key != k0:
@@ -320,7 +234,7 @@ def _disagreement(calls: list[_Call]) -> str | None:
     return None
 
 
-def _check_all_to_all(calls: list[_Call]) -> str | None:
+def _check_all_to_all(calls: list[RankCall]) -> str | None:
     w = len(calls)
     for i in range(w):
         outs_i = calls[i].data[0]
@@ -334,7 +248,7 @@ def _check_all_to_all(calls: list[_Call]) -> str | None:
     return None
 
 
-def _check_all_to_all_single(calls: list[_Call]) -> str | None:
+def _check_all_to_all_single(calls: list[RankCall]) -> str | None:
     w = len(calls)
     for i in range(w):
         out_splits = calls[i].data[2]
@@ -350,27 +264,27 @@ def _check_all_to_all_single(calls: list[_Call]) -> str | None:
 # ---------------------------------------------------------------------------
 # kernels per collective: f(calls) writes every member's outputs
 # ---------------------------------------------------------------------------
-def _k_barrier(calls: list[_Call]) -> None:
+def _k_barrier(calls: list[RankCall]) -> None:
     return None
 
 
-def _k_broadcast(calls: list[_Call], root: int) -> None:
+def _k_broadcast(calls: list[RankCall], root: int) -> None:
     src = calls[root].data
     for i, c in enumerate(calls):
         if i != root:
             c.data.copy_(src)
 
 
-def _k_all_reduce(calls: list[_Call], op: ReduceOp) -> None:
+def _k_all_reduce(calls: list[RankCall], op: ReduceOp) -> None:
     ts = [c.data for c in calls]
     kernels.reduce_into(ts, ts, op)
 
 
-def _k_reduce(calls: list[_Call], op: ReduceOp, root: int) -> None:
+def _k_reduce(calls: list[RankCall], op: ReduceOp, root: int) -> None:
     kernels.reduce_into([calls[root].data], [c.data for c in calls], op)
 
 
-def _k_all_gather(calls: list[_Call]) -> None:
+def _k_all_gather(calls: list[RankCall]) -> None:
     outs = [o for c in calls for o in c.data[0]]
     srcs = _stage([c.data[1] for c in calls], outs)
     for c in calls:
@@ -378,34 +292,34 @@ def _k_all_gather(calls: list[_Call]) -> None:
             o.copy_(s)
 
 
-def _k_all_gather_into_tensor(calls: list[_Call]) -> None:
+def _k_all_gather_into_tensor(calls: list[RankCall]) -> None:
     srcs = _stage([c.data[1] for c in calls], [c.data[0] for c in calls])
     for c in calls:
         kernels.copy_rows(c.data[0], srcs)
 
 
-def _k_gather(calls: list[_Call], root: int) -> None:
+def _k_gather(calls: list[RankCall], root: int) -> None:
     gl = calls[root].data[1]
     srcs = _stage([c.data[0] for c in calls], gl)
     for o, s in zip(gl, srcs):
         o.copy_(s)
 
 
-def _k_scatter(calls: list[_Call], root: int) -> None:
+def _k_scatter(calls: list[RankCall], root: int) -> None:
     sl = calls[root].data[1]
     srcs = _stage(list(sl), [c.data[0] for c in calls])
     for c, s in zip(calls, srcs):
         c.data[0].copy_(s)
 
 
-def _k_reduce_scatter(calls: list[_Call], op: ReduceOp) -> None:
+def _k_reduce_scatter(calls: list[RankCall], op: ReduceOp) -> None:
     w = len(calls)
     results = [kernels.reduce_tensors([c.data[1][i] for c in calls], op) for i in range(w)]
     for c, r in zip(calls, results):
         c.data[0].copy_(r)
 
 
-def _k_reduce_scatter_tensor(calls: list[_Call], op: ReduceOp) -> None:
+def _k_reduce_scatter_tensor(calls: list[RankCall], op: ReduceOp) -> None:
     w = len(calls)
     rows = [kernels.rows_view(c.data[1], w) for c in calls]
     results = [kernels.reduce_tensors([r[i] for r in rows], op) for i in range(w)]
@@ -414,7 +328,7 @@ def _k_reduce_scatter_tensor(calls: list[_Call], op: ReduceOp) -> None:
         out.copy_(r.view(out.shape) if r.numel() == out.numel() else r)
 
 
-def _k_all_to_all(calls: list[_Call]) -> None:
+def _k_all_to_all(calls: list[RankCall]) -> None:
     outs = [o for c in calls for o in c.data[0]]
     ins = [t for c in calls for t in c.data[1]]
     if _storages(ins) & _storages(outs):
@@ -426,7 +340,7 @@ def _k_all_to_all(calls: list[_Call]) -> None:
             o.copy_(staged[j][i])
 
 
-def _k_all_to_all_single(calls: list[_Call]) -> None:
+def _k_all_to_all_single(calls: list[RankCall]) -> None:
     w = len(calls)
     ins = _stage([c.data[1] for c in calls], [c.data[0] for c in calls])
     in_off = []
@@ -454,7 +368,7 @@ class SimBackend(Backend):
 
     name = "sim"
 
-    def __init__(self, rs: RankState, world_group: _Group) -> None:
+    def __init__(self, rs: RankState, world_group: SimGroup) -> None:
         super().__init__(rs.rank, rs.run.n)
         self._rs = rs
         self._world_group = world_group
@@ -470,19 +384,19 @@ class SimBackend(Backend):
             fix="run the code with simulator.run(fn, world_size) or `python -m simulator --nproc-per-node N "
                 "script.py`; inside those, init_process_group() returns at once"))
 
-    def world_handle(self) -> _Group:
+    def world_handle(self) -> SimGroup:
         return self._world_group
 
-    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> _Group | None:
+    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> SimGroup | None:
         rs = self._rs
         run = rs.run
 
-        def make(calls: list[_Call]) -> _Group:
-            g = _Group(run.next_gid, tuple(ranks))
+        def make(calls: list[RankCall]) -> SimGroup:
+            g = SimGroup(run.next_gid, tuple(ranks))
             run.next_gid += 1
             return g
 
-        slot = self._collective(self._world_group, "new_group", ("new_group", None, None, None, tuple(ranks)),
+        slot = self._collective(self._world_group, "new_group", CallKey("new_group", None, None, None, tuple(ranks)),
                                 None, 0, False, make, detail=f"ranks={list(ranks)}", return_slot=True)
         g = slot.result
         return g if rs.rank in g.index else None
@@ -491,7 +405,7 @@ class SimBackend(Backend):
         """An object that identifies this simulated world (the same for all of its ranks)."""
         return self._rs.run
 
-    def member_group_handle(self, ranks: tuple[int, ...]) -> _Group:
+    def member_group_handle(self, ranks: tuple[int, ...]) -> SimGroup:
         """A group created by its members only (torch's new_group skips non-members).
 
         Members ask for the groups of one rank set in the same order, so the
@@ -505,7 +419,7 @@ class SimBackend(Backend):
             table = run.__dict__.setdefault("member_groups", {})
             g = table.get((ranks, k))
             if g is None:
-                g = table[(ranks, k)] = _Group(run.next_gid, tuple(ranks))
+                g = table[(ranks, k)] = SimGroup(run.next_gid, tuple(ranks))
                 run.next_gid += 1
         return g
 
@@ -538,9 +452,9 @@ class SimBackend(Backend):
                     if f.real:
                         time.sleep(f.seconds)
 
-    def _collective(self, g: _Group, name: str, key: tuple, data: Any, nbytes: int, async_op: bool,
-                    kernel: Callable[[list[_Call]], None], detail: str | None = None,
-                    check: Callable[[list[_Call]], str | None] | None = None, return_slot: bool = False) -> Any:
+    def _collective(self, g: SimGroup, name: str, key: CallKey, data: Any, nbytes: int, async_op: bool,
+                    kernel: Callable[[list[RankCall]], None], detail: str | None = None,
+                    check: Callable[[list[RankCall]], str | None] | None = None, return_slot: bool = False) -> Any:
         rs = _caller(self._rs)
         site = call_site(3)
         try:
@@ -550,13 +464,13 @@ class SimBackend(Backend):
             raise
         seq = self._seq.get(g.gid, 0) + 1
         self._seq[g.gid] = seq
-        call = _Call(rs, key, data, site, nbytes, async_op, detail)
+        call = RankCall(rs, key, data, site, nbytes, async_op, detail)
         run = rs.run
         sched = run.sched
         with sched.lock:
             slot = g.slots.get(seq)
             if slot is None:
-                slot = g.slots[seq] = _Slot(g, seq, name)
+                slot = g.slots[seq] = Slot(g, seq, name)
             slot.calls[g.index[rs.rank]] = call
             slot.arrived += 1
             if slot.arrived == g.size:
@@ -575,9 +489,9 @@ class SimBackend(Backend):
         work.wait()
         return None
 
-    def _complete(self, slot: _Slot, kernel: Callable[[list[_Call]], None],
-                  check: Callable[[list[_Call]], str | None] | None) -> None:
-        calls: list[_Call] = slot.calls  # type: ignore[assignment]
+    def _complete(self, slot: Slot, kernel: Callable[[list[RankCall]], None],
+                  check: Callable[[list[RankCall]], str | None] | None) -> None:
+        calls: list[RankCall] = slot.calls  # type: ignore[assignment]
         run = self._rs.run
         reason = _disagreement(calls)
         if reason is None and check is not None:
@@ -615,56 +529,56 @@ class SimBackend(Backend):
 
     # -- collectives --------------------------------------------------------
     def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "barrier", ("barrier", None, None, None, None), None, 0, async_op,
+        return self._collective(group.handle, "barrier", CallKey("barrier", None, None, None, None), None, 0, async_op,
                                 _k_barrier)
 
     def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "broadcast", ("broadcast", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "broadcast", CallKey("broadcast", None, root, tensor.dtype, tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_broadcast(calls, root))
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "all_reduce", ("all_reduce", op, None, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "all_reduce", CallKey("all_reduce", op, None, tensor.dtype, tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_all_reduce(calls, op))
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, group: ProcessGroup,
                async_op: bool) -> Work | None:
-        return self._collective(group.handle, "reduce", ("reduce", op, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "reduce", CallKey("reduce", op, root, tensor.dtype, tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_reduce(calls, op, root))
 
     def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
                    async_op: bool) -> Work | None:
-        return self._collective(group.handle, "all_gather", ("all_gather", None, None, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "all_gather", CallKey("all_gather", None, None, tensor.dtype, tensor.shape),
                                 (output_list, tensor), _nbytes(tensor) * len(output_list), async_op, _k_all_gather)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
                                async_op: bool) -> Work | None:
         return self._collective(group.handle, "all_gather_into_tensor",
-                                ("all_gather_into_tensor", None, None, input.dtype, input.shape),
+                                CallKey("all_gather_into_tensor", None, None, input.dtype, input.shape),
                                 (output, input), _nbytes(output), async_op, _k_all_gather_into_tensor)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
                async_op: bool) -> Work | None:
-        return self._collective(group.handle, "gather", ("gather", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "gather", CallKey("gather", None, root, tensor.dtype, tensor.shape),
                                 (tensor, gather_list), _nbytes(tensor) * group.size(), async_op,
                                 lambda calls: _k_gather(calls, root))
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
                 async_op: bool) -> Work | None:
-        return self._collective(group.handle, "scatter", ("scatter", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "scatter", CallKey("scatter", None, root, tensor.dtype, tensor.shape),
                                 (tensor, scatter_list), _nbytes(tensor) * group.size(), async_op,
                                 lambda calls: _k_scatter(calls, root))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
                        group: ProcessGroup, async_op: bool) -> Work | None:
         return self._collective(group.handle, "reduce_scatter",
-                                ("reduce_scatter", op, None, output.dtype, output.shape),
+                                CallKey("reduce_scatter", op, None, output.dtype, output.shape),
                                 (output, input_list), _nbytes(output) * len(input_list), async_op,
                                 lambda calls: _k_reduce_scatter(calls, op))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group: ProcessGroup,
                               async_op: bool) -> Work | None:
         return self._collective(group.handle, "reduce_scatter_tensor",
-                                ("reduce_scatter_tensor", op, None, output.dtype, output.shape),
+                                CallKey("reduce_scatter_tensor", op, None, output.dtype, output.shape),
                                 (output, input), _nbytes(input), async_op,
                                 lambda calls: _k_reduce_scatter_tensor(calls, op))
 
@@ -672,7 +586,7 @@ class SimBackend(Backend):
                    async_op: bool) -> Work | None:
         detail = "in=" + ",".join(str(tuple(t.shape)) for t in input_list[:8]) + \
                  " out=" + ",".join(str(tuple(t.shape)) for t in output_list[:8])
-        return self._collective(group.handle, "all_to_all", ("all_to_all", None, None, input_list[0].dtype, None),
+        return self._collective(group.handle, "all_to_all", CallKey("all_to_all", None, None, input_list[0].dtype, None),
                                 (output_list, input_list), sum(_nbytes(t) for t in input_list), async_op,
                                 _k_all_to_all, detail=detail, check=_check_all_to_all)
 
@@ -680,7 +594,7 @@ class SimBackend(Backend):
                           input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
         detail = f"in_splits={list(input_split_sizes)} out_splits={list(output_split_sizes)} rows={tuple(input.shape[1:])}"
         return self._collective(group.handle, "all_to_all_single",
-                                ("all_to_all_single", None, None, input.dtype, tuple(input.shape[1:])),
+                                CallKey("all_to_all_single", None, None, input.dtype, tuple(input.shape[1:])),
                                 (output, input, list(output_split_sizes), list(input_split_sizes)), _nbytes(input),
                                 async_op, _k_all_to_all_single, detail=detail, check=_check_all_to_all_single)
 
@@ -693,13 +607,13 @@ class SimBackend(Backend):
         except BaseException:
             _done_with(rs)
             raise
-        g: _Group = group.handle
+        g: SimGroup = group.handle
         dst = g.ranks[peer]
         run = rs.run
         if run.p2p == "eager":  # buffered (MPI bsend-like): the message is copied now and the send is complete
             with torch.no_grad():
                 tensor = tensor.detach().clone()
-        rec = _P2P("send", rs, rs.rank, dst, g, tag, tensor, site, async_op)
+        rec = P2PRecord("send", rs, rs.rank, dst, g, tag, tensor, site, async_op)
         if run.p2p == "eager":
             rec.vend = rec.vstart + run.cost.cost("send", _nbytes(tensor), 2)
             rec.done = True
@@ -726,9 +640,9 @@ class SimBackend(Backend):
         except BaseException:
             _done_with(rs)
             raise
-        g: _Group = group.handle
+        g: SimGroup = group.handle
         src = None if peer is None else g.ranks[peer]
-        rec = _P2P("recv", rs, src, rs.rank, g, tag, tensor, site, async_op)
+        rec = P2PRecord("recv", rs, src, rs.rank, g, tag, tensor, site, async_op)
         run = rs.run
         with run.sched.lock:
             q = run.sends.get(rs.rank)
@@ -747,7 +661,7 @@ class SimBackend(Backend):
             return work  # type: ignore[return-value]
         return rec.source  # type: ignore[return-value]
 
-    def _p2p_finish(self, rec: _P2P, async_op: bool) -> Any:
+    def _p2p_finish(self, rec: P2PRecord, async_op: bool) -> Any:
         work = _P2PWork(rec)
         if async_op:
             rec.rs.unflushed.append(work)
@@ -756,7 +670,7 @@ class SimBackend(Backend):
         work.wait()
         return None
 
-    def _match(self, s: _P2P, r: _P2P) -> None:
+    def _match(self, s: P2PRecord, r: P2PRecord) -> None:
         """Complete a send/recv pair (caller holds the scheduler lock)."""
         run = self._rs.run
         st, rt = s.tensor, r.tensor

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .sched import BLOCKED, DONE
+from .state import P2PRecord, Slot
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .world import _Run
+    from .state import Run
 
 __all__ = ["mismatch_message", "describe_world", "fmt_ranks"]
 
@@ -76,12 +77,10 @@ def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], r
     return "\n".join(lines)
 
 
-def describe_wait(run: "_Run", rs: Any) -> str:
+def describe_wait(run: "Run", rs: Any) -> str:
     """What ``rs`` waits for, without the leading "rank r"."""
-    from .backend import _P2P, _Slot
-
     w = rs.waiting
-    if isinstance(w, _Slot):
+    if isinstance(w, Slot):
         arrived = [c.rs.rank for c in w.calls if c is not None]
         missing = sorted(set(w.group.ranks) - set(arrived))
         mine = w.calls[w.group.index[rs.rank]]
@@ -89,7 +88,7 @@ def describe_wait(run: "_Run", rs: Any) -> str:
         how = " (in wait() of an async op)" if mine is not None and mine.async_op else ""
         return (f"in {w.name} #{w.seq} on group {group_label(w.group)} at {site}{how} "
                 f"(arrived: {fmt_ranks(arrived)}; missing: {fmt_ranks(missing)})")
-    if isinstance(w, _P2P):
+    if isinstance(w, P2PRecord):
         tail = f"tag {w.tag}, group {fmt_ranks(w.group.ranks)}, at {w.site}"
         if w.kind == "send":
             return f"in send to rank {w.dst} ({tail}): no matching recv was posted"
@@ -114,14 +113,12 @@ def _where(rs: Any, depth: int = 3) -> str:
     return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
 
 
-def describe_world(run: "_Run", headline: str, timeout: bool = False) -> str:
+def describe_world(run: "Run", headline: str, timeout: bool = False) -> str:
     """One line per distinct situation: who waits where, who returned, who is still running.
 
     With ``timeout=True`` a rank that is running (not waiting in any operation) is shown with where it is
     computing, since a stuck computation, not a collective-order bug, is what a timeout usually means.
     """
-    from .backend import _P2P, _Slot
-
     groups: dict[str, list[int]] = {}
     order: list[str] = []
     recv_waiters: list[int] = []
@@ -130,7 +127,7 @@ def describe_world(run: "_Run", headline: str, timeout: bool = False) -> str:
     for rs in run.ranks:
         if rs.state == BLOCKED:
             text = "waits " + describe_wait(run, rs)
-            if isinstance(rs.waiting, _P2P) and rs.waiting.kind == "recv":
+            if isinstance(rs.waiting, P2PRecord) and rs.waiting.kind == "recv":
                 recv_waiters.append(rs.rank)
         elif rs.state == DONE:
             text = "has returned" if rs.exc is None else f"has failed ({type(rs.exc).__name__})"
@@ -163,7 +160,7 @@ def describe_world(run: "_Run", headline: str, timeout: bool = False) -> str:
             verb = text.replace("waits ", "wait ", 1).replace("has ", "have ", 1).replace("is running", "are running", 1).replace("is ready", "are ready", 1)
             lines.append(f"  ranks {_and(ranks)} {verb}")
     send_waiters = [rs.rank for rs in run.ranks
-                    if rs.state == BLOCKED and isinstance(rs.waiting, _P2P) and rs.waiting.kind == "send"]
+                    if rs.state == BLOCKED and isinstance(rs.waiting, P2PRecord) and rs.waiting.kind == "send"]
     if send_waiters:
         hints.append(f"rank{'s' if len(send_waiters) > 1 else ''} {_and(send_waiters)} wait{'' if len(send_waiters) > 1 else 's'} "
                      f"in a blocking send until the receiver posts its recv (p2p='rendezvous'): gloo and NCCL do "
@@ -178,7 +175,7 @@ def describe_world(run: "_Run", headline: str, timeout: bool = False) -> str:
     seen: set[int] = set()
     for rs in run.ranks:
         w = rs.waiting if rs.state == BLOCKED else None
-        if not isinstance(w, _Slot) or id(w) in seen:
+        if not isinstance(w, Slot) or id(w) in seen:
             continue
         seen.add(id(w))
         bw = next((c.backward for c in w.calls if c is not None and c.backward), None)

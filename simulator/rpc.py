@@ -54,7 +54,7 @@ from .errors import RankFailedError, SimError
 from .sched import DONE, FREE
 from .threads import start_actor
 from .trace import Event
-from .world import current_rank_state
+from .state import current_rank_state
 from torch import nn
 
 from tensorplay.distributed import _state

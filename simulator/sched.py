@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .world import RankState, _Run
+    from .state import RankState, Run
 
 __all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
 
@@ -181,7 +181,7 @@ class _NoLock:
 
 
 class _SchedulerBase:
-    def __init__(self, run: "_Run") -> None:
+    def __init__(self, run: "Run") -> None:
         self.run = run
 
     def _wake_joiners(self, rs: "RankState") -> None:
@@ -232,7 +232,7 @@ class CoopScheduler(_SchedulerBase):
 
     lock = _NoLock()
 
-    def __init__(self, run: "_Run", seed: int, swap_rng: bool = True) -> None:
+    def __init__(self, run: "Run", seed: int, swap_rng: bool = True) -> None:
         super().__init__(run)
         self.rng = random.Random(seed)
         self.runnable: list["RankState"] = []
@@ -481,7 +481,7 @@ class CoopScheduler(_SchedulerBase):
 class ThreadScheduler(_SchedulerBase):
     """Ranks run freely; shared state is guarded by one lock; blocked ranks sleep on their own lock."""
 
-    def __init__(self, run: "_Run") -> None:
+    def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self.lock = threading.Lock()
         self.blocked = 0

@@ -40,7 +40,7 @@ from tensorplay.distributed import _state
 
 from . import _environ
 from .sched import DONE, FREE, RUNNABLE, CoopScheduler
-from .world import RankState, _local, current_rank_state
+from .state import RankState, _local, current_rank_state
 
 __all__ = ["enabled", "start_actor"]
 

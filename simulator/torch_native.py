@@ -244,7 +244,7 @@ class _SimBackendView:
 
 def _device_types_for(named: str) -> list[torch.device]:
     """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
-    from .world import rank_device
+    from .state import rank_device
 
     types: list[str] = []
     try:

@@ -38,13 +38,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tensorplay.distributed import _state
-from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from . import _environ
-from .errors import DeadlockError, RankExitError, RankFailedError, SimError, SimTimeoutError
+from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
-from .sched import BLOCKED, DONE, FREE, CoopScheduler, ThreadScheduler
-from .trace import DEFAULT_TRACE_LIMIT, CostModel, Event, EventLog, Trace
+from .sched import DONE
+from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
+from .trace import DEFAULT_TRACE_LIMIT, CostModel, EventLog, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
@@ -53,7 +54,6 @@ _ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc")
 #: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
 _BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None
-_local = threading.local()
 
 
 def _program_seeded() -> bool:
@@ -90,254 +90,6 @@ def _initial_rng_states(run_seed: int, n: int) -> tuple[list[torch.Tensor], list
 def last_trace() -> Trace | None:
     """The trace of the most recent :func:`run` in this process (``None`` before the first)."""
     return _last_trace
-
-
-def current_rank_state() -> "RankState | None":
-    """The calling rank thread's state, or ``None`` outside a simulated world."""
-    return getattr(_local, "rs", None)
-
-
-def rank_device() -> torch.device:
-    """The device of the calling rank (``cuda:<rank % device_count>`` under ``device="cuda"``, else cpu)."""
-    rs = current_rank_state()
-    return torch.device("cpu") if rs is None else rs.device
-
-
-class Incident:
-    """One event several ranks learn about; :meth:`make` builds each rank's own exception object."""
-
-    __slots__ = ("cls", "message", "cause", "failed_rank")
-
-    def __init__(self, cls: type, message: str, cause: BaseException | None = None,
-                 failed_rank: int | None = None) -> None:
-        self.cls = cls
-        self.message = message
-        self.cause = cause
-        self.failed_rank = failed_rank
-
-    def make(self, rank: int) -> BaseException:
-        exc = self.cls(self.message)
-        exc.incident = self
-        exc.rank = rank
-        if self.failed_rank is not None:
-            exc.failed_rank = self.failed_rank
-        if self.cause is not None:
-            exc.__cause__ = self.cause
-        return exc
-
-
-class RankState:
-    """Everything the simulator keeps per rank (one per rank thread)."""
-
-    __slots__ = (
-        "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
-        "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
-        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered", "parent", "waits_exit",
-    )
-
-    def __init__(self, rank: int, run: "_Run") -> None:
-        self.rank = rank
-        self.run = run
-        self.backend: Any = None
-        self.wake = threading.Lock()
-        self.wake.acquire()
-        self.state = 0
-        self.sleeping = False
-        self.waiting: Any = None
-        self.pending: Incident | None = None
-        self.pos = -1
-        self.vt = 0.0
-        self.cpu_mark = 0.0
-        self.ops = 0
-        self.faults: list[Fault] | None = None
-        self.torch_rng: torch.Tensor | None = None
-        self.py_rng: Any = None
-        self.result: Any = None
-        self.exc: BaseException | None = None
-        self.env: dict[str, str] | None = None
-        self.device = torch.device("cpu")
-        self.unflushed: list[Any] = []
-        self.p2p_seq = 0
-        self.last_site = "?"
-        self.thread: threading.Thread | None = None
-        self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
-        self.steered = False
-        #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)
-        self.parent: RankState | None = None
-        #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
-        self.waits_exit = True
-
-    @property
-    def label(self) -> str:
-        """``rank 2``, or ``rank 2 (thread 'comm')`` for a thread the rank started."""
-        if self.parent is None:
-            return f"rank {self.rank}"
-        name = self.thread.name if self.thread is not None else "?"
-        return f"rank {self.rank} (thread {name!r})"
-
-    def child(self, thread: threading.Thread) -> "RankState":
-        """A new actor of this rank for ``thread``, which the rank starts: same identity, own waits and clock."""
-        root = self.parent or self
-        c = RankState(self.rank, self.run)
-        c.parent = root
-        c.backend = root.backend
-        c.env = root.env
-        c.device = root.device
-        c.vt = self.vt
-        c.last_site = self.last_site
-        c.thread = thread
-        c.waits_exit = not thread.daemon
-        return c
-
-class _Run:
-    """The shared state of one execution of a world."""
-
-    def __init__(self, world: "World") -> None:
-        self.world = world
-        self.n = world.world_size
-        self.seed = world.seed
-        self.mode = world.mode
-        self.cost = world.cost
-        self.p2p = world.p2p
-        self.deadline = time.monotonic() + world.timeout
-        self.aborted = False
-        self.fatal: Incident | None = None
-        self.live = self.n  # actors not yet ended (ranks and the threads they started)
-        self.to_exit = self.n  # actors the run waits for (ranks and their non-daemon threads)
-        self.over = False  # every rank and non-daemon thread ended; a daemon thread's later call fails
-        self.children: list[RankState] = []  # threads the ranks started, in start order
-        self.all_done = threading.Event()
-        self.events = EventLog(self.n, world.trace_limit)
-        self.wall_origin = time.perf_counter()
-        self.ranks = [RankState(r, self) for r in range(self.n)]
-        if world.mode == "coop":
-            self.sched: Any = CoopScheduler(self, world.seed, swap_rng=world.per_rank_rng)
-        else:
-            self.sched = ThreadScheduler(self)
-        # p2p mailboxes, keyed by destination global rank (lists created on first use)
-        self.sends: dict[int, list] = {}
-        self.recvs: dict[int, list] = {}
-        self.next_gid = 1
-        # large kernels run on the thread that called run() (see execute())
-        self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-
-    # -- big kernels on one thread -------------------------------------------
-    def execute(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the thread that called :meth:`World.run` and return its result.
-
-        torch's intra-op thread pool is per calling OS thread: big kernels
-        issued from many rank threads each spin up their own pool and fight
-        over the cores (measured 2-3x slower), so heavy work is funnelled to
-        one thread, which is idle anyway while the world runs.
-        """
-        box: list[Any] = [None, None]
-        # a plain lock, not an Event: a rank's Condition waits may step out of the schedule (simulator/threads.py),
-        # and this wait happens inside a collective, with the schedule's state half-updated
-        done = threading.Lock()
-        done.acquire()
-
-        def job() -> None:
-            try:
-                box[0] = fn()
-            except BaseException as e:  # noqa: BLE001  (re-raised on the rank)
-                box[1] = e
-            finally:
-                done.release()
-
-        self.jobs.put(job)
-        while not done.acquire(timeout=0.25):
-            if self.aborted or time.monotonic() > self.deadline + 5.0:
-                raise self.make_error(self.fatal, self.ranks[0]) if self.fatal else RuntimeError("run aborted")
-        if box[1] is not None:
-            raise box[1]
-        return box[0]
-
-    def finished(self) -> None:
-        """The last rank (or non-daemon thread) has exited (called under the scheduler lock)."""
-        self.over = True
-        self.all_done.set()
-        self.jobs.put(None)
-        # daemon threads still waiting in an operation are abandoned, as at a process's exit: release them
-        for c in self.children:
-            if c.state == BLOCKED:
-                c.pending = Incident(DistRuntimeError, _OVER_TEXT)
-                self.sched.wake(c)
-                if self.mode == "coop":  # coop's wake only marks it runnable; nobody will hand it the baton
-                    c.wake.release()
-
-    def over_error(self, rs: RankState) -> BaseException:
-        return Incident(DistRuntimeError, _OVER_TEXT).make(rs.rank)
-
-    @property
-    def actors(self) -> list[RankState]:
-        """Every rank, then every thread the ranks started."""
-        return self.ranks + self.children if self.children else self.ranks
-
-    # -- incidents ----------------------------------------------------------
-    def make_error(self, inc: Incident, rs: RankState) -> BaseException:
-        return inc.make(rs.rank)
-
-    def _blocked(self) -> list[RankState]:
-        return [rs for rs in self.actors if rs.state == BLOCKED]
-
-    def deadlock(self) -> None:
-        """Every live rank is blocked: give each a DeadlockError and wake it (called under the lock)."""
-        from .report import describe_world
-
-        blocked = self._blocked()
-        text = describe_world(self, headline="deadlock: every live rank is blocked and none can make progress")
-        inc = Incident(DeadlockError, text)
-        if self.fatal is None:
-            self.fatal = inc
-        for rs in blocked:
-            rs.pending = inc
-        self.sched.wake_all_blocked(blocked)
-
-    def rank_failed(self, rs: RankState, exc: BaseException) -> None:
-        """``rs``'s function raised: release every other rank with RankFailedError."""
-        with self.sched.lock:
-            if isinstance(exc, RankFailedError) or self.fatal is not None:
-                return
-            msg = (f"rank {rs.rank} failed with {type(exc).__name__}: {exc}; this rank was released "
-                   f"from its current wait. The original error and traceback are on rank {rs.rank} "
-                   f"(simulator.run re-raises it)")
-            inc = Incident(RankFailedError, msg, cause=exc, failed_rank=rs.rank)
-            self.fatal = inc
-            blocked = self._blocked()
-            for b in blocked:
-                b.pending = inc
-            self.sched.wake_all_blocked(blocked)
-
-    def local_timeout(self, rs: RankState) -> None:
-        """A rank's own bound ran out (the main thread normally aborts first)."""
-        raise SimTimeoutError(format_message(
-            "simulator.run", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
-            fix="raise timeout= or look for a rank stuck in a long computation"))
-
-    def abort_timeout(self) -> SimTimeoutError:
-        """Main thread: the global timeout ran out; fail every rank that is still waiting."""
-        from .report import describe_world
-
-        with self.sched.lock:
-            text = describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s",
-                                  timeout=True)
-            inc = Incident(SimTimeoutError, text)
-            self.fatal = inc
-            self.aborted = True
-            for rs in self.actors:
-                if rs.state != DONE:
-                    rs.pending = inc
-                    rs.sleeping = False
-                    try:
-                        rs.wake.release()
-                    except RuntimeError:
-                        pass  # already released
-        return inc.make(-1)  # type: ignore[return-value]
-
-
-_OVER_TEXT = format_message(
-    "simulator.run", "the simulated world has ended (every rank returned): a daemon thread a rank started made "
-    "a distributed call afterwards", fix="join the thread before the rank returns, or stop it from communicating")
 
 
 class World:
@@ -434,11 +186,13 @@ class World:
         if current_rank_state() is not None:
             raise DistValueError(format_message("simulator.run", "cannot start a simulated world inside a rank",
                                                 fix="call simulator.run from the main program, not from a rank"))
-        from .backend import SimBackend, _Group
+        from .backend import SimBackend, SimGroup
 
         kwargs = dict(kwargs or {})
-        run = _Run(self)
-        world_group = _Group(0, tuple(range(self.world_size)))
+        from .report import describe_world
+
+        run = Run(self, describe_world)
+        world_group = SimGroup(0, tuple(range(self.world_size)))
         ndev = torch.cuda.device_count() if self.device.type == "cuda" else 0
         rng_states, self.rank_seeds = _initial_rng_states(self.seed, self.world_size)
         for rs in run.ranks:
@@ -518,7 +272,7 @@ class World:
         return env
 
 
-def _warn_still_running(run: _Run) -> None:
+def _warn_still_running(run: Run) -> None:
     """After a timeout: name the rank threads that are still executing (a computation that does not end)."""
     from .report import _where
 
@@ -534,7 +288,7 @@ def _warn_still_running(run: _Run) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def _serve(run: _Run) -> bool:
+def _serve(run: Run) -> bool:
     """Main thread: run offloaded kernels until every rank exited (True) or the deadline passed (False)."""
     while True:
         remaining = run.deadline - time.monotonic()

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -65,6 +65,7 @@ __all__ = [
     "Collectives",
     "exclusive_product",
     "tie_mask",
+    "CallKey",
 ]
 
 #: reduce ops with a defined gradient (bitwise ops have none)
@@ -91,6 +92,20 @@ def reduce_reference(op: ReduceOp, xs: Sequence[torch.Tensor]) -> torch.Tensor:
     if op is ReduceOp.MAX:
         return stacked.amax(0)
     return functools.reduce(_BITWISE[op], list(xs))
+
+
+class CallKey(NamedTuple):
+    """What every member of a group must agree on for one collective call (``None``: not compared).
+
+    ``shape`` is the shape the members must share: the tensor's for most collectives, the trailing dims
+    for ``all_to_all_single`` (rows may differ), none for ``all_to_all`` (blocks are checked pairwise).
+    """
+
+    collective: str
+    op: ReduceOp | None
+    root: int | None
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,370 @@
+"""The simulator's state: one module that the scheduler, the backend, the reports and the adapters import.
+
+* :class:`Run` - one execution of a world: its ranks, scheduler, clocks, p2p mailboxes, trace and fatal incident;
+* :class:`RankState` - everything kept per rank (and per thread a rank starts: an extra *actor* of that rank);
+* :class:`Incident` - one event several ranks learn about (each gets its own exception object);
+* :class:`SimGroup`, :class:`Slot`, :class:`RankCall`, :class:`P2PRecord` - the matching state: a group's open
+  collective slots, one rank's part in a collective, one posted send or receive.
+
+Nothing here imports the backend or the reports at module level (the reports import this module), so the
+simulator's modules form no import cycle: state <- sched, report <- backend, world <- adapters.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistRuntimeError, format_message
+from tensorplay.distributed.spec import CallKey
+
+from .errors import DeadlockError, RankFailedError, SimTimeoutError
+from .faults import Fault
+from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
+from .trace import EventLog
+
+__all__ = ["Run", "RankState", "Incident", "SimGroup", "Slot", "RankCall", "P2PRecord", "CallKey",
+           "current_rank_state", "rank_device", "OVER_TEXT"]
+
+_perf = time.perf_counter
+#: per OS thread: ``rs`` (the actor running on it) and, for the torch adapter, ``world``
+_local = threading.local()
+
+def current_rank_state() -> "RankState | None":
+    """The calling rank thread's state, or ``None`` outside a simulated world."""
+    return getattr(_local, "rs", None)
+
+
+def rank_device() -> torch.device:
+    """The device of the calling rank (``cuda:<rank % device_count>`` under ``device="cuda"``, else cpu)."""
+    rs = current_rank_state()
+    return torch.device("cpu") if rs is None else rs.device
+
+
+
+class Incident:
+    """One event several ranks learn about; :meth:`make` builds each rank's own exception object."""
+
+    __slots__ = ("cls", "message", "cause", "failed_rank")
+
+    def __init__(self, cls: type, message: str, cause: BaseException | None = None,
+                 failed_rank: int | None = None) -> None:
+        self.cls = cls
+        self.message = message
+        self.cause = cause
+        self.failed_rank = failed_rank
+
+    def make(self, rank: int) -> BaseException:
+        exc = self.cls(self.message)
+        exc.incident = self
+        exc.rank = rank
+        if self.failed_rank is not None:
+            exc.failed_rank = self.failed_rank
+        if self.cause is not None:
+            exc.__cause__ = self.cause
+        return exc
+
+
+class RankState:
+    """Everything the simulator keeps per rank (one per rank thread)."""
+
+    __slots__ = (
+        "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
+        "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
+        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered", "parent", "waits_exit",
+    )
+
+    def __init__(self, rank: int, run: "Run") -> None:
+        self.rank = rank
+        self.run = run
+        self.backend: Any = None
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.state = 0
+        self.sleeping = False
+        self.waiting: Any = None
+        self.pending: Incident | None = None
+        self.pos = -1
+        self.vt = 0.0
+        self.cpu_mark = 0.0
+        self.ops = 0
+        self.faults: list[Fault] | None = None
+        self.torch_rng: torch.Tensor | None = None
+        self.py_rng: Any = None
+        self.result: Any = None
+        self.exc: BaseException | None = None
+        self.env: dict[str, str] | None = None
+        self.device = torch.device("cpu")
+        self.unflushed: list[Any] = []
+        self.p2p_seq = 0
+        self.last_site = "?"
+        self.thread: threading.Thread | None = None
+        self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
+        self.steered = False
+        #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)
+        self.parent: RankState | None = None
+        #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
+        self.waits_exit = True
+
+    @property
+    def label(self) -> str:
+        """``rank 2``, or ``rank 2 (thread 'comm')`` for a thread the rank started."""
+        if self.parent is None:
+            return f"rank {self.rank}"
+        name = self.thread.name if self.thread is not None else "?"
+        return f"rank {self.rank} (thread {name!r})"
+
+    def child(self, thread: threading.Thread) -> "RankState":
+        """A new actor of this rank for ``thread``, which the rank starts: same identity, own waits and clock."""
+        root = self.parent or self
+        c = RankState(self.rank, self.run)
+        c.parent = root
+        c.backend = root.backend
+        c.env = root.env
+        c.device = root.device
+        c.vt = self.vt
+        c.last_site = self.last_site
+        c.thread = thread
+        c.waits_exit = not thread.daemon
+        return c
+
+class Run:
+    """The shared state of one execution of a world."""
+
+    def __init__(self, world: Any, describe_world: Callable[..., str]) -> None:
+        #: the report's text of the world's situation (passed in: the reports import this module, not vice versa)
+        self.describe_world = describe_world
+        self.world = world
+        self.n = world.world_size
+        self.seed = world.seed
+        self.mode = world.mode
+        self.cost = world.cost
+        self.p2p = world.p2p
+        self.deadline = time.monotonic() + world.timeout
+        self.aborted = False
+        self.fatal: Incident | None = None
+        self.live = self.n  # actors not yet ended (ranks and the threads they started)
+        self.to_exit = self.n  # actors the run waits for (ranks and their non-daemon threads)
+        self.over = False  # every rank and non-daemon thread ended; a daemon thread's later call fails
+        self.children: list[RankState] = []  # threads the ranks started, in start order
+        self.all_done = threading.Event()
+        self.events = EventLog(self.n, world.trace_limit)
+        self.wall_origin = time.perf_counter()
+        self.ranks = [RankState(r, self) for r in range(self.n)]
+        if world.mode == "coop":
+            self.sched: Any = CoopScheduler(self, world.seed, swap_rng=world.per_rank_rng)
+        else:
+            self.sched = ThreadScheduler(self)
+        # p2p mailboxes, keyed by destination global rank (lists created on first use)
+        self.sends: dict[int, list] = {}
+        self.recvs: dict[int, list] = {}
+        self.next_gid = 1
+        # large kernels run on the thread that called run() (see execute())
+        self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+
+    # -- big kernels on one thread -------------------------------------------
+    def execute(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the thread that called :meth:`World.run` and return its result.
+
+        torch's intra-op thread pool is per calling OS thread: big kernels
+        issued from many rank threads each spin up their own pool and fight
+        over the cores (measured 2-3x slower), so heavy work is funnelled to
+        one thread, which is idle anyway while the world runs.
+        """
+        box: list[Any] = [None, None]
+        # a plain lock, not an Event: a rank's Condition waits may step out of the schedule (simulator/threads.py),
+        # and this wait happens inside a collective, with the schedule's state half-updated
+        done = threading.Lock()
+        done.acquire()
+
+        def job() -> None:
+            try:
+                box[0] = fn()
+            except BaseException as e:  # noqa: BLE001  (re-raised on the rank)
+                box[1] = e
+            finally:
+                done.release()
+
+        self.jobs.put(job)
+        while not done.acquire(timeout=0.25):
+            if self.aborted or time.monotonic() > self.deadline + 5.0:
+                raise self.make_error(self.fatal, self.ranks[0]) if self.fatal else RuntimeError("run aborted")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def finished(self) -> None:
+        """The last rank (or non-daemon thread) has exited (called under the scheduler lock)."""
+        self.over = True
+        self.all_done.set()
+        self.jobs.put(None)
+        # daemon threads still waiting in an operation are abandoned, as at a process's exit: release them
+        for c in self.children:
+            if c.state == BLOCKED:
+                c.pending = Incident(DistRuntimeError, OVER_TEXT)
+                self.sched.wake(c)
+                if self.mode == "coop":  # coop's wake only marks it runnable; nobody will hand it the baton
+                    c.wake.release()
+
+    def over_error(self, rs: RankState) -> BaseException:
+        return Incident(DistRuntimeError, OVER_TEXT).make(rs.rank)
+
+    @property
+    def actors(self) -> list[RankState]:
+        """Every rank, then every thread the ranks started."""
+        return self.ranks + self.children if self.children else self.ranks
+
+    # -- incidents ----------------------------------------------------------
+    def make_error(self, inc: Incident, rs: RankState) -> BaseException:
+        return inc.make(rs.rank)
+
+    def _blocked(self) -> list[RankState]:
+        return [rs for rs in self.actors if rs.state == BLOCKED]
+
+    def deadlock(self) -> None:
+        """Every live rank is blocked: give each a DeadlockError and wake it (called under the lock)."""
+        blocked = self._blocked()
+        text = self.describe_world(self, headline="deadlock: every live rank is blocked and none can make progress")
+        inc = Incident(DeadlockError, text)
+        if self.fatal is None:
+            self.fatal = inc
+        for rs in blocked:
+            rs.pending = inc
+        self.sched.wake_all_blocked(blocked)
+
+    def rank_failed(self, rs: RankState, exc: BaseException) -> None:
+        """``rs``'s function raised: release every other rank with RankFailedError."""
+        with self.sched.lock:
+            if isinstance(exc, RankFailedError) or self.fatal is not None:
+                return
+            msg = (f"rank {rs.rank} failed with {type(exc).__name__}: {exc}; this rank was released "
+                   f"from its current wait. The original error and traceback are on rank {rs.rank} "
+                   f"(simulator.run re-raises it)")
+            inc = Incident(RankFailedError, msg, cause=exc, failed_rank=rs.rank)
+            self.fatal = inc
+            blocked = self._blocked()
+            for b in blocked:
+                b.pending = inc
+            self.sched.wake_all_blocked(blocked)
+
+    def local_timeout(self, rs: RankState) -> None:
+        """A rank's own bound ran out (the main thread normally aborts first)."""
+        raise SimTimeoutError(format_message(
+            "simulator.run", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
+            fix="raise timeout= or look for a rank stuck in a long computation"))
+
+    def abort_timeout(self) -> SimTimeoutError:
+        """Main thread: the global timeout ran out; fail every rank that is still waiting."""
+        with self.sched.lock:
+            text = self.describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s",
+                                  timeout=True)
+            inc = Incident(SimTimeoutError, text)
+            self.fatal = inc
+            self.aborted = True
+            for rs in self.actors:
+                if rs.state != DONE:
+                    rs.pending = inc
+                    rs.sleeping = False
+                    try:
+                        rs.wake.release()
+                    except RuntimeError:
+                        pass  # already released
+        return inc.make(-1)  # type: ignore[return-value]
+
+
+OVER_TEXT = format_message(
+    "simulator.run", "the simulated world has ended (every rank returned): a daemon thread a rank started made "
+    "a distributed call afterwards", fix="join the thread before the rank returns, or stop it from communicating")
+
+
+
+class SimGroup:
+    """The world-wide identity of a group: its ranks and its open slots."""
+
+    __slots__ = ("gid", "ranks", "size", "index", "slots")
+
+    def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
+        self.gid = gid
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.index = {g: i for i, g in enumerate(ranks)}
+        self.slots: dict[int, Slot] = {}
+
+    def __repr__(self) -> str:
+        return f"<sim group {self.gid} ranks={list(self.ranks)}>"
+
+
+class RankCall:
+    """One rank's part in a collective."""
+
+    __slots__ = ("rs", "key", "data", "site", "vstart", "wall_start", "backward", "nbytes", "detail", "async_op",
+                 "observed")
+
+    def __init__(self, rs: RankState, key: CallKey, data: Any, site: str, nbytes: int, async_op: bool,
+                 detail: str | None = None) -> None:
+        self.rs = rs
+        self.key = key
+        self.data = data
+        self.site = site
+        self.vstart = rs.vt
+        self.wall_start = _perf()
+        self.backward = _state.current_backward()
+        self.nbytes = nbytes
+        self.detail = detail
+        self.async_op = async_op
+        self.observed = False
+
+
+class Slot:
+    """Collective number ``seq`` of a group: filled by the members' calls, completed by the last one."""
+
+    __slots__ = ("group", "seq", "name", "calls", "arrived", "waiters", "done", "error", "vend", "result")
+
+    def __init__(self, group: SimGroup, seq: int, name: str) -> None:
+        self.group = group
+        self.seq = seq
+        self.name = name
+        self.calls: list[RankCall | None] = [None] * group.size
+        self.arrived = 0
+        self.waiters: list[RankState] = []
+        self.done = False
+        self.error: Incident | None = None
+        self.vend = 0.0
+        self.result: Any = None
+
+
+class P2PRecord:
+    """One posted send or receive."""
+
+    __slots__ = ("kind", "rs", "src", "dst", "group", "tag", "tensor", "site", "vstart", "wall_start", "done",
+                 "error", "source", "vend", "backward", "seq", "observed", "key", "detail", "async_op")
+
+    def __init__(self, kind: str, rs: RankState, src: int | None, dst: int, group: SimGroup, tag: int,
+                 tensor: torch.Tensor, site: str, async_op: bool) -> None:
+        self.kind = kind
+        self.rs = rs
+        self.src = src
+        self.dst = dst
+        self.group = group
+        self.tag = tag
+        self.tensor = tensor
+        self.site = site
+        self.vstart = rs.vt
+        self.wall_start = _perf()
+        self.done = False
+        self.error: Incident | None = None
+        self.source: int | None = None  # sender's group rank, for receives
+        self.vend = 0.0
+        self.backward = _state.current_backward()
+        rs.p2p_seq += 1
+        self.seq = rs.p2p_seq
+        self.observed = False
+        self.key = CallKey(kind, None, None, tensor.dtype, tuple(tensor.shape))
+        self.detail = None
+        self.async_op = async_op
+
+
