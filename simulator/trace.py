@@ -1,8 +1,8 @@
 """The event trace of a simulated run, virtual time, and Chrome-trace export.
 
 Every operation a rank issues becomes one :class:`Event`.  Besides wall-clock
-times, each event carries *virtual* times from an alpha-beta network model
-(:class:`CostModel`): a rank's virtual clock advances by the CPU time it spends
+times, each event carries *virtual* times from the run's cost model
+(:class:`CostModel`, in :mod:`simulator.cost`, calibrated or not): a rank's virtual clock advances by the CPU time it spends
 between operations (measured with ``time.thread_time``) and by the modelled
 cost of each operation, which ends at the last member's arrival plus its cost.
 
@@ -17,15 +17,16 @@ Example::
     simulator.run(step, 4, cost=simulator.CostModel(latency_s=5e-6, bandwidth_Bps=25e9))
     tr = simulator.last_trace()
     tr.to_chrome("run.json")          # open in https://ui.perfetto.dev or chrome://tracing
-    print(tr.format_summary())        # predicted communication time per rank
+    print(tr.format_summary())        # per rank: communication, exposed communication, compute, step time
 """
 from __future__ import annotations
 
 import json
-import math
+import statistics
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
+
+from .cost import CostModel  # re-exported: it lived here before simulator/cost.py
 
 __all__ = ["CostModel", "Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
 
@@ -33,44 +34,17 @@ __all__ = ["CostModel", "Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
 DEFAULT_TRACE_LIMIT = 100_000
 
 _RPC_OPS = frozenset({"rpc_sync", "rpc_async", "remote"})  # recorded by tensorplay.distributed.rpc on sim
+_ASYNC_TID = 100_000  # Chrome-trace thread of rank r's async operations: _ASYNC_TID + r
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Alpha-beta cost of each operation (the formulas nccl-tests uses).
-
-    ``n`` is the group size, ``S`` the bytes of one rank's buffer, ``a`` the
-    latency and ``B`` the bandwidth:
-
-    * all_reduce (ring): ``2(n-1)a + 2(n-1)/n * S/B``
-    * reduce_scatter, all_gather, all_to_all: ``(n-1)a + (n-1)/n * S/B``
-      (``S`` = the full, gathered size)
-    * broadcast, reduce, gather, scatter: ``ceil(log2 n)a + S/B``
-    * send/recv: ``a + S/B``; barrier: ``ceil(log2 n)a``.
-
-    ``compute_scale`` multiplies the measured CPU time between operations
-    (0 makes virtual time a pure function of the schedule, hence reproducible).
-    """
-
-    latency_s: float = 5e-6
-    bandwidth_Bps: float = 12.5e9
-    compute_scale: float = 1.0
-
-    def cost(self, op: str, nbytes: int, n: int) -> float:
-        a, b = self.latency_s, self.bandwidth_Bps
-        if n <= 1 and op not in ("send", "recv"):
-            return 0.0
-        if op == "all_reduce":
-            return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
-        if op in ("reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-                  "all_to_all", "all_to_all_single"):
-            return (n - 1) * a + (n - 1) / n * nbytes / b
-        if op in ("broadcast", "reduce", "gather", "scatter"):
-            return math.ceil(math.log2(n)) * a + nbytes / b
-        if op in ("send", "recv"):
-            return a + nbytes / b
-        # barrier, new_group: a tree of empty messages
-        return math.ceil(math.log2(n)) * a
+def _step_time(ends: list[float]) -> float | None:
+    """Median time between consecutive step ends (the first step, with start-up in it, left out)."""
+    if not ends:
+        return None
+    if len(ends) == 1:
+        return ends[0]
+    gaps = [b - a for a, b in zip(ends, ends[1:])]
+    return statistics.median(gaps)
 
 
 class Event(NamedTuple):
@@ -82,7 +56,8 @@ class Event(NamedTuple):
     root of rooted collectives, else ``None``.  RPCs (``rpc_sync``,
     ``rpc_async``, ``remote``) are events of the calling rank with ``group =
     (caller, callee)``, ``peer`` the callee, ``seq`` the caller's RPC counter and
-    ``nbytes`` the request plus the answer.
+    ``nbytes`` the request plus the answer.  ``async_op`` is True for an operation issued with
+    ``async_op=True``: it runs while the rank computes, until the rank waits for it.
     """
 
     rank: int
@@ -97,6 +72,7 @@ class Event(NamedTuple):
     vstart: float
     vend: float
     backward: str | None
+    async_op: bool = False
 
     def signature(self) -> tuple:
         """The schedule-determined fields (no times): equal across same-seed runs in coop mode."""
@@ -110,7 +86,7 @@ class EventLog:
     ``limit=None`` keeps every event; ``limit=0`` keeps none (the totals are still kept).
     """
 
-    __slots__ = ("kept", "limit", "dropped", "ops", "nbytes", "comm_s")
+    __slots__ = ("kept", "limit", "dropped", "ops", "nbytes", "comm_s", "exposed_s", "compute_s", "steps")
 
     def __init__(self, world_size: int, limit: int | None = DEFAULT_TRACE_LIMIT) -> None:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -122,6 +98,12 @@ class EventLog:
         self.ops = [0] * world_size
         self.nbytes = [0] * world_size
         self.comm_s = [0.0] * world_size
+        #: per rank: how far operations moved the clock (the communication the rank's compute did not hide)
+        self.exposed_s = [0.0] * world_size
+        #: per rank: the CPU time charged to the clock between operations (times compute_scale)
+        self.compute_s = [0.0] * world_size
+        #: per rank: the clock at the end of each torch.optim step (see simulator.cost.enabled)
+        self.steps: list[list[float]] = [[] for _ in range(world_size)]
 
     def append(self, e: Event) -> None:
         r = e.rank
@@ -152,6 +134,7 @@ class Trace:
         #: events recorded but no longer kept (the run's trace_limit)
         self.dropped = events.dropped if isinstance(events, EventLog) else 0
         self._totals = (events.ops, events.nbytes, events.comm_s) if isinstance(events, EventLog) else None
+        self._clock = (events.exposed_s, events.compute_s, events.steps) if isinstance(events, EventLog) else None
         self.world_size = world_size
         self.seed = seed
         self.mode = mode
@@ -176,31 +159,52 @@ class Trace:
 
     # -- summaries ------------------------------------------------------
     def summary(self) -> list[dict[str, Any]]:
-        """Per rank: operations, bytes, predicted communication time and virtual end time.
+        """Per rank: operations, bytes and the predicted times (virtual seconds).
 
-        ``comm_s`` adds up ``vend - vstart`` of the rank's operations: the time it
-        would spend waiting for the slowest member plus the modelled transfers.
+        * ``comm_s``: the sum of ``vend - vstart`` over the rank's operations: from the issue to the end, so
+          the wait for the slowest member plus the modelled transfer (async operations included in full);
+        * ``exposed_s``: how far operations moved the rank's clock: the communication its compute did not
+          hide (a synchronous operation's whole ``vend - vstart``; an async one's end past its ``wait()``);
+        * ``compute_s``: CPU time charged between operations (times ``compute_scale``; imports excluded);
+        * ``end_s``: the clock when the rank returned (the predicted run time from the world's start);
+        * ``steps`` / ``step_s``: torch.optim steps the rank took, and the median time between consecutive
+          step ends (the first step, which includes start-up, is left out when there are two or more
+          steps); ``None`` without optimizer steps.
         """
+        n = self.world_size
         if self._totals is not None:  # every event counted, kept or not
             ops, nbytes, comm = self._totals
-            return [{"rank": r, "ops": ops[r], "bytes": nbytes[r], "comm_s": comm[r], "end_s": self.end_vtime[r]}
-                    for r in range(self.world_size)]
-        rows = [
-            {"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0, "end_s": self.end_vtime[r]}
-            for r in range(self.world_size)
-        ]
-        for e in self.events:
-            row = rows[e.rank]
-            row["ops"] += 1
-            row["bytes"] += e.nbytes
-            dur = e.vend - e.vstart
-            row["comm_s"] += dur
+            rows = [{"rank": r, "ops": ops[r], "bytes": nbytes[r], "comm_s": comm[r]} for r in range(n)]
+        else:
+            rows = [{"rank": r, "ops": 0, "bytes": 0, "comm_s": 0.0} for r in range(n)]
+            for e in self.events:
+                row = rows[e.rank]
+                row["ops"] += 1
+                row["bytes"] += e.nbytes
+                row["comm_s"] += e.vend - e.vstart
+        if self._clock is not None:
+            exposed, compute, steps = self._clock
+        else:  # a bare list of events: no clock accounting, every operation counted as exposed
+            exposed = [sum(e.vend - e.vstart for e in self.events if e.rank == r) for r in range(n)]
+            compute, steps = [0.0] * n, [[] for _ in range(n)]
+        for r, row in enumerate(rows):
+            row["exposed_s"] = exposed[r]
+            row["compute_s"] = compute[r]
+            row["end_s"] = self.end_vtime[r]
+            row["steps"] = len(steps[r])
+            row["step_s"] = _step_time(steps[r])
         return rows
 
     def format_summary(self) -> str:
-        lines = [f"{'rank':>4} {'ops':>6} {'bytes':>12} {'comm (virtual s)':>17} {'end (virtual s)':>16}"]
+        """The summary as a table, with a line saying which cost model predicted it."""
+        head = (f"{'rank':>4} {'ops':>6} {'bytes':>12} {'comm (s)':>11} {'exposed (s)':>11} {'compute (s)':>11} "
+                f"{'end (s)':>10} {'steps':>5} {'step (s)':>10}")
+        lines = [f"virtual time, {self.cost.describe()}; compute_scale={self.cost.compute_scale:g}", head]
         for row in self.summary():
-            lines.append(f"{row['rank']:>4} {row['ops']:>6} {row['bytes']:>12} {row['comm_s']:>17.6g} {row['end_s']:>16.6g}")
+            step = "-" if row["step_s"] is None else f"{row['step_s']:.4g}"
+            lines.append(f"{row['rank']:>4} {row['ops']:>6} {row['bytes']:>12} {row['comm_s']:>11.4g} "
+                         f"{row['exposed_s']:>11.4g} {row['compute_s']:>11.4g} {row['end_s']:>10.4g} "
+                         f"{row['steps']:>5} {step:>10}")
         return "\n".join(lines)
 
     # -- Chrome trace / Perfetto ---------------------------------------
@@ -213,6 +217,10 @@ class Trace:
         ]
         for r in range(self.world_size):
             out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        async_ranks = sorted({e.rank for e in self.events if e.async_op})
+        for r in async_ranks:  # async operations on their own track, so their overlap with compute shows
+            out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": _ASYNC_TID + r,
+                        "args": {"name": f"rank {r} async ops"}})
         for e in self.events:
             if clock == "virtual":
                 ts, dur = e.vstart * 1e6, (e.vend - e.vstart) * 1e6
@@ -223,7 +231,8 @@ class Trace:
                 args["peer"] = e.peer
             if e.backward is not None:
                 args["backward_of"] = e.backward
-            out.append({"name": e.op, "cat": "rpc" if e.op in _RPC_OPS else "comm", "ph": "X", "pid": 0, "tid": e.rank,
+            out.append({"name": e.op, "cat": "rpc" if e.op in _RPC_OPS else "comm", "ph": "X", "pid": 0,
+                        "tid": _ASYNC_TID + e.rank if e.async_op else e.rank,
                         "ts": round(ts, 3), "dur": round(max(dur, 0.0), 3), "args": args})
         return out
 
@@ -231,7 +240,8 @@ class Trace:
         """Return the Chrome-trace JSON object, and write it to ``path`` if given."""
         doc = {"traceEvents": self.chrome_events(clock), "displayTimeUnit": "ms",
                "otherData": {"world_size": self.world_size, "seed": self.seed, "mode": self.mode,
-                             "latency_s": self.cost.latency_s, "bandwidth_Bps": self.cost.bandwidth_Bps}}
+                             "latency_s": self.cost.latency_s, "bandwidth_Bps": self.cost.bandwidth_Bps,
+                             "cost_model": self.cost.describe()}}
         if path is not None:
             with open(path, "w") as fh:
                 json.dump(doc, fh)

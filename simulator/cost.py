@@ -1,0 +1,442 @@
+"""The cost model of virtual time, its calibrated profiles, and the per-rank clock rules.
+
+A :class:`CostModel` says how long each operation takes on a network.  Out of
+the box it is an *uncalibrated* alpha-beta model (5 us latency, 12.5 GB/s,
+the formulas nccl-tests uses): good for comparing two schedules of one program,
+not for predicting seconds.  ``python -m simulator calibrate`` measures each
+collective class on real processes and writes a profile that
+:meth:`CostModel.load` reads; a calibrated model then predicts, per class,
+
+    ``t(S, n) = overhead + alpha * L(n) + beta * F(n) * S``
+
+with ``S`` the bytes of the operation (the full gathered/scattered size for
+all_gather, reduce_scatter, gather, scatter and all_to_all; one rank's buffer
+otherwise), ``n`` the group size, and ``L``/``F`` the latency-step and
+bandwidth factors of the algorithm the fit found the backend to use
+(:data:`ALGORITHMS`).  A class may have two regimes (small and large
+messages) with their own parameters, split at ``upto_bytes``.
+
+Clock rules (applied by the backend, see docs/simulator.md "Virtual time"):
+
+* a rank's clock starts at 0 when the world starts; between operations it
+  advances by the rank's own CPU time times ``compute_scale``; the CPU time a
+  rank spends importing modules is not charged (one-time start-up cost that
+  every real process pays on its own, but only one simulated rank pays here);
+* an operation starts at the latest of its members' issue times and of the
+  free times of the links it uses, and ends ``cost`` later.  Each rank has an
+  outgoing and an incoming link (full duplex): a collective occupies both on
+  every member, a send the sender's outgoing and the receiver's incoming one.
+  So concurrent operations of one rank *serialise* on its links in the order
+  they are matched (one group's collectives: issue order);
+* ``wait()`` of an ``async_op=True`` operation advances the clock to
+  ``max(now, end)``: the compute done since the issue overlaps the transfer.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+__all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
+           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled"]
+
+#: identifies the JSON written by ``python -m simulator calibrate`` (bumped on incompatible changes)
+PROFILE_FORMAT = "tensorplay-sim-cost/1"
+
+
+def _log2c(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+#: algorithm name -> (L(n): latency steps, F(n): bytes factor) for a group of n ranks
+ALGORITHMS: dict[str, tuple[Callable[[int], float], Callable[[int], float]]] = {
+    # reduce-scatter then all-gather around a ring
+    "ring_allreduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    # one pass around a ring (or the root talking to each member in turn): n-1 steps of S/n
+    "ring": (lambda n: n - 1, lambda n: (n - 1) / n),
+    # a tree whose levels pipeline the message: log2 n steps, S once
+    "tree": (lambda n: _log2c(n), lambda n: 1.0),
+    # binomial tree without pipelining: log2 n steps of the full message
+    "binomial": (lambda n: _log2c(n), lambda n: float(_log2c(n))),
+    # recursive halving then doubling (allreduce): 2 log2 n steps, 2(n-1)/n S
+    "halving_doubling": (lambda n: 2 * _log2c(n), lambda n: 2 * (n - 1) / n),
+    # one message between two ranks
+    "pair": (lambda n: 1.0, lambda n: 1.0),
+    # no payload (barrier)
+    "latency": (lambda n: _log2c(n), lambda n: 0.0),
+}
+
+#: the collective classes a profile calibrates, and the algorithms the fit may pick for each
+CLASSES: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("ring_allreduce", "halving_doubling", "binomial", "tree"),
+    "broadcast": ("tree", "binomial", "ring"),
+    "reduce": ("tree", "binomial", "ring"),
+    "all_gather": ("ring", "tree", "binomial"),
+    "reduce_scatter": ("ring", "ring_allreduce", "tree", "binomial"),
+    "all_to_all": ("ring", "tree", "binomial"),
+    "gather": ("ring", "tree", "binomial"),
+    "scatter": ("ring", "tree", "binomial"),
+    "barrier": ("latency",),
+    "p2p": ("pair",),
+}
+
+#: what the uncalibrated model uses per class (the nccl-tests formulas)
+_DEFAULT_ALGORITHM = {"all_reduce": "ring_allreduce", "broadcast": "tree", "reduce": "tree", "all_gather": "ring",
+                      "reduce_scatter": "ring", "all_to_all": "ring", "gather": "tree", "scatter": "tree",
+                      "barrier": "latency", "p2p": "pair"}
+
+_OP_CLASS = {
+    "all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_object": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "gather": "gather", "scatter": "scatter",
+    "send": "p2p", "recv": "p2p", "isend": "p2p", "irecv": "p2p",
+}
+
+
+def op_class(op: str) -> str:
+    """The calibrated class of an operation name (``all_gather_into_tensor`` -> ``all_gather``; anything
+    without a payload class, e.g. ``barrier`` or ``new_group``, -> ``barrier``)."""
+    return _OP_CLASS.get(op, "barrier")
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One message-size regime of a class: ``overhead_s + alpha_s * L(n) + beta_s_per_byte * F(n) * S`` for
+    ``S < upto_bytes`` (the last regime has ``upto_bytes = inf``)."""
+
+    upto_bytes: float
+    overhead_s: float
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, algorithm: str, nbytes: float, n: int) -> float:
+        lat, bw = ALGORITHMS[algorithm]
+        return self.overhead_s + self.alpha_s * lat(n) + self.beta_s_per_byte * bw(n) * nbytes
+
+
+@dataclass(frozen=True)
+class ClassCost:
+    """The fitted cost of one collective class: its algorithm and its regimes (ascending ``upto_bytes``)."""
+
+    algorithm: str
+    regimes: tuple[Regime, ...]
+
+    def time(self, nbytes: float, n: int) -> float:
+        for r in self.regimes:
+            if nbytes < r.upto_bytes:
+                return r.time(self.algorithm, nbytes, n)
+        return self.regimes[-1].time(self.algorithm, nbytes, n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm,
+                "regimes": [{"upto_bytes": None if math.isinf(r.upto_bytes) else r.upto_bytes,
+                             "overhead_s": r.overhead_s, "alpha_s": r.alpha_s,
+                             "beta_s_per_byte": r.beta_s_per_byte} for r in self.regimes]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str) -> "ClassCost":
+        algo = d.get("algorithm")
+        if algo not in ALGORITHMS:
+            raise _profile_error(where, f"unknown algorithm {algo!r}", {"algorithm": algo},
+                                 f"use one of {sorted(ALGORITHMS)}")
+        regs = []
+        for i, r in enumerate(d.get("regimes") or ()):
+            try:
+                upto = math.inf if r.get("upto_bytes") is None else float(r["upto_bytes"])
+                reg = Regime(upto, float(r["overhead_s"]), float(r["alpha_s"]), float(r["beta_s_per_byte"]))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise _profile_error(f"{where}.regimes[{i}]", f"a regime needs upto_bytes, overhead_s, alpha_s and "
+                                     f"beta_s_per_byte as numbers ({type(e).__name__}: {e})", {"regime": r},
+                                     "rewrite the profile with `python -m simulator calibrate`") from None
+            if min(reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte) < 0 or not all(
+                    math.isfinite(v) for v in (reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte)):
+                raise _profile_error(f"{where}.regimes[{i}]", "parameters must be finite and >= 0",
+                                     {"regime": r}, "rewrite the profile with `python -m simulator calibrate`")
+            regs.append(reg)
+        if not regs:
+            raise _profile_error(where, "no regimes", {"regimes": d.get("regimes")},
+                                 "give at least one regime with upto_bytes=null")
+        return cls(algo, tuple(sorted(regs, key=lambda r: r.upto_bytes)))
+
+
+def _profile_error(where: str, what: str, values: Mapping[str, Any], fix: str) -> ValueError:
+    from tensorplay.distributed.errors import DistValueError, format_message
+
+    return DistValueError(format_message("simulator.CostModel.load", f"{where}: {what}", values=dict(values),
+                                         fix=fix))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How long each operation takes in virtual time.
+
+    Without ``classes`` it is the *uncalibrated* alpha-beta model (``n`` the group
+    size, ``S`` the bytes, ``a`` = ``latency_s``, ``B`` = ``bandwidth_Bps``):
+
+    * all_reduce (ring): ``2(n-1)a + 2(n-1)/n * S/B``
+    * reduce_scatter, all_gather, all_to_all: ``(n-1)a + (n-1)/n * S/B``
+      (``S`` = the full, gathered size)
+    * broadcast, reduce, gather, scatter: ``ceil(log2 n)a + S/B``
+    * send/recv: ``a + S/B``; barrier: ``ceil(log2 n)a``.
+
+    Its defaults (5 us, 12.5 GB/s) describe no particular machine: calibrate with
+    ``python -m simulator calibrate`` and load the profile (:meth:`load`, or
+    ``cost="profile.json"`` in :func:`simulator.run`) to predict seconds.
+    ``classes`` maps a class of :data:`CLASSES` to its fitted :class:`ClassCost`;
+    a class missing from it falls back to the alpha-beta formula.
+
+    ``compute_scale`` multiplies the measured CPU time between operations
+    (0 makes virtual time a pure function of the schedule, hence reproducible;
+    e.g. 0.1 for a device ten times faster than this CPU).
+    """
+
+    latency_s: float = 5e-6
+    bandwidth_Bps: float = 12.5e9
+    compute_scale: float = 1.0
+    classes: Mapping[str, ClassCost] = field(default_factory=dict, hash=False)
+    #: what the profile recorded (machine, backend, torch version, fit residuals ...); empty when uncalibrated
+    meta: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from tensorplay.distributed.errors import DistValueError, format_message
+
+        for name in ("latency_s", "bandwidth_Bps", "compute_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+                    name == "bandwidth_Bps" and v == 0):
+                raise DistValueError(format_message(
+                    "simulator.CostModel", f"{name} must be a finite number {'> 0' if name == 'bandwidth_Bps' else '>= 0'}",
+                    values={name: v}, fix=f"pass e.g. CostModel({name}="
+                                          f"{ {'latency_s': 5e-6, 'bandwidth_Bps': 12.5e9, 'compute_scale': 1.0}[name]})"))
+        unknown = sorted(set(self.classes) - set(CLASSES))
+        if unknown:
+            raise DistValueError(format_message("simulator.CostModel", "unknown collective classes",
+                                                values={"classes": unknown}, fix=f"use keys of {sorted(CLASSES)}"))
+
+    @property
+    def calibrated(self) -> bool:
+        """True when at least one class comes from a measured profile."""
+        return bool(self.classes)
+
+    def cost(self, op: str, nbytes: int, n: int) -> float:
+        """Seconds operation ``op`` moving ``nbytes`` takes in a group of ``n`` ranks."""
+        cls = op_class(op)
+        if n <= 1 and cls != "p2p":
+            return 0.0
+        fitted = self.classes.get(cls)
+        if fitted is not None:
+            return max(fitted.time(nbytes, n), 0.0)
+        a, b = self.latency_s, self.bandwidth_Bps
+        lat, bw = ALGORITHMS[_DEFAULT_ALGORITHM[cls]]
+        return lat(n) * a + bw(n) * nbytes / b
+
+    # -- profiles -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able profile: format, the fallback alpha-beta parameters, the classes and ``meta``."""
+        return {"format": PROFILE_FORMAT, "latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps,
+                "compute_scale": self.compute_scale,
+                "classes": {k: v.to_dict() for k, v in sorted(self.classes.items())}, **dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> "CostModel":
+        """Build a model from :meth:`to_dict`'s shape (what ``calibrate`` writes); other keys go to ``meta``."""
+        if not isinstance(d, Mapping):
+            raise _profile_error(source, "a profile is a JSON object", {"type": type(d).__name__},
+                                 "write it with `python -m simulator calibrate --out PATH`")
+        fmt = d.get("format")
+        if fmt != PROFILE_FORMAT:
+            raise _profile_error(source, "not a simulator cost profile", {"format": fmt},
+                                 f"write it with `python -m simulator calibrate --out PATH` (format {PROFILE_FORMAT})")
+        raw = d.get("classes") or {}
+        if not isinstance(raw, Mapping):
+            raise _profile_error(source, "classes must be an object", {"classes": type(raw).__name__},
+                                 "rewrite the profile with `python -m simulator calibrate`")
+        classes = {}
+        for k, v in raw.items():
+            if k not in CLASSES:
+                raise _profile_error(f"{source}: classes", "unknown collective class", {"class": k},
+                                     f"use keys of {sorted(CLASSES)}")
+            classes[k] = ClassCost.from_dict(v, f"{source}: classes.{k}")
+        meta = {k: v for k, v in d.items()
+                if k not in ("format", "latency_s", "bandwidth_Bps", "compute_scale", "classes")}
+        meta.setdefault("source", source)
+        return cls(latency_s=float(d.get("latency_s", 5e-6)), bandwidth_Bps=float(d.get("bandwidth_Bps", 12.5e9)),
+                   compute_scale=float(d.get("compute_scale", 1.0)), classes=classes, meta=meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "CostModel":
+        """Read a profile written by ``python -m simulator calibrate`` (or :meth:`save`)."""
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except OSError as e:
+            raise _profile_error(str(path), f"cannot read the profile ({e.strerror or e})", {"path": str(path)},
+                                 "pass the path of a profile written by `python -m simulator calibrate --out PATH`") from None
+        except json.JSONDecodeError as e:
+            raise _profile_error(str(path), f"not JSON ({e})", {"path": str(path)},
+                                 "pass the path of a profile written by `python -m simulator calibrate --out PATH`") from None
+        return cls.from_dict(d, str(path))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_dict` as JSON to ``path``."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1, sort_keys=False)
+            fh.write("\n")
+
+    def describe(self) -> str:
+        """One line: calibrated from where (machine, backend), or uncalibrated."""
+        if not self.calibrated:
+            return f"uncalibrated alpha-beta model (latency {self.latency_s:g} s, {self.bandwidth_Bps:g} B/s)"
+        m = self.meta
+        return (f"calibrated on {m.get('backend', '?')} ({m.get('machine', {}).get('cpu_model', '?')}, "
+                f"world sizes {m.get('world_sizes', '?')}, torch {m.get('torch_version', '?')})")
+
+
+def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scale: float | None = None) -> CostModel:
+    """``World(cost=...)``: a :class:`CostModel`, a profile path, or ``None`` (the uncalibrated default);
+    ``compute_scale`` (when given) replaces the model's."""
+    from tensorplay.distributed.errors import DistTypeError, format_message
+
+    if cost is None:
+        model = CostModel()
+    elif isinstance(cost, CostModel):
+        model = cost
+    elif isinstance(cost, (str, os.PathLike)):
+        model = CostModel.load(cost)
+    else:
+        raise DistTypeError(format_message(
+            "simulator.run", "cost must be a simulator.CostModel, the path of a profile, or None",
+            values={"cost": type(cost).__name__},
+            fix="pass cost=simulator.CostModel(...) or cost='profile.json' (python -m simulator calibrate --out ...)"))
+    if compute_scale is not None:
+        model = replace(model, compute_scale=compute_scale)  # __post_init__ checks it
+    return model
+
+
+# ---------------------------------------------------------------------------
+# links: when an operation may start on its members' links
+# ---------------------------------------------------------------------------
+def _links(run: Any) -> list[float]:
+    """Per rank ``[out_free, in_free]`` flattened: index ``2r`` is rank r's outgoing link, ``2r+1`` incoming."""
+    links = run.__dict__.get("_links")
+    if links is None:
+        links = run.__dict__.setdefault("_links", [0.0] * (2 * run.n))
+    return links
+
+
+def links_start(run: Any, ranks: Sequence[int], issue: float, *, send: int | None = None,
+                recv: int | None = None) -> float:
+    """The virtual time an operation may start: ``issue`` or later, once its links are free.
+
+    A collective (``ranks`` given, ``send``/``recv`` None) uses both links of each member; a transfer uses
+    ``send``'s outgoing and ``recv``'s incoming link.  Call with the scheduler lock held.
+    """
+    links = _links(run)
+    t = issue
+    if send is not None:
+        return max(t, links[2 * send], links[2 * recv + 1])  # type: ignore[operator]
+    for r in ranks:
+        t = max(t, links[2 * r], links[2 * r + 1])
+    return t
+
+
+def links_reserve(run: Any, ranks: Sequence[int], end: float, *, send: int | None = None,
+                  recv: int | None = None) -> None:
+    """Mark the operation's links busy until ``end`` (after :func:`links_start`; scheduler lock held)."""
+    links = _links(run)
+    if send is not None:
+        links[2 * send] = max(links[2 * send], end)
+        links[2 * recv + 1] = max(links[2 * recv + 1], end)  # type: ignore[operator]
+        return
+    for r in ranks:
+        links[2 * r] = max(links[2 * r], end)
+        links[2 * r + 1] = max(links[2 * r + 1], end)
+
+
+# ---------------------------------------------------------------------------
+# honest clocks: imports are not compute; optimizer steps mark the step time
+# ---------------------------------------------------------------------------
+_lock = threading.Lock()
+_active = 0
+_saved: dict[str, Any] = {}
+_importing = threading.local()
+
+
+def _actor() -> Any:
+    from . import world  # lazily: world imports this module
+
+    return world.current_rank_state()
+
+
+def _charge_compute(rs: Any) -> None:
+    """Advance ``rs``'s clock by its CPU time since its mark (scaled), and count it as compute."""
+    now = time.thread_time()
+    dt = (now - rs.cpu_mark) * rs.run.cost.compute_scale
+    rs.cpu_mark = now
+    if dt > 0:
+        rs.vt += dt
+        ev = rs.run.events
+        if hasattr(ev, "compute_s"):
+            ev.compute_s[rs.rank] += dt
+
+
+def _timed_find_and_load(name: str, import_: Any) -> Any:
+    original = _saved["find_and_load"]
+    rs = _actor()
+    if rs is None or getattr(_importing, "depth", 0):
+        return original(name, import_)
+    _importing.depth = 1
+    t0 = time.thread_time()
+    try:
+        return original(name, import_)
+    finally:
+        _importing.depth = 0
+        # the rank's compute mark moves past the import: its CPU time is start-up, charged to no one
+        rs.cpu_mark += time.thread_time() - t0
+
+
+def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rs = _actor()
+    if rs is None or rs.parent is not None:
+        return
+    _charge_compute(rs)
+    ev = rs.run.events
+    if hasattr(ev, "steps"):
+        ev.steps[rs.rank].append(rs.vt)
+
+
+@contextmanager
+def enabled() -> Iterator[None]:
+    """While a world runs: imports on rank threads are not charged as compute, and every
+    ``torch.optim`` step marks the end of a training step on the rank's clock (the summary's step time)."""
+    global _active
+    boot = importlib.import_module("importlib._bootstrap")
+    with _lock:
+        if _active == 0:
+            _saved["find_and_load"] = boot._find_and_load
+            boot._find_and_load = _timed_find_and_load
+            try:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                _saved["step_handle"] = register_optimizer_step_post_hook(_step_hook)
+            except ImportError:  # pragma: no cover  (every supported torch has it)
+                _saved["step_handle"] = None
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                boot._find_and_load = _saved.pop("find_and_load")
+                handle = _saved.pop("step_handle", None)
+                if handle is not None:
+                    handle.remove()
