@@ -34,6 +34,7 @@ import torch.distributed as tdist
 import torch.distributed.rpc as trpc
 
 from ..errors import DistError, DistRuntimeError, DistValueError
+from . import _auth
 from ._agent import Agent
 from ._call import PickledFunction, RemoteFailure, is_async, run_call, run_call_async, unwrap
 from .._rendezvous import bound_tcp_store
@@ -173,20 +174,28 @@ def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float)
         import numpy  # noqa: F401  torch's init exchanges device maps with all_gather_object
     except ImportError as e:  # pragma: no cover
         raise DistRuntimeError(rpc_message("init_rpc", "the TensorPipe agent needs numpy", fix="pip install numpy")) from e
+    secret = _auth.load_secret("init_rpc")  # before any communication: a bad secret file fails here
+    auth = _auth.Authenticator(secret) if secret is not None else None
+    if auth is not None:  # every Python payload of this process's agent is sealed and checked from now on
+        _auth.install_tensorpipe(auth)
     with warnings.catch_warnings():
         # torch's agent uses a bare ProcessGroupGloo internally and warns about it
         warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
         try:
             trpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
         except DistError:  # ours (the rendezvous), already explained
+            _auth.uninstall_tensorpipe()
             raise
         except Exception as e:
+            _auth.uninstall_tensorpipe()
             raise DistRuntimeError(rpc_message(
                 "init_rpc", "the TensorPipe agent did not start", worker=name,
                 values={"rank": rank, "world_size": world_size, "init_method": url, "error": f"{type(e).__name__}: {e}"},
                 fix="check that every worker uses the same init_method and world_size, distinct ranks and names, "
                     "and that all of them start within rpc_timeout")) from e
-    return TensorPipeAgent(name, rank, world_size, float(options.rpc_timeout))
+    agent = TensorPipeAgent(name, rank, world_size, float(options.rpc_timeout))
+    agent.auth = auth
+    return agent
 
 
 def ready_barrier(agent: "TensorPipeAgent") -> None:
@@ -341,6 +350,8 @@ class TensorPipeAgent(Agent):
         self.name, self.rank, self.world_size, self.timeout = name, rank, world_size, timeout
         self.objects: dict[Any, Any] = {}
         self.dead: set[str] = set()
+        #: the world's authenticator when it is authenticated (a secret in the environment), else None
+        self.auth: _auth.Authenticator | None = None
         infos = trpc.api._get_current_rpc_agent().get_worker_infos()
         self._infos = sorted((WorkerInfo(w.name, w.id) for w in infos), key=lambda w: w.id)
         TensorPipeAgent._generation += 1
@@ -449,6 +460,8 @@ class TensorPipeAgent(Agent):
                 "shutdown", "graceful shutdown skipped: some workers did not reach shutdown in time",
                 worker=self.name, values={"missing": missing, "timeout": timeout},
                 fix="shut down on every worker; a worker that died cannot take part"), RuntimeWarning, stacklevel=3)
+        if self.auth is not None:
+            _auth.uninstall_tensorpipe()
         if error is not None:
             warnings.warn(rpc_message(
                 "shutdown", "the TensorPipe agent reported an error while stopping", worker=self.name,
