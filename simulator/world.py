@@ -112,6 +112,8 @@ class World:
         p2p: what a blocking ``send`` waits for: ``"rendezvous"`` (default: until the receiver posted its recv,
             as on gloo and NCCL) or ``"eager"`` (the message is buffered and the send returns at once, like MPI's
             buffered sends; a program that needs this deadlocks on gloo and NCCL).
+        isolation: ``"thread"`` (default: ranks are threads of this process) or ``"process"`` (each rank runs
+            in its own process with its own ``PYTHONHASHSEED``; see :mod:`simulator.isolation`).
 
     After a run, ``world.trace`` is its trace, ``world.errors[r]`` the exception rank ``r`` raised (or
     ``None``) and ``world.results[r]`` its return value.
@@ -121,8 +123,13 @@ class World:
                  device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | None = None,
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
                  stack_size: int | None = None, p2p: str = "rendezvous",
-                 trace_limit: int | None = DEFAULT_TRACE_LIMIT) -> None:
+                 trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread") -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
+        from .isolation import check_isolation
+
+        self.isolation = check_isolation(isolation)
+        #: after a process-isolated run: each rank process's PYTHONHASHSEED
+        self.hash_seeds: list[int] = []
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise DistTypeError(format_message("simulator.run", "world_size must be an int",
                                                values={"world_size": world_size}, fix="pass e.g. world_size=4"))
@@ -180,6 +187,10 @@ class World:
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         global _last_trace
+        if self.isolation == "process" and current_rank_state() is None and callable(fn):
+            from .isolation import run_processes
+
+            return run_processes(self, fn, args, kwargs)
         if not callable(fn):
             raise DistTypeError(format_message("simulator.run", "fn must be callable",
                                                values={"fn": type(fn).__name__}, fix="pass a function"))
@@ -421,7 +432,8 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
         faults: Sequence[Fault] = (), cost: CostModel | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
-        p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT) -> list[Any]:
+        p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT,
+        isolation: str = "thread") -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -437,8 +449,9 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
 
         simulator.run(f, 4)                    # 4 x tensor([ 6., 10., 14.])
         simulator.run(f, 4, mode="threads")    # same result, ranks run freely
+        simulator.run(f, 4, isolation="process")   # same result, each rank its own process
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
-              trace_limit=trace_limit)
+              trace_limit=trace_limit, isolation=isolation)
     return w.run(fn, args, kwargs)

@@ -1,0 +1,59 @@
+"""How simulated ranks are isolated from each other: ``"thread"`` (one interpreter) or ``"process"`` (one each).
+
+``isolation="process"`` runs each rank's function in its own Python process,
+started with its own ``PYTHONHASHSEED`` (:func:`hash_seed` of the run's seed
+and the rank), so process-wide state — module globals, singletons, hash
+order, ``os.environ``, signal handlers, ``sys.exit``/``os._exit`` — is per
+rank as under torchrun.  The scheduler, matching, reports, faults, virtual
+time and trace stay in the coordinator (one proxy rank thread per process, see
+:mod:`.proxy`); tensors move through shared memory (:mod:`._wire`).
+
+Example::
+
+    simulator.run(train, 4, isolation="process")
+    python -m simulator --isolation process --nproc-per-node 4 train.py
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from tensorplay.distributed.errors import DistValueError, format_message
+
+from .proxy import ProcessRanks, hash_seed
+
+__all__ = ["ISOLATIONS", "check_isolation", "hash_seed", "run_processes", "ProcessRanks"]
+
+#: every isolation a simulated world offers (tests parametrise over this tuple)
+ISOLATIONS: tuple[str, ...] = ("thread", "process")
+
+#: after a process-isolated run in this process: the rank processes' ids (for tests that check none survive)
+last_pids: list[int] = []
+
+
+def check_isolation(isolation: Any, call: str = "simulator.run") -> str:
+    """Return ``isolation`` if it names one of :data:`ISOLATIONS`, else raise a clear error."""
+    if isolation not in ISOLATIONS:
+        raise DistValueError(format_message(
+            call, "unknown isolation", values={"isolation": isolation, "available": list(ISOLATIONS)},
+            fix="pass isolation='thread' (ranks are threads of this process) or isolation='process' (each rank "
+                "its own process, with its own globals and PYTHONHASHSEED)"))
+    return isolation
+
+
+def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
+    """``world.run(fn, ...)`` with each rank in its own process (``world.isolation == "process"``)."""
+    global last_pids
+    ranks = ProcessRanks(world, fn, args, dict(kwargs or {}))
+    last_pids = ranks.pids
+    world.hash_seeds = list(ranks.hash_seeds)
+    world.isolation = "thread"  # the coordinator's rank threads are the proxies
+    try:
+        return world.run(ranks.proxy_main)
+    except BaseException as e:
+        seeds = ", ".join(f"{r}={h}" for r, h in enumerate(ranks.hash_seeds))
+        e.add_note(f"[simulator] isolation='process': each rank ran in its own process; PYTHONHASHSEED per rank: "
+                   f"{seeds}")
+        raise
+    finally:
+        world.isolation = "process"
+        ranks.close()

@@ -1,0 +1,465 @@
+"""The rank process: runs the program's function with a client backend that forwards every call to its proxy.
+
+Started by :mod:`simulator.isolation.proxy` as ``python -c ... <fd>`` with its
+own ``PYTHONHASHSEED``; ``fd`` is its end of a socket pair to the coordinator.
+tensorplay.distributed in this process is bound to :class:`ClientBackend`
+(named ``"sim"``, so ``init_process_group()`` returns at once and the
+torch.distributed adapter binds torch to it as on thread ranks).  Each call
+stages its tensors in shared memory (:mod:`._wire`), sends its arguments and
+call site, and waits for the proxy's answer: the simulator in the coordinator
+does the matching, the checks and the arithmetic.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Optional
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.backends.base import Backend, Work
+from tensorplay.distributed.errors import DistRuntimeError, format_message
+from tensorplay.distributed.group import ProcessGroup
+
+from ..callsite import call_site
+from . import _wire
+from ._wire import OUTPUTS, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
+
+__all__ = ["ClientBackend", "ClientWork", "main"]
+
+_ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memory
+
+
+class _Staged:
+    """The arena regions and output copies of one forwarded call."""
+
+    __slots__ = ("arenas", "outputs")
+
+    def __init__(self) -> None:
+        self.arenas: list[Arena] = []
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (program's tensor, its arena view)
+
+    def copy_out(self) -> None:
+        with torch.no_grad():  # c10d writes the buffers as memory: autograd never sees it
+            for t, v in self.outputs:
+                t.copy_(v)
+
+    def release(self) -> None:
+        for a in self.arenas:
+            a.live -= 1
+            if a.live == 0:
+                a.top = 0
+        self.arenas = []
+
+
+class ClientWork(Work):
+    """An asynchronous operation issued in this process and running in the coordinator."""
+
+    def __init__(self, backend: "ClientBackend", wid: int, staged: _Staged, result: list[torch.Tensor]) -> None:
+        self._b = backend
+        self._wid = wid
+        self._staged: _Staged | None = staged
+        self._result = result
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            try:
+                self._b._request(("wait", self._wid))
+                staged.copy_out()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                staged.release()
+        elif self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._staged is None or bool(self._b._request(("completed", self._wid)))
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None and (
+            self._staged is None or bool(self._b._request(("success", self._wid))))
+
+    def source_rank(self) -> int:
+        self.wait()
+        return int(self._b._request(("source", self._wid)))
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+
+def _result_tensors(name: str, args: tuple) -> list[torch.Tensor]:
+    """What ``Work.result()`` gives for this call (the tensors it writes), as on thread ranks."""
+    if name in ("barrier", "send"):
+        return []
+    pos = OUTPUTS[name]
+    out = args[pos[0]] if pos else None
+    if out is None:
+        return []
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+class ClientBackend(Backend):
+    """tensorplay.distributed's backend in a rank process: every call is run by the rank's proxy in the coordinator."""
+
+    name = "sim"
+
+    def __init__(self, conn: Connection, rank: int, world_size: int, arena_dir: str) -> None:
+        super().__init__(rank, world_size)
+        self._conn = conn
+        self._arena_dir = arena_dir
+        self._arenas: list[Arena] = []
+        self._new_arenas: list[tuple[int, int]] = []
+        self._lock = threading.RLock()  # one request at a time on the channel (a rank's threads share it)
+        self._cpu = threading.local()
+        self._world_key = object()
+
+    # -- life cycle -------------------------------------------------------
+    @classmethod
+    def create(cls, *, rank: int, world_size: int, init_method: str | None, store: Any,
+               timeout: timedelta) -> "ClientBackend":
+        raise DistRuntimeError(format_message(
+            "init_process_group", "the 'sim' backend only runs inside a simulated world", values={"backend": "sim"},
+            fix="run the code with simulator.run(fn, world_size, isolation='process')"))
+
+    def world_handle(self) -> int:
+        return 0
+
+    def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> int | None:
+        return self._forward("new_group_handle", (tuple(ranks),))
+
+    def member_group_handle(self, ranks: tuple[int, ...]) -> int:
+        return self._forward("member_group_handle", (tuple(ranks),))
+
+    def world_key(self) -> object:
+        """One object per simulated world; this process holds one rank of one world."""
+        return self._world_key
+
+    def shutdown(self) -> None:
+        return None
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    # -- the channel ------------------------------------------------------
+    def _request(self, msg: tuple) -> Any:
+        with self._lock:
+            _wire.send(self._conn, msg)
+            reply = _wire.recv(self._conn)
+        return _answer(reply)
+
+    def _cpu_delta(self) -> float:
+        now = time.thread_time()
+        last = getattr(self._cpu, "mark", None)
+        self._cpu.mark = now
+        return 0.0 if last is None else now - last
+
+    def _stage(self, name: str, args: tuple, staged: _Staged) -> list[Any]:
+        """Copy the tensors of ``args`` into an arena; return the arguments with tensors replaced by places."""
+        tensors = [t for a in args for t in flatten(a)]
+        spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise DistRuntimeError(format_message(
+                    name, "process-isolated ranks take CPU tensors only", rank=self.rank,
+                    values={"device": str(t.device)}, fix="move the tensor to the CPU, or use isolation='thread'"))
+            if t.numel() == 0:
+                continue
+            lo, hi = span_of(t)
+            key = t.untyped_storage().data_ptr()
+            s = spans.get(key)
+            if s is None:
+                spans[key] = [align_down(lo), hi]
+            else:
+                s[0], s[1] = min(s[0], align_down(lo)), max(s[1], hi)
+        need = sum(align_up(hi - lo) for lo, hi in spans.values())
+        arena = self._arena_for(need)
+        base: dict[int, int] = {}
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in base:
+                continue
+            lo, hi = spans[key]
+            off = arena.top
+            arena.top += align_up(hi - lo)
+            arena.bytes[off:off + hi - lo].copy_(storage_bytes(t)[lo:hi])
+            base[key] = off - lo  # arena byte offset of the storage's byte 0
+        staged.arenas.append(arena)
+        arena.live += 1
+        out_pos = set(OUTPUTS.get(name, ()))
+
+        def ref(t: torch.Tensor, is_out: bool) -> TensorRef:
+            es = t.element_size()
+            if t.numel() == 0:
+                r = TensorRef((-1, 0, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
+                return r
+            off = (base[t.untyped_storage().data_ptr()] + t.storage_offset() * es) // es
+            r = TensorRef((arena.aid, off, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
+            if is_out:
+                staged.outputs.append((t, arena.view(off, t.dtype, tuple(t.shape), tuple(t.stride()))))
+            return r
+
+        enc: list[Any] = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                enc.append(ref(a, i in out_pos))
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+                enc.append([ref(x, i in out_pos) if isinstance(x, torch.Tensor) else x for x in a])
+            elif isinstance(a, ProcessGroup):
+                enc.append(GroupRef((a.handle,)))
+            else:
+                enc.append(a)
+        return enc
+
+    def _arena_for(self, need: int) -> Arena:
+        for a in self._arenas:
+            if a.live == 0:
+                a.top = 0
+            if a.size - a.top >= need:
+                return a
+        aid = len(self._arenas)
+        size = max(_ARENA_BYTES, align_up(need) * 2)
+        a = Arena(aid, os.path.join(self._arena_dir, f"r{self.rank}-a{aid}"), size, create=True)
+        self._arenas.append(a)
+        self._new_arenas.append((aid, size))
+        return a
+
+    def _forward(self, name: str, args: tuple, async_op: bool = False) -> Any:
+        site = call_site(1)
+        with self._lock:
+            staged = _Staged()
+            try:
+                enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
+                new, self._new_arenas = self._new_arenas, []
+                msg = ("call", name, enc, site, _state.current_backward(), self._cpu_delta(), new)
+                value = self._request(msg)
+            except BaseException:
+                staged.release()
+                self._cpu.mark = time.thread_time()
+                raise
+            self._cpu.mark = time.thread_time()
+        if async_op:
+            return ClientWork(self, value, staged, _result_tensors(name, args))
+        try:
+            staged.copy_out()
+        finally:
+            staged.release()
+        return value
+
+    # -- collectives and point to point (validated by tensorplay's API in this process) --------------
+    def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._forward("barrier", (group, async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._forward("broadcast", (tensor, root, group, async_op), async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._forward("all_reduce", (tensor, op, group, async_op), async_op)
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: Any, group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._forward("reduce", (tensor, root, op, group, async_op), async_op)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        return self._forward("all_gather", (output_list, tensor, group, async_op), async_op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
+                               async_op: bool) -> Work | None:
+        return self._forward("all_gather_into_tensor", (output, input, group, async_op), async_op)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
+               async_op: bool) -> Work | None:
+        return self._forward("gather", (tensor, gather_list, root, group, async_op), async_op)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
+                async_op: bool) -> Work | None:
+        return self._forward("scatter", (tensor, scatter_list, root, group, async_op), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any, group: ProcessGroup,
+                       async_op: bool) -> Work | None:
+        return self._forward("reduce_scatter", (output, input_list, op, group, async_op), async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: Any, group: ProcessGroup,
+                              async_op: bool) -> Work | None:
+        return self._forward("reduce_scatter_tensor", (output, input, op, group, async_op), async_op)
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], group: ProcessGroup,
+                   async_op: bool) -> Work | None:
+        return self._forward("all_to_all", (output_list, input_list, group, async_op), async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
+        return self._forward("all_to_all_single", (output, input, list(output_split_sizes), list(input_split_sizes),
+                                                   group, async_op), async_op)
+
+    def send(self, tensor: torch.Tensor, peer: int, group: ProcessGroup, tag: int, async_op: bool) -> Work | None:
+        return self._forward("send", (tensor, peer, group, tag, async_op), async_op)
+
+    def recv(self, tensor: torch.Tensor, peer: int | None, group: ProcessGroup, tag: int,
+             async_op: bool) -> Work | int:
+        return self._forward("recv", (tensor, peer, group, tag, async_op), async_op)
+
+
+# ---------------------------------------------------------------------------
+# errors: the coordinator's exception, rebuilt here; this process's exception, sent there
+# ---------------------------------------------------------------------------
+def _answer(reply: tuple) -> Any:
+    if reply[0] == "ok":
+        return reply[1]
+    _, eid, mod, qualname, message, attrs = reply
+    raise _rebuild(eid, mod, qualname, message, attrs)
+
+
+def _rebuild(eid: int, mod: str, qualname: str, message: str, attrs: dict) -> BaseException:
+    import importlib
+
+    try:
+        cls: Any = importlib.import_module(mod)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        exc = cls(message)
+    except Exception:  # noqa: BLE001  a class that cannot be rebuilt here keeps its name in the text
+        exc = RuntimeError(f"{qualname}: {message}")
+    for k, v in attrs.items():
+        try:
+            setattr(exc, k, v)
+        except Exception:  # noqa: BLE001
+            pass
+    exc._tp_forwarded = eid  # type: ignore[attr-defined]  (the proxy re-raises its own object for it)
+    return exc
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle ``obj``; functions and classes that plain pickle refuses (lambdas, closures) go through cloudpickle."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001
+        try:
+            import cloudpickle
+        except ImportError:
+            raise
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _exception_message(e: BaseException) -> tuple:
+    """``("raise", pickled or None, class name, text, traceback text)`` for an exception of the program."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        data = _dumps(e)
+        pickle.loads(data)
+    except Exception:  # noqa: BLE001  an exception that cannot cross processes is sent as its text
+        data = None
+    return ("raise", data, type(e).__qualname__, str(e), tb)
+
+
+# ---------------------------------------------------------------------------
+# the process's main
+# ---------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the coordinator dies (no orphan ranks)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:  # noqa: BLE001  best effort: the socket's EOF ends the process too
+            pass
+
+
+class ScriptMain:
+    """Run a script as ``__main__`` with ``sys.argv = [path, *argv]`` (torchrun-style ranks of ``python -m simulator``)."""
+
+    def __init__(self, path: str, argv: list[str]) -> None:
+        self.path = path
+        self.argv = list(argv)
+
+    def __call__(self) -> None:
+        import runpy
+
+        sys.argv = [self.path, *self.argv]
+        sys.path.insert(0, os.path.dirname(self.path))
+        try:
+            runpy.run_path(self.path, run_name="__main__")
+        except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
+            if e.code not in (None, 0):
+                raise
+
+
+def main() -> None:
+    """Entry point of a rank process (``argv[1]``: the file descriptor of its socket to the coordinator)."""
+    _die_with_parent()
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    conn = Connection(sock.detach())
+    setup = _wire.recv(conn)
+    from multiprocessing import spawn
+
+    spawn.prepare(setup["prep"])  # the coordinator's sys.path, cwd and main module (as __mp_main__)
+    rank = setup["rank"]
+    try:
+        fn, args, kwargs = pickle.loads(setup["payload"])
+    except BaseException as e:  # noqa: BLE001
+        _wire.send(conn, _exception_message(e))
+        return
+    torch.set_rng_state(setup["torch_rng"])
+    random.seed(f"simulator:{setup['seed']}:{rank}")
+    backend = ClientBackend(conn, rank, setup["world_size"], setup["arena_dir"])
+    from tensorplay.distributed.api import _install_backend
+
+    from .. import torch_native
+
+    _install_backend(backend, timedelta(seconds=setup["timeout"]))
+    with torch_native.enabled():
+        # one rank per process: torch's process-wide c10d state is this rank's (threads the program starts see it)
+        import torch.distributed.distributed_c10d as c10d
+        from torch._C._distributed_c10d import _set_thread_isolation_mode
+
+        c10d._world = torch_native._saved["world"]
+        _set_thread_isolation_mode(False)
+        import torch.distributed as tdist
+
+        tdist.TCPStore = torch_native._saved["TCPStore"]  # real processes serve each other over a real store
+        host, port = setup["store"]
+        torch_native._stores[id(backend.world_key())] = tdist.TCPStore(
+            host, port, setup["world_size"], False, timedelta(seconds=setup["timeout"]), wait_for_workers=False)
+        msg: tuple
+        try:
+            result = fn(*args, **kwargs)
+            try:
+                msg = ("result", _dumps(result))
+            except Exception as e:  # noqa: BLE001
+                msg = _exception_message(DistRuntimeError(format_message(
+                    "simulator.run", "the rank's function returned an object that cannot be sent back from its "
+                    f"process ({type(e).__name__}: {e})", rank=rank, values={"result": type(result).__name__},
+                    fix="return tensors, numbers, strings or other picklable objects (or None) under "
+                        "isolation='process'")))
+        except SystemExit as e:
+            msg = ("exit", e.code if e.code is None or isinstance(e.code, int) else str(e.code))
+        except BaseException as e:  # noqa: BLE001  every failure is reported by the coordinator
+            eid = getattr(e, "_tp_forwarded", None)
+            msg = ("forwarded", eid) if eid is not None else _exception_message(e)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            _wire.send(conn, msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass

@@ -1,0 +1,379 @@
+"""The coordinator's side of process isolation: start the rank processes, serve each from a proxy rank thread.
+
+Each simulated rank of the world is, as in thread mode, a thread of the
+coordinator that the scheduler runs; in process mode that thread runs
+:meth:`ProcessRanks.proxy_main`, which performs the calls its rank process
+forwards (see :mod:`.child`) on the real simulator backend.  Matching, the
+agreement checks, deadlock detection, faults, virtual time and the trace are
+therefore the very code thread ranks use.  While the rank process computes,
+its proxy waits on the socket (the rank is *running* for the scheduler, as a
+computing thread rank is); a process that dies is a failed rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, format_message
+from tensorplay.distributed.group import ProcessGroup
+
+from ..errors import RankExitError, SimTimeoutError
+from ..state import current_rank_state
+from . import _wire
+from ._wire import Arena, GroupRef, TensorRef
+
+__all__ = ["ProcessRanks", "hash_seed"]
+
+_CHILD = "from simulator.isolation.child import main; main()"
+_GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
+
+
+def hash_seed(run_seed: int, rank: int) -> int:
+    """The ``PYTHONHASHSEED`` of rank ``rank``'s process: distinct per rank, a pure function of the run's seed (1..2**32-1)."""
+    digest = hashlib.blake2b(f"tensorplay-simulator-hash:{run_seed}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 4294967295 + 1  # 0 would switch hash randomisation off
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _template(f, a):  # noqa: ANN001,ANN202  (its code object is re-labelled with the rank's call site)
+    return f(*a)
+
+
+_site_runners: dict[str, Callable[[Callable[..., Any], Sequence[Any]], Any]] = {}
+
+
+def _at(site: str) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
+    """A caller whose frame is ``site`` (``"file.py:12"`` in the rank process) for the simulator's call-site lookup.
+
+    The simulator names a call by the first frame outside the library; in the
+    coordinator that frame is this one, so its code object carries the rank
+    process's file name and line.
+    """
+    fn = _site_runners.get(site)
+    if fn is None:
+        name, _, line = site.rpartition(":")
+        if not name or not line.isdigit():
+            fn = _template
+        else:
+            code = _template.__code__.replace(co_filename=name, co_firstlineno=int(line), co_name="<rank process>")
+            fn = types.FunctionType(code, {})
+        _site_runners[site] = fn
+    return fn
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as first:  # noqa: BLE001
+        try:
+            import cloudpickle
+        except ImportError:
+            raise first from None
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Rank:
+    """The coordinator's handle on one rank process."""
+
+    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid")
+
+    def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, hseed: int) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.conn = conn
+        self.hash_seed = hseed
+        self.arenas: dict[int, Arena] = {}
+        self.groups: dict[int, ProcessGroup] = {}
+        self.works: dict[int, Any] = {}
+        self.errors: list[BaseException] = []
+        self.next_wid = 0
+
+
+class ProcessRanks:
+    """The rank processes of one run of a world and the proxy loop that serves them."""
+
+    def __init__(self, world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        from ..world import _initial_rng_states
+
+        if world.device.type != "cpu":
+            raise DistRuntimeError(format_message(
+                "simulator.run", "process-isolated ranks run on the CPU only", values={"device": str(world.device),
+                                                                                      "isolation": "process"},
+                fix="pass device='cpu', or isolation='thread' for CUDA ranks"))
+        try:
+            payload = _dumps((fn, tuple(args), dict(kwargs)))
+        except Exception as e:  # noqa: BLE001
+            raise DistTypeError(format_message(
+                "simulator.run", f"the function and its arguments must be picklable to run in rank processes "
+                f"({type(e).__name__}: {e})", values={"fn": getattr(fn, "__qualname__", repr(fn)),
+                                                      "isolation": "process"},
+                fix="define the function at module level (or install cloudpickle for closures), pass picklable "
+                    "arguments, or use isolation='thread'")) from e
+        from multiprocessing import spawn
+
+        self.world = world
+        self.n = world.world_size
+        self.hash_seeds = [hash_seed(world.seed, r) for r in range(self.n)]
+        rng_states, _ = _initial_rng_states(world.seed, self.n)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.arena_dir = tempfile.mkdtemp(prefix="tp-sim-ranks-", dir=shm)
+        import torch.distributed as tdist
+
+        # the rendezvous store of torch.distributed in the rank processes (they are real processes: a real store)
+        self.store = tdist.TCPStore("127.0.0.1", 0, self.n, True, timedelta(seconds=world.timeout),
+                                    wait_for_workers=False)
+        prep = spawn.get_preparation_data("simulated-rank")
+        prep.pop("authkey", None)
+        master_port = str(_free_port())
+        self.ranks: list[_Rank] = []
+        try:
+            for r in range(self.n):
+                env = self._env(r, master_port)
+                parent, child = socket.socketpair()
+                try:
+                    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno())],
+                                            pass_fds=(child.fileno(),), env=env, start_new_session=True)
+                finally:
+                    child.close()
+                conn = Connection(parent.detach())
+                self.ranks.append(_Rank(r, proc, conn, self.hash_seeds[r]))
+                _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
+                           "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
+                           "store": ("127.0.0.1", self.store.port)})
+        except BaseException:
+            self.close()
+            raise
+
+    def _env(self, rank: int, master_port: str) -> dict[str, str]:
+        from .. import _environ
+
+        w = self.world
+        if w.torchrun_env or w.env:
+            env = w._rank_env(rank)
+            if w.torchrun_env and "MASTER_PORT" not in w.env:
+                env["MASTER_PORT"] = master_port  # real processes: a program's own TCPStore binds a real port
+        else:
+            real = os.environ._real if isinstance(os.environ, _environ.RankEnviron) else os.environ  # type: ignore[attr-defined]
+            env = dict(real)
+        env["PYTHONHASHSEED"] = str(self.hash_seeds[rank])
+        return env
+
+    # -- the proxy ----------------------------------------------------------
+    def proxy_main(self) -> Any:
+        """The function of every rank thread: serve this rank's process until its function ends."""
+        rs = current_rank_state()
+        me = self.ranks[rs.rank]  # type: ignore[union-attr]
+        st = _state.current()
+        me.groups[0] = st.world  # type: ignore[union-attr]
+        backend = rs.backend  # type: ignore[union-attr]
+        conn = me.conn
+        scale = rs.run.cost.compute_scale  # type: ignore[union-attr]
+        while True:
+            msg = self._recv(rs, me)
+            kind = msg[0]
+            if kind == "call":
+                _, name, enc, site, backward, cpu, new = msg
+                for aid, size in new:
+                    me.arenas[aid] = Arena(aid, os.path.join(self.arena_dir, f"r{me.rank}-a{aid}"), size, create=False)
+                rs.vt += cpu * scale  # the rank process's own compute since its last call
+                rs.cpu_mark = time.thread_time()
+                try:
+                    value = self._perform(me, backend, name, enc, site, backward)
+                except BaseException as e:  # noqa: BLE001  (sent to the rank process, which raises it)
+                    self._send(me, self._error_reply(me, e))
+                else:
+                    self._send(me, ("ok", value))
+            elif kind in ("wait", "completed", "success", "source"):
+                work = me.works[msg[1]]
+                try:
+                    if kind == "wait":
+                        value: Any = work.wait()
+                    elif kind == "completed":
+                        value = work.is_completed()
+                    elif kind == "success":
+                        value = work.is_success()
+                    else:
+                        value = work.source_rank()
+                except BaseException as e:  # noqa: BLE001
+                    self._send(me, self._error_reply(me, e))
+                else:
+                    self._send(me, ("ok", value))
+            elif kind == "result":
+                return pickle.loads(msg[1])
+            elif kind == "exit":
+                raise SystemExit(msg[1])
+            elif kind == "forwarded":
+                raise me.errors[msg[1]]
+            elif kind == "raise":
+                raise self._program_error(me, msg)
+            else:  # pragma: no cover  (a protocol error is a bug of this module)
+                raise DistRuntimeError(f"simulator: unknown message {kind!r} from rank {me.rank}'s process")
+
+    def _perform(self, me: _Rank, backend: Any, name: str, enc: list[Any], site: str, backward: str | None) -> Any:
+        if name in ("new_group_handle", "member_group_handle"):
+            ranks = enc[0]
+            args: tuple = (ranks, timedelta(seconds=self.world.timeout)) if name == "new_group_handle" else (ranks,)
+            h = _at(site)(getattr(backend, name), args)
+            if h is None:
+                return None
+            if h.gid not in me.groups:
+                me.groups[h.gid] = ProcessGroup(h.ranks, backend, h, group_id=h.gid)
+            return h.gid
+        dec = [self._decode(me, a) for a in enc]
+        method = getattr(backend, name)
+        if backward is not None:
+            with _state.backward_of(backward):
+                value = _at(site)(method, dec)
+        else:
+            value = _at(site)(method, dec)
+        if value is not None and not isinstance(value, int):  # a work of an async_op call
+            me.next_wid += 1
+            wid = me.next_wid
+            me.works[wid] = value
+            return wid
+        return value
+
+    def _decode(self, me: _Rank, a: Any) -> Any:
+        if isinstance(a, TensorRef):
+            aid, off, dtype, size, stride, _ = a
+            if aid < 0:
+                return torch.empty_strided(size, stride, dtype=dtype)
+            return me.arenas[aid].view(off, dtype, size, stride)
+        if isinstance(a, GroupRef):
+            return me.groups[a[0]]
+        if isinstance(a, list):
+            return [self._decode(me, x) for x in a]
+        return a
+
+    def _send(self, me: _Rank, msg: tuple) -> None:
+        try:
+            _wire.send(me.conn, msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            raise self._death(me) from None
+
+    def _error_reply(self, me: _Rank, e: BaseException) -> tuple:
+        me.errors.append(e)
+        attrs = {k: getattr(e, k) for k in ("rank", "failed_rank", "ranks", "exit_code", "seed")
+                 if isinstance(getattr(e, k, None), (int, list, tuple))}
+        return ("err", len(me.errors) - 1, type(e).__module__, type(e).__qualname__, str(e), attrs)
+
+    def _program_error(self, me: _Rank, msg: tuple) -> BaseException:
+        _, data, clsname, text, tb = msg
+        exc: BaseException | None = None
+        if data is not None:
+            try:
+                exc = pickle.loads(data)
+            except Exception:  # noqa: BLE001
+                exc = None
+        if exc is None:
+            exc = DistRuntimeError(f"{clsname}: {text}")
+        exc.add_note(f"[simulator] traceback in rank {me.rank}'s process (pid {me.proc.pid}, "
+                     f"PYTHONHASHSEED={me.hash_seed}):\n{tb.rstrip()}")
+        return exc
+
+    def _recv(self, rs: Any, me: _Rank) -> tuple:
+        conn, run = me.conn, rs.run
+        while True:
+            try:
+                if conn.poll(0.1):
+                    return _wire.recv(conn)
+            except (EOFError, ConnectionResetError, OSError):
+                raise self._death(me) from None
+            if me.proc.poll() is not None:
+                try:
+                    if conn.poll(0):
+                        return _wire.recv(conn)
+                except (EOFError, ConnectionResetError, OSError):
+                    pass
+                raise self._death(me)
+            if run.aborted or time.monotonic() > run.deadline:
+                # the world timed out while this rank's process was computing: stop it (threads could not be)
+                self._kill(me)
+                if run.fatal is not None:
+                    raise run.fatal.make(me.rank)
+                raise SimTimeoutError(format_message(
+                    "simulator.run", f"the run did not finish within {self.world.timeout} s; rank {me.rank}'s "
+                    "process was computing and has been killed", rank=me.rank,
+                    fix="make the stuck computation end, or pass a larger timeout="))
+
+    def _death(self, me: _Rank) -> RankExitError:
+        """The rank process ended without reporting (os._exit, a signal, a crash of the interpreter)."""
+        try:
+            code = me.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._kill(me)
+            code = me.proc.poll()
+        rs = current_rank_state()
+        site = rs.last_site if rs is not None else "?"
+        if code is not None and code < 0:
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"signal {-code}"
+            what = f"was killed by {sig}"
+        else:
+            what = f"exited with code {code} before its function returned (os._exit, or the interpreter died)"
+        err = RankExitError(format_message(
+            "simulator.run", f"rank {me.rank}'s process {what}; a process that dies is a failed rank, as under "
+            "torchrun", rank=me.rank,
+            values={"exit_code": code, "pid": me.proc.pid, "PYTHONHASHSEED": me.hash_seed, "last_call": site},
+            fix="find why the process ended (its output above; a signal: a crash in native code, the OOM killer "
+                "or a kill), and return normally from every rank"))
+        err.exit_code = code
+        err.rank = me.rank
+        return err
+
+    # -- teardown -----------------------------------------------------------
+    @staticmethod
+    def _kill(me: _Rank) -> None:
+        try:
+            os.killpg(me.proc.pid, signal.SIGKILL)  # the process and anything it started (its own session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        """Bounded teardown: let the rank processes exit, kill what remains, reap them, drop the shared memory."""
+        for me in self.ranks:
+            try:
+                me.conn.close()  # a process still waiting for an answer sees the end of its channel
+            except OSError:
+                pass
+        deadline = time.monotonic() + _GRACE_S
+        for me in self.ranks:
+            try:
+                me.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for me in self.ranks:
+            self._kill(me)  # also what a finished process left behind in its session
+            try:
+                me.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:  # pragma: no cover  (SIGKILL cannot be refused)
+                pass
+        self.store = None
+        shutil.rmtree(self.arena_dir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids, in rank order."""
+        return [me.proc.pid for me in self.ranks]
