@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
-           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled"]
+           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost"]
 
 #: identifies the JSON written by ``python -m simulator calibrate`` (bumped on incompatible changes)
 PROFILE_FORMAT = "tensorplay-sim-cost/1"
@@ -300,13 +300,28 @@ class CostModel:
                 f"world sizes {m.get('world_sizes', '?')}, torch {m.get('torch_version', '?')})")
 
 
+_default: CostModel | None = None
+
+
+@contextmanager
+def default_cost(model: CostModel | None) -> Iterator[None]:
+    """While active, a world created without ``cost=`` uses ``model`` (``python -m simulator --cost`` sets it,
+    so that worlds a launcher script starts use the profile too)."""
+    global _default
+    prev, _default = _default, model
+    try:
+        yield
+    finally:
+        _default = prev
+
+
 def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scale: float | None = None) -> CostModel:
-    """``World(cost=...)``: a :class:`CostModel`, a profile path, or ``None`` (the uncalibrated default);
-    ``compute_scale`` (when given) replaces the model's."""
+    """``World(cost=...)``: a :class:`CostModel`, a profile path, or ``None`` (the uncalibrated default, or
+    the one :func:`default_cost` set); ``compute_scale`` (when given) replaces the model's."""
     from tensorplay.distributed.errors import DistTypeError, format_message
 
     if cost is None:
-        model = CostModel()
+        model = _default if _default is not None else CostModel()
     elif isinstance(cost, CostModel):
         model = cost
     elif isinstance(cost, (str, os.PathLike)):
