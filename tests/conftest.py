@@ -11,6 +11,9 @@ Functions run on the ranks travel by reference (dill pickles module-level
 functions of importable modules as ``module.name``), so worker functions must
 live at module level in the test files; the rank processes import the test
 module themselves.
+
+``ranks``: one body per behaviour, run on every backend of
+``tests/_support/backends.py`` (``@on_backends(worlds)`` parametrises it).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import Callable, Iterator
 import pytest
 
 from tensorplay.testing import RankPool
+
+from _support.backends import Ranks, make_ranks
 
 #: bound on one pool call; a healthy call takes milliseconds
 CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
@@ -47,6 +52,15 @@ def rank_pool() -> Iterator[Callable[[int], RankPool]]:
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def ranks(request: pytest.FixtureRequest) -> Ranks:
+    """W ranks of one backend (``ranks.run(fn, *args)``); parametrise with ``@on_backends(worlds)``.
+
+    The gloo params take the session's ``rank_pool(n)``; the simulated ones start a world per call.
+    """
+    return make_ranks(request)
 
 
 def pytest_configure(config: pytest.Config) -> None:
