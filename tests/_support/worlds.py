@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,26 +44,39 @@ def world_cases(worlds: Any) -> list[tuple[int, tuple[int, ...] | None]]:
     return [(w, s) for w in worlds for s in group_specs(w)]
 
 
-# id(rank state) -> (weak reference to it, {spec: group}); the weak reference tells a reused id apart
-_GROUPS: dict[int, tuple[Any, dict[tuple[int, ...], Any]]] = {}
+# id(rank state) -> (weak reference to it, {key: object}); the weak reference tells a reused id apart
+_PER_WORLD: dict[int, tuple[Any, dict[Any, Any]]] = {}
 _LOCK = threading.Lock()  # rank threads of a free-running simulated world share the cache
+
+
+def once_per_world(key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` the first time the calling rank asks for ``key`` in its current world, then the same object.
+
+    ``make`` may call collectives (``new_group``): it runs outside any lock, and every rank must ask
+    for the same keys in the same order, as for any collective.
+    """
+    st = _state.current()
+    with _LOCK:
+        entry = _PER_WORLD.get(id(st))
+        if entry is None or entry[0]() is not st:
+            for k in [k for k, (ref, _) in _PER_WORLD.items() if ref() is None]:  # forget finished worlds
+                del _PER_WORLD[k]
+            entry = _PER_WORLD[id(st)] = (weakref.ref(st), {})
+        cache = entry[1]
+        if key in cache:
+            return cache[key]
+    made = make()
+    with _LOCK:
+        return cache.setdefault(key, made)
 
 
 def group(spec: tuple[int, ...] | None) -> Any:
     """The calling rank's group for ``spec`` (``None``: the world), creating all of them on first use."""
     if spec is None:
         return None
-    st = _state.current()
-    with _LOCK:
-        entry = _GROUPS.get(id(st))
-    if entry is None or entry[0]() is not st:
-        # new_group is collective: called outside the lock, by every rank in the same order
-        groups = {s: dist.new_group(list(s)) for s in group_specs(dist.get_world_size())[1:]}
-        with _LOCK:
-            for key in [k for k, (ref, _) in _GROUPS.items() if ref() is None]:  # forget finished worlds
-                del _GROUPS[key]
-            entry = _GROUPS[id(st)] = (weakref.ref(st), groups)
-    return entry[1][spec]
+    groups = once_per_world("worlds.group_specs", lambda: {
+        s: dist.new_group(list(s)) for s in group_specs(dist.get_world_size())[1:]})
+    return groups[spec]
 
 
 def value(rank: int, n: int = 5, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -1,17 +1,26 @@
 """Argument validation: every bad input raises a clear error on the calling rank, before any communication.
 
-Each case below makes one bad call.  On a gloo pool of world size 1 and 2,
-*one* rank (the "checker") makes every bad call while the other rank does
-nothing at all; a call that reached the network would therefore hang until
-the process-group timeout instead of raising at once.  Afterwards both ranks
-run one ``all_reduce`` together, which shows that no bad call left a message
-behind.  One pool call per (world size, checker) runs every case; the tests
-then look at the recorded ``(error class, MRO, message)`` per case.
+Every test runs on each backend of ``tests/_support/backends.py`` through the
+``ranks`` fixture.
+
+**One rank makes the mistake** (:data:`CASES`, world sizes 1 and 2): *one*
+rank (the "checker") makes every bad call while the other rank does nothing
+at all; a call that reached the network would therefore wait for a peer
+instead of raising at once.  Afterwards both ranks run one ``all_reduce``
+together, which shows that no bad call left a message behind.  One call per
+(backend, world size, checker) runs every case; the tests then look at the
+recorded ``(error class, MRO, message)`` per case.
 
 Every message must name the collective, the group ranks, the calling rank and
 the offending values as ``name=value``.  Expected fragments are templates:
 ``{r}`` the checker's rank, ``{o}`` the other rank, ``{W}`` the world size,
-``{G}`` the world's ranks (e.g. ``[0, 1]``).
+``{G}`` the world's ranks (e.g. ``[0, 1]``), ``{B}`` the backend's name as
+``get_backend()`` reports it.
+
+**Every rank makes the same mistake** (:data:`SAME_MISTAKE`, world size 3):
+each must get the promised :class:`DistError` subclass from validation.
+
+**Not initialised** (no backend: the test process itself holds no group).
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.distributed import (
     DistError,
@@ -31,6 +41,9 @@ from tensorplay.distributed import (
     RankNotInGroupError,
     ReduceOp,
 )
+
+from _support.backends import Ranks, backend_params, on_backends, on_backends_with
+from _support.worlds import once_per_world
 
 
 @dataclass
@@ -162,7 +175,7 @@ CASES: list[Case] = [
                                             op="max"), DTE, TypeError, "op=ReduceOp.MAX", "dtype=torch.complex64"),
     # -- device the backend cannot use (gloo: cpu/cuda; meta stands in for an unusable device) -------------
     _c("all_reduce-meta", lambda c: dist.all_reduce(torch.empty(3, device="meta")), DVE, ValueError,
-       "tensor.device='meta'", "backend='gloo'"),
+       "tensor.device='meta'", "backend='{B}'"),
     _c("broadcast-meta", lambda c: dist.broadcast(torch.empty(3, device="meta"), src=0), DVE, ValueError,
        "tensor.device='meta'"),
     _c("all_gather-meta-output",
@@ -204,17 +217,12 @@ assert len(CASE_BY_ID) == len(CASES), "case ids must be unique"
 
 
 # -- on the ranks ------------------------------------------------------------------------------
-_OWN_GROUPS: dict[int, tuple[Any, Any]] = {}
-
-
 def _groups(rank: int, world: int) -> tuple[Any, Any]:
-    """(own group, other rank's group); every rank creates new_group([0]) then new_group([1]), once."""
+    """(own group, other rank's group); every rank creates new_group([0]) then new_group([1]), once per world."""
     if world < 2:
         return None, None
-    if not _OWN_GROUPS:
-        singles = [dist.new_group([r]) for r in range(world)]
-        _OWN_GROUPS[rank] = (singles[rank], singles[1 - rank])
-    return _OWN_GROUPS[rank]
+    singles = once_per_world("bad_input.singles", lambda: [dist.new_group([r]) for r in range(world)])
+    return singles[rank], singles[1 - rank]
 
 
 def _run_bad_calls(checker: int, case_ids: list[str]) -> dict[str, Any]:
@@ -236,44 +244,46 @@ def _run_bad_calls(checker: int, case_ids: list[str]) -> dict[str, Any]:
     health = torch.tensor([float(rank + 1)])
     dist.all_reduce(health)
     records["__health__"] = float(health.item())
+    records["__backend__"] = dist.get_backend()
     return records
 
 
 # -- in the test process -----------------------------------------------------------------------
-_RESULTS: dict[tuple[int, int], dict[str, Any]] = {}
+_RESULTS: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
-def _results(rank_pool: Any, world: int, checker: int) -> dict[str, Any]:
-    """One pool call per (world size, checker), shared by every test of that pair (also under xdist)."""
-    key = (world, checker)
+def _results(ranks: Ranks, checker: int) -> dict[str, Any]:
+    """One call per (backend, world size, checker), shared by every test of that triple (also under xdist)."""
+    key = (ranks.name, ranks.world_size, checker)
     if key not in _RESULTS:
-        ids = [c.id for c in CASES if c.min_world <= world]
-        per_rank = rank_pool(world).run(_run_bad_calls, checker, ids)
+        ids = [c.id for c in CASES if c.min_world <= ranks.world_size]
+        per_rank = ranks.run(_run_bad_calls, checker, ids)
         _RESULTS[key] = per_rank[checker] | {"__health_all__": [r["__health__"] for r in per_rank]}
     return _RESULTS[key]
 
 
-def _params() -> list[Any]:
-    out = []
-    for world in (1, 2):
-        for checker in range(world):
-            for case in CASES:
-                if case.min_world <= world:
-                    out.append(pytest.param(world, checker, case.id, id=f"W{world}-rank{checker}-{case.id}",
-                                            marks=[pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{world}")]))
-    return out
+def _checker_cases(world: int) -> list[tuple[int, str]]:
+    return [(checker, case.id) for checker in range(world) for case in CASES if case.min_world <= world]
 
 
-def _fill(template: str, world: int, rank: int) -> str:
-    return template.format(r=rank, o=1 - rank, W=world, G=list(range(world)), **{
+def _fill(template: str, world: int, rank: int, backend: str) -> str:
+    return template.format(r=rank, o=1 - rank, W=world, G=list(range(world)), B=backend, **{
         "W+1": world + 1, "W-1": world - 1, "W+3": world + 3, "2*W": 2 * world, "2*W+1": 2 * world + 1})
 
 
-@pytest.mark.parametrize("world,checker,case_id", _params())
-def test_bad_call_raises_before_communicating(rank_pool: Any, world: int, checker: int, case_id: str) -> None:
+#: the name ``get_backend()`` reports on each backend (and that messages name)
+BACKEND_NAME = {"sim": "sim", "gloo": "gloo"}
+
+
+@on_backends_with("checker_case", _checker_cases, lambda v: f"rank{v[0]}-{v[1]}", (1, 2))
+def test_bad_call_raises_before_communicating(ranks: Ranks, checker_case: tuple[int, str]) -> None:
+    checker, case_id = checker_case
+    world = ranks.world_size
     case = CASE_BY_ID[case_id]
-    name, mro, message, seconds = _results(rank_pool, world, checker)[case_id]
-    where = f"W={world} rank={checker} case={case_id}: {name}: {message}"
+    results = _results(ranks, checker)
+    name, mro, message, seconds = results[case_id]
+    where = f"{ranks.name} W={world} rank={checker} case={case_id}: {name}: {message}"
+    assert results["__backend__"] == ranks.expected(BACKEND_NAME), where
     assert name == case.error.__name__, where
     assert case.builtin.__name__ in mro and "DistError" in mro, where
     collective = case_id.split("-")[0]
@@ -282,18 +292,16 @@ def test_bad_call_raises_before_communicating(rank_pool: Any, world: int, checke
     if case.names_group:
         assert "group [" in message, where
     for fragment in case.fragments:
-        assert _fill(fragment, world, checker) in message, where
+        assert _fill(fragment, world, checker, results["__backend__"]) in message, where
     assert "Fix:" in message, where
     assert seconds < 5.0, f"{where} (took {seconds:.1f}s: it waited for a peer instead of failing at once)"
 
 
-@pytest.mark.parametrize("world,checker", [
-    pytest.param(w, c, id=f"W{w}-rank{c}", marks=[pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{w}")])
-    for w in (1, 2) for c in range(w)
-])
-def test_world_still_healthy_after_bad_calls(rank_pool: Any, world: int, checker: int) -> None:
+@on_backends_with("checker", range, lambda c: f"rank{c}", (1, 2))
+def test_world_still_healthy_after_bad_calls(ranks: Ranks, checker: int) -> None:
     """No bad call sent anything: the all-reduce that follows them sees exactly the ranks' own values."""
-    assert _results(rank_pool, world, checker)["__health_all__"] == [world * (world + 1) / 2] * world
+    world = ranks.world_size
+    assert _results(ranks, checker)["__health_all__"] == [world * (world + 1) / 2] * world
 
 
 # -- not initialised: no pool, this process never initialised a process group ----------------------
@@ -318,3 +326,169 @@ def test_not_initialised(name: str, call: Callable[[], Any]) -> None:
     message = str(info.value)
     assert message.startswith(f"tensorplay.distributed.{name}: ")
     assert "init_process_group" in message and "Fix:" in message
+
+
+def test_not_initialised_outside_any_world() -> None:
+    """The message names the ways to get a world, the simulator's included."""
+    with pytest.raises(NotInitializedError, match="simulator.run"):
+        dist.all_reduce(tp.ones(1))
+
+
+# -- every rank makes the same mistake (world size 3) --------------------------------------------
+def _not_initialised() -> None:
+    dist.destroy_process_group()
+    dist.all_reduce(tp.ones(1))
+
+
+def _rank_not_in_group() -> None:
+    g = dist.new_group([0])
+    if dist.get_rank() != 0:  # ranks 1 and 2 are not members
+        dist.all_reduce(tp.ones(1), group=g)
+
+
+def _src_not_in_group() -> None:
+    g = dist.new_group([0, 1])
+    dist.broadcast(tp.ones(1), src=2, group=g)
+
+
+def _dst_not_in_group() -> None:
+    g = dist.new_group([1, 2])
+    if dist.get_rank() != 0:  # members name a dst outside the group
+        dist.reduce(tp.ones(1), dst=0, group=g)
+
+
+def _group_dst_out_of_range() -> None:
+    dist.gather(tp.ones(1), None, group_dst=7)
+
+
+def _list_too_short() -> None:
+    dist.all_gather([tp.empty(1)], tp.ones(1))
+
+
+def _scatter_list_wrong_length() -> None:
+    dist.scatter(tp.empty(1), [tp.ones(1)] * 5, src=0)  # wrong length on src, not allowed off src
+
+
+def _gather_list_off_root() -> None:
+    dist.gather(tp.ones(1), [tp.empty(1)] * 3 if dist.get_rank() != 0 else [tp.empty(2)] * 3, dst=0)
+
+
+def _splits_wrong_sum() -> None:
+    dist.all_to_all_single(tp.empty(3), tp.ones(3), [1, 1, 1], [1, 1, 2])
+
+
+def _splits_wrong_length() -> None:
+    dist.all_to_all_single(tp.empty(3), tp.ones(3), [1, 2], [1, 1, 1])
+
+
+def _avg_on_int() -> None:
+    dist.all_reduce(tp.ones(2, dtype=torch.int64), op=ReduceOp.AVG)
+
+
+def _band_on_float() -> None:
+    dist.all_reduce(tp.ones(2), op=ReduceOp.BAND)
+
+
+def _max_on_complex() -> None:
+    dist.all_reduce(tp.ones(2, dtype=torch.complex64), op=ReduceOp.MAX)
+
+
+def _tensor_not_a_tensor() -> None:
+    dist.all_reduce([1.0, 2.0])
+
+
+def _async_op_not_bool() -> None:
+    dist.all_reduce(tp.ones(1), async_op="yes")
+
+
+def _src_not_int() -> None:
+    dist.broadcast(tp.ones(1), src="0")
+
+
+def _group_wrong_type() -> None:
+    dist.all_reduce(tp.ones(1), group=[0, 1, 2])
+
+
+def _tag_not_int() -> None:
+    dist.send(tp.ones(1), dst=(dist.get_rank() + 1) % 3, tag=1.5)
+
+
+def _send_to_self() -> None:
+    dist.send(tp.ones(1), dst=dist.get_rank())
+
+
+def _unknown_op() -> None:
+    dist.all_reduce(tp.ones(1), op="median")
+
+
+def _output_wrong_shape() -> None:
+    dist.all_gather_into_tensor(tp.empty(5), tp.ones(2))
+
+
+def _dtype_differs_in_list() -> None:
+    dist.all_gather([tp.empty(1), tp.empty(1, dtype=torch.float64), tp.empty(1)], tp.ones(1))
+
+
+INVOLVED = {"rank_not_in_group": (1, 2), "dst_not_in_group": (1, 2)}  # else every rank
+
+SAME_MISTAKE: dict[str, tuple[Callable[[], None], type]] = {
+    "not_initialised": (_not_initialised, NotInitializedError),
+    "rank_not_in_group": (_rank_not_in_group, RankNotInGroupError),
+    "src_not_in_group": (_src_not_in_group, RankNotInGroupError),
+    "dst_not_in_group": (_dst_not_in_group, RankNotInGroupError),
+    "group_dst_out_of_range": (_group_dst_out_of_range, RankNotInGroupError),
+    "list_length_not_group_size": (_list_too_short, DistValueError),
+    "scatter_list_wrong_length": (_scatter_list_wrong_length, DistValueError),
+    "gather_list_off_root": (_gather_list_off_root, DistValueError),
+    "splits_wrong_sum": (_splits_wrong_sum, DistValueError),
+    "splits_wrong_length": (_splits_wrong_length, DistValueError),
+    "avg_on_int": (_avg_on_int, DistTypeError),
+    "band_on_float": (_band_on_float, DistTypeError),
+    "max_on_complex": (_max_on_complex, DistTypeError),
+    "tensor_not_a_tensor": (_tensor_not_a_tensor, DistTypeError),
+    "async_op_not_bool": (_async_op_not_bool, DistTypeError),
+    "src_not_int": (_src_not_int, DistTypeError),
+    "group_wrong_type": (_group_wrong_type, DistTypeError),
+    "tag_not_int": (_tag_not_int, DistTypeError),
+    "send_to_self": (_send_to_self, DistValueError),
+    "unknown_op": (_unknown_op, DistValueError),
+    "output_wrong_shape": (_output_wrong_shape, DistValueError),
+    "dtype_differs_in_list": (_dtype_differs_in_list, DistTypeError),
+}
+
+#: backends on which a case cannot run, and why (the check stays visible as a skip)
+SAME_MISTAKE_SKIP = {
+    "not_initialised": {"gloo": "destroy_process_group would tear down the pool's process group that the "
+                                "session's later gloo tests reuse; the not-initialised error is checked "
+                                "without any group by test_not_initialised"},
+}
+
+
+def _guarded(name: str) -> tuple[type | None, str]:
+    try:
+        SAME_MISTAKE[name][0]()
+    except DistError as e:
+        return type(e), str(e)
+    return None, ""
+
+
+def _same_mistake_params() -> list[Any]:
+    out = []
+    for name in SAME_MISTAKE:
+        for p in backend_params((3,), skip=SAME_MISTAKE_SKIP.get(name)):
+            out.append(pytest.param(p.values[0], name, id=f"{name}-{p.id}", marks=p.marks))
+    return out
+
+
+@pytest.mark.parametrize("ranks,name", _same_mistake_params(), indirect=["ranks"])
+def test_bad_input_raises_the_promised_class_on_every_rank(ranks: Ranks, name: str) -> None:
+    cls = SAME_MISTAKE[name][1]
+    outs = ranks.run(_guarded, name)
+    for r in INVOLVED.get(name, range(3)):
+        kind, msg = outs[r]
+        assert kind is not None and issubclass(kind, cls), (ranks, r, kind, msg)
+        if ranks.simulated:
+            import simulator
+
+            # caught by validation, before the simulator ran anything
+            assert not issubclass(kind, simulator.SimError), (ranks, r, kind, msg)
