@@ -22,6 +22,11 @@ Example::
     python -m simulator --nproc-per-node 4 --seed 3 train.py --epochs 1
     python -m simulator --nproc-per-node 8 --mode threads --trace run.json train.py
     python -m simulator ddp_tutorial.py          # the script calls mp.spawn(fn, nprocs=4)
+    python -m simulator calibrate --backend gloo --world-sizes 2,4 --out profile.json
+    python -m simulator --nproc-per-node 4 --cost profile.json --summary train.py
+
+``calibrate`` (first argument) measures collectives on real processes and writes a cost profile (see
+:mod:`simulator.calibrate`); ``--cost`` makes virtual time (``--summary``, ``--trace``) use it.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import sys
 from typing import Any, Sequence
 
 from . import launch as _launch
+from .cost import default_cost, resolve_cost
 from .world import World
 
 __all__ = ["main"]
@@ -54,7 +60,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="what a blocking send waits for: its recv (rendezvous, as gloo and NCCL; default) or "
                         "nothing (eager: buffered, MPI-style)")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace/Perfetto JSON of the run to PATH")
-    p.add_argument("--summary", action="store_true", help="print the per-rank communication summary")
+    p.add_argument("--summary", action="store_true",
+                   help="print the per-rank summary of virtual time: communication, exposed communication, "
+                        "compute, end and step time")
+    p.add_argument("--cost", metavar="PROFILE", default=None,
+                   help="cost profile for virtual time, written by `python -m simulator calibrate --out PROFILE` "
+                        "(default: the uncalibrated alpha-beta model)")
+    p.add_argument("--compute-scale", type=float, default=None,
+                   help="multiply each rank's measured CPU time between operations by this (e.g. 0.1 for a device "
+                        "ten times faster; default: the profile's, else 1)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -70,6 +84,10 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
         parts += ["--p2p", ns.p2p]
     if ns.timeout != _DEFAULT_TIMEOUT:
         parts += ["--timeout", f"{ns.timeout:g}"]
+    if ns.cost is not None:
+        parts += ["--cost", ns.cost]
+    if ns.compute_scale is not None:
+        parts += ["--compute-scale", f"{ns.compute_scale:g}"]
     return shlex.join([*parts, ns.script, *ns.script_args])
 
 
@@ -152,7 +170,12 @@ def _write_traces(ns: argparse.Namespace, worlds: list[World]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    ns = _parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["calibrate"] and not os.path.isfile("calibrate"):  # a script named 'calibrate' still runs
+        from .calibrate import main as calibrate_main
+
+        return calibrate_main(args[1:])
+    ns = _parser().parse_args(args)
     script = os.path.abspath(ns.script)
     if not os.path.isfile(script):
         _err(f"no such script: {ns.script}")
@@ -162,15 +185,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout)  # the settings, checked before the script runs
+        cost = resolve_cost(ns.cost, ns.compute_scale)
     except Exception as e:  # noqa: BLE001  a bad option is a usage error
         _err(str(e))
         return 2
     hook = sys.excepthook
     try:
-        if ns.nproc is None:
-            code, worlds = _run_launcher(ns, script)
-        else:
-            code, worlds = _run_torchrun_style(ns, script)
+        with default_cost(cost):  # every world the script starts uses it (a launcher's worlds too)
+            if ns.nproc is None:
+                code, worlds = _run_launcher(ns, script)
+            else:
+                code, worlds = _run_torchrun_style(ns, script)
     finally:
         sys.excepthook = hook  # torch's init_process_group wraps it once per rank ("[rank1]: [rank0]: ...")
     _write_traces(ns, worlds)
@@ -195,7 +220,8 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
             if e.code not in (None, 0):
                 raise
 
-    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p)
+    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p,
+                  cost=resolve_cost(None))  # --cost / --compute-scale, set by main()
     if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit
