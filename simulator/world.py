@@ -45,12 +45,13 @@ from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
 from .sched import DONE
 from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
+from .cost import resolve_cost
 from .trace import DEFAULT_TRACE_LIMIT, CostModel, EventLog, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
-_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc")
+_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc", "cost")
 #: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
 _BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None
@@ -102,7 +103,10 @@ class World:
         timeout: seconds before the whole run is aborted with :class:`SimTimeoutError`.
         device: ``"cpu"`` or ``"cuda"`` (ranks share the GPUs round-robin).
         faults: :class:`Crash` / :class:`Delay` objects.
-        cost: the :class:`CostModel` for virtual time.
+        cost: the :class:`CostModel` for virtual time, or the path of a profile written by ``python -m simulator
+            calibrate`` (default: the uncalibrated alpha-beta model).
+        compute_scale: multiplies each rank's measured CPU time between operations (overrides the cost
+            model's; e.g. 0.1 for a target device ten times faster, 0 for schedule-only virtual time).
         env: extra per-rank environment variables (torchrun-style ``RANK`` & co. are always set while
             ``torchrun_env=True``).
         per_rank_rng: in coop mode, give each rank its own torch and ``random`` state (default True).
@@ -120,10 +124,11 @@ class World:
     """
 
     def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float = 60.0,
-                 device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | None = None,
+                 device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | str | None = None,
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
                  stack_size: int | None = None, p2p: str = "rendezvous",
-                 trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread") -> None:
+                 trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread",
+                 compute_scale: float | None = None) -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
         from .isolation import check_isolation
 
@@ -163,7 +168,7 @@ class World:
         self.timeout = float(timeout)
         self.device = dev
         self.faults = FaultPlan(list(faults), world_size)
-        self.cost = cost if cost is not None else CostModel()
+        self.cost = resolve_cost(cost, compute_scale)
         self.env = dict(env or {})
         self.torchrun_env = torchrun_env
         self.per_rank_rng = per_rank_rng
@@ -430,10 +435,10 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
 
 def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
-        faults: Sequence[Fault] = (), cost: CostModel | None = None, env: dict[str, str] | None = None,
+        faults: Sequence[Fault] = (), cost: CostModel | str | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
         p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT,
-        isolation: str = "thread") -> list[Any]:
+        isolation: str = "thread", compute_scale: float | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -453,5 +458,5 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
-              trace_limit=trace_limit, isolation=isolation)
+              trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale)
     return w.run(fn, args, kwargs)
