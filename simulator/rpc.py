@@ -16,6 +16,12 @@ Used automatically when ``init_rpc`` runs inside ``simulator.run`` or
   wait is a scheduler wait, so a handler may wait for later requests (an
   ``@async_execution`` future completed by them) and a wait nobody can end
   is reported as a deadlock naming the handler thread.
+* **Authenticated.**  Every message is sealed by its sender and checked by
+  its receiver before anything is unpickled, with the same code as on
+  TensorPipe (:mod:`tensorplay.distributed.rpc._auth`): under the world's
+  ``TENSORPLAY_RPC_SECRET``/``_FILE`` when set, else under a secret the run
+  generates (the simulator starts every member itself).  The envelope's bytes
+  are not counted in the trace's message sizes.
 * **Ownership.**  RRef values live in their owner's table with a reference
   count; RRefs cross workers only inside messages; to_here copies.
 * **Failures.**  A rank whose thread ended without ``shutdown`` (returned or
@@ -54,12 +60,13 @@ from .errors import RankFailedError, SimError
 from .sched import DONE, FREE
 from .threads import start_actor
 from .trace import Event
+from . import rpc_autograd
 from .state import current_rank_state
 from torch import nn
 
 from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, DistValueError
-from tensorplay.distributed.rpc import _agent
+from tensorplay.distributed.rpc import _agent, _auth
 from tensorplay.distributed.rpc._agent import Agent
 from tensorplay.distributed.rpc import futures as _futures
 from tensorplay.distributed.rpc._call import RemoteFailure, async_outcome, dill_pickler, future_outcome, is_async, run_call, unwrap
@@ -68,7 +75,23 @@ from tensorplay.distributed.rpc.futures import Future
 from tensorplay.distributed.rpc.rref import RRef
 from tensorplay.distributed.rpc.worker import WorkerInfo
 
-__all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "options_from"]
+__all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "options_from", "claims_caller",
+           "default_rank_and_size", "USAGE"]
+
+#: how to get a worker onto this transport (the "Fix:" of init_rpc(backend="sim") outside the simulator)
+WHERE = "inside a simulated rank"
+USAGE = "run the function with simulator.run(fn, world_size) or `python -m simulator`"
+
+
+def claims_caller() -> bool:
+    """The calling thread is a simulated rank (or one of its threads): the simulator's transport serves it."""
+    return current_rank_state() is not None and _state.current() is not None
+
+
+def default_rank_and_size() -> tuple[int, int | None]:
+    """The simulated rank's own rank and the run's world size."""
+    st = _state.current()
+    return (st.rank, st.world_size) if st is not None else (-1, None)
 
 
 @dataclass(frozen=True)
@@ -177,16 +200,8 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-_dautograd: Any = None
-
-
 def _autograd() -> Any:
-    global _dautograd
-    if _dautograd is None:
-        from tensorplay.distributed.autograd import _sim
-
-        _dautograd = _sim
-    return _dautograd
+    return rpc_autograd
 
 
 def _tensor_pid(obj: torch.Tensor, tensors: list, grad_sends: list) -> int:
@@ -215,17 +230,26 @@ def _dill_pickler(f: io.BytesIO, tensors: list, grad_sends: list) -> Any:
 
 
 class _Message:
-    """A serialised message: bytes, the out-of-band tensor copies, and the sender (for autograd)."""
+    """A serialised message: bytes (sealed when the world is authenticated), the out-of-band tensor copies,
+    and the sender (for autograd)."""
 
-    __slots__ = ("data", "tensors", "grad_sends", "sender", "dill")
+    __slots__ = ("data", "tensors", "grad_sends", "sender", "dill", "sealed")
 
     def __init__(self, data: bytes, tensors: list, grad_sends: list, sender: str, dill: bool) -> None:
         self.data, self.tensors, self.grad_sends, self.sender, self.dill = data, tensors, grad_sends, sender, dill
+        self.sealed = False
+
+    def seal(self, auth: "_auth.Authenticator | None") -> "_Message":
+        if auth is not None:
+            self.data = auth.seal(self.data)
+            self.sealed = True
+        return self
 
     @property
     def nbytes(self) -> int:
-        """What crosses the wire: the pickle plus the tensors' bytes."""
-        n = len(self.data)
+        """What crosses the wire: the pickle plus the tensors' bytes (the authentication envelope left out, so
+        virtual times do not depend on whether a world is authenticated)."""
+        n = len(self.data) - (_auth.HEADER_LEN if self.sealed else 0)
         for t in self.tensors:
             n += t.numel() * t.element_size()
         return n
@@ -283,14 +307,22 @@ def _rollback() -> None:
     _codec.retained = []
 
 
-def _decode(msg: _Message) -> Any:
+def _decode(msg: _Message, auth: "_auth.Authenticator | None" = None) -> Any:
+    """The message's object as its receiver (whose authenticator is ``auth``) sees it.
+
+    With ``auth``, the envelope is checked first: a message that is not authentic (or a replay) raises
+    :class:`~tensorplay.distributed.rpc._auth.AuthenticationError` before anything is unpickled.
+    """
+    data: Any = msg.data
+    if auth is not None:
+        data = auth.open(data, f"simulated worker {msg.sender!r}")
     tensors = msg.tensors
     if msg.grad_sends:
         ag = _autograd()
         for i, sid in msg.grad_sends:
             leaf = tensors[i].requires_grad_(True)
             ag.on_recv(leaf, msg.sender, sid)
-    f = io.BytesIO(msg.data)
+    f = io.BytesIO(data)
     if msg.dill:
         import dill
 
@@ -463,8 +495,9 @@ class _SimRRef:
             return unwrap(v)
         owner = self.world.agents[self.owner_info.name]
         # the value crosses from the owner to here, by value
-        msg = owner._as_sender(lambda: _encode(v, owner.name))
-        return unwrap(_decode(msg))
+        msg = owner._as_sender(lambda: _encode(v, owner.name).seal(owner.auth))
+        holder = self.world.agents.get(self.holder)
+        return unwrap(_decode(msg, holder.auth if holder is not None else owner.auth))
 
     def reduce(self) -> Any:
         if not in_message():
@@ -513,9 +546,10 @@ class _Barrier:
 class _RpcWorld:
     """The RPC state of one simulated run: its agents, barriers and rank handles."""
 
-    def __init__(self, run: Any, size: int) -> None:
+    def __init__(self, run: Any, size: int, secret: bytes) -> None:
         self.run = run
         self.size = size
+        self.secret = secret  # never leaves this process; the world's members are its threads
         self.lock = threading.RLock()
         self.agents: dict[str, SimAgent] = {}
         self.by_rank: dict[int, SimAgent] = {}
@@ -583,12 +617,14 @@ _worlds: "weakref.WeakKeyDictionary[Any, _RpcWorld]" = weakref.WeakKeyDictionary
 _worlds_lock = threading.Lock()
 
 
-def _world_of(rs: Any, size: int) -> _RpcWorld:
+def _world_of(rs: Any, size: int, secret: bytes | None) -> _RpcWorld:
     run = rs.run
     with _worlds_lock:
         w = _worlds.get(run)
         if w is None:
-            w = _worlds[run] = _RpcWorld(run, size)
+            # the simulator starts every member itself, so it authenticates by default: a secret of its own
+            # unless the environment names the world's
+            w = _worlds[run] = _RpcWorld(run, size, secret or _auth.generate_secret().encode())
             if not hasattr(run, "exit_hooks"):  # the simulator calls these when a rank thread ends
                 run.exit_hooks = []
             run.exit_hooks.append(w.rank_exited)
@@ -606,6 +642,7 @@ class SimAgent(Agent):
     """One simulated worker's RPC agent."""
 
     kind = "sim"
+    per_thread = True
 
     def __init__(self, world: _RpcWorld, name: str, rank: int, rs: Any, dist_state: Any,
                  options: SimRpcBackendOptions) -> None:
@@ -623,6 +660,8 @@ class SimAgent(Agent):
         self.closed = False
         self.exited = False
         self.faults = options.faults
+        #: seals what this worker sends and checks what it receives (one session per worker)
+        self.auth = _auth.Authenticator(world.secret)
         seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
         self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
         self._infos: list[WorkerInfo] | None = None
@@ -634,6 +673,10 @@ class SimAgent(Agent):
 
     def alive(self) -> bool:
         return not self.closed and self.thread_alive()
+
+    def distributed_autograd(self) -> Any:
+        """The simulator's engine (:mod:`simulator.rpc_autograd`)."""
+        return rpc_autograd
 
     def worker_infos(self) -> list[WorkerInfo]:
         if self._infos is None:
@@ -722,7 +765,7 @@ class SimAgent(Agent):
         peer = self._peer(call, dst)
         rec = _RpcRecord(self, call, peer)
         try:
-            req = _encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name))
+            req = _encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name)).seal(self.auth)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise DistTypeError(rpc_message(
                 call, "the call's arguments cannot be serialised", worker=self.name,
@@ -741,7 +784,7 @@ class SimAgent(Agent):
 
         def handle() -> None:  # on the callee's handler thread
             me = current_rank_state()
-            ag._tl.cid = cid
+            ag.set_context_id(cid)
             me.vt = max(me.vt, rec.v)  # the request arrived
             delay = late
             result: Any = None
@@ -770,13 +813,13 @@ class SimAgent(Agent):
                             call, "the call did not finish within its timeout", worker=self.name,
                             values={"to": dst.name, "timeout": timeout, "took_s": round(delay + took, 6)},
                             fix="raise timeout=, or make the remote function faster"))
-                    result = self._as_sender(lambda: _decode(answer))
+                    result = self._as_sender(lambda: _decode(answer, self.auth))
                     if type(result) is RemoteFailure:
                         exc, result = result.to_exception(), None
             except BaseException as e:  # noqa: BLE001  the caller's future completes whatever happens
                 exc = e
             finally:
-                ag._tl.cid = None
+                ag.set_context_id(None)
                 rec.close()
             # completed as the caller: its then() callbacks run as they would on the caller's agent
             self._as_sender(lambda: fut.set_exception(exc) if exc is not None else fut.set_result(result))
@@ -798,7 +841,7 @@ class SimAgent(Agent):
     def _serve(self, req: _Message) -> Any:
         """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`_Pending`."""
         try:
-            f, a, k = _decode(req)
+            f, a, k = _decode(req, self.auth)
         except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
             return RemoteFailure.capture(e, self.name)
         return _resolve_async(run_call(f, a, k), f, self.name)
@@ -809,9 +852,9 @@ class SimAgent(Agent):
         dmap = back.device_maps.get(self.name) if back is not None else None
         inverse = {v: k for k, v in dmap.items()} if dmap else None  # answers take the caller's map backwards
         try:
-            return _encode(value, self.name, inverse)
+            return _encode(value, self.name, inverse).seal(self.auth)
         except BaseException as e:  # noqa: BLE001  an answer that does not pickle
-            return _encode(RemoteFailure.capture(e, self.name), self.name)
+            return _encode(RemoteFailure.capture(e, self.name), self.name).seal(self.auth)
 
     # -- calls ----------------------------------------------------------------
     def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
@@ -973,16 +1016,21 @@ class _RpcRecord:
                                    self.vstart, self.v, None))
 
 
-def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None) -> SimAgent:
-    """Register this simulated rank as worker ``name`` and wait until the whole RPC world has."""
+def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None, *,
+          default_timeout: float | None = None) -> SimAgent:
+    """Register this simulated rank as worker ``name`` and wait until the whole RPC world has.
+
+    ``default_timeout`` is not used: ``SimRpcBackendOptions.rpc_timeout`` is the default here.
+    """
     rs = current_rank_state()
     if rs is None:  # pragma: no cover  checked by init_rpc
         raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
+    secret = _auth.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
     options = options_from(options)
     if not options.rpc_timeout or options.rpc_timeout <= 0:
         raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
                                          values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))
-    world = _world_of(rs, world_size)
+    world = _world_of(rs, world_size, secret)
     agent = SimAgent(world, name, rank, rs, _state.current(), options)
     with world.lock:
         clash = world.agents.get(name)

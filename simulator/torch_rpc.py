@@ -72,16 +72,18 @@ _contexts = threading.local()  # open torch-style autograd contexts of this thre
 
 def _on_sim() -> bool:
     """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
-    from tensorplay.distributed.rpc import api
+    from . import rpc as sim_rpc
 
-    return api._in_simulator()
+    return sim_rpc.claims_caller()
 
 
 def _sim_agent() -> Any:
     from tensorplay.distributed.rpc import _agent
 
+    from . import rpc as sim_rpc
+
     a = _agent.current()
-    return a if a is not None and a.kind == "sim" else None
+    return a if isinstance(a, sim_rpc.SimAgent) else None
 
 
 # ---------------------------------------------------------------------------

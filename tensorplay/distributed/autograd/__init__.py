@@ -1,7 +1,9 @@
 """Distributed autograd: gradients that flow back across RPCs, kept per *context*.
 
-``torch.distributed.autograd``'s API on both RPC transports: torch's engine on
-TensorPipe, our own (:mod:`._sim`) on the simulator.  Inside ``with
+``torch.distributed.autograd``'s API on every RPC transport: each transport's
+agent provides its engine (``agent.distributed_autograd()``): torch's own on
+TensorPipe (:mod:`._torch`), the simulator's (``simulator.rpc_autograd``) on
+the simulator.  Inside ``with
 context() as cid:``, every tensor that requires grad and crosses an RPC is
 recorded; ``backward(cid, roots)`` runs the backward pass from the roots on
 this worker, sends gradients back along every recorded RPC, and each worker
@@ -17,8 +19,7 @@ Example (worker0; the model's parameters live on worker1)::
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -29,8 +30,9 @@ from ..rpc.errors import rpc_message
 __all__ = ["context", "backward", "get_gradients"]
 
 
-def _agent_for(call: str) -> _agent.Agent:
-    return _agent.require(f"autograd.{call}")
+def _engine(call: str) -> tuple[_agent.Agent, Any]:
+    a = _agent.require(f"autograd.{call}")
+    return a, a.distributed_autograd()
 
 
 class context:
@@ -40,15 +42,7 @@ class context:
         self._impl: Any = None
 
     def __enter__(self) -> int:
-        a = _agent_for("context")
-        if a.kind == "sim":
-            from . import _sim
-
-            self._impl = _sim.context()
-        else:
-            import torch.distributed.autograd as tda
-
-            self._impl = tda.context()
+        self._impl = _engine("context")[1].context()
         return self._impl.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -77,42 +71,12 @@ def _check_roots(roots: Any, worker: str) -> list[torch.Tensor]:
     return list(roots)
 
 
-@contextlib.contextmanager
-def _torch_context(call: str, worker: str, context_id: int) -> Iterator[None]:
-    """torch's "Could not find autograd context" as our DistValueError naming the call, worker and context."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "Could not find autograd context" in str(e):
-            raise DistValueError(rpc_message(
-                call, "no such autograd context on this worker", worker=worker,
-                values={"context_id": context_id}, fix="call it inside `with context() as context_id:`")) from e
-        raise
-
-
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` (scalars) in context ``context_id``."""
-    a = _agent_for("backward")
-    roots = _check_roots(roots, a.name)
-    if a.kind == "sim":
-        from . import _sim
-
-        _sim.backward(context_id, roots, retain_graph)
-    else:
-        import torch.distributed.autograd as tda
-
-        with _torch_context("autograd.backward", a.name, context_id):
-            tda.backward(context_id, roots, retain_graph)
+    a, engine = _engine("backward")
+    engine.backward(context_id, _check_roots(roots, a.name), retain_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """This worker's gradients in context ``context_id``: ``{leaf tensor: gradient}``."""
-    a = _agent_for("get_gradients")
-    if a.kind == "sim":
-        from . import _sim
-
-        return _sim.get_gradients(context_id)
-    import torch.distributed.autograd as tda
-
-    with _torch_context("autograd.get_gradients", a.name, context_id):
-        return tda.get_gradients(context_id)
+    return _engine("get_gradients")[1].get_gradients(context_id)

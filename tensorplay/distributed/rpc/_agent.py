@@ -1,4 +1,4 @@
-"""The transport interface and where the calling worker's agent lives.
+"""The transport interface, the transport registry, and where the calling worker's agent lives.
 
 An *agent* is one worker's end of an RPC world.  Two implementations:
 
@@ -7,16 +7,30 @@ An *agent* is one worker's end of an RPC world.  Two implementations:
 * :class:`simulator.rpc.SimAgent` - one per simulated rank
   thread, talking through an in-process mailbox.
 
+A transport is a module registered by name (:func:`register_transport`);
+tensorplay registers ``"tensorpipe"`` (the default) and the simulator
+registers ``"sim"`` when it is imported.  Nothing above this module compares
+transport names: a transport module *declares* what callers need
+(:class:`Transport`), and an agent declares what it offers (whether it is
+bound to a thread, its distributed-autograd engine).
+
 Like :mod:`tensorplay.distributed._state`, a thread may carry its own agent
 (the simulator's rank threads do, and a simulated call runs the callee's code
 with the callee's agent bound), which then takes precedence over the
 process's.  The public functions in :mod:`.api` ask :func:`current` on every
 call and never cache it.
+
+Imports: this module sits below everything else of the RPC package except
+``errors``, ``worker`` and ``futures`` (so ``rref`` and ``api`` can both use
+:func:`invoke` without importing each other).
 """
 from __future__ import annotations
 
+import importlib
+import numbers
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..errors import DistRuntimeError, DistTypeError, DistValueError, NotInitializedError
 from .errors import rpc_message
@@ -26,14 +40,50 @@ if TYPE_CHECKING:  # pragma: no cover
     from .futures import Future
     from .rref import RRef
 
-__all__ = ["Agent", "current", "require", "set_process_agent", "bind_thread", "unbind_thread"]
+__all__ = ["Agent", "Transport", "DistributedAutograd", "current", "require", "set_process_agent", "bind_thread",
+           "unbind_thread", "install", "uninstall", "register_transport", "transport", "transport_names",
+           "transport_for", "invoke", "check_timeout", "check_call", "DEFAULT_TRANSPORT"]
+
+
+class DistributedAutograd(Protocol):
+    """A transport's distributed-autograd engine (what :mod:`tensorplay.distributed.autograd` calls)."""
+
+    def context(self) -> Any:
+        """A context manager whose ``__enter__`` returns a new context id."""
+
+    def backward(self, context_id: int, roots: list[Any], retain_graph: bool) -> None:
+        """The backward pass from ``roots`` (checked scalars) in that context."""
+
+    def get_gradients(self, context_id: int) -> dict[Any, Any]:
+        """This worker's gradients in that context."""
+
+
+class Transport(Protocol):
+    """What a module registered with :func:`register_transport` provides."""
+
+    #: where its workers live, for an error (e.g. "inside a simulated rank")
+    WHERE: str
+    #: how to get a worker onto this transport, for an error's "Fix:" (e.g. "run it inside simulator.run")
+    USAGE: str
+
+    def claims_caller(self) -> bool:
+        """Whether the calling thread belongs to a world of this transport (then it serves this worker,
+        whatever backend the program names)."""
+
+    def default_rank_and_size(self) -> tuple[int, int | None]:
+        """``rank`` (-1 if unknown) and ``world_size`` (``None`` if unknown) when ``init_rpc`` leaves them out."""
+
+    def start(self, name: str, rank: int, world_size: int, options: Any) -> "Agent":
+        """Start (and rendezvous) this worker's agent; returns once every worker has started."""
 
 
 class Agent:
     """One worker's end of the RPC world (the interface both transports implement)."""
 
-    #: ``"tensorpipe"`` or ``"sim"``
+    #: the registered transport name (for messages and the trace only: nothing branches on it)
     kind: str = ""
+    #: True when the agent belongs to the thread that started it (and threads serving it), not the process
+    per_thread: bool = False
     name: str
     rank: int
     world_size: int
@@ -98,6 +148,13 @@ class Agent:
     def shutdown(self, graceful: bool, timeout: float) -> None:
         raise NotImplementedError
 
+    def ready(self) -> None:
+        """Called once the agent is installed: return when every worker can serve calls (bounded)."""
+
+    def distributed_autograd(self) -> DistributedAutograd:
+        """This transport's distributed-autograd engine."""
+        raise NotImplementedError
+
 
 _process_agent: Agent | None = None
 _thread = threading.local()
@@ -135,10 +192,29 @@ def unbind_thread() -> None:
     _thread.agent = None
 
 
-# -- transports other packages provide ------------------------------------------------------------------------
-#: transport name -> the module implementing it (``start``, ``options_from``, its options class); a module named
-#: here is imported only when a world uses it, and tensorplay never names one itself (the simulator registers "sim")
+def install(agent: Agent) -> None:
+    """Make ``agent`` the calling worker's: the thread's if it is per-thread, else the process's."""
+    if agent.per_thread:
+        bind_thread(agent)
+    else:
+        set_process_agent(agent)
+
+
+def uninstall(agent: Agent) -> None:
+    """Undo :func:`install` (the agent shut down)."""
+    if agent.per_thread:
+        unbind_thread()
+    elif _process_agent is agent:
+        set_process_agent(None)
+
+
+# -- transports ---------------------------------------------------------------------------------------------
+#: transport name -> the module implementing it (a :class:`Transport`); a module named here is imported only when
+#: a world uses it.  tensorplay registers its own TensorPipe transport; other packages add theirs (the simulator
+#: registers "sim" when imported)
 _TRANSPORTS: dict[str, str] = {}
+#: the transport of a worker that no other transport claims
+DEFAULT_TRANSPORT = "tensorpipe"
 
 
 def register_transport(name: str, module: str) -> None:
@@ -146,10 +222,12 @@ def register_transport(name: str, module: str) -> None:
     _TRANSPORTS[name] = module
 
 
+def transport_names() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
 def transport(name: str, call: str = "init_rpc") -> Any:
     """The module registered for transport ``name``; a clear error when none is."""
-    import importlib
-
     module = _TRANSPORTS.get(name)
     if module is None:
         raise DistRuntimeError(rpc_message(
@@ -157,3 +235,80 @@ def transport(name: str, call: str = "init_rpc") -> Any:
             values={"backend": name, "registered": sorted(_TRANSPORTS)},
             fix="import the package that provides it first (e.g. `import simulator` for the simulator's transport)"))
     return importlib.import_module(module)
+
+
+def transport_for(requested: str | None, call: str = "init_rpc") -> tuple[str, Any]:
+    """The transport that serves the calling worker: the one whose world the caller belongs to, else
+    ``requested``, else the default.
+
+    A program written for real runs names TensorPipe; inside another transport's world (a simulated
+    rank) it runs on that transport instead.  A transport named explicitly that does not claim the
+    caller is refused with the transport's own usage hint.
+    """
+    for name, module in list(_TRANSPORTS.items()):
+        if name == DEFAULT_TRANSPORT:
+            continue
+        mod = importlib.import_module(module)
+        if mod.claims_caller():
+            return name, mod
+    name = requested or DEFAULT_TRANSPORT
+    mod = transport(name, call)
+    if name != DEFAULT_TRANSPORT and not mod.claims_caller():
+        raise DistRuntimeError(rpc_message(
+            call, f"backend={name!r} only works {getattr(mod, 'WHERE', 'inside a world of that transport')}",
+            values={"backend": name},
+            fix=getattr(mod, "USAGE", "start the worker the way that transport's documentation says")))
+    return name, mod
+
+
+register_transport(DEFAULT_TRANSPORT, "tensorplay.distributed.rpc.tensorpipe")
+
+
+# -- one call, validated at the boundary ------------------------------------------------------------------------
+def check_timeout(call: str, timeout: Any, agent: Agent) -> float:
+    """A call's timeout in seconds (the agent's default for ``None``); bad values raise before anything is sent."""
+    if timeout is None:
+        return agent.timeout
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise DistTypeError(rpc_message(call, "timeout must be a number of seconds", worker=agent.name,
+                                        values={"timeout": timeout}, fix="pass e.g. timeout=10.0, or None"))
+    if not timeout > 0:
+        raise DistValueError(rpc_message(
+            call, "timeout must be positive: every call is bounded", worker=agent.name,
+            values={"timeout": timeout}, fix="pass a positive number of seconds, or None for the default"))
+    return float(timeout)
+
+
+def check_call(call: str, agent: Agent, func: Any, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """``args`` as a tuple and ``kwargs`` as a dict; a non-callable ``func`` or wrong types raise."""
+    if not callable(func):
+        raise DistTypeError(rpc_message(call, "func must be callable", worker=agent.name,
+                                        values={"func": func}, fix="pass a function, e.g. rpc_sync(to, torch.add, args=(x, 1))"))
+    if args is None:
+        args = ()
+    elif isinstance(args, list):
+        args = tuple(args)
+    elif not isinstance(args, tuple):
+        raise DistTypeError(rpc_message(call, "args must be a tuple", worker=agent.name,
+                                        values={"args": type(args).__name__}, fix="write args=(x,) for one argument"))
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise DistTypeError(rpc_message(call, "kwargs must be a dict", worker=agent.name,
+                                        values={"kwargs": type(kwargs).__name__}, fix="pass kwargs={'name': value}"))
+    return args, kwargs
+
+
+def invoke(call: str, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
+    """``rpc_sync``, ``rpc_async`` or ``remote`` (``call``) on the calling worker's agent, validated first."""
+    a = require(call)
+    dst = a.resolve(call, to)
+    args, kwargs = check_call(call, a, func, args, kwargs)
+    t = check_timeout(call, timeout, a)
+    if call == "rpc_sync":
+        return a.call_sync(call, dst, func, args, kwargs, t)
+    if call == "rpc_async":
+        return a.call_async(call, dst, func, args, kwargs, t)
+    return a.remote(dst, func, args, kwargs, t)

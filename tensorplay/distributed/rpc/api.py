@@ -1,9 +1,10 @@
 """The public RPC calls: validate at the boundary, then hand the call to the calling worker's agent.
 
-The transport is picked once, by :func:`init_rpc`: inside a simulated rank
-(``simulator.run`` or ``python -m simulator``) it is the simulator's in-process
-transport, anywhere else torch's TensorPipe agent.  Everything after that is
-the same code on both.
+The transport is picked once, by :func:`init_rpc`, through the registry of
+:mod:`._agent`: a registered transport that claims the calling thread serves it
+(inside a simulated rank, the simulator's in-process transport), anywhere else
+torch's TensorPipe agent.  Everything after that is the same code on every
+transport, and nothing here compares transport names.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
-from .. import _state
-from ..errors import DistRuntimeError, DistTypeError, DistValueError
+from ..errors import DistRuntimeError, DistValueError
 from . import _agent
 from .errors import rpc_message
 from .futures import Future
@@ -39,57 +39,17 @@ DEFAULT_RPC_TIMEOUT = float(os.environ.get("TENSORPLAY_RPC_TIMEOUT", "60"))
 #: bound on a graceful shutdown's wait for the other workers (torch's default waits forever)
 DEFAULT_SHUTDOWN_TIMEOUT = float(os.environ.get("TENSORPLAY_RPC_SHUTDOWN_TIMEOUT", "30"))
 
-_BACKENDS = ("tensorpipe", "sim")
-
-
-def _in_simulator() -> bool:
-    st = _state.current()
-    return st is not None and getattr(st.backend, "name", None) == "sim"
-
 
 def _backend_name(backend: Any) -> str | None:
     if backend is None:
         return None
     name = getattr(backend, "name", backend)  # torch's BackendType.TENSORPIPE has .name
-    if isinstance(name, str) and name.lower() in _BACKENDS:
+    known = _agent.transport_names()
+    if isinstance(name, str) and name.lower() in known:
         return name.lower()
     raise DistValueError(rpc_message(
-        "init_rpc", "unknown RPC backend", values={"backend": backend, "known": list(_BACKENDS)},
+        "init_rpc", "unknown RPC backend", values={"backend": backend, "known": known},
         fix="leave backend=None: the simulator's transport is used inside simulator.run, TensorPipe elsewhere"))
-
-
-def _timeout(call: str, timeout: Any, agent: _agent.Agent) -> float:
-    if timeout is None:
-        return agent.timeout
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise DistTypeError(rpc_message(call, "timeout must be a number of seconds", worker=agent.name,
-                                        values={"timeout": timeout}, fix="pass e.g. timeout=10.0, or None"))
-    if not timeout > 0:
-        raise DistValueError(rpc_message(
-            call, "timeout must be positive: every call is bounded", worker=agent.name,
-            values={"timeout": timeout}, fix="pass a positive number of seconds, or None for the default"))
-    return float(timeout)
-
-
-def _check_call(call: str, agent: _agent.Agent, func: Any, args: Any, kwargs: Any) -> tuple[tuple, dict]:
-    if not callable(func):
-        raise DistTypeError(rpc_message(call, "func must be callable", worker=agent.name,
-                                        values={"func": func}, fix="pass a function, e.g. rpc_sync(to, torch.add, args=(x, 1))"))
-    if args is None:
-        args = ()
-    elif isinstance(args, list):
-        args = tuple(args)
-    elif not isinstance(args, tuple):
-        raise DistTypeError(rpc_message(call, "args must be a tuple", worker=agent.name,
-                                        values={"args": type(args).__name__}, fix="write args=(x,) for one argument"))
-    if kwargs is None:
-        kwargs = {}
-    elif not isinstance(kwargs, dict):
-        raise DistTypeError(rpc_message(call, "kwargs must be a dict", worker=agent.name,
-                                        values={"kwargs": type(kwargs).__name__}, fix="pass kwargs={'name': value}"))
-    return args, kwargs
 
 
 # ---------------------------------------------------------------------------
@@ -128,28 +88,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         raise DistRuntimeError(rpc_message(
             call, "RPC is already initialised on this worker", worker=_agent.current().name,  # type: ignore[union-attr]
             values={"name": name}, fix="call rpc.shutdown() before initialising again"))
-    kind = _backend_name(backend)
-    sim = _in_simulator()
-    if kind is None:
-        kind = "sim" if sim else "tensorpipe"
-    if kind == "sim" and not sim:
-        raise DistRuntimeError(rpc_message(
-            call, "backend='sim' only works inside a simulated rank", values={"name": name},
-            fix="run the function with simulator.run(fn, world_size) or `python -m simulator`"))
-    if kind == "tensorpipe" and sim:
-        # a program written for real runs names TensorPipe; inside the simulator its calls run on the
-        # simulator's transport instead (TensorPipe cannot: every rank is a thread of this process)
-        kind = "sim"
-
-    if kind == "sim":
-        st = _state.current()  # not None: _in_simulator() found it
-        rank = st.rank if rank == -1 else rank
-        world_size = st.world_size if world_size is None else world_size
-    else:
-        if rank == -1:
-            rank = int(os.environ.get("RANK", "-1"))
-        if world_size is None and os.environ.get("WORLD_SIZE"):
-            world_size = int(os.environ["WORLD_SIZE"])
+    requested = _backend_name(backend)
+    # a transport whose world the caller belongs to serves it, whatever it names (a program written for
+    # real runs names TensorPipe; inside a simulated rank it runs on the simulator's transport)
+    _, transport = _agent.transport_for(requested, call)
+    default_rank, default_size = transport.default_rank_and_size()
+    rank = default_rank if rank == -1 else rank
+    world_size = default_size if world_size is None else world_size
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise DistValueError(rpc_message(call, "rank must be an int >= 0", values={"name": name, "rank": rank},
                                          fix="pass rank=<this worker's rank> or set RANK"))
@@ -161,18 +106,15 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         raise DistValueError(rpc_message(call, "rank must be < world_size", values={"rank": rank, "world_size": world_size},
                                          fix="number the workers 0 .. world_size-1"))
 
-    if kind == "sim":
-        sim = _agent.transport("sim", call)
-        agent = sim.start(name, rank, world_size, sim.options_from(rpc_backend_options))
-        _agent.bind_thread(agent)
-    else:
-        from . import tensorpipe
-
-        agent = tensorpipe.start(name, rank, world_size, rpc_backend_options, DEFAULT_RPC_TIMEOUT)
-        _agent.set_process_agent(agent)
-        # torch's agent serves requests as soon as it starts; wait until every worker has its agent
-        # registered here too, or an early call could reach a worker that cannot handle it yet
-        tensorpipe.ready_barrier(agent)
+    agent = transport.start(name, rank, world_size, rpc_backend_options, default_timeout=DEFAULT_RPC_TIMEOUT)
+    _agent.install(agent)
+    try:
+        # a transport that serves requests as soon as it starts waits until every worker has its agent
+        # installed too, or an early call could reach a worker that cannot handle it yet
+        agent.ready()
+    except BaseException:
+        _agent.uninstall(agent)
+        raise
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -194,10 +136,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     try:
         a.shutdown(bool(graceful), float(timeout))
     finally:
-        if a.kind == "sim":
-            _agent.unbind_thread()
-        else:
-            _agent.set_process_agent(None)
+        _agent.uninstall(a)
 
 
 def is_initialized() -> bool:
@@ -221,10 +160,7 @@ def rpc_sync(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = No
 
         rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))   # tensor([4., 4.])
     """
-    a = _agent.require("rpc_sync")
-    dst = a.resolve("rpc_sync", to)
-    args, kwargs = _check_call("rpc_sync", a, func, args, kwargs)
-    return a.call_sync("rpc_sync", dst, func, args, kwargs, _timeout("rpc_sync", timeout, a))
+    return _agent.invoke("rpc_sync", to, func, args, kwargs, timeout)
 
 
 def rpc_async(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None,
@@ -236,10 +172,7 @@ def rpc_async(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = N
         futs = [rpc.rpc_async(w, torch.add, args=(x, 1)) for w in ("worker1", "worker2")]
         results = [f.wait() for f in futs]
     """
-    a = _agent.require("rpc_async")
-    dst = a.resolve("rpc_async", to)
-    args, kwargs = _check_call("rpc_async", a, func, args, kwargs)
-    return a.call_async("rpc_async", dst, func, args, kwargs, _timeout("rpc_async", timeout, a))
+    return _agent.invoke("rpc_async", to, func, args, kwargs, timeout)
 
 
 def remote(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None,
@@ -254,10 +187,7 @@ def remote(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None
         rref = rpc.remote("worker1", torch.ones, args=(2,))
         rref.to_here()                                           # tensor([1., 1.])
     """
-    a = _agent.require("remote")
-    dst = a.resolve("remote", to)
-    args, kwargs = _check_call("remote", a, func, args, kwargs)
-    return a.remote(dst, func, args, kwargs, _timeout("remote", timeout, a))
+    return _agent.invoke("remote", to, func, args, kwargs, timeout)
 
 
 def get_worker_info(worker_name: Any = None) -> WorkerInfo:
@@ -270,3 +200,8 @@ def get_worker_info(worker_name: Any = None) -> WorkerInfo:
 
 def _all_worker_infos() -> list[WorkerInfo]:
     return _agent.require("get_worker_infos").worker_infos()
+
+
+# kept for callers of the old private names
+_timeout = _agent.check_timeout
+_check_call = _agent.check_call

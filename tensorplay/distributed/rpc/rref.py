@@ -154,10 +154,9 @@ class _Proxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            from . import api
+            from ._agent import invoke
 
-            fn = getattr(api, mode)
-            return fn(rref.owner(), _invoke_on_rref, args=(rref, method, args, kwargs), timeout=timeout)
+            return invoke(mode, rref.owner(), _invoke_on_rref, (rref, method, args, kwargs), None, timeout)
 
         call.__name__ = method
         return call

@@ -147,10 +147,35 @@ def _init_method(options: Any, timeout_s: float) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------
+# the transport (see tensorplay.distributed.rpc._agent.Transport)
+# ---------------------------------------------------------------------------
+WHERE = "in a process of its own"
+USAGE = "start each worker as a process with init_rpc(name, rank=..., world_size=...) and a rendezvous"
+
+
+def claims_caller() -> bool:
+    """TensorPipe is the default transport: it serves whoever no other transport claims."""
+    return False
+
+
+def default_rank_and_size() -> tuple[int, int | None]:
+    """``RANK`` and ``WORLD_SIZE`` from the environment (as torchrun sets them)."""
+    size = os.environ.get("WORLD_SIZE")
+    return int(os.environ.get("RANK", "-1")), (int(size) if size else None)
+
+
+# ---------------------------------------------------------------------------
 # starting the agent
 # ---------------------------------------------------------------------------
-def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float) -> "TensorPipeAgent":
-    """Rendezvous on loopback (unless configured otherwise) and start torch's TensorPipe agent."""
+def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float = 60.0, *,
+          default_timeout: float | None = None) -> "TensorPipeAgent":
+    """Rendezvous on loopback (unless configured otherwise) and start torch's TensorPipe agent.
+
+    ``default_timeout`` (or ``timeout_s``) is the per-call timeout when ``options`` is ``None``.
+    With ``TENSORPLAY_RPC_SECRET``/``_FILE`` set, the world is authenticated (:mod:`._auth`).
+    """
+    if default_timeout is not None:
+        timeout_s = default_timeout
     if options is None:
         options = trpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, _transports=["uv"])
     elif not isinstance(options, trpc.TensorPipeRpcBackendOptions):
@@ -344,6 +369,7 @@ class TensorPipeAgent(Agent):
     """This process's worker in a TensorPipe RPC world."""
 
     kind = "tensorpipe"
+    per_thread = False
     _generation = 0
 
     def __init__(self, name: str, rank: int, world_size: int, timeout: float) -> None:
@@ -359,6 +385,15 @@ class TensorPipeAgent(Agent):
 
     def worker_infos(self) -> list[WorkerInfo]:
         return list(self._infos)
+
+    def ready(self) -> None:
+        ready_barrier(self)
+
+    def distributed_autograd(self) -> Any:
+        """torch's own engine (``torch.distributed.autograd``), with our errors."""
+        from ..autograd._torch import TorchAutograd
+
+        return TorchAutograd(self.name)
 
     # -- errors -----------------------------------------------------------------
     def translate(self, call: str, dst: WorkerInfo, exc: BaseException, timeout: float | None) -> BaseException:

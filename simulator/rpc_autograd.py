@@ -1,4 +1,10 @@
-"""Distributed autograd on the simulator's RPC transport.
+"""Distributed autograd on the simulator's RPC transport (what ``SimAgent.distributed_autograd()`` returns).
+
+It belongs to the transport (:mod:`simulator.rpc` calls :func:`on_send` /
+:func:`on_recv` while it serialises a message, and :func:`set_context_id` on
+a handler thread) and uses only the simulated agents' own fields
+(``autograd``, ``context_ids``, ``rank``, ``world.by_rank``), never the run's
+state.
 
 Bookkeeping, per worker and context:
 
@@ -19,16 +25,17 @@ send can receive several gradients.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from typing import Any
 
 import torch
 
-from ..errors import DistRuntimeError, DistValueError
-from ..rpc import _agent
-from ..rpc.errors import rpc_message
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError
+from tensorplay.distributed.rpc import _agent
+from tensorplay.distributed.rpc.errors import rpc_message
 
-__all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id"]
+__all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id", "set_context_id"]
 
 _tl = threading.local()
 
@@ -45,13 +52,19 @@ class _Ctx:
 
 
 def current_context_id() -> int | None:
+    """The distributed-autograd context of the calling thread, if any."""
     return getattr(_tl, "cid", None)
+
+
+def set_context_id(cid: int | None) -> None:
+    """Give the calling thread (a handler serving a call) the caller's context, or none."""
+    _tl.cid = cid
 
 
 def _sim_agent(call: str) -> Any:
     a = _agent.require(f"autograd.{call}")
-    if a.kind != "sim":  # pragma: no cover  dispatched by the caller
-        raise DistRuntimeError(rpc_message(f"autograd.{call}", "not a simulated worker"))
+    if a.distributed_autograd() is not sys.modules[__name__]:  # pragma: no cover  dispatched by the caller
+        raise DistRuntimeError(rpc_message(f"autograd.{call}", "not a simulated worker", worker=a.name))
     return a
 
 
@@ -152,7 +165,7 @@ def _propagate(agent: Any, ctx: _Ctx, roots: list[torch.Tensor], grads: list[tor
             continue
         prev = ctx.grads.get(leaf)
         ctx.grads[leaf] = g if prev is None else prev + g
-    from ..rpc import api
+    from tensorplay.distributed.rpc import api
 
     for sender, sid, g in forwards:
         api.rpc_sync(sender, _backward_from_send, args=(ctx.cid, sid, g))
