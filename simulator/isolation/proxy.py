@@ -75,7 +75,9 @@ def _at(site: str) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
         if not name or not line.isdigit():
             fn = _template
         else:
-            code = _template.__code__.replace(co_filename=name, co_firstlineno=int(line), co_name="<rank process>")
+            # the body line of _template is one below its first line
+            code = _template.__code__.replace(co_filename=name, co_firstlineno=int(line) - 1,
+                                              co_name="<rank process>")
             fn = types.FunctionType(code, {})
         _site_runners[site] = fn
     return fn

@@ -1,0 +1,420 @@
+"""Process-isolated simulated ranks (``isolation="process"``, issue 14).
+
+Each rank runs in its own Python process; the simulator (matching, checks,
+deadlock naming, faults, trace) runs in the coordinator.  Worker functions live
+at module level here: the rank processes import this module by name, each with
+its own copy of its globals.  Starting a rank process costs an interpreter and
+``import torch``, so cases are batched into few runs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import simulator
+import tensorplay.distributed as dist
+from simulator.isolation import ISOLATIONS, hash_seed
+
+pytestmark = pytest.mark.xdist_group("sim-isolation")
+
+
+# ---------------------------------------------------------------------------
+# programs (run in the rank processes)
+# ---------------------------------------------------------------------------
+def collectives_and_p2p() -> dict:
+    """Distinct per-rank values through every kind of call: results are checked against plain arithmetic."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    x = torch.arange(4, dtype=torch.float64) * (r + 1) + 0.1 * r
+    dist.all_reduce(x)
+    out["all_reduce"] = x
+    m = torch.tensor([float(r * r - 3 * r)])
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    out["max"] = m
+    b = torch.full((2, 3), float(r))
+    dist.broadcast(b, src=w - 1)
+    out["broadcast"] = b
+    gl = [torch.empty(2) for _ in range(w)]
+    dist.all_gather(gl, torch.tensor([r, 10.0 * r]))
+    out["all_gather"] = torch.stack(gl)
+    flat = torch.empty(w * 2)
+    dist.all_gather_into_tensor(flat, torch.tensor([r + 0.5, -r]))
+    out["all_gather_into_tensor"] = flat
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2 * w, dtype=torch.float32) * (r + 1))
+    out["reduce_scatter_tensor"] = rs
+    a2a = torch.empty(w)
+    dist.all_to_all_single(a2a, torch.arange(w, dtype=torch.float32) + 100 * r)
+    out["all_to_all_single"] = a2a
+    # an in-place all_gather: the input is a view of the output (FSDP's pattern), aliasing kept across processes
+    buf = torch.zeros(w * 3)
+    part = buf.narrow(0, r * 3, 3)
+    part.fill_(r + 1.0)
+    dist.all_gather_into_tensor(buf, part)
+    out["in_place_all_gather"] = buf
+    # a non-contiguous tensor (a column of a matrix)
+    mat = torch.arange(6, dtype=torch.float32).reshape(3, 2) * (r + 1)
+    col = mat[:, 1]
+    dist.all_reduce(col)
+    out["column"] = mat
+    # point to point: a ring, with isend/irecv, and a blocking exchange
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    got = torch.empty(3)
+    s = dist.isend(torch.full((3,), float(r)), nxt)
+    q = dist.irecv(got, prv)
+    s.wait()
+    q.wait()
+    out["ring"] = got
+    # a subgroup and an async collective on it
+    g = dist.new_group([0, 1])
+    if r < 2:
+        z = torch.tensor([r + 1.0, 2.0 * r])
+        work = dist.all_reduce(z, group=g, async_op=True)
+        work.wait()
+        out["subgroup"] = z
+    dist.barrier()
+    return out
+
+
+def _expected(w: int) -> list[dict]:
+    exp = []
+    for r in range(w):
+        e: dict = {}
+        e["all_reduce"] = sum(torch.arange(4, dtype=torch.float64) * (k + 1) + 0.1 * k for k in range(w))
+        e["max"] = torch.tensor([max(float(k * k - 3 * k) for k in range(w))])
+        e["broadcast"] = torch.full((2, 3), float(w - 1))
+        e["all_gather"] = torch.stack([torch.tensor([k, 10.0 * k]) for k in range(w)])
+        e["all_gather_into_tensor"] = torch.cat([torch.tensor([k + 0.5, -k]) for k in range(w)])
+        e["reduce_scatter_tensor"] = sum(torch.arange(2 * w, dtype=torch.float32) * (k + 1) for k in range(w))[2 * r:2 * r + 2]
+        e["all_to_all_single"] = torch.tensor([r + 100.0 * k for k in range(w)])
+        e["in_place_all_gather"] = torch.cat([torch.full((3,), k + 1.0) for k in range(w)])
+        mat = torch.arange(6, dtype=torch.float32).reshape(3, 2) * (r + 1)
+        mat[:, 1] = sum(torch.arange(6, dtype=torch.float32).reshape(3, 2)[:, 1] * (k + 1) for k in range(w))
+        e["column"] = mat
+        e["ring"] = torch.full((3,), float((r - 1) % w))
+        if r < 2:
+            e["subgroup"] = torch.tensor([3.0, 2.0])
+        exp.append(e)
+    return exp
+
+
+# the hash-order program of issue 14: collectives issued while iterating a set of parameter names
+PARAM_SHAPES = {"embed.weight": (4,), "attn.qkv": (3, 2), "mlp.fc1": (5,), "mlp.fc2": (2, 2), "norm.bias": (7,),
+                "head.weight": (6,)}
+
+
+def hash_order() -> list[str]:
+    names = set(PARAM_SHAPES)  # iteration order follows the string hashes: PYTHONHASHSEED of the process
+    for name in names:
+        dist.all_reduce(torch.ones(PARAM_SHAPES[name]))
+    return list(names)
+
+
+# a Megatron-style "parallel state": process groups kept in module globals, set by initialize_model_parallel()
+_TENSOR_MODEL_PARALLEL_GROUP = None
+_DATA_PARALLEL_GROUP = None
+
+
+def initialize_model_parallel(tp: int) -> None:
+    global _TENSOR_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP
+    w, r = dist.get_world_size(), dist.get_rank()
+    for start in range(0, w, tp):  # every rank creates every group (new_group is collective), keeps its own
+        ranks = list(range(start, start + tp))
+        g = dist.new_group(ranks)
+        if r in ranks:
+            _TENSOR_MODEL_PARALLEL_GROUP = g
+    for j in range(tp):
+        ranks = list(range(j, w, tp))
+        g = dist.new_group(ranks)
+        if r in ranks:
+            _DATA_PARALLEL_GROUP = g
+
+
+def get_tensor_model_parallel_group():  # noqa: ANN201
+    return _TENSOR_MODEL_PARALLEL_GROUP
+
+
+def get_data_parallel_group():  # noqa: ANN201
+    return _DATA_PARALLEL_GROUP
+
+
+def _mlp_weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)  # the global batch
+    w1 = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    w2 = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    return x, w1, w2
+
+
+def tp_dp_mlp(tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D tensor x data parallel MLP step: column-parallel fc1, row-parallel fc2, data-parallel gradients."""
+    initialize_model_parallel(tp)
+    tpg, dpg = get_tensor_model_parallel_group(), get_data_parallel_group()
+    tr, dr, dp = dist.get_rank(tpg), dist.get_rank(dpg), dist.get_world_size(dpg)
+    x, w1, w2 = _mlp_weights()
+    cols = w1.shape[1] // tp
+    xb = x.chunk(dp)[dr]
+    w1p = w1[:, tr * cols:(tr + 1) * cols].clone().requires_grad_()
+    w2p = w2[tr * cols:(tr + 1) * cols].clone().requires_grad_()
+    partial = torch.relu(xb @ w1p) @ w2p
+    full = partial.detach().clone()
+    dist.all_reduce(full, group=tpg)  # row-parallel output: the sum of the partial products
+    y = partial + (full - partial).detach()  # d loss / d partial = d loss / d y
+    (y ** 2).sum().backward()
+    for p in (w1p, w2p):
+        dist.all_reduce(p.grad, group=dpg)
+    return w1p.grad, w2p.grad
+
+
+def reference_mlp_grads() -> tuple[torch.Tensor, torch.Tensor]:
+    x, w1, w2 = _mlp_weights()
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    ((torch.relu(x @ w1) @ w2) ** 2).sum().backward()
+    return w1.grad, w2.grad
+
+
+def dies_after_first(how: str) -> None:
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    if dist.get_rank() == 1:
+        if how == "os._exit":
+            os._exit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "sys.exit":
+            sys.exit(5)
+        if how == "raise":
+            raise KeyError("rank one's own error")
+    dist.all_reduce(x)
+
+
+def leaves_a_child() -> int:
+    """Start a long-lived process and return its pid (teardown must not leave it behind)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    dist.barrier()
+    return p.pid
+
+
+def deadlocks() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 returns without joining
+
+
+def recv_deadlock() -> None:
+    dist.recv(torch.empty(1), (dist.get_rank() + 1) % dist.get_world_size())
+
+
+def rng_and_globals() -> tuple[torch.Tensor, int, str]:
+    torch.set_default_dtype(torch.float64)  # process-wide: stays in this rank's process
+    x = torch.randn(3)
+    dist.all_reduce(x)
+    os.environ["TP_ISOLATION_PROBE"] = str(dist.get_rank())
+    return x, os.getpid(), os.environ["PYTHONHASHSEED"]
+
+
+def ddp_step() -> list[torch.Tensor]:
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tdist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + tdist.get_rank())
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 4, generator=g)).pow(2).sum().backward()
+        opt.step()
+    out = [p.detach().clone() for p in model.parameters()]
+    tdist.destroy_process_group()
+    return out
+
+
+def autograd_all_reduce() -> torch.Tensor:
+    from tensorplay.distributed.nn import functional as dfn
+
+    x = torch.tensor([1.0, 2.0]) * (dist.get_rank() + 1)
+    x.requires_grad_()
+    y = dfn.all_reduce(x * x)
+    y.sum().backward()
+    return x.grad
+
+
+def crash_fault() -> None:
+    for _ in range(4):
+        dist.all_reduce(torch.ones(1))
+
+
+# ---------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------
+def _survivors(pids: list[int], within: float = 10.0) -> list[int]:
+    """The processes of ``pids`` still alive after ``within`` seconds (a SIGKILL takes a moment to land)."""
+    import time
+
+    deadline = time.monotonic() + within
+    alive = [p for p in pids if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _alive(p)]
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for every purpose but the table entry
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_isolations_listed_once():
+    assert ISOLATIONS == ("thread", "process")
+    with pytest.raises(dist.DistValueError, match=r"isolation='fork'.*available=\['thread', 'process'\]"):
+        simulator.World(2, isolation="fork")
+
+
+def test_collectives_p2p_match_reference_and_thread_mode_bitwise():
+    w = 3
+    world = simulator.World(w, seed=4, isolation="process")
+    procs = world.run(collectives_and_p2p)
+    threads = simulator.run(collectives_and_p2p, w, seed=4)
+    for r, (got, exp, thr) in enumerate(zip(procs, _expected(w), threads)):
+        assert got.keys() == exp.keys(), r
+        for k in exp:
+            torch.testing.assert_close(got[k], exp[k], msg=f"rank {r} {k}")
+            assert torch.equal(got[k], thr[k]), f"rank {r} {k}: process and thread mode differ"
+    # the same trace (ops, groups, sequence numbers, call sites) as thread ranks
+    assert world.trace.signature() == simulator.last_trace().signature()
+    assert all(e.site.startswith("test_sim_isolation.py:") for e in world.trace.events)
+    assert world.hash_seeds == [hash_seed(4, r) for r in range(w)]
+    assert len(set(world.hash_seeds)) == w
+
+
+def test_hash_order_program_fails_deterministically_with_call_sites_and_hash_seeds():
+    # thread ranks share one interpreter, hence one hash order: the bug is invisible there
+    simulator.run(hash_order, 3)
+    messages = []
+    for _ in range(2):
+        with pytest.raises(simulator.CollectiveMismatchError) as info:
+            simulator.run(hash_order, 3, isolation="process")
+        text = str(info.value) + "\n".join(getattr(info.value, "__notes__", ()))
+        messages.append(str(info.value))
+        line = hash_order.__code__.co_firstlineno + 3
+        assert f"test_sim_isolation.py:{line}" in text
+        for r in range(3):
+            assert f"{r}={hash_seed(0, r)}" in text
+        assert "PYTHONHASHSEED" in text
+    assert messages[0] == messages[1]
+
+
+def test_module_globals_parallel_state_matches_single_process_reference():
+    tp = 2
+    outs = simulator.run(tp_dp_mlp, 4, args=(tp,), isolation="process")
+    g1, g2 = reference_mlp_grads()
+    cols = g1.shape[1] // tp
+    for r, (d1, d2) in enumerate(outs):
+        tr = r % tp
+        torch.testing.assert_close(d1, g1[:, tr * cols:(tr + 1) * cols], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d2, g2[tr * cols:(tr + 1) * cols], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("how,code", [("os._exit", 3), ("sigkill", -9), ("sys.exit", 5)])
+def test_rank_death_is_a_rank_failure_on_every_rank(how, code):
+    world = simulator.World(3, isolation="process")
+    with pytest.raises(simulator.RankExitError) as info:
+        world.run(dies_after_first, args=(how,))
+    assert info.value.rank == 1 and info.value.exit_code == code
+    if how == "sigkill":
+        assert "SIGKILL" in str(info.value)
+    for r in (0, 2):
+        assert isinstance(world.errors[r], simulator.RankFailedError)
+        assert world.errors[r].failed_rank == 1
+    from simulator import isolation
+
+    assert not _survivors(isolation.last_pids)
+
+
+def test_program_error_keeps_its_type_and_traceback():
+    with pytest.raises(KeyError, match="rank one's own error") as info:
+        simulator.run(dies_after_first, 2, args=("raise",), isolation="process")
+    notes = "\n".join(info.value.__notes__)
+    assert "traceback in rank 1's process" in notes and "dies_after_first" in notes
+    assert info.value.rank == 1
+
+
+def test_teardown_leaves_no_process_behind():
+    from simulator import isolation
+
+    pids = simulator.run(leaves_a_child, 2, isolation="process")
+    assert not _survivors(isolation.last_pids + pids)
+
+
+def test_deadlocks_named_by_counting():
+    with pytest.raises(simulator.DeadlockError, match=r"rank 0 waits in all_reduce #1 .*test_sim_isolation.py"):
+        simulator.run(deadlocks, 2, isolation="process", timeout=60)
+    with pytest.raises(simulator.DeadlockError, match="recv"):
+        simulator.run(recv_deadlock, 2, isolation="process", timeout=60)
+
+
+def test_process_state_is_per_rank_and_seeded():
+    outs = simulator.run(rng_and_globals, 2, seed=3, isolation="process")
+    again = simulator.run(rng_and_globals, 2, seed=3, isolation="process")
+    thread = simulator.run(lambda: torch.randn(3), 2, seed=3)
+    assert outs[0][0].dtype == torch.float64 and torch.get_default_dtype() == torch.float32
+    assert "TP_ISOLATION_PROBE" not in os.environ
+    assert outs[0][1] != outs[1][1] != os.getpid()
+    assert [o[2] for o in outs] == [str(hash_seed(3, r)) for r in range(2)]
+    torch.testing.assert_close(outs[0][0], again[0][0], rtol=0, atol=0)
+    # each rank starts from the same torch seed as its thread twin (an unseeded program)
+    torch.testing.assert_close(outs[0][0], (thread[0] + thread[1]).double())
+
+
+def test_ddp_and_autograd_collectives_bitwise_equal_to_thread_mode():
+    procs = simulator.run(ddp_step, 2, isolation="process")
+    threads = simulator.run(ddp_step, 2)
+    for a, b in zip(procs, threads):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for p, t in zip(procs[0], procs[1]):
+        assert torch.equal(p, t)  # DDP keeps the replicas identical
+    grads = simulator.run(autograd_all_reduce, 2, isolation="process")
+    for r, g in enumerate(grads):  # d/dx_r sum(all_reduce(x*x)) summed over ranks' backward = 2 * x_r * W
+        torch.testing.assert_close(g, 2 * torch.tensor([1.0, 2.0]) * (r + 1) * 2)
+
+
+def test_faults_and_virtual_time():
+    with pytest.raises(simulator.InjectedFault):
+        simulator.run(crash_fault, 2, isolation="process", faults=[simulator.Crash(rank=1, at=3)])
+    world = simulator.World(2, isolation="process", faults=[simulator.Delay(rank=0, seconds=0.5)])
+    world.run(crash_fault)
+    assert world.trace.summary()[1]["end_vtime"] >= 2.0 if "end_vtime" in world.trace.summary()[1] else True
+    assert max(e.vend for e in world.trace.events) >= 2.0
+
+
+def test_cli_isolation_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as tdist
+        _STATE = []                                   # a module global: one per rank process
+        tdist.init_process_group("gloo")
+        _STATE.append(tdist.get_rank())
+        x = torch.tensor([float(tdist.get_rank() + 1)])
+        tdist.all_reduce(x)
+        print(f"rank {tdist.get_rank()} sum {x.item():g} state {_STATE} hashseed {os.environ['PYTHONHASHSEED']}")
+    """))
+    p = subprocess.run([sys.executable, "-m", "simulator", "--isolation", "process", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = sorted(l for l in p.stdout.splitlines() if l.startswith("rank"))
+    assert lines == [f"rank {r} sum 3 state [{r}] hashseed {hash_seed(0, r)}" for r in range(2)]
