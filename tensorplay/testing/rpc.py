@@ -10,6 +10,13 @@ died) the processes are restarted, and RPC re-initialised, on the next call.
 Functions travel with dill: module-level functions of importable modules
 (test modules included) go by reference.
 
+The pool starts its members itself, so its world is authenticated by
+default: it generates a secret (:func:`tensorplay.distributed.rpc._auth.generate_secret`)
+and gives it to each member through the pool's own pipe, which the member
+puts in its environment (``TENSORPLAY_RPC_SECRET``) before ``init_rpc``; the
+secret never passes through the rendezvous store.  ``authenticate=False``
+starts an unauthenticated world (as torch's own).
+
 Example::
 
     from tensorplay.testing import RpcPool
@@ -30,11 +37,20 @@ from .pool import RankPool, free_port
 __all__ = ["RpcPool"]
 
 
-def _init_worker(name: str, rank: int, world_size: int, port: int, rpc_timeout: float) -> str:
+def _init_worker(name: str, rank: int, world_size: int, port: int, rpc_timeout: float,
+                 secret: str | None = None) -> str:
+    import os
+
     import tensorplay.distributed.rpc as rpc
+    from tensorplay.distributed.rpc import _auth
 
     if rpc.is_initialized():
         rpc.shutdown(graceful=False)
+    os.environ.pop(_auth.ENV_SECRET_FILE, None)
+    if secret is None:
+        os.environ.pop(_auth.ENV_SECRET, None)
+    else:
+        os.environ[_auth.ENV_SECRET] = secret
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout,
                                            _transports=["uv"])
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
@@ -63,13 +79,23 @@ class RpcPool:
         world_size: number of workers.
         rpc_timeout: the workers' default per-call timeout, seconds.
         call_timeout: bound on one :meth:`run`, seconds.
+        authenticate: give the members a shared secret (generated once per pool unless ``secret`` is
+            given), so only they can call each other; ``False`` for an unauthenticated world.
+        secret: the secret to use (at least 16 characters) instead of a generated one.
     """
 
-    def __init__(self, world_size: int, *, rpc_timeout: float = 20.0, call_timeout: float = 60.0) -> None:
+    def __init__(self, world_size: int, *, rpc_timeout: float = 20.0, call_timeout: float = 60.0,
+                 authenticate: bool = True, secret: str | None = None) -> None:
+        from ..distributed.rpc import _auth
+
         self.world_size = world_size
         self.rpc_timeout = rpc_timeout
+        #: the members' shared secret (``None`` for an unauthenticated pool); keep it out of logs
+        self.secret: str | None = (secret or _auth.generate_secret()) if authenticate else None
         self.pool = RankPool(world_size, call_timeout=call_timeout, pg_timeout=call_timeout)
         self._started_at_restart = -1
+        #: the rendezvous port of the current world (its store is served by worker0 on 127.0.0.1)
+        self.port: int | None = None
 
     def __enter__(self) -> "RpcPool":
         self.start()
@@ -88,8 +114,9 @@ class RpcPool:
             return
         self.pool.start()
         port = free_port()
-        self.pool.run_per_rank(_init_worker, [(f"worker{r}", r, self.world_size, port, self.rpc_timeout)
-                                              for r in range(self.world_size)])
+        self.pool.run_per_rank(_init_worker, [(f"worker{r}", r, self.world_size, port, self.rpc_timeout,
+                                               self.secret) for r in range(self.world_size)])
+        self.port = port
         self._started_at_restart = self.pool.restarts
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:

@@ -92,13 +92,13 @@ def load_secret(call: str = "init_rpc", environ: "os._Environ[str] | dict[str, s
             st = os.stat(path)
         except OSError as e:
             raise DistValueError(rpc_message(
-                call, "the RPC secret file cannot be read", values={"path": path, "error": f"{type(e).__name__}: {e}"},
+                call, f"the RPC secret file {path} cannot be read", values={"path": path, "error": f"{type(e).__name__}: {e}"},
                 fix=f"write the secret to that file ({gen} > {path}; chmod 600 {path}) or unset {ENV_SECRET_FILE}")) from e
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o077:
             raise DistValueError(rpc_message(
-                call, "the RPC secret file is readable or writable by others than its owner",
-                values={"path": path, "mode": oct(mode)}, fix=f"run `chmod 600 {path}`"))
+                call, f"the RPC secret file {path} is readable or writable by others than its owner "
+                  f"(mode {oct(mode)})", values={"path": path, "mode": oct(mode)}, fix=f"run `chmod 600 {path}`"))
         with open(path, "rb") as f:
             secret = f.read().strip()
         where = f"{ENV_SECRET_FILE}={path}"

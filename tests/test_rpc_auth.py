@@ -1,0 +1,261 @@
+"""Authenticated RPC worlds (issue 16): only members holding the world's secret can make a worker run anything.
+
+* the envelope itself (seal/open, tampering, a wrong secret, replays, old messages, the refusal's log line);
+* where the secret comes from (environment variable, owner-only file, the errors for everything else);
+* the simulator's transport (authenticated by default, same check code on every message);
+* TensorPipe with a real attacker process on loopback: it reads the worker's address from the rendezvous
+  store, starts an agent of its own and asks the worker to run ``os.system``; nothing may run, and a
+  member's message it captured and replays is refused too.  A control run against an unauthenticated
+  world shows the same attacker does get in there.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import simulator
+import tensorplay.distributed as dist
+import tensorplay.distributed.rpc as rpc
+from tensorplay.distributed.errors import DistValueError
+from tensorplay.distributed.rpc import _agent, _auth
+from tensorplay.distributed.rpc._auth import AuthenticationError, Authenticator
+
+ROOT = Path(__file__).resolve().parents[1]
+ATTACKER = ROOT / "tests" / "_support" / "rpc_attacker.py"
+SECRET = "correct horse battery staple 42"
+
+
+def _append_line(path: str, text: str) -> int:
+    """The side effect a call leaves: one line per run."""
+    with open(path, "a") as f:
+        f.write(text + "\n")
+    return len(Path(path).read_text().splitlines())
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+# ---------------------------------------------------------------------------
+# the envelope
+# ---------------------------------------------------------------------------
+def test_sealed_message_opens_once_and_tampering_or_another_secret_is_refused(caplog) -> None:
+    sender, receiver = Authenticator(SECRET), Authenticator(SECRET)
+    payload = b"\x80\x05 any pickle bytes"
+    msg = sender.seal(payload)
+    assert len(msg) == len(payload) + _auth.HEADER_LEN
+    assert bytes(receiver.open(msg, "peer 127.0.0.1:1")) == payload
+
+    caplog.set_level(logging.WARNING, logger="tensorplay.distributed.rpc.auth")
+    with pytest.raises(AuthenticationError) as e:  # the very same bytes again
+        receiver.open(msg, "peer 127.0.0.1:2")
+    assert str(e.value) == _auth.REFUSAL  # the refusal says nothing about why
+    tampered = msg[:-1] + bytes([msg[-1] ^ 1])
+    with pytest.raises(AuthenticationError):
+        receiver.open(tampered, "peer 127.0.0.1:3")
+    with pytest.raises(AuthenticationError):
+        receiver.open(Authenticator("another secret, not the world's").seal(payload), "peer 127.0.0.1:4")
+    with pytest.raises(AuthenticationError):
+        receiver.open(payload, "peer 127.0.0.1:5")  # no envelope at all
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 4 and receiver.refused == 4
+    assert "replayed" in logged[0] and "127.0.0.1:2" in logged[0]
+    assert "authentication code" in logged[1] and "authentication code" in logged[2]
+    assert "no authentication envelope" in logged[3] and "127.0.0.1:5" in logged[3]
+    # a second message of the same sender still opens: the replay window tracks each counter
+    assert bytes(receiver.open(sender.seal(b"next"), "peer")) == b"next"
+
+
+def test_out_of_order_messages_open_and_old_ones_are_refused(monkeypatch) -> None:
+    sender, receiver = Authenticator(SECRET), Authenticator(SECRET, max_age_s=30.0)
+    first, second, third = (sender.seal(bytes([i])) for i in range(3))
+    assert [bytes(receiver.open(m)) for m in (third, first, second)] == [b"\x02", b"\x00", b"\x01"]
+    real_time = _auth.time.time
+    monkeypatch.setattr(_auth.time, "time", lambda: real_time() - 31.0)
+    stale = sender.seal(b"from the past")
+    monkeypatch.setattr(_auth.time, "time", real_time)
+    with pytest.raises(AuthenticationError):
+        receiver.open(stale)
+
+
+# ---------------------------------------------------------------------------
+# where the secret comes from
+# ---------------------------------------------------------------------------
+def test_secret_from_environment_and_owner_only_file(tmp_path: Path) -> None:
+    assert _auth.load_secret(environ={}) is None
+    assert _auth.load_secret(environ={_auth.ENV_SECRET: SECRET}) == SECRET.encode()
+    with pytest.raises(DistValueError, match=r"too short.*length=5.*token_hex"):
+        _auth.load_secret(environ={_auth.ENV_SECRET: "short"})
+
+    f = tmp_path / "rpc.secret"
+    f.write_text(SECRET + "\n")
+    f.chmod(0o600)
+    assert _auth.load_secret(environ={_auth.ENV_SECRET_FILE: str(f)}) == SECRET.encode()
+    f.chmod(0o644)
+    with pytest.raises(DistValueError) as e:
+        _auth.load_secret(environ={_auth.ENV_SECRET_FILE: str(f)})
+    msg = str(e.value)
+    assert f"secret file {f} " in msg and "mode 0o644" in msg and f"chmod 600 {f}" in msg
+    with pytest.raises(DistValueError, match="cannot be read"):
+        _auth.load_secret(environ={_auth.ENV_SECRET_FILE: str(tmp_path / "missing")})
+    with pytest.raises(DistValueError, match="both"):
+        _auth.load_secret(environ={_auth.ENV_SECRET: SECRET, _auth.ENV_SECRET_FILE: str(f)})
+
+
+def test_bad_secret_file_fails_init_rpc_before_any_communication(tmp_path: Path, monkeypatch) -> None:
+    f = tmp_path / "rpc.secret"
+    f.write_text(SECRET)
+    f.chmod(0o640)
+    monkeypatch.setenv(_auth.ENV_SECRET_FILE, str(f))
+
+    def body():
+        rpc.init_rpc(f"worker{dist.get_rank()}")
+
+    with pytest.raises(BaseException) as e:
+        simulator.run(body, 2)
+    assert "chmod 600" in str(e.value) and "mode 0o640" in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# the simulator's transport
+# ---------------------------------------------------------------------------
+def _sim_attempts(side: str, forged: str) -> dict | None:
+    """worker0: a member call, then a member's sealed message delivered twice, then forged ones."""
+    from simulator import rpc as srpc
+
+    me = dist.get_rank()
+    rpc.init_rpc(f"worker{me}")
+    out = None
+    if me == 0:
+        a = _agent.current()
+        peer = a.world.agents["worker1"]
+        n_member = rpc.rpc_sync("worker1", _append_line, args=(side, "member"))
+        sealed = srpc._encode((_append_line, (side, "sealed"), {}), a.name).seal(a.auth)
+        first = peer._as_sender(lambda: peer._serve(sealed))
+        again = peer._as_sender(lambda: peer._serve(sealed))
+        bare = srpc._encode((os.system, (f"touch {forged}",), {}), a.name)  # no envelope
+        other = srpc._encode((os.system, (f"touch {forged}",), {}), a.name).seal(Authenticator("not the world's secret"))
+        out = {"member": n_member, "first": first,
+               "refused": [type(r).__name__ + ":" + r.type_name for r in
+                           (again, peer._as_sender(lambda: peer._serve(bare)),
+                            peer._as_sender(lambda: peer._serve(other)))],
+               "secret_from_env": a.world.secret == os.environ.get(_auth.ENV_SECRET, "").encode()}
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("from_env", [False, True], ids=["generated-secret", "env-secret"])
+def test_sim_transport_checks_every_message(tmp_path: Path, monkeypatch, caplog, from_env: bool) -> None:
+    if from_env:
+        monkeypatch.setenv(_auth.ENV_SECRET, SECRET)
+    else:
+        monkeypatch.delenv(_auth.ENV_SECRET, raising=False)
+    monkeypatch.delenv(_auth.ENV_SECRET_FILE, raising=False)
+    side, forged = tmp_path / "side", tmp_path / "forged"
+    caplog.set_level(logging.WARNING, logger="tensorplay.distributed.rpc.auth")
+    out = simulator.run(lambda: _sim_attempts(str(side), str(forged)), 2)[0]
+    assert out["member"] == 1 and out["first"] == 2
+    assert out["refused"] == ["RemoteFailure:tensorplay.distributed.rpc._auth.AuthenticationError"] * 3
+    assert out["secret_from_env"] is from_env
+    assert _lines(side) == ["member", "sealed"] and not forged.exists()
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 3 and all("simulated worker 'worker0'" in m for m in logged)
+    assert "replayed" in logged[0] and "no authentication envelope" in logged[1]
+
+
+# ---------------------------------------------------------------------------
+# TensorPipe, with a real attacker process
+# ---------------------------------------------------------------------------
+def _record_refusals() -> None:
+    """worker1: keep the auth logger's lines in memory, to show the worker logged the refusals."""
+    from tensorplay.distributed.rpc import _auth as auth
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            _KEPT.append(record.getMessage())
+
+    auth.logger.addHandler(_Keep())
+
+
+_KEPT: list[str] = []
+
+
+def _refusals() -> tuple[list[str], int]:
+    from tensorplay.distributed.rpc import _auth as auth
+
+    a = auth.tensorpipe_authenticator()
+    return list(_KEPT), (a.refused if a is not None else -1)
+
+
+def _member_calls(side: str) -> dict:
+    """worker0: an ordinary call, then a sealed message sent twice by hand (the second is a replay)."""
+    import torch.distributed.rpc as trpc
+    from torch._C._distributed_rpc import _invoke_rpc_python_udf
+    from torch.distributed.rpc.internal import PythonUDF, _internal_rpc_pickler
+
+    n = rpc.rpc_sync("worker1", _append_line, args=(side, "member"))
+    data, tensors = _internal_rpc_pickler.serialize(PythonUDF(_append_line, (side, "sealed"), {}))
+    dst = trpc.get_worker_info("worker1")
+    first = _invoke_rpc_python_udf(dst, data, tensors, 10.0, False).wait()
+    try:
+        _invoke_rpc_python_udf(dst, data, tensors, 10.0, False).wait()
+        replay = "ran"
+    except Exception as e:  # noqa: BLE001
+        replay = str(e)
+    return {"member": n, "first": first, "replay": replay, "data": data}
+
+
+def _attack(port: int, side: Path, replay: Path | None = None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORPLAY_RPC_SECRET")}
+    cmd = [sys.executable, str(ATTACKER), str(port), "worker1", str(side)] + ([str(replay)] if replay else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("RAN", "REFUSED"))]
+    assert out.returncode == 0 and lines, out.stdout + out.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-auth")
+def test_tensorpipe_attacker_without_the_secret_runs_nothing(tmp_path: Path) -> None:
+    from tensorplay.testing import RpcPool
+
+    side, member_side, captured = tmp_path / "pwned", tmp_path / "member", tmp_path / "captured.bin"
+    with RpcPool(2, rpc_timeout=10.0, call_timeout=60.0) as pool:
+        assert pool.secret is not None and pool.port is not None
+        pool.run_on(1, _record_refusals)
+        calls = pool.run_on(0, _member_calls, str(member_side))
+        assert calls["member"] == 1 and calls["first"] == 2
+        assert _auth.REFUSAL in calls["replay"], calls["replay"]  # a member cannot replay either
+        captured.write_bytes(calls["data"])
+
+        lines = _attack(pool.port, side, captured)
+        assert len(lines) == 2 and all(ln.startswith("REFUSED") for ln in lines), lines
+        assert all(_auth.REFUSAL in ln for ln in lines), lines
+        assert not side.exists(), "the attacker's os.system ran on the worker"
+        assert _lines(member_side) == ["member", "sealed"], "a captured message ran again"
+
+        kept, refused = pool.run_on(1, _refusals)
+        assert refused == 3, (refused, kept)  # the member's replay, the attacker's call, its replay
+        assert sum("replayed" in m for m in kept) == 2 and sum("no authentication envelope" in m for m in kept) == 1
+        # the members still work after all that
+        assert pool.run_on(0, rpc.rpc_sync, "worker1", _append_line, args=(str(member_side), "after")) == 3
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-auth")
+def test_tensorpipe_attacker_gets_in_without_authentication(tmp_path: Path) -> None:
+    """The control: the same attacker against a world started without a secret (as torch's own) runs its command,
+    so the refusal above is the authentication's doing, not a broken attacker."""
+    from tensorplay.testing import RpcPool
+
+    side = tmp_path / "pwned"
+    with RpcPool(2, rpc_timeout=10.0, call_timeout=60.0, authenticate=False) as pool:
+        assert pool.secret is None
+        pool.run_on(0, rpc.rpc_sync, "worker1", _append_line, args=(str(tmp_path / "m"), "member"))
+        lines = _attack(pool.port, side)
+    assert lines == ["RAN 0"] and side.exists()
