@@ -123,7 +123,18 @@ def _rank_measure(cls: str, sizes: Sequence[int], repeats: int, warmup: int, tar
 
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor/_tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames *_into_tensor/_tensor
+        return _time_sizes(make, cls, sizes, repeats, warmup, target_s, sync)
+
+
+def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequence[int], repeats: int,
+                warmup: int, target_s: float, sync: Callable[[], None]) -> dict[int, list[float]]:
+    import time as _time
+
+    import torch
+    import torch.distributed as tdist
+
     out: dict[int, list[float]] = {}
     for nbytes in sizes:
         op = make(nbytes)

@@ -328,8 +328,8 @@ def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scal
         model = CostModel.load(cost)
     else:
         raise DistTypeError(format_message(
-            "simulator.run", "cost must be a simulator.CostModel, the path of a profile, or None",
-            values={"cost": type(cost).__name__},
+            "simulator.run", f"cost must be a simulator.CostModel, the path of a profile, or None, not a "
+                             f"{type(cost).__name__}", values={"cost": cost},
             fix="pass cost=simulator.CostModel(...) or cost='profile.json' (python -m simulator calibrate --out ...)"))
     if compute_scale is not None:
         model = replace(model, compute_scale=compute_scale)  # __post_init__ checks it
@@ -421,6 +421,11 @@ def _timed_find_and_load(name: str, import_: Any) -> Any:
 def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     rs = _actor()
     if rs is None or rs.parent is not None:
+        return
+    # the first optimizer a rank steps marks its training steps (a second one, e.g. a local reference
+    # model's, would split each step in two)
+    first = rs.run.__dict__.setdefault("_step_optimizer", {}).setdefault(rs.rank, id(optimizer))
+    if first != id(optimizer):
         return
     _charge_compute(rs)
     ev = rs.run.events
