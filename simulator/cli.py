@@ -39,6 +39,8 @@ from typing import Any, Sequence
 
 from . import launch as _launch
 from .cost import default_cost, resolve_cost
+from .isolation import ISOLATIONS
+from .isolation.child import ScriptMain
 from .world import World
 
 __all__ = ["main"]
@@ -69,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-scale", type=float, default=None,
                    help="multiply each rank's measured CPU time between operations by this (e.g. 0.1 for a device "
                         "ten times faster; default: the profile's, else 1)")
+    p.add_argument("--isolation", choices=list(ISOLATIONS), default="thread",
+                   help="thread: ranks are threads of this process (default); process: each rank its own process "
+                        "with its own globals and PYTHONHASHSEED (torchrun-style scripts only)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -88,6 +93,8 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
         parts += ["--cost", ns.cost]
     if ns.compute_scale is not None:
         parts += ["--compute-scale", f"{ns.compute_scale:g}"]
+    if ns.isolation != "thread":
+        parts += ["--isolation", ns.isolation]
     return shlex.join([*parts, ns.script, *ns.script_args])
 
 
@@ -183,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc is not None and ns.nproc < 1:
         _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
+    if ns.isolation == "process" and ns.nproc is None:
+        _err("--isolation process runs torchrun-style scripts: pass --nproc-per-node N (a script that starts its "
+             "own ranks with mp.spawn / multiprocessing.Process runs with --isolation thread)")
+        return 2
     try:
         World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout)  # the settings, checked before the script runs
         cost = resolve_cost(ns.cost, ns.compute_scale)
@@ -221,7 +232,7 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
                 raise
 
     world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p,
-                  cost=resolve_cost(None))  # --cost / --compute-scale, set by main()
+                  cost=resolve_cost(None), isolation=ns.isolation)  # --cost / --compute-scale, set by main()
     if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit
@@ -239,7 +250,8 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
     sys.path.insert(0, folder)
     try:
         with _launch.patched(None, hint=_command(ns, None)):
-            world.run(rank_main)
+            # a rank process runs the script itself (a closure cannot travel to it)
+            world.run(rank_main if ns.isolation == "thread" else ScriptMain(script, ns.script_args))
     except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
         if isinstance(e, KeyboardInterrupt):
             raise
