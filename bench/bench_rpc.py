@@ -21,10 +21,19 @@ Targets: the simulator's no-op ``rpc_sync`` at least 10x faster than
 TensorPipe's; on TensorPipe, a RemoteModule forward at most 1.2x a raw
 ``rpc_sync`` doing the same forward.
 
+**Authentication's cost** (issue 16; ``--auth`` runs only this part): the
+no-op ``rpc_sync`` on TensorPipe in an authenticated world (a secret, every
+Python payload sealed and checked) against an unauthenticated one, two warm
+pools side by side, measured in alternating rounds so load hits both alike;
+and the envelope alone (seal + open of a no-op call's pickle), which is what
+authentication adds to each message of the simulator's transport.  Target:
+at most 10 % on the TensorPipe no-op.
+
 Usage::
 
     python bench/bench_rpc.py            # full
     python bench/bench_rpc.py --quick    # fewer calls, for a smoke run
+    python bench/bench_rpc.py --auth     # authentication's cost only
 """
 from __future__ import annotations
 
@@ -146,6 +155,57 @@ def run_tensorpipe(calls: int) -> dict[str, float]:
         return pool.run_on(0, measure, calls, timeout=600.0)
 
 
+def noop_median(calls: int) -> float:
+    """worker0: median seconds of a no-op rpc_sync to worker1."""
+    import tensorplay.distributed.rpc as rpc
+
+    return _per_call([lambda: rpc.rpc_sync("worker1", noop)], calls)[0]
+
+
+def envelope_cost(reps: int = 20000) -> tuple[float, int]:
+    """Seconds per seal + open of a no-op call's pickle, and that pickle's size in bytes."""
+    import pickle
+
+    from tensorplay.distributed.rpc._auth import Authenticator
+    from tensorplay.distributed.rpc._call import run_call
+
+    payload = pickle.dumps((run_call, (noop, (), {})), protocol=pickle.HIGHEST_PROTOCOL)
+    sender, receiver = Authenticator("bench secret 0123456789"), Authenticator("bench secret 0123456789")
+    for _ in range(200):
+        receiver.open(sender.seal(payload))
+    t = time.perf_counter()
+    for _ in range(reps):
+        receiver.open(sender.seal(payload))
+    return (time.perf_counter() - t) / reps, len(payload)
+
+
+def run_auth_cost(calls: int, rounds: int) -> dict[str, Any]:
+    """No-op rpc_sync medians on an authenticated and an unauthenticated TensorPipe world, alternating."""
+    from tensorplay.testing import RpcPool
+
+    with RpcPool(2, rpc_timeout=60.0, call_timeout=600.0) as on, \
+            RpcPool(2, rpc_timeout=60.0, call_timeout=600.0, authenticate=False) as off:
+        auth_t, plain_t = [], []
+        for _ in range(rounds):
+            auth_t.append(on.run_on(0, noop_median, calls, timeout=600.0))
+            plain_t.append(off.run_on(0, noop_median, calls, timeout=600.0))
+    env_s, env_bytes = envelope_cost()
+    return {"tensorpipe_auth": statistics.median(auth_t), "tensorpipe_plain": statistics.median(plain_t),
+            "rounds_auth": auth_t, "rounds_plain": plain_t, "envelope_s": env_s, "payload_bytes": env_bytes}
+
+
+def report_auth(r: dict[str, Any], sim_noop: float | None) -> None:
+    over = r["tensorpipe_auth"] / r["tensorpipe_plain"] - 1.0
+    print(f"authentication, no-op rpc_sync on TensorPipe (median of {len(r['rounds_auth'])} alternating rounds):")
+    print(f"  unauthenticated {_fmt(r['tensorpipe_plain'])}   authenticated {_fmt(r['tensorpipe_auth'])}   "
+          f"overhead {over * 100:+.1f} %")
+    print(f"  envelope (seal + open, {r['payload_bytes']}-byte call pickle): {_fmt(r['envelope_s'])}; "
+          f"a call is two messages, so about {_fmt(2 * r['envelope_s'])} per call"
+          + (f" ({2 * r['envelope_s'] / sim_noop * 100:.1f} % of the simulator's no-op)" if sim_noop else ""))
+    print(f"target: authentication adds <= 10 % to a TensorPipe no-op rpc_sync: {over * 100:+.1f} % "
+          f"[{'met' if over <= 0.10 else 'MISSED'}]")
+
+
 # ---------------------------------------------------------------------------
 def _fmt(s: float) -> str:
     return f"{s * 1e6:9.1f} us" if s < 1e-3 else f"{s * 1e3:9.3f} ms"
@@ -156,8 +216,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     ap.add_argument("--calls", type=int, default=None, help="calls per case (default 1000, quick 100)")
     ap.add_argument("--json", type=str, default=None, help="also write the figures to this file")
+    ap.add_argument("--auth", action="store_true", help="only authentication's cost")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds of the auth cost (default 7)")
     a = ap.parse_args(argv)
     calls = a.calls or (100 if a.quick else 1000)
+    rounds = a.rounds or (3 if a.quick else 7)
+    if a.auth:
+        auth = run_auth_cost(calls, rounds)
+        report_auth(auth, None)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"auth": auth, "calls": calls}, indent=2))
+        return {"auth": auth}
 
     t0 = time.perf_counter()
     tpipe = run_tensorpipe(calls)
@@ -177,8 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"[{'met' if ok1 else 'MISSED'}]")
     print(f"target: TensorPipe RemoteModule forward <= 1.2x raw rpc_sync forward: {rm_ratio:.2f}x "
           f"[{'met' if ok2 else 'MISSED'}]")
+    auth = run_auth_cost(calls, rounds)
+    report_auth(auth, sim["rpc_sync no-op"])
     result = {"sim": sim, "tensorpipe": tpipe, "sim_speedup_noop": speedup, "remote_module_ratio": rm_ratio,
-              "calls": calls}
+              "calls": calls, "auth": auth}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return result
