@@ -418,3 +418,11 @@ def test_cli_isolation_process(tmp_path):
     assert p.returncode == 0, p.stderr
     lines = sorted(l for l in p.stdout.splitlines() if l.startswith("rank"))
     assert lines == [f"rank {r} sum 3 state [{r}] hashseed {hash_seed(0, r)}" for r in range(2)]
+
+
+@pytest.mark.world_size(2, isolation="process")
+def test_pytest_marker_runs_each_rank_in_its_own_process(rank, world_size):
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    assert x.item() == 3.0 and world_size == 2
+    assert os.environ["PYTHONHASHSEED"] == str(hash_seed(0, rank))
