@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
-           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost"]
+           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost", "charge_compute", "reach",
+           "OVERLAP_S"]
 
 #: identifies the JSON written by ``python -m simulator calibrate`` (bumped on incompatible changes)
 PROFILE_FORMAT = "tensorplay-sim-cost/1"
@@ -391,16 +392,29 @@ def _actor() -> Any:
     return world.current_rank_state()
 
 
-def _charge_compute(rs: Any) -> None:
-    """Advance ``rs``'s clock by its CPU time since its mark (scaled), and count it as compute."""
+#: the Chrome trace shows an ``async_op=True`` operation on the rank's async track when the rank's clock moved
+#: more than this between its issue and its wait (torch's synchronous calls are async ones waited at once)
+OVERLAP_S = 5e-5
+
+
+def charge_compute(rs: Any) -> None:
+    """Advance ``rs``'s clock by its CPU time since its mark (times ``compute_scale``), counted as compute."""
     now = time.thread_time()
     dt = (now - rs.cpu_mark) * rs.run.cost.compute_scale
     rs.cpu_mark = now
     if dt > 0:
         rs.vt += dt
-        ev = rs.run.events
-        if hasattr(ev, "compute_s"):
-            ev.compute_s[rs.rank] += dt
+        rs.run.events.compute_s[rs.rank] += dt
+
+
+def reach(rs: Any, vend: float) -> float:
+    """An operation that ends at ``vend`` was waited for: the clock moves to ``max(now, vend)``; the move is
+    the rank's exposed communication.  Returns the clock before the move."""
+    before = rs.vt
+    if vend > before:
+        rs.vt = vend
+        rs.run.events.exposed_s[rs.rank] += vend - before
+    return before
 
 
 def _timed_find_and_load(name: str, import_: Any) -> Any:
@@ -427,10 +441,8 @@ def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     first = rs.run.__dict__.setdefault("_step_optimizer", {}).setdefault(rs.rank, id(optimizer))
     if first != id(optimizer):
         return
-    _charge_compute(rs)
-    ev = rs.run.events
-    if hasattr(ev, "steps"):
-        ev.steps[rs.rank].append(rs.vt)
+    charge_compute(rs)
+    rs.run.events.steps[rs.rank].append(rs.vt)
 
 
 @contextmanager
