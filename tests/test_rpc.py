@@ -1,18 +1,30 @@
-"""RPC, RRef, RemoteModule, distributed autograd and DistributedOptimizer on the simulator's transport.
+"""RPC, RRef, RemoteModule, distributed autograd and DistributedOptimizer, on both transports.
 
-Every test runs a small simulated world (threads of this process, milliseconds
-each).  Rank 0 usually drives and returns what it observed; the other ranks
-initialise RPC, serve, and shut down.  The same behaviours are checked on real
-TensorPipe processes in test_rpc_tensorpipe.py.
+Part 1 runs every behaviour the two transports share once per backend: the
+``rpc_world`` fixture is a simulated world (threads of this process,
+milliseconds; in ``coop`` and, where it matters, ``threads`` mode) or a warm
+pool of three real TensorPipe processes on 127.0.0.1 (one pool per module:
+starting a process costs seconds).  One body per behaviour: the cases live in
+``tests/_support/rpc_cases.py``, run on ``worker0`` and return what they saw.
+Part 2 is what only the simulator has (faults by seed, the trace, replay,
+coop scheduling), part 3 what only real processes have (the rendezvous,
+listening sockets, a killed process; the dead-worker test kills a worker, so
+it comes last and leaves the pool to be restarted).
+
+Under ``pytest -n 2 --dist loadgroup`` every TensorPipe test carries the
+same xdist group, so they share one pool on one xdist worker.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import time
 import warnings
 
 import pytest
 import torch
+
+from _net import LOOPBACK, listening
 
 import simulator
 import tensorplay as tp
@@ -27,74 +39,110 @@ from tensorplay.distributed.rpc import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from tensorplay.testing import RpcPool
 from simulator.rpc import MessageFaults, SimRpcBackendOptions
 
-import test_rpc_cases as C
+from _support import rpc_cases as C
+from _support.rpc_cases import drive
+
+CALL_TIMEOUT_S = float(os.environ.get("TENSORPLAY_TEST_CALL_TIMEOUT", "60"))
+#: the marks of a test (or a parameter) that uses the TensorPipe pool
+TP = [pytest.mark.gloo, pytest.mark.xdist_group("rpc-tensorpipe")]
 
 
-def drive(body, world_size=2, *, mode="coop", seed=0, options=None, **kwargs):
-    """Run ``body()`` on rank 0 of a simulated RPC world; the others serve until everyone shuts down."""
-
-    def main():
-        me = dist.get_rank()
-        rpc.init_rpc(f"worker{me}", rpc_backend_options=options)
-        try:
-            return body(**kwargs) if me == 0 else None
-        finally:
-            rpc.shutdown()
-
-    return simulator.run(main, world_size, seed=seed, mode=mode)[0]
+@pytest.fixture(scope="module")
+def tp_pool():
+    p = RpcPool(3, rpc_timeout=20.0, call_timeout=CALL_TIMEOUT_S)
+    p.start()
+    yield p
+    p.close()
 
 
-# ---------------------------------------------------------------------------
-# the shared cases (also run on TensorPipe)
-# ---------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["coop", "threads"])
-def test_async_execution_and_torch_futures(mode):
-    C.check_async(drive(C.async_cases, 3, mode=mode))
+def backends(*, modes: bool = False) -> list:
+    """The ``rpc_world`` parameters: the simulator (in both scheduling modes with ``modes``) and TensorPipe."""
+    sims = [pytest.param(("sim", m), id=f"sim-{m}") for m in ("coop", "threads")] if modes else \
+        [pytest.param(("sim", "coop"), id="sim")]
+    return sims + [pytest.param(("tensorpipe", None), id="tensorpipe", marks=TP)]
 
 
-@pytest.mark.parametrize("mode", ["coop", "threads"])
-def test_documented_example(mode):
-    out = drive(C.documented_example, mode=mode)
-    C.check_documented_example(out)
+@pytest.fixture
+def rpc_world(request) -> C.RpcWorld:
+    kind, mode = request.param
+    if kind == "tensorpipe":
+        return C.RpcWorld(kind, pool=request.getfixturevalue("tp_pool"))
+    return C.RpcWorld(kind, mode=mode)
 
 
-def test_calls_by_value_exceptions_and_futures():
-    C.check_calls(drive(C.calls, 3))
-
-
-def test_rref_rules():
-    C.check_rrefs(drive(C.rrefs, 3))
-
-
-def test_remote_module_construction_errors():
-    C.check_construction_errors(drive(C.construction_errors))
-
-
-def test_remote_module_every_unsupported_method_raises():
-    C.check_unsupported_methods(drive(C.unsupported_methods))
-
-
-def test_remote_module_passed_over_rpc():
-    C.check_passed_over_rpc(drive(C.passed_over_rpc, 3))
-
-
-def test_interface_enforcement():
-    C.check_interface(drive(C.interface_cases))
-
-
-@pytest.mark.parametrize("mode", ["coop", "threads"])
-def test_training_matches_local_reference(mode):
-    C.check_training(drive(C.training, mode=mode, steps=4))
-
-
-def test_timeout_is_honoured():
-    C.check_timeout(drive(C.timeout_case))
+def on_backends(*, modes: bool = False):
+    return pytest.mark.parametrize("rpc_world", backends(modes=modes), indirect=True)
 
 
 # ---------------------------------------------------------------------------
-# simulator-only behaviour
+# part 1: one body per behaviour, on every transport
+# ---------------------------------------------------------------------------
+@on_backends(modes=True)
+def test_documented_example(rpc_world):
+    C.check_documented_example(rpc_world.run(C.documented_example))
+
+
+@on_backends(modes=True)
+def test_async_execution_and_torch_futures(rpc_world):
+    C.check_async(rpc_world.run(C.async_cases, 3))
+
+
+@on_backends()
+def test_calls_by_value_exceptions_and_futures(rpc_world):
+    C.check_calls(rpc_world.run(C.calls, 3))
+
+
+@on_backends()
+def test_rref_rules(rpc_world):
+    C.check_rrefs(rpc_world.run(C.rrefs, 3))
+
+
+@on_backends()
+def test_remote_module_construction_errors(rpc_world):
+    C.check_construction_errors(rpc_world.run(C.construction_errors))
+
+
+@on_backends()
+def test_remote_module_every_unsupported_method_raises(rpc_world):
+    C.check_unsupported_methods(rpc_world.run(C.unsupported_methods))
+
+
+@on_backends()
+def test_remote_module_passed_over_rpc(rpc_world):
+    C.check_passed_over_rpc(rpc_world.run(C.passed_over_rpc, 3))
+
+
+@on_backends()
+def test_interface_enforcement(rpc_world):
+    C.check_interface(rpc_world.run(C.interface_cases))
+
+
+@on_backends(modes=True)
+def test_training_matches_local_reference(rpc_world):
+    C.check_training(rpc_world.run(C.training, steps=4))
+
+
+@on_backends()
+def test_two_hop_autograd_matches_local(rpc_world):
+    out = rpc_world.run(C.two_hop_autograd, 3)
+    assert out["grad_close"] and out["x_grad_untouched"], out
+
+
+@on_backends()
+def test_timeout_is_honoured(rpc_world):
+    out = rpc_world.run(C.timeout_case)
+    C.check_timeout(out)
+    if rpc_world.kind == "tensorpipe":
+        # real time: TensorPipe returns at the timeout while the callee still sleeps (the simulator's
+        # clock for a call is virtual, so only check_timeout's bound applies there)
+        assert out["sync_s"] < 0.6
+
+
+# ---------------------------------------------------------------------------
+# part 2: simulator-only behaviour
 # ---------------------------------------------------------------------------
 def test_rpc_async_completes_as_the_callee():
     def body():
@@ -151,11 +199,6 @@ def test_handler_threads_are_actors_of_the_callee_with_its_clock_on_the_trace():
     assert s.vstart >= a.vstart  # issued later, on the same caller's clock
 
 
-def test_two_hop_autograd_matches_local():
-    out = drive(C.two_hop_autograd, 3)
-    assert out["grad_close"], out
-
-
 def test_autograd_errors():
     def body():
         errs = {}
@@ -204,10 +247,35 @@ def test_remote_module_uses_the_owners_rng_stream():
 
 
 def _quiet_shutdown() -> None:
-    """rpc.shutdown() without the warning about the worker that is already gone."""
+    """rpc.shutdown() on a rank thread; the test silences its warning about the worker that is already gone.
+
+    (No ``warnings.catch_warnings`` here: it swaps process-wide state and is not thread-safe, and several rank
+    threads shut down at once.  The test wraps the whole run in one, on its own thread: :func:`_quietly`.)
+    """
+    rpc.shutdown()
+
+
+def _quietly(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with RuntimeWarnings ignored process-wide (entered on the test's thread only)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rpc.shutdown()
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(*args, **kwargs)
+
+
+def _recorded(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and every warning raised meanwhile on any thread, recorded from the test's thread
+    (rank threads must not enter ``warnings.catch_warnings`` themselves: it is not thread-safe)."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        try:
+            return fn(*args, **kwargs), w
+        except BaseException as e:  # noqa: BLE001  the caller checks the exception and the warnings
+            return e, w
+
+
+def _warnings_of(recorded, worker: str) -> list[str]:
+    """The recorded warnings a worker issued (RPC warnings name their worker)."""
+    return [str(x.message) for x in recorded if f"(worker {worker!r})" in str(x.message)]
 
 
 def _until_unavailable(name: str, limit_s: float = 10.0) -> float:
@@ -243,18 +311,16 @@ def test_worker_failure_fails_calls_at_once_and_shutdown_returns():
                     out.setdefault("errors", []).append(str(e))
             out["elapsed"] = time.perf_counter() - t
             out["alive"] = rpc.rpc_sync("worker2", C.add, (1, 2))
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            t = time.perf_counter()
-            rpc.shutdown()
-            out["shutdown_s"] = time.perf_counter() - t
-            out["warnings"] = [str(x.message) for x in w]
+        t = time.perf_counter()
+        rpc.shutdown()
+        out["shutdown_s"] = time.perf_counter() - t
         return out
 
     world = simulator.World(3, mode="threads")
-    with pytest.raises(C.Boom):
-        world.run(main)
+    raised, recorded = _recorded(world.run, main)
+    assert isinstance(raised, C.Boom), raised
     out = world.results[0]
+    out["warnings"] = _warnings_of(recorded, "worker0")
     assert all(e is not None and "worker1" in e and "Boom" in e for e in out["errors"]), out
     assert out["elapsed"] < 1.0 and out["alive"] == 3
     assert out["shutdown_s"] < 1.0
@@ -277,7 +343,7 @@ def test_calls_to_a_worker_that_returned_without_shutdown_fail():
         finally:
             _quiet_shutdown()
 
-    out = simulator.run(main, 2, mode="threads")
+    out = _quietly(simulator.run, main, 2, mode="threads")
     assert "returned without rpc.shutdown()" in out[0]
 
 
@@ -481,7 +547,7 @@ def test_local_shutdown_does_not_hold_the_graceful_ones(mode):
         finally:
             _quiet_shutdown()
 
-    out = simulator.run(main, 3, mode=mode)
+    out = _quietly(simulator.run, main, 3, mode=mode)
     assert out[1] == "left"
     for r in (0, 2):
         assert out[r] == 3 or "it shut down" in out[r], out
@@ -528,7 +594,7 @@ def test_rpcs_are_on_the_trace_and_replay():
     assert (m.rank, m.group, m.peer, m.seq) == (2, (2, 0), 0, 1)
     assert s.nbytes >= 2 * 4000  # 1000 float32 each way
     assert a.nbytes >= 2 * 40 and m.nbytes >= 12
-    assert s.site.startswith("test_rpc_sim.py:")
+    assert s.site.startswith("test_rpc.py:")
     cost = simulator.CostModel()
     assert s.vend - s.vstart >= cost.cost("send", 4000, 2) * 2  # at least both transfers
     chrome = tr.to_chrome()["traceEvents"]
@@ -536,3 +602,98 @@ def test_rpcs_are_on_the_trace_and_replay():
     first = tr.signature()
     simulator.run(_traced_rpcs, 3, seed=4)
     assert simulator.last_trace().signature() == first
+
+
+# ---------------------------------------------------------------------------
+# part 3: TensorPipe-only behaviour (real processes)
+# ---------------------------------------------------------------------------
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-tensorpipe")
+def test_init_rpc_is_bounded_when_a_worker_never_comes():
+    from tensorplay.distributed import DistRuntimeError
+    from tensorplay.testing import free_port
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", rpc_timeout=1.5)
+    t = time.perf_counter()
+    with pytest.raises(DistRuntimeError, match=r"missing_ranks=\[1, 2\]"):
+        rpc.init_rpc("worker0", rank=0, world_size=3, rpc_backend_options=opts)
+    assert time.perf_counter() - t < 10.0
+    assert not rpc.is_initialized()
+
+
+# -- loopback -----------------------------------------------------------------
+def listening_sockets() -> dict:
+    # every socket: RPC's, and the gloo process group's store and transport (rank 0 binds the store itself)
+    return {"sockets": listening(), "rpc_up": rpc.is_initialized(),
+            "pg_port": int(os.environ.get("MASTER_PORT", "0"))}
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-tensorpipe")
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_rpc_listens_on_loopback_only(tp_pool):
+    for rank, out in enumerate(tp_pool.run(listening_sockets)):
+        assert out["rpc_up"]
+        assert out["sockets"], f"rank {rank}: no listening socket found"
+        bad = [s for s in out["sockets"] if s[0] not in LOOPBACK]
+        assert not bad, f"rank {rank} listens beyond loopback: {bad}"
+    rank0 = tp_pool.run(listening_sockets)[0]
+    assert any(port == rank0["pg_port"] for _, port in rank0["sockets"]), "rank 0 serves the process-group store"
+
+
+# -- a dead worker (keep last: it leaves the pool to be restarted) ----------------
+def die_in(seconds: float) -> None:
+    import threading
+
+    threading.Timer(seconds, lambda: os._exit(17)).start()
+    time.sleep(30)
+
+
+def failure_body(shutdown_timeout: float) -> dict:
+    me = rpc.get_worker_info().id
+    out: dict = {}
+    if me == 2:
+        return out  # stays up, serving, until worker0's call makes it exit
+    if me == 0:
+        t = time.perf_counter()
+        try:
+            rpc.rpc_async("worker2", die_in, (0.3,)).wait()
+            out["pending"] = "no error"
+        except rpc.WorkerUnavailableError as e:
+            out["pending"] = str(e)
+        out["pending_s"] = time.perf_counter() - t - 0.3
+        out["new"] = []
+        for fn in (lambda: rpc.rpc_sync("worker2", C.add, (1, 2)),
+                   lambda: rpc.rpc_async("worker2", C.add, (1, 2)).wait(),
+                   lambda: rpc.remote("worker2", C.add, (1, 2)),
+                   lambda: C.RemoteModule("worker2/cpu", C.tp.nn.Linear, (2, 2))):
+            t = time.perf_counter()
+            try:
+                fn()
+                out["new"].append(("no error", 0.0))
+            except rpc.WorkerUnavailableError as e:
+                out["new"].append((str(e), time.perf_counter() - t))
+        out["alive"] = rpc.rpc_sync("worker1", C.add, (1, 2))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t = time.perf_counter()
+        rpc.shutdown(timeout=shutdown_timeout)
+        out["shutdown_s"] = time.perf_counter() - t
+        out["warnings"] = [str(x.message) for x in w]
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-tensorpipe")
+def test_dead_worker_fails_calls_within_a_second_and_shutdown_is_bounded(tp_pool):
+    outs = tp_pool.run(failure_body, 8.0)
+    o = outs[0]
+    assert "unavailable" in o["pending"] and "worker2" in o["pending"], o
+    assert o["pending_s"] < 1.0, o
+    for msg, took in o["new"]:
+        assert "unavailable" in msg and "worker2" in msg, o["new"]
+        assert took < 1.0
+    assert o["alive"] == 3
+    for r in (0, 1):
+        assert outs[r]["shutdown_s"] < 8.0 + 3.0, outs[r]
+        assert any("worker2" in w for w in outs[r]["warnings"]), outs[r]["warnings"]

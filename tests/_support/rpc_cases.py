@@ -1,10 +1,10 @@
-"""Shared RPC cases, run on both transports (no tests here).
+"""Test helper: the shared RPC cases, run on both transports by tests/test_rpc.py (no tests here).
 
 Each case runs on the driving worker (``worker0``) of an RPC world - a
-simulated one in test_rpc_sim.py, real TensorPipe processes in
-test_rpc_tensorpipe.py - and returns what it observed as plain values; the
-matching ``check_*`` function asserts on that in the test process.  Remote
-functions live at module level so both transports send them by reference.
+simulated one, or real TensorPipe processes - and returns what it observed as
+plain values; the matching ``check_*`` function asserts on that in the test
+process.  Remote functions live at module level so both transports send them
+by reference.  :class:`RpcWorld` runs a case on either transport.
 """
 from __future__ import annotations
 
@@ -559,3 +559,42 @@ def check_async(out: dict) -> None:
     assert out["static_fail"] == "late failure" and out["no_future"] is True, out
     expected = [[0.0, r + 1.0, 2 * (r + 1.0)] for r in range(3)]
     assert out["torch_wait_all"] == expected and out["torch_collect_all"] == expected and out["is_torch_future"]
+
+
+# ---------------------------------------------------------------------------
+# running a case on either transport
+# ---------------------------------------------------------------------------
+class RpcWorld:
+    """Runs a case on ``worker0`` of an RPC world of the given transport.
+
+    ``kind`` is ``"sim"`` (a simulated world of ``world_size`` ranks, started per call, in ``mode``) or
+    ``"tensorpipe"`` (a warm :class:`~tensorplay.testing.RpcPool` of 3 real processes, whatever
+    ``world_size`` says: cases only address worker1 and worker2).
+    """
+
+    def __init__(self, kind: str, mode: str = "coop", pool: Any = None) -> None:
+        self.kind, self.mode, self.pool = kind, mode, pool
+
+    def run(self, case: Any, world_size: int = 2, **kwargs: Any) -> Any:
+        if self.kind == "tensorpipe":
+            return self.pool.run_on(0, case, **kwargs)
+        return drive(case, world_size, mode=self.mode, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"RpcWorld({self.kind!r}, mode={self.mode!r})"
+
+
+def drive(body: Any, world_size: int = 2, *, mode: str = "coop", seed: int = 0, options: Any = None,
+          **kwargs: Any) -> Any:
+    """Run ``body()`` on rank 0 of a simulated RPC world; the others serve until everyone shuts down."""
+    import simulator
+
+    def main() -> Any:
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}", rpc_backend_options=options)
+        try:
+            return body(**kwargs) if me == 0 else None
+        finally:
+            rpc.shutdown()
+
+    return simulator.run(main, world_size, seed=seed, mode=mode)[0]
