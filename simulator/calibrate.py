@@ -216,43 +216,68 @@ def _fit_regime(points: Sequence[tuple[float, int, float]], algorithm: str, upto
     return Regime(upto, float(x[0]), float(x[1]), float(x[2])), r
 
 
-def fit_class(points: Sequence[tuple[float, int, float]], algorithms: Sequence[str] | None = None,
-              *, cls: str = "all_reduce") -> tuple[ClassCost, dict[str, Any]]:
-    """Fit one class to ``(bytes, world_size, seconds)`` points; returns the cost and a report of the fit
-    (chosen algorithm and split, rms and max relative error, each candidate's rms error)."""
-    pts = [(float(s), int(n), float(t)) for s, n, t in points if t > 0]
-    if not pts:
-        raise ValueError(f"fit_class({cls!r}): no positive measurements")
-    free_overhead = len({n for _, n, _ in pts}) > 1
+def _best_regimes(pts: Sequence[tuple[float, int, float]], algorithms: Sequence[str],
+                  free_overhead: bool) -> tuple[str, tuple[Regime, ...], dict[str, float]]:
+    """The algorithm and regimes (one, or two split at a measured size) that fit ``pts`` best by AIC."""
     sizes = sorted({s for s, _, _ in pts})
-    best: tuple[float, ClassCost] | None = None
-    candidates: dict[str, float] = {}
     npts = len(pts)
-    for algo in algorithms or CLASSES.get(cls, ("ring",)):
+    best: tuple[float, str, tuple[Regime, ...]] | None = None
+    candidates: dict[str, float] = {}
+    for algo in algorithms:
         splits: list[float | None] = [None]
         # a split leaves at least two sizes on each side
         splits += [sizes[i] for i in range(2, len(sizes) - 1)] if npts >= 8 else []
         for split in splits:
             if split is None:
                 reg, r = _fit_regime(pts, algo, math.inf, free_overhead)
-                cost, k = ClassCost(algo, (reg,)), 3
-            else:
-                lo = [p for p in pts if p[0] < split]
-                hi = [p for p in pts if p[0] >= split]
-                r1, e1 = _fit_regime(lo, algo, split, free_overhead)
-                r2, e2 = _fit_regime(hi, algo, math.inf, free_overhead)
-                cost, r, k = ClassCost(algo, (r1, r2)), e1 + e2, 6
-            score = npts * math.log(max(r, 1e-12) / npts) + 2 * k  # AIC: a split must pay for itself
-            if split is None:
+                regimes, k = (reg,), 3
                 candidates[algo] = math.sqrt(r / npts)
+            else:
+                r1, e1 = _fit_regime([p for p in pts if p[0] < split], algo, split, free_overhead)
+                r2, e2 = _fit_regime([p for p in pts if p[0] >= split], algo, math.inf, free_overhead)
+                regimes, r, k = (r1, r2), e1 + e2, 6
+            score = npts * math.log(max(r, 1e-12) / npts) + 2 * k  # AIC: a split must pay for itself
             if best is None or score < best[0]:
-                best = (score, cost)
-    cost = best[1]  # type: ignore[index]  (pts is not empty, so one candidate was scored)
+                best = (score, algo, regimes)
+    _, algo, regimes = best  # type: ignore[misc]  (algorithms is never empty)
+    return algo, regimes, candidates
+
+
+def _sq_rel(cost: ClassCost, pts: Sequence[tuple[float, int, float]]) -> float:
+    return sum(((cost.time(s, n) - t) / t) ** 2 for s, n, t in pts)
+
+
+def fit_class(points: Sequence[tuple[float, int, float]], algorithms: Sequence[str] | None = None,
+              *, cls: str = "all_reduce") -> tuple[ClassCost, dict[str, Any]]:
+    """Fit one class to ``(bytes, world_size, seconds)`` points; returns the cost and a report of the fit
+    (chosen algorithm and split, rms and max relative error, each candidate algorithm's rms error).
+
+    Across world sizes the algorithm and the shared parameters are fitted together (what other world sizes
+    use); each measured world size with at least two sizes also gets its own regimes (``by_world``).
+    """
+    pts = [(float(s), int(n), float(t)) for s, n, t in points if t > 0]
+    if not pts:
+        raise ValueError(f"fit_class({cls!r}): no positive measurements")
+    worlds = sorted({n for _, n, _ in pts})
+    algos = list(algorithms or CLASSES.get(cls, ("ring",)))
+    algo, regimes, candidates = _best_regimes(pts, algos, len(worlds) > 1)
+    by_world: dict[int, tuple[Regime, ...]] = {}
+    if len(worlds) > 1:
+        for w in worlds:
+            wpts = [p for p in pts if p[1] == w]
+            if len({p[0] for p in wpts}) >= 2:
+                own = _best_regimes(wpts, [algo], False)[1]
+                if _sq_rel(ClassCost(algo, own), wpts) < _sq_rel(ClassCost(algo, regimes), wpts):
+                    by_world[w] = own  # kept only where it predicts this world size's points better
+    cost = ClassCost(algo, regimes, by_world)
     errs = [(cost.time(s, n) - t) / t for s, n, t in pts]
-    report = {"algorithm": cost.algorithm, "regimes": len(cost.regimes),
+    shared = ClassCost(algo, regimes)
+    shared_errs = [(shared.time(s, n) - t) / t for s, n, t in pts]
+    report = {"algorithm": algo, "regimes": len(regimes), "world_sizes": worlds,
               "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)),
-              "max_rel_error": max(abs(e) for e in errs), "candidates_rms_rel_error": candidates,
-              "overhead_fitted": free_overhead}
+              "max_rel_error": max(abs(e) for e in errs),
+              "shared_fit_rms_rel_error": math.sqrt(sum(e * e for e in shared_errs) / len(shared_errs)),
+              "candidates_rms_rel_error": candidates, "overhead_fitted": len(worlds) > 1}
     return cost, report
 
 

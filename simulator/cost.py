@@ -123,49 +123,76 @@ class Regime:
         return self.overhead_s + self.alpha_s * lat(n) + self.beta_s_per_byte * bw(n) * nbytes
 
 
+def _regimes_dict(regimes: Sequence[Regime]) -> list[dict[str, Any]]:
+    return [{"upto_bytes": None if math.isinf(r.upto_bytes) else r.upto_bytes, "overhead_s": r.overhead_s,
+             "alpha_s": r.alpha_s, "beta_s_per_byte": r.beta_s_per_byte} for r in regimes]
+
+
 @dataclass(frozen=True)
 class ClassCost:
-    """The fitted cost of one collective class: its algorithm and its regimes (ascending ``upto_bytes``)."""
+    """The fitted cost of one collective class: its algorithm and its regimes (ascending ``upto_bytes``).
+
+    ``by_world`` holds regimes fitted at one measured world size alone: a group of that size uses them (the
+    measured sizes are predicted as measured), any other size uses ``regimes``, the fit across world sizes,
+    extrapolated by the algorithm's ``L(n)`` and ``F(n)``.
+    """
 
     algorithm: str
     regimes: tuple[Regime, ...]
+    by_world: Mapping[int, tuple[Regime, ...]] = field(default_factory=dict, hash=False)
 
     def time(self, nbytes: float, n: int) -> float:
-        for r in self.regimes:
+        regimes = self.by_world.get(n, self.regimes)
+        for r in regimes:
             if nbytes < r.upto_bytes:
                 return r.time(self.algorithm, nbytes, n)
-        return self.regimes[-1].time(self.algorithm, nbytes, n)
+        return regimes[-1].time(self.algorithm, nbytes, n)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.algorithm,
-                "regimes": [{"upto_bytes": None if math.isinf(r.upto_bytes) else r.upto_bytes,
-                             "overhead_s": r.overhead_s, "alpha_s": r.alpha_s,
-                             "beta_s_per_byte": r.beta_s_per_byte} for r in self.regimes]}
+        d: dict[str, Any] = {"algorithm": self.algorithm, "regimes": _regimes_dict(self.regimes)}
+        if self.by_world:
+            d["by_world"] = {str(w): _regimes_dict(r) for w, r in sorted(self.by_world.items())}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> "ClassCost":
+        if not isinstance(d, Mapping):
+            raise _profile_error(where, "a class is an object with algorithm and regimes", {"class": d},
+                                 "rewrite the profile with `python -m simulator calibrate`")
         algo = d.get("algorithm")
         if algo not in ALGORITHMS:
             raise _profile_error(where, f"unknown algorithm {algo!r}", {"algorithm": algo},
                                  f"use one of {sorted(ALGORITHMS)}")
-        regs = []
-        for i, r in enumerate(d.get("regimes") or ()):
+        by_world = {}
+        for w, regs in (d.get("by_world") or {}).items():
             try:
-                upto = math.inf if r.get("upto_bytes") is None else float(r["upto_bytes"])
-                reg = Regime(upto, float(r["overhead_s"]), float(r["alpha_s"]), float(r["beta_s_per_byte"]))
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise _profile_error(f"{where}.regimes[{i}]", f"a regime needs upto_bytes, overhead_s, alpha_s and "
-                                     f"beta_s_per_byte as numbers ({type(e).__name__}: {e})", {"regime": r},
+                n = int(w)
+            except ValueError:
+                raise _profile_error(f"{where}.by_world", "keys are world sizes", {"key": w},
                                      "rewrite the profile with `python -m simulator calibrate`") from None
-            if min(reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte) < 0 or not all(
-                    math.isfinite(v) for v in (reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte)):
-                raise _profile_error(f"{where}.regimes[{i}]", "parameters must be finite and >= 0",
-                                     {"regime": r}, "rewrite the profile with `python -m simulator calibrate`")
-            regs.append(reg)
-        if not regs:
-            raise _profile_error(where, "no regimes", {"regimes": d.get("regimes")},
-                                 "give at least one regime with upto_bytes=null")
-        return cls(algo, tuple(sorted(regs, key=lambda r: r.upto_bytes)))
+            by_world[n] = _parse_regimes(regs, f"{where}.by_world.{w}")
+        return cls(algo, _parse_regimes(d.get("regimes"), where), by_world)
+
+
+def _parse_regimes(raw: Any, where: str) -> tuple[Regime, ...]:
+    regs = []
+    for i, r in enumerate(raw or ()):
+        try:
+            upto = math.inf if r.get("upto_bytes") is None else float(r["upto_bytes"])
+            reg = Regime(upto, float(r["overhead_s"]), float(r["alpha_s"]), float(r["beta_s_per_byte"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise _profile_error(f"{where}.regimes[{i}]", f"a regime needs upto_bytes, overhead_s, alpha_s and "
+                                 f"beta_s_per_byte as numbers ({type(e).__name__}: {e})", {"regime": r},
+                                 "rewrite the profile with `python -m simulator calibrate`") from None
+        if min(reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte) < 0 or not all(
+                math.isfinite(v) for v in (reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte)):
+            raise _profile_error(f"{where}.regimes[{i}]", "parameters must be finite and >= 0",
+                                 {"regime": r}, "rewrite the profile with `python -m simulator calibrate`")
+        regs.append(reg)
+    if not regs:
+        raise _profile_error(where, "no regimes", {"regimes": raw},
+                             "give at least one regime with upto_bytes=null")
+    return tuple(sorted(regs, key=lambda r: r.upto_bytes))
 
 
 def _profile_error(where: str, what: str, values: Mapping[str, Any], fix: str) -> ValueError:
