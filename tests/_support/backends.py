@@ -147,6 +147,7 @@ def param_id(backend: Backend, world_size: int, mode: str | None) -> str:
 
 def backend_params(worlds: Iterable[int], *, modes: Sequence[str] = ("coop",),
                    skip: Mapping[str, str] | None = None,
+                   worlds_on: Mapping[str, Iterable[int]] | None = None,
                    backends: Sequence[Backend] | None = None) -> list[Any]:
     """pytest params ``(backend name, world size, mode)`` for the ``ranks`` fixture.
 
@@ -155,14 +156,17 @@ def backend_params(worlds: Iterable[int], *, modes: Sequence[str] = ("coop",),
         modes: simulator schedules to cover; a backend without schedules gets one param per world.
         skip: ``{backend name: reason}`` for a backend on which the test cannot hold (kept as a
             visible skip with its reason rather than dropped).
+        worlds_on: ``{backend name: world sizes}`` replacing ``worlds`` for that backend (a costly
+            test on real processes may cover fewer sizes; say why where it is used).
         backends: defaults to :data:`BACKENDS`.
     """
     skip = dict(skip or {})
+    worlds = list(worlds)
     out = []
     for b in BACKENDS if backends is None else backends:
         # a backend with schedules covers the asked ones it has; one without gets one param per world
         b_modes: list[str | None] = ([m for m in modes if m in b.modes] or [b.modes[0]]) if b.simulated else [None]
-        for w in worlds:
+        for w in (worlds_on or {}).get(b.name, worlds):
             if w > b.max_world:
                 continue
             for mode in b_modes:
