@@ -18,7 +18,12 @@ does not hang when a worker died); functions that pickle cannot send
 (lambdas, closures) are sent with dill.
 
 Security: calls are pickled, so a peer can make this worker run any code.
-Run RPC on trusted networks only (see docs/rpc.md).
+Set ``TENSORPLAY_RPC_SECRET`` (or ``TENSORPLAY_RPC_SECRET_FILE``, an owner-only
+file) to the same secret on every member and each message is authenticated
+and checked before anything is unpickled (``tensorplay.testing.RpcPool`` and the
+simulator do this by default); payloads are still not encrypted, and torch's
+C++-only messages are not covered.  See "Networking and the trust model" in
+docs/rpc.md for exactly what is and is not protected.
 
 Example (two simulated workers)::
 

@@ -14,8 +14,10 @@ the simulator) generate one with :func:`generate_secret` when none is set.
 A message on the wire is ``mac + header + payload`` where the header holds
 a magic string, the sender's session id (random, one per agent), a counter
 (one per message, per session) and the sender's wall-clock time; the mac is
-HMAC-SHA256 over header and payload (one contiguous span: no copy to check
-it) under a key derived from the secret.
+keyed BLAKE2b-256 (a MAC by design, RFC 7693; in CPython it costs about a
+third of HMAC-SHA256 on a small message) over header and payload, one
+contiguous span so checking it copies nothing, under a key derived from the
+secret with HMAC-SHA256.
 :meth:`Authenticator.open` checks, in this order and *before anything of the
 payload is unpickled*: the magic and length, the mac (constant-time compare),
 the age of the message (``TENSORPLAY_RPC_AUTH_MAX_AGE`` seconds, default 300,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import secrets
@@ -166,18 +169,18 @@ class Authenticator:
         self._key = hmac.new(secret, b"tensorplay.distributed.rpc message v1", hashlib.sha256).digest()
         self.session = secrets.token_bytes(16)
         self.max_age_s = _max_age() if max_age_s is None else float(max_age_s)
-        self._counter = 0
+        self._counter = itertools.count(1)  # next() on it is atomic under the GIL: no lock to seal
         self._lock = threading.Lock()
         self._windows: dict[bytes, _Window] = {}
         self.refused = 0
 
+    def _mac(self, body: bytes | memoryview) -> bytes:
+        return hashlib.blake2b(body, key=self._key, digest_size=_MAC_LEN).digest()
+
     def seal(self, payload: bytes) -> bytes:
         """``payload`` in an envelope only members can produce, usable once."""
-        with self._lock:
-            self._counter += 1
-            n = self._counter
-        body = _HEADER.pack(_MAGIC, self.session, n, time.time()) + payload
-        return hmac.digest(self._key, body, "sha256") + body
+        body = _HEADER.pack(_MAGIC, self.session, next(self._counter), time.time()) + payload
+        return self._mac(body) + body
 
     def open(self, data: bytes, peer: str = "unknown peer") -> memoryview:
         """The payload of a sealed message; :class:`AuthenticationError` (logged) if it is not authentic.
@@ -188,7 +191,7 @@ class Authenticator:
         if len(view) < HEADER_LEN or view[_MAC_LEN:_MAC_LEN + 4] != _MAGIC:
             self._refuse(peer, "no authentication envelope (a peer without the world's secret)")
         body = view[_MAC_LEN:]
-        if not hmac.compare_digest(view[:_MAC_LEN], hmac.digest(self._key, body, "sha256")):
+        if not hmac.compare_digest(view[:_MAC_LEN], self._mac(body)):
             self._refuse(peer, "wrong message authentication code (a different secret, or an altered message)")
         _, session, n, sent = _HEADER.unpack_from(body)
         payload = view[HEADER_LEN:]
