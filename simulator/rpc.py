@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 from .callsite import call_site
+from .cost import charge_compute, reach
 from .errors import RankFailedError, SimError
 from .sched import DONE, FREE
 from .threads import start_actor
@@ -801,9 +802,7 @@ class SimAgent(Agent):
                     answer = None
                 else:
                     answer = peer._as_sender(lambda: peer._answer(value, self.name))
-                now = time.thread_time()
-                me.vt += (now - me.cpu_mark) * me.run.cost.compute_scale  # the handler's compute
-                me.cpu_mark = now
+                charge_compute(me)  # the handler's compute, counted as the callee rank's
                 rec.v = max(rec.v, me.vt)
                 if answer is not None:
                     rec.transfer(answer)
@@ -977,9 +976,7 @@ class _RpcRecord:
         self.own = me is not None and me.run is agent.rs.run and me.rank == agent.rank
         self.rs = rs = me if self.own else agent.rs
         if self.own:
-            now = time.thread_time()
-            rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
-            rs.cpu_mark = now
+            charge_compute(rs)
         self.site = call_site(4)
         agent.rpc_seq += 1
         self.seq = agent.rpc_seq
@@ -997,15 +994,15 @@ class _RpcRecord:
     def sent(self) -> None:
         """The request left: the caller's clock takes its serialisation, transfer and delay."""
         rs = self.rs
-        if self.own:
-            now = time.thread_time()
-            self.v += (now - rs.cpu_mark) * rs.run.cost.compute_scale
-            rs.cpu_mark = now
-        rs.vt = max(rs.vt, self.v)
+        if self.own:  # serialising is the caller's compute; the call's clock takes it too
+            before = rs.vt
+            charge_compute(rs)
+            self.v += rs.vt - before
+        reach(rs, self.v)  # the transfer (and any injected delay) the caller waited for
 
     def arrived(self) -> None:
         """The caller waited for the answer: its clock moves to the answer's arrival."""
-        self.rs.vt = max(self.rs.vt, self.v)
+        reach(self.rs, self.v)
         if self.own:
             self.rs.cpu_mark = time.thread_time()  # the wait is not the caller's compute
 
