@@ -78,6 +78,11 @@ def collectives_and_p2p() -> dict:
         work = dist.all_reduce(z, group=g, async_op=True)
         work.wait()
         out["subgroup"] = z
+    # tensors already in shared memory are used in place (no staging), twice to reuse the mapping
+    sh = (torch.arange(5, dtype=torch.float32) + r).share_memory_()
+    for _ in range(2):
+        dist.all_reduce(sh)
+    out["shared"] = sh
     dist.barrier()
     return out
 
@@ -98,6 +103,7 @@ def _expected(w: int) -> list[dict]:
         mat[:, 1] = sum(torch.arange(6, dtype=torch.float32).reshape(3, 2)[:, 1] * (k + 1) for k in range(w))
         e["column"] = mat
         e["ring"] = torch.full((3,), float((r - 1) % w))
+        e["shared"] = sum(torch.arange(5, dtype=torch.float32) + k for k in range(w)) * w
         if r < 2:
             e["subgroup"] = torch.tensor([3.0, 2.0])
         exp.append(e)

@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Arena", "TensorRef", "GroupRef", "OUTPUTS", "ALIGN"]
+__all__ = ["Arena", "SharedStorage", "TensorRef", "GroupRef", "OUTPUTS", "ALIGN", "SHARED_BASE"]
+
+#: ids of the program's own shared-memory storages start here (arena ids are below)
+SHARED_BASE = 1 << 30
 
 #: byte alignment of every staged span (a multiple of every element size)
 ALIGN = 64
@@ -65,6 +68,22 @@ class Arena:
     def view(self, offset_elems: int, dtype: torch.dtype, size: tuple[int, ...],
              stride: tuple[int, ...]) -> torch.Tensor:
         """The tensor at ``offset_elems`` (in elements of ``dtype``) of this arena."""
+        return torch.empty(0, dtype=dtype).set_(self.storage, offset_elems, size, stride)
+
+
+class SharedStorage:
+    """A storage of the program that already lives in shared memory (``share_memory_()``), mapped in the proxy.
+
+    Calls on it are not staged: the simulator reads and writes the program's own bytes.
+    """
+
+    __slots__ = ("storage",)
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+
+    def view(self, offset_elems: int, dtype: torch.dtype, size: tuple[int, ...],
+             stride: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(0, dtype=dtype).set_(self.storage, offset_elems, size, stride)
 
 

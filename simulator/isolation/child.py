@@ -35,7 +35,7 @@ from tensorplay.distributed.group import ProcessGroup
 
 from ..callsite import call_site
 from . import _wire
-from ._wire import OUTPUTS, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
+from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
 
 __all__ = ["ClientBackend", "ClientWork", "main"]
 
@@ -129,6 +129,11 @@ class ClientBackend(Backend):
         self._lock = threading.RLock()  # one request at a time on the channel (a rank's threads share it)
         self._cpu = threading.local()
         self._world_key = object()
+        #: the program's shared-memory storages the proxy has mapped: address -> (id, weak ref, bytes)
+        self._shared: dict[int, tuple[int, Any, int]] = {}
+        self._new_fds: list[tuple[int, int, int]] = []  # (id, fd, bytes) to pass with the next call
+        self._fd_sock: socket.socket | None = None
+        self._next_sid = 0
 
     # -- life cycle -------------------------------------------------------
     @classmethod
@@ -174,6 +179,7 @@ class ClientBackend(Backend):
         """Copy the tensors of ``args`` into an arena; return the arguments with tensors replaced by places."""
         tensors = [t for a in args for t in flatten(a)]
         spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
+        shared: dict[int, int] = {}  # storage address -> id, for storages already in shared memory (not copied)
         for t in tensors:
             if t.device.type != "cpu":
                 raise DistRuntimeError(format_message(
@@ -181,8 +187,10 @@ class ClientBackend(Backend):
                     values={"device": str(t.device)}, fix="move the tensor to the CPU, or use isolation='thread'"))
             if t.numel() == 0:
                 continue
-            lo, hi = span_of(t)
             key = t.untyped_storage().data_ptr()
+            if key in shared or self._shared_id(t, key, shared):
+                continue
+            lo, hi = span_of(t)
             s = spans.get(key)
             if s is None:
                 spans[key] = [align_down(lo), hi]
@@ -195,7 +203,7 @@ class ClientBackend(Backend):
             if t.numel() == 0:
                 continue
             key = t.untyped_storage().data_ptr()
-            if key in base:
+            if key in base or key in shared:
                 continue
             lo, hi = spans[key]
             off = arena.top
@@ -211,7 +219,12 @@ class ClientBackend(Backend):
             if t.numel() == 0:
                 r = TensorRef((-1, 0, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
                 return r
-            off = (base[t.untyped_storage().data_ptr()] + t.storage_offset() * es) // es
+            key = t.untyped_storage().data_ptr()
+            sid = shared.get(key)
+            if sid is not None:  # the simulator works on the program's own shared bytes: nothing to copy back
+                return TensorRef((sid, t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()),
+                                  t.requires_grad))
+            off = (base[key] + t.storage_offset() * es) // es
             r = TensorRef((arena.aid, off, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
             if is_out:
                 staged.outputs.append((t, arena.view(off, t.dtype, tuple(t.shape), tuple(t.stride()))))
@@ -228,6 +241,35 @@ class ClientBackend(Backend):
             else:
                 enc.append(a)
         return enc
+
+    def _shared_id(self, t: torch.Tensor, key: int, shared: dict[int, int]) -> bool:
+        """Whether ``t``'s storage is in shared memory (then ``shared[key]`` is its id, mapped by the proxy)."""
+        st = t.untyped_storage()
+        if not st.is_shared() or st.data_ptr() % 64:
+            return False
+        known = self._shared.get(key)
+        if known is not None and not known[1].expired() and known[2] == st.nbytes():
+            shared[key] = known[0]
+            return True
+        try:
+            fd, size = st._share_fd_cpu_()
+        except Exception:  # noqa: BLE001  shared another way (a file name): staged like any tensor
+            return False
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        sid = SHARED_BASE + self._next_sid
+        self._next_sid += 1
+        self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
+        self._new_fds.append((sid, fd, size))
+        shared[key] = sid
+        return True
+
+    def _send_fds(self) -> None:
+        """Pass the file descriptors of newly shared storages right after the call that names them."""
+        if self._fd_sock is None:
+            self._fd_sock = socket.socket(fileno=os.dup(self._conn.fileno()))
+        socket.send_fds(self._fd_sock, [b"f"], [fd for _, fd, _ in self._new_fds])
+        self._new_fds = []
 
     def _arena_for(self, need: int) -> Arena:
         for a in self._arenas:
@@ -249,8 +291,14 @@ class ClientBackend(Backend):
             try:
                 enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
                 new, self._new_arenas = self._new_arenas, []
-                msg = ("call", name, enc, site, _state.current_backward(), self._cpu_delta(), new)
-                value = self._request(msg)
+                fds = [(sid, size) for sid, _, size in self._new_fds]
+                msg = ("call", name, enc, site, _state.current_backward(), self._cpu_delta(), new, fds)
+                if fds:
+                    _wire.send(self._conn, msg)
+                    self._send_fds()
+                    value = _answer(_wire.recv(self._conn))
+                else:
+                    value = self._request(msg)
             except BaseException:
                 staged.release()
                 self._cpu.mark = time.thread_time()

@@ -35,7 +35,7 @@ from tensorplay.distributed.group import ProcessGroup
 from ..errors import RankExitError, SimTimeoutError
 from ..state import current_rank_state
 from . import _wire
-from ._wire import Arena, GroupRef, TensorRef
+from ._wire import Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
@@ -97,7 +97,7 @@ def _dumps(obj: Any) -> bytes:
 class _Rank:
     """The coordinator's handle on one rank process."""
 
-    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid")
+    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock")
 
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -109,6 +109,7 @@ class _Rank:
         self.works: dict[int, Any] = {}
         self.errors: list[BaseException] = []
         self.next_wid = 0
+        self.fd_sock: socket.socket | None = None
 
 
 class ProcessRanks:
@@ -194,9 +195,11 @@ class ProcessRanks:
             msg = self._recv(rs, me)
             kind = msg[0]
             if kind == "call":
-                _, name, enc, site, backward, cpu, new = msg
+                _, name, enc, site, backward, cpu, new, shared = msg
                 for aid, size in new:
                     me.arenas[aid] = Arena(aid, os.path.join(self.arena_dir, f"r{me.rank}-a{aid}"), size, create=False)
+                if shared:  # the program's own shared-memory storages: their descriptors follow the message
+                    self._map_shared(me, shared)
                 rs.vt += cpu * scale  # the rank process's own compute since its last call
                 rs.cpu_mark = time.thread_time()
                 try:
@@ -254,6 +257,17 @@ class ProcessRanks:
             me.works[wid] = value
             return wid
         return value
+
+    def _map_shared(self, me: _Rank, shared: list[tuple[int, int]]) -> None:
+        if me.fd_sock is None:
+            me.fd_sock = socket.socket(fileno=os.dup(me.conn.fileno()))
+        _, fds, _, _ = socket.recv_fds(me.fd_sock, 1, len(shared))
+        try:
+            for (sid, size), fd in zip(shared, fds):
+                me.arenas[sid] = SharedStorage(fd, size)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _decode(self, me: _Rank, a: Any) -> Any:
         if isinstance(a, TensorRef):
@@ -358,6 +372,8 @@ class ProcessRanks:
         for me in self.ranks:
             try:
                 me.conn.close()  # a process still waiting for an answer sees the end of its channel
+                if me.fd_sock is not None:
+                    me.fd_sock.close()
             except OSError:
                 pass
         deadline = time.monotonic() + _GRACE_S
