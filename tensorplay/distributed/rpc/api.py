@@ -200,8 +200,3 @@ def get_worker_info(worker_name: Any = None) -> WorkerInfo:
 
 def _all_worker_infos() -> list[WorkerInfo]:
     return _agent.require("get_worker_infos").worker_infos()
-
-
-# kept for callers of the old private names
-_timeout = _agent.check_timeout
-_check_call = _agent.check_call

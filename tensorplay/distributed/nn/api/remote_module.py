@@ -348,7 +348,7 @@ class RemoteModule(nn.Module):
             check_implements(interface, module_cls)
         allowed = None if interface is None else frozenset(interface_methods(interface))
         if timeout is not None:
-            timeout = rpc_api._timeout(_NAME, timeout, agent)
+            timeout = _agent.check_timeout(_NAME, timeout, agent)
         try:
             key, rref = rpc_api.rpc_sync(info, _create, args=(module_cls, args, kwargs, device, allowed),
                                          timeout=timeout)

@@ -1,0 +1,136 @@
+"""The RPC family's import rules (issue 13): no import circles, no branching on a transport's name, the
+simulator's pieces in simulator/.
+
+Every import counts, including those inside functions (a lazy import hides a circle, it does not remove
+it); only ``if TYPE_CHECKING:`` blocks are left out.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ["tensorplay/distributed/rpc", "tensorplay/distributed/autograd", "tensorplay/distributed/optim",
+           "tensorplay/distributed/nn/api", "tensorplay/testing/rpc.py"]
+SIM = ["simulator/rpc.py", "simulator/rpc_autograd.py", "simulator/torch_rpc.py"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _files(spec: list[str]) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for s in spec:
+        p = ROOT / s
+        for f in ([p] if p.is_file() else sorted(p.rglob("*.py"))):
+            out[_module_name(f)] = f
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports (anywhere but under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    found: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            # ``from pkg import sub`` imports the submodule; ``from pkg import name`` runs pkg/__init__
+            cands = subs if len(subs) == len(node.names) else [target, *subs]
+        elif isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        else:
+            continue
+        found |= {c for c in cands if c in known and c != name}
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_among_the_rpc_modules() -> None:
+    files = _files(PRODUCT + SIM)
+    graph = {m: _imports(m, p, set(files)) for m, p in files.items()}
+    assert "tensorplay.distributed.rpc.api" in graph and "simulator.rpc" in graph  # the walk found the files
+    assert graph["tensorplay.distributed.rpc.rref"], "rref imports its neighbours: the walk sees imports"
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_checker_finds_a_circle(tmp_path: Path) -> None:
+    """The check above is not vacuous: an import inside a function closes a circle, and it is reported;
+    one under ``if TYPE_CHECKING:`` is not an import."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import thing\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
+    graph = {m: _imports(m, pkg / f"{m.split('.')[-1]}.py", known) for m in ("pkg.a", "pkg.b", "pkg.c")}
+    graph["pkg"] = set()
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.c"] == set()
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_product_does_not_branch_on_a_transport_name() -> None:
+    """Callers ask the transport (registry, agent capabilities); nobody compares a kind with 'sim'/'tensorpipe'."""
+    found = []
+    for name, path in _files(PRODUCT).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                if any(v in ("sim", "tensorpipe") for v in consts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)
+
+
+def test_the_simulators_autograd_engine_lives_in_the_simulator() -> None:
+    assert not (ROOT / "tensorplay/distributed/autograd/_sim.py").exists()
+    import simulator.rpc as srpc
+    import simulator.rpc_autograd as engine
+
+    assert srpc.SimAgent.distributed_autograd(object.__new__(srpc.SimAgent)) is engine
