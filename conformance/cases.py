@@ -48,10 +48,7 @@ __all__ = [
 ]
 
 #: every collective the suite knows, in report order
-COLLECTIVES: tuple[str, ...] = (
-    "broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather", "all_gather_single",
-    "reduce_scatter", "all_to_all", "all_to_all_single",
-)
+COLLECTIVES: tuple[str, ...] = tuple(_spec.SPECS)
 #: reduce op names, in report order
 OPS: tuple[str, ...] = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 #: dtypes the suite draws (by torch name)
@@ -451,17 +448,17 @@ def rank_inputs(case: Case, global_rank: int, device: torch.device | str = "cpu"
 
 
 def output_shapes(case: Case, global_rank: int) -> Any:
-    """Expected shape(s) of ``global_rank``'s result: a shape or a tuple of shapes (tuple outputs)."""
-    c, me, n = case.collective, case.members.index(global_rank), case.group_size
-    if c in ("gather", "all_gather"):
-        return tuple(case.shape for _ in range(n))
-    if c == "all_gather_single":
-        return (n,) if not case.shape else (n * case.shape[0], *case.shape[1:])
-    if c == "all_to_all":
-        return tuple(block_shape(case, j, me) for j in range(n))
-    if c == "all_to_all_single":
-        return (sum(case.rows[j][me] for j in range(n)), *case.shape)
-    return case.shape
+    """Expected shape(s) of ``global_rank``'s result: a shape or a tuple of shapes (tuple outputs).
+
+    The spec's shape rule decides; the case only supplies what the rule needs from other ranks.
+    """
+    me, n = case.members.index(global_rank), case.group_size
+    extra: dict[str, Any] = {}
+    if case.rows is not None:
+        extra = {"in_shapes": [block_shape(case, j, me) for j in range(n)],
+                 "out_split": [case.rows[j][me] for j in range(n)]}
+    shape = (sum(case.rows[me]), *case.shape) if case.spec.splits else case.shape
+    return case.spec.output_shape(shape, group_size=n, like=case.shape, **extra)
 
 
 def split_sizes(case: Case, global_rank: int) -> tuple[list[int] | None, list[int] | None]:

@@ -44,7 +44,6 @@ _EPS = {
     "float32": torch.finfo(torch.float32).eps, "bfloat16": torch.finfo(torch.bfloat16).eps,
     "float16": torch.finfo(torch.float16).eps,
 }
-_LINEAR_OPS = (None, "SUM", "AVG")
 _EXACT_OPS = ("MIN", "MAX", "BAND", "BOR", "BXOR")
 
 
@@ -510,7 +509,7 @@ def _check_gradient(case: Case, by_rank: dict[int, RankOutcome], exp: Expectatio
                                f"rank {r} {name}.grad: {diff}")
     if case.dtype not in ("float64", "complex128"):
         return None
-    if case.op in _LINEAR_OPS:
+    if case.spec.is_linear(None if case.op is None else ReduceOp[case.op]):
         return _check_adjoint(case, by_rank, exp)
     if case.dtype == "float64":
         return _check_finite_differences(case, by_rank, exp)

@@ -32,10 +32,12 @@ from tensorplay.distributed.backends import Backend, Work, register_backend
 from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
+from tensorplay.distributed.spec import BACKEND_COLLECTIVES as _WIRE
 from tensorplay.distributed.spec import CallKey
 
 from . import kernels
 from .callsite import call_site
+from .cost import OVERLAP_S, charge_compute, links_reserve, links_start, reach
 from .errors import CollectiveMismatchError, InjectedFault
 from .faults import Crash, Delay
 from .report import mismatch_message
@@ -80,6 +82,8 @@ class _CollWork(Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         rs, slot = _caller(self._rs), self._slot
         try:
+            if self._call.async_op and not self._call.observed:
+                charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not slot.done:
                 rs.run.sched.block(rs, slot)
             _observe_coll(rs, slot, self._call)
@@ -109,6 +113,8 @@ class _P2PWork(Work):
         rec = self._rec
         rs = _caller(rec.rs)
         try:
+            if rec.async_op and not rec.observed:
+                charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not rec.done:
                 rs.run.sched.block(rs, rec)
             _observe_p2p(rs, rec)
@@ -153,13 +159,13 @@ def _observe_coll(rs: RankState, slot: Slot, call: RankCall) -> None:
     if call.observed:
         return
     call.observed = True
-    if slot.vend > rs.vt:
-        rs.vt = slot.vend
+    waited_at = reach(rs, slot.vend)
     g = slot.group
     root = call.key[2]
     rs.run.events.append(Event(rs.rank, slot.name, g.ranks, slot.seq, call.nbytes, call.site,
                                None if root is None else g.ranks[root], call.wall_start, _perf(),
-                               call.vstart, slot.vend, call.backward))
+                               call.vstart, slot.vend, call.backward,
+                               call.async_op and waited_at - call.vstart > OVERLAP_S))
     rs.cpu_mark = _thread_time()
 
 
@@ -167,14 +173,14 @@ def _observe_p2p(rs: RankState, rec: P2PRecord) -> None:
     if rec.observed:
         return
     rec.observed = True
-    if rec.vend > rs.vt:
-        rs.vt = rec.vend
+    waited_at = reach(rs, rec.vend)
     if rec.kind == "send":
         peer = rec.dst
     else:
         peer = rec.group.ranks[rec.source] if rec.source is not None else rec.src
     rs.run.events.append(Event(rs.rank, rec.kind, rec.group.ranks, rec.seq, rec.tensor.numel() * rec.tensor.element_size(),
-                               rec.site, peer, rec.wall_start, _perf(), rec.vstart, rec.vend, rec.backward))
+                               rec.site, peer, rec.wall_start, _perf(), rec.vstart, rec.vend, rec.backward,
+                               rec.async_op and waited_at - rec.vstart > OVERLAP_S))
     rs.cpu_mark = _thread_time()
 
 
@@ -363,6 +369,12 @@ def _k_all_to_all_single(calls: list[RankCall]) -> None:
 # ---------------------------------------------------------------------------
 # the backend
 # ---------------------------------------------------------------------------
+# every collective of the backend interface has its kernel here (send/recv are matched, not computed)
+_missing = [n for n, b in _WIRE.items() if b.cost_class != "p2p" and f"_k_{n}" not in globals()]
+if _missing:  # pragma: no cover  (a new entry in spec.BACKEND_COLLECTIVES without a simulator kernel)
+    raise ImportError(f"simulator/backend.py has no kernel for the backend collective(s) {_missing}: add _k_<name>")
+
+
 class SimBackend(Backend):
     """One simulated rank's backend (built by the simulator, never by ``init_process_group``)."""
 
@@ -433,9 +445,7 @@ class SimBackend(Backend):
     def _enter(self, rs: RankState, name: str, site: str) -> None:
         """Scheduling point, compute accounting and fault injection at the start of an operation."""
         rs.run.sched.point(rs)
-        now = _thread_time()
-        rs.vt += (now - rs.cpu_mark) * rs.run.cost.compute_scale
-        rs.cpu_mark = now
+        charge_compute(rs)
         rs.ops += 1
         rs.last_site = site
         if rs.faults is not None:
@@ -478,6 +488,8 @@ class SimBackend(Backend):
                 self._complete(slot, kernel, check)
             else:
                 slot.waiters.append(rs)
+        if async_op:
+            rs.cpu_mark = _thread_time()  # a kernel this rank ran for the group is not its compute
         work = _CollWork(rs, slot, call)
         if return_slot:
             work.wait()
@@ -510,8 +522,10 @@ class SimBackend(Backend):
                     slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",
                     group=slot.group.ranks, fix="check that every rank passes tensors on compatible devices"),
                     cause=e)
-        start = max(c.vstart for c in calls)
+        # starts when the last member issued it and its members' links are free (see simulator.cost)
+        start = links_start(run, slot.group.ranks, max(c.vstart for c in calls))
         slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
+        links_reserve(run, slot.group.ranks, slot.vend)
         slot.done = True
         wake = run.sched.wake
         for w in slot.waiters:
@@ -520,6 +534,7 @@ class SimBackend(Backend):
     def _flush_unobserved(self, rs: RankState | None = None) -> None:
         """At the end of a rank (or of a thread it started): trace the async operations nobody waited for."""
         rs = rs or self._rs
+        charge_compute(rs)  # the compute after the rank's last operation is part of its run
         for w in rs.unflushed:
             if isinstance(w, _CollWork) and w._slot.done:
                 _observe_coll(rs, w._slot, w._call)
@@ -529,56 +544,62 @@ class SimBackend(Backend):
 
     # -- collectives --------------------------------------------------------
     def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "barrier", CallKey("barrier", None, None, None, None), None, 0, async_op,
+        return self._collective(group.handle, "barrier", _WIRE["barrier"].key(), None, 0, async_op,
                                 _k_barrier)
 
     def broadcast(self, tensor: torch.Tensor, root: int, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "broadcast", CallKey("broadcast", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "broadcast",
+                                _WIRE["broadcast"].key(root=root, dtype=tensor.dtype, shape=tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_broadcast(calls, root))
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, group: ProcessGroup, async_op: bool) -> Work | None:
-        return self._collective(group.handle, "all_reduce", CallKey("all_reduce", op, None, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "all_reduce",
+                                _WIRE["all_reduce"].key(op=op, dtype=tensor.dtype, shape=tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_all_reduce(calls, op))
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, group: ProcessGroup,
                async_op: bool) -> Work | None:
-        return self._collective(group.handle, "reduce", CallKey("reduce", op, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "reduce",
+                                _WIRE["reduce"].key(op=op, root=root, dtype=tensor.dtype, shape=tensor.shape),
                                 tensor, _nbytes(tensor), async_op, lambda calls: _k_reduce(calls, op, root))
 
     def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup,
                    async_op: bool) -> Work | None:
-        return self._collective(group.handle, "all_gather", CallKey("all_gather", None, None, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "all_gather",
+                                _WIRE["all_gather"].key(dtype=tensor.dtype, shape=tensor.shape),
                                 (output_list, tensor), _nbytes(tensor) * len(output_list), async_op, _k_all_gather)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
                                async_op: bool) -> Work | None:
         return self._collective(group.handle, "all_gather_into_tensor",
-                                CallKey("all_gather_into_tensor", None, None, input.dtype, input.shape),
+                                _WIRE["all_gather_into_tensor"].key(dtype=input.dtype, shape=input.shape),
                                 (output, input), _nbytes(output), async_op, _k_all_gather_into_tensor)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
                async_op: bool) -> Work | None:
-        return self._collective(group.handle, "gather", CallKey("gather", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "gather",
+                                _WIRE["gather"].key(root=root, dtype=tensor.dtype, shape=tensor.shape),
                                 (tensor, gather_list), _nbytes(tensor) * group.size(), async_op,
                                 lambda calls: _k_gather(calls, root))
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, root: int, group: ProcessGroup,
                 async_op: bool) -> Work | None:
-        return self._collective(group.handle, "scatter", CallKey("scatter", None, root, tensor.dtype, tensor.shape),
+        return self._collective(group.handle, "scatter",
+                                _WIRE["scatter"].key(root=root, dtype=tensor.dtype, shape=tensor.shape),
                                 (tensor, scatter_list), _nbytes(tensor) * group.size(), async_op,
                                 lambda calls: _k_scatter(calls, root))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp,
                        group: ProcessGroup, async_op: bool) -> Work | None:
         return self._collective(group.handle, "reduce_scatter",
-                                CallKey("reduce_scatter", op, None, output.dtype, output.shape),
+                                _WIRE["reduce_scatter"].key(op=op, dtype=output.dtype, shape=output.shape),
                                 (output, input_list), _nbytes(output) * len(input_list), async_op,
                                 lambda calls: _k_reduce_scatter(calls, op))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group: ProcessGroup,
                               async_op: bool) -> Work | None:
         return self._collective(group.handle, "reduce_scatter_tensor",
-                                CallKey("reduce_scatter_tensor", op, None, output.dtype, output.shape),
+                                _WIRE["reduce_scatter_tensor"].key(op=op, dtype=output.dtype, shape=output.shape),
                                 (output, input), _nbytes(input), async_op,
                                 lambda calls: _k_reduce_scatter_tensor(calls, op))
 
@@ -586,15 +607,16 @@ class SimBackend(Backend):
                    async_op: bool) -> Work | None:
         detail = "in=" + ",".join(str(tuple(t.shape)) for t in input_list[:8]) + \
                  " out=" + ",".join(str(tuple(t.shape)) for t in output_list[:8])
-        return self._collective(group.handle, "all_to_all", CallKey("all_to_all", None, None, input_list[0].dtype, None),
+        return self._collective(group.handle, "all_to_all", _WIRE["all_to_all"].key(dtype=input_list[0].dtype),
                                 (output_list, input_list), sum(_nbytes(t) for t in input_list), async_op,
                                 _k_all_to_all, detail=detail, check=_check_all_to_all)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], group: ProcessGroup, async_op: bool) -> Work | None:
-        detail = f"in_splits={list(input_split_sizes)} out_splits={list(output_split_sizes)} rows={tuple(input.shape[1:])}"
+        detail = (f"in_splits={list(input_split_sizes)} out_splits={list(output_split_sizes)} "
+                  f"rows={tuple(input.shape[1:])}")
         return self._collective(group.handle, "all_to_all_single",
-                                CallKey("all_to_all_single", None, None, input.dtype, tuple(input.shape[1:])),
+                                _WIRE["all_to_all_single"].key(dtype=input.dtype, shape=tuple(input.shape[1:])),
                                 (output, input, list(output_split_sizes), list(input_split_sizes)), _nbytes(input),
                                 async_op, _k_all_to_all_single, detail=detail, check=_check_all_to_all_single)
 
@@ -664,6 +686,7 @@ class SimBackend(Backend):
     def _p2p_finish(self, rec: P2PRecord, async_op: bool) -> Any:
         work = _P2PWork(rec)
         if async_op:
+            rec.rs.cpu_mark = _thread_time()  # a copy this rank made for the pair is not its compute
             rec.rs.unflushed.append(work)
             _done_with(rec.rs)
             return work
@@ -691,7 +714,10 @@ class SimBackend(Backend):
                     "recv", f"the simulator failed to copy the message: {type(e).__name__}: {e}",
                     group=s.group.ranks, fix="check the devices of the send and recv tensors"), cause=e)
         r.source = s.group.index[s.rs.rank]
-        end = max(s.vstart, r.vstart) + run.cost.cost("send", _nbytes(st), 2)
+        snd, rcv = s.rs.rank, r.rs.rank  # the sender's outgoing link, the receiver's incoming one
+        start = links_start(run, (), max(s.vstart, r.vstart), send=snd, recv=rcv)
+        end = start + run.cost.cost("send", _nbytes(st), 2)
+        links_reserve(run, (), end, send=snd, recv=rcv)
         if not s.done:  # an eager send completed when it was posted
             s.vend = end
             s.done = True

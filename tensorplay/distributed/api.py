@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _state
+from . import spec as _spec
 from .backends import ChainedWork, Work, get_backend_class, registered
 from .errors import (
     DistError,
@@ -293,11 +294,7 @@ def _flat_shape_ok(out: torch.Tensor, inp: torch.Tensor, w: int) -> bool:
     """``out`` is ``w`` copies of ``inp`` concatenated on dim 0 or stacked on a new dim 0."""
     if out.numel() != w * inp.numel():
         return False
-    if inp.dim() == 0:
-        return tuple(out.shape) == (w,)
-    stacked = (w, *inp.shape)
-    concat = (w * inp.shape[0], *inp.shape[1:])
-    return tuple(out.shape) in (stacked, concat)
+    return tuple(out.shape) in ((w, *inp.shape), _spec.gathered_shape(tuple(inp.shape), w))
 
 
 # ---------------------------------------------------------------------------

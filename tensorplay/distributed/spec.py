@@ -1,16 +1,20 @@
-"""Each autograd-aware collective, described once.
+"""Each collective described once: two tables every layer reads.
 
-A :class:`CollectiveSpec` says what a collective *is*, independent of any
-backend:
+:data:`SPECS` - the ten autograd-aware collectives.  A :class:`CollectiveSpec`
+says what a collective *is*, independent of any backend:
 
 * ``reference``: the world-level function in plain torch ops.  It maps every
   group member's input (indexed by group rank) to every member's output.
   It is differentiable with torch.autograd, so differentiating it gives the
   exact world-level vector-Jacobian product the autograd layer must match.
-* ``output_shape``: the shape rule for one rank.
-* ``takes_op`` / ``allowed_ops``: which reduce ops the collective accepts,
-  and which of them carry a gradient.
-* ``root``: ``"src"``, ``"dst"`` or ``None``.
+* ``output_shape``: the shape rule for one rank, on shapes (the all-gather
+  rule, :func:`gathered_shape`, exists once and the public API, the autograd
+  layer and the conformance suite all call it).
+* ``takes_op`` / ``allowed_ops`` / ``is_linear``: which reduce ops the
+  collective accepts, which of them carry a gradient, and under which the
+  world function is linear (double backward is then exact).
+* ``root``: ``"src"``, ``"dst"`` or ``None``; ``list_input``, ``tuple_output``,
+  ``splits``: the call's shape.
 * ``backward``: the adjoint, stated in words (``backward``) and as the name of
   the collective it is built from (``adjoint``).
 * ``vjp``: the same backward, executable.  A rule receives a
@@ -21,11 +25,17 @@ backend:
   double backward works wherever the collective is linear.  The local
   derivatives of the reduce ops (:func:`exclusive_product`,
   :func:`tie_mask`) live here too.
+* ``lowers_to``: the backend collective it runs on.
 
-The autograd layer reads ``allowed_ops``/``root``/shape rules for validation,
-the simulator reads the names and fingerprint fields, and the conformance
-suite uses ``reference`` as its expectation.  Nothing here branches on a
-backend.
+:data:`BACKEND_COLLECTIVES` - the operations of the backend interface (what
+c10d runs and the simulator emulates): root role, reduce op, what the members
+must agree on (a :class:`CallKey`) and the cost class of the communication.
+The :class:`~tensorplay.distributed.backends.base.Backend` interface, the
+simulator's kernels and agreement check and its cost model are checked
+against it at import.
+
+The conformance suite generates its cases from :data:`SPECS` and uses
+``reference`` as its expectation.  Nothing here branches on a backend.
 
 Reference inputs, per collective (``W`` = group size, ``xs[i]`` = group rank
 ``i``'s argument):
@@ -47,7 +57,7 @@ all_to_all             a list of W tensors (``xs[j][i]`` goes to rank ``i``)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
@@ -66,6 +76,10 @@ __all__ = [
     "exclusive_product",
     "tie_mask",
     "CallKey",
+    "BackendCollective",
+    "BACKEND_COLLECTIVES",
+    "COST_CLASSES",
+    "gathered_shape",
 ]
 
 #: reduce ops with a defined gradient (bitwise ops have none)
@@ -164,29 +178,45 @@ def _ref_all_to_all_single(
 
 
 # --------------------------------------------------------------------------
-# shape rules for one rank
+# shape rules for one rank, on shapes (``shape`` is this rank's input's shape)
 # --------------------------------------------------------------------------
-def _same(x: torch.Tensor, **_: Any) -> tuple[int, ...]:
-    return tuple(x.shape)
+Shape = tuple[int, ...]
 
 
-def _gather_shape(x: torch.Tensor, *, group_size: int, **_: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(x.shape) for _ in range(group_size))
+def gathered_shape(shape: Shape, group_size: int) -> Shape:
+    """The one all-gather shape rule: W inputs concatenated on dim 0, or stacked when they are 0-d.
+
+    all_gather_single's output, all_gather_into_tensor's flat output and reduce_scatter_tensor's flat input
+    (whose per-rank part is ``shape``) all follow it.
+    """
+    return (group_size,) if not shape else (group_size * shape[0], *shape[1:])
 
 
-def _gather_single_shape(x: torch.Tensor, *, group_size: int, **_: Any) -> tuple[int, ...]:
-    if x.dim() == 0:
-        return (group_size,)
-    return (group_size * x.shape[0], *x.shape[1:])
+def _same(shape: Shape, **_: Any) -> Shape:
+    return tuple(shape)
 
 
-def _scatter_shape(x: Any, *, like: torch.Tensor, **_: Any) -> tuple[int, ...]:
-    return tuple(like.shape)
+def _gather_shape(shape: Shape, *, group_size: int, **_: Any) -> tuple[Shape, ...]:
+    return tuple(tuple(shape) for _ in range(group_size))
 
 
-def _a2a_single_shape(x: torch.Tensor, *, out_split: list[int] | None = None, **_: Any) -> tuple[int, ...]:
-    rows = x.shape[0] if out_split is None else sum(out_split)
-    return (rows, *x.shape[1:])
+def _gather_single_shape(shape: Shape, *, group_size: int, **_: Any) -> Shape:
+    return gathered_shape(tuple(shape), group_size)
+
+
+def _scatter_shape(shape: Shape | None, *, like: Shape, **_: Any) -> Shape:
+    return tuple(like)
+
+
+def _a2a_shape(shape: Any, *, in_shapes: Sequence[Shape], **_: Any) -> tuple[Shape, ...]:
+    # block j of the output comes from rank j: its shape is whatever rank j sends here
+    return tuple(tuple(s) for s in in_shapes)
+
+
+def _a2a_single_shape(shape: Shape, *, out_split: Sequence[int] | None = None, group_size: int = 1,
+                      **_: Any) -> Shape:
+    rows = shape[0] if out_split is None else sum(out_split)
+    return (rows, *shape[1:])
 
 
 # --------------------------------------------------------------------------
@@ -383,8 +413,8 @@ class CollectiveSpec:
     list_input: bool = False
     tuple_output: bool = False
     splits: bool = False
-    #: fields every member must agree on (the simulator and the conformance suite fingerprint these)
-    agree_on: tuple[str, ...] = field(default=("name", "group", "dtype"))
+    #: the backend collective the autograd layer runs it with (what the members must agree on is stated there)
+    lowers_to: str = ""
     #: the backward, executable: ``vjp(collectives, call, grads, (input, output)) -> input grads``
     vjp: Callable[..., tuple] | None = None
 
@@ -407,6 +437,7 @@ SPECS: dict[str, CollectiveSpec] = {
     for s in [
         CollectiveSpec(
             name="broadcast",
+            lowers_to="broadcast",
             vjp=_vjp_broadcast,
             summary="every rank gets src's tensor",
             reference=_ref_broadcast,
@@ -414,10 +445,10 @@ SPECS: dict[str, CollectiveSpec] = {
             root="src",
             adjoint="reduce",
             backward="reduce(SUM) of the gradients to src: src gets sum_j g_j, every other rank exactly 0",
-            agree_on=("name", "group", "root", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="reduce",
+            lowers_to="reduce",
             vjp=_vjp_reduce,
             summary="dst gets op over every rank's tensor; other ranks get zeros",
             reference=_ref_reduce,
@@ -426,10 +457,10 @@ SPECS: dict[str, CollectiveSpec] = {
             takes_op=True,
             adjoint="broadcast",
             backward="broadcast of dst's gradient, times the op's local derivative; non-dst gradients never count",
-            agree_on=("name", "group", "root", "op", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="all_reduce",
+            lowers_to="all_reduce",
             vjp=_vjp_all_reduce,
             summary="every rank gets op over every rank's tensor",
             reference=_ref_all_reduce,
@@ -437,10 +468,10 @@ SPECS: dict[str, CollectiveSpec] = {
             takes_op=True,
             adjoint="all_reduce",
             backward="all_reduce(SUM) of the gradients, times the op's local derivative",
-            agree_on=("name", "group", "op", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="gather",
+            lowers_to="gather",
             vjp=_vjp_gather,
             summary="dst gets the tuple of every rank's tensor; other ranks get zeros",
             reference=_ref_gather,
@@ -449,10 +480,10 @@ SPECS: dict[str, CollectiveSpec] = {
             tuple_output=True,
             adjoint="scatter",
             backward="scatter of dst's per-rank gradient slices: rank i gets g_dst[i]",
-            agree_on=("name", "group", "root", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="scatter",
+            lowers_to="scatter",
             vjp=_vjp_scatter,
             summary="rank i gets src's i-th tensor",
             reference=_ref_scatter,
@@ -461,10 +492,10 @@ SPECS: dict[str, CollectiveSpec] = {
             list_input=True,
             adjoint="gather",
             backward="gather of the gradients to src: src's i-th input gets g_i; non-src inputs get zeros",
-            agree_on=("name", "group", "root", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="all_gather",
+            lowers_to="all_gather",
             vjp=_vjp_all_gather,
             summary="every rank gets the tuple of every rank's tensor",
             reference=_ref_all_gather,
@@ -472,20 +503,20 @@ SPECS: dict[str, CollectiveSpec] = {
             tuple_output=True,
             adjoint="reduce_scatter",
             backward="reduce_scatter(SUM) of the gradients: rank i gets sum_j g_j[i]",
-            agree_on=("name", "group", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="all_gather_single",
+            lowers_to="all_gather_into_tensor",
             vjp=_vjp_all_gather_single,
             summary="every rank gets every rank's tensor concatenated on dim 0 (0-d tensors stacked)",
             reference=_ref_all_gather_single,
             output_shape=_gather_single_shape,
             adjoint="reduce_scatter",
             backward="reduce_scatter(SUM) of the concatenated gradient",
-            agree_on=("name", "group", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="reduce_scatter",
+            lowers_to="reduce_scatter_tensor",
             vjp=_vjp_reduce_scatter,
             summary="rank i gets op over every rank's i-th tensor",
             reference=_ref_reduce_scatter,
@@ -494,22 +525,22 @@ SPECS: dict[str, CollectiveSpec] = {
             list_input=True,
             adjoint="all_gather",
             backward="all_gather of the gradients, times the op's local derivative",
-            agree_on=("name", "group", "op", "dtype", "shape"),
         ),
         CollectiveSpec(
             name="all_to_all",
+            lowers_to="all_to_all",
             vjp=_vjp_all_to_all,
             summary="rank i's j-th output is rank j's i-th input (shapes may differ per pair)",
             reference=_ref_all_to_all,
-            output_shape=_same,
+            output_shape=_a2a_shape,
             list_input=True,
             tuple_output=True,
             adjoint="all_to_all",
             backward="all_to_all of the gradients along the reversed routes",
-            agree_on=("name", "group", "dtype", "shapes"),
         ),
         CollectiveSpec(
             name="all_to_all_single",
+            lowers_to="all_to_all_single",
             vjp=_vjp_all_to_all_single,
             summary="split dim 0 by in_splits, exchange, concatenate by out_splits",
             reference=_ref_all_to_all_single,
@@ -517,10 +548,84 @@ SPECS: dict[str, CollectiveSpec] = {
             splits=True,
             adjoint="all_to_all_single",
             backward="all_to_all_single of the gradient with the two split lists swapped",
-            agree_on=("name", "group", "dtype", "splits"),
         ),
     ]
 }
+
+
+# --------------------------------------------------------------------------
+# the backend interface's collectives: what every backend implements
+# --------------------------------------------------------------------------
+#: how a collective's time grows with the group size W (the cost model reads this, see simulator/trace.py):
+#: ``all_reduce`` reduce-scatter then all-gather (2(W-1) steps); ``ring`` W-1 steps of 1/W of the data;
+#: ``tree`` log2(W) steps of the whole buffer; ``p2p`` one message; ``barrier`` log2(W) empty messages
+COST_CLASSES = ("all_reduce", "ring", "tree", "p2p", "barrier")
+
+
+@dataclass(frozen=True)
+class BackendCollective:
+    """One operation of the backend interface (:class:`~tensorplay.distributed.backends.base.Backend`).
+
+    The autograd collectives above are built from these; c10d runs them natively and the simulator emulates
+    them.  The facts here are the ones every layer shares: the role of the root, whether a reduce op is
+    taken, what the members of a group must agree on (the simulator's agreement check compares exactly
+    these fields of a :class:`CallKey`), and the cost class of its communication.
+    """
+
+    name: str
+    root: str | None = None
+    takes_op: bool = False
+    #: which of CallKey's ``dtype``/``shape`` every member must share (``collective``, and ``op``/``root`` when
+    #: the collective has them, are always compared)
+    agree_on: tuple[str, ...] = ("dtype", "shape")
+    cost_class: str = "tree"
+
+    def key(self, *, op: ReduceOp | None = None, root: int | None = None, dtype: torch.dtype | None = None,
+            shape: Sequence[int] | None = None) -> CallKey:
+        """The agreement key of one rank's call: the fields this collective does not compare are ``None``."""
+        return CallKey(self.name, op if self.takes_op else None, root if self.root is not None else None,
+                       dtype if "dtype" in self.agree_on else None,
+                       tuple(shape) if "shape" in self.agree_on and shape is not None else None)
+
+
+BACKEND_COLLECTIVES: dict[str, BackendCollective] = {
+    b.name: b
+    for b in [
+        BackendCollective("barrier", agree_on=(), cost_class="barrier"),
+        BackendCollective("broadcast", root="src"),
+        BackendCollective("all_reduce", takes_op=True, cost_class="all_reduce"),
+        BackendCollective("reduce", root="dst", takes_op=True),
+        BackendCollective("all_gather", cost_class="ring"),
+        BackendCollective("all_gather_into_tensor", cost_class="ring"),
+        BackendCollective("gather", root="dst"),
+        BackendCollective("scatter", root="src"),
+        # the shape compared is the output's (each rank's share)
+        BackendCollective("reduce_scatter", takes_op=True, cost_class="ring"),
+        BackendCollective("reduce_scatter_tensor", takes_op=True, cost_class="ring"),
+        # blocks may differ per pair of ranks: checked pairwise (sender's block = receiver's slot), not by key
+        BackendCollective("all_to_all", agree_on=("dtype",), cost_class="ring"),
+        # the shape compared is the trailing dims: row counts differ per rank and are checked pairwise
+        BackendCollective("all_to_all_single", cost_class="ring"),
+        BackendCollective("send", cost_class="p2p"),
+        BackendCollective("recv", cost_class="p2p"),
+    ]
+}
+
+
+def _check_tables() -> None:
+    """Import-time consistency of the two tables (a wrong entry fails at import, naming itself)."""
+    for sp in SPECS.values():
+        if sp.adjoint not in SPECS:
+            raise RuntimeError(f"spec {sp.name!r}: adjoint={sp.adjoint!r} is not a collective of SPECS")
+        low = BACKEND_COLLECTIVES.get(sp.lowers_to)
+        if low is None:
+            raise RuntimeError(f"spec {sp.name!r}: lowers_to={sp.lowers_to!r} is not in BACKEND_COLLECTIVES")
+        if (low.root is not None) != (sp.root is not None) or low.takes_op != sp.takes_op:
+            raise RuntimeError(f"spec {sp.name!r} and the backend collective {low.name!r} it lowers to disagree: "
+                               f"root={sp.root!r}/{low.root!r}, takes_op={sp.takes_op}/{low.takes_op}")
+    for b in BACKEND_COLLECTIVES.values():
+        if b.cost_class not in COST_CLASSES or not set(b.agree_on) <= {"dtype", "shape"}:
+            raise RuntimeError(f"backend collective {b.name!r}: cost_class={b.cost_class!r} agree_on={b.agree_on!r}")
 
 
 def get(name: str) -> CollectiveSpec:
@@ -529,3 +634,6 @@ def get(name: str) -> CollectiveSpec:
         return SPECS[name]
     except KeyError:
         raise KeyError(f"unknown collective {name!r}; known: {sorted(SPECS)}") from None
+
+
+_check_tables()

@@ -281,3 +281,17 @@ class Backend(abc.ABC):
         ``source_rank()`` gives the sender's *group* rank (the API maps it to
         a global rank for users).
         """
+
+
+def _check_interface() -> None:
+    """Every collective of ``spec.BACKEND_COLLECTIVES`` is an abstract method of :class:`Backend` and back."""
+    from ..spec import BACKEND_COLLECTIVES
+
+    declared = {n for n in Backend.__abstractmethods__} - {"create", "world_handle", "new_group_handle", "shutdown"}
+    if declared != set(BACKEND_COLLECTIVES):
+        raise ImportError(f"the Backend interface and spec.BACKEND_COLLECTIVES disagree: only in Backend: "
+                          f"{sorted(declared - set(BACKEND_COLLECTIVES))}, only in the table: "
+                          f"{sorted(set(BACKEND_COLLECTIVES) - declared)}")
+
+
+_check_interface()

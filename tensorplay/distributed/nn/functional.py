@@ -48,7 +48,7 @@ from ..errors import DistError, DistTypeError, DistValueError
 from ..group import ProcessGroup
 from ..group import group as _groups
 from ..reduce_op import ReduceOp, dtype_rule, normalize_op
-from ..spec import DIFFERENTIABLE_OPS, SPECS, Call
+from ..spec import DIFFERENTIABLE_OPS, SPECS, Call, gathered_shape
 
 __all__ = [
     "broadcast",
@@ -516,7 +516,7 @@ def all_gather_single(output: torch.Tensor | None, input: torch.Tensor, group: A
     c = _begin("all_gather_single", group)
     _tensor(c, input, "input")
     w = c.pg.size()
-    concat = (w,) if input.dim() == 0 else (w * input.shape[0], *input.shape[1:])
+    concat = gathered_shape(tuple(input.shape), w)
     if output is None:
         out_shape = concat
     else:
