@@ -78,7 +78,8 @@ class ClientWork(Work):
         if self._staged is not None:
             staged, self._staged = self._staged, None
             try:
-                self._b._request(("wait", self._wid))
+                self._b._request(("wait", self._wid, self._b._cpu_delta()))
+                self._b.start_clock()
                 staged.copy_out()
             except BaseException as e:
                 self._error = e
@@ -174,6 +175,21 @@ class ClientBackend(Backend):
         last = getattr(self._cpu, "mark", None)
         self._cpu.mark = now
         return 0.0 if last is None else now - last
+
+    def start_clock(self) -> None:
+        """The rank's compute starts counting now (its CPU time is sent with each call)."""
+        self._cpu.mark = time.thread_time()
+
+    def exclude_cpu(self, seconds: float) -> None:
+        """CPU time that is not the program's compute (an import) moves the calling thread's mark past it."""
+        mark = getattr(self._cpu, "mark", None)
+        if mark is not None:
+            self._cpu.mark = mark + seconds
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        """A ``torch.optim`` step ended: the proxy marks the end of a training step on the rank's clock."""
+        self._request(("step", id(optimizer), self._cpu_delta()))
+        self._cpu.mark = time.thread_time()
 
     def _stage(self, name: str, args: tuple, staged: _Staged) -> list[Any]:
         """Copy the tensors of ``args`` into an arena; return the arguments with tensors replaced by places."""
@@ -421,6 +437,31 @@ def _exception_message(e: BaseException) -> tuple:
 # ---------------------------------------------------------------------------
 # the process's main
 # ---------------------------------------------------------------------------
+def _honest_clock(backend: ClientBackend) -> None:
+    """As on thread ranks: imports are not compute, and each optimizer step marks a training step."""
+    import importlib
+
+    boot = importlib.import_module("importlib._bootstrap")
+    original = boot._find_and_load
+    depth = threading.local()
+
+    def timed(name: str, import_: Any) -> Any:
+        if getattr(depth, "d", 0):
+            return original(name, import_)
+        depth.d = 1
+        t0 = time.thread_time()
+        try:
+            return original(name, import_)
+        finally:
+            depth.d = 0
+            backend.exclude_cpu(time.thread_time() - t0)
+
+    boot._find_and_load = timed
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: backend.optimizer_step(opt))
+
+
 def _die_with_parent() -> None:
     """Linux: the kernel kills this process when the coordinator dies (no orphan ranks)."""
     if sys.platform.startswith("linux"):
@@ -487,10 +528,12 @@ def main() -> None:
         torch_native._stores[id(backend.world_key())] = tdist.TCPStore(
             host, port, setup["world_size"], False, timedelta(seconds=setup["timeout"]), wait_for_workers=False)
         msg: tuple
+        _honest_clock(backend)
         try:
+            backend.start_clock()
             result = fn(*args, **kwargs)
             try:
-                msg = ("result", _dumps(result))
+                msg = ("result", _dumps(result), backend._cpu_delta())
             except Exception as e:  # noqa: BLE001
                 msg = _exception_message(DistRuntimeError(format_message(
                     "simulator.run", "the rank's function returned an object that cannot be sent back from its "

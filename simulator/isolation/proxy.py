@@ -32,6 +32,7 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 
+from ..cost import _step_hook
 from ..errors import RankExitError, SimTimeoutError
 from ..state import current_rank_state
 from . import _wire
@@ -97,7 +98,7 @@ def _dumps(obj: Any) -> bytes:
 class _Rank:
     """The coordinator's handle on one rank process."""
 
-    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock")
+    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers")
 
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -110,6 +111,7 @@ class _Rank:
         self.errors: list[BaseException] = []
         self.next_wid = 0
         self.fd_sock: socket.socket | None = None
+        self.optimizers: dict[int, object] = {}  # the rank process's optimizers, by id there
 
 
 class ProcessRanks:
@@ -190,7 +192,6 @@ class ProcessRanks:
         me.groups[0] = st.world  # type: ignore[union-attr]
         backend = rs.backend  # type: ignore[union-attr]
         conn = me.conn
-        scale = rs.run.cost.compute_scale  # type: ignore[union-attr]
         while True:
             msg = self._recv(rs, me)
             kind = msg[0]
@@ -200,8 +201,9 @@ class ProcessRanks:
                     me.arenas[aid] = Arena(aid, os.path.join(self.arena_dir, f"r{me.rank}-a{aid}"), size, create=False)
                 if shared:  # the program's own shared-memory storages: their descriptors follow the message
                     self._map_shared(me, shared)
-                rs.vt += cpu * scale  # the rank process's own compute since its last call
-                rs.cpu_mark = time.thread_time()
+                # the rank process's own compute since its last call: charged by the call's first step, as the
+                # CPU time of a thread rank is
+                rs.cpu_mark = time.thread_time() - cpu
                 try:
                     value = self._perform(me, backend, name, enc, site, backward)
                 except BaseException as e:  # noqa: BLE001  (sent to the rank process, which raises it)
@@ -212,6 +214,7 @@ class ProcessRanks:
                 work = me.works[msg[1]]
                 try:
                     if kind == "wait":
+                        rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
                         value: Any = work.wait()
                     elif kind == "completed":
                         value = work.is_completed()
@@ -223,7 +226,12 @@ class ProcessRanks:
                     self._send(me, self._error_reply(me, e))
                 else:
                     self._send(me, ("ok", value))
+            elif kind == "step":  # an optimizer step of the rank process (see cost.enabled on thread ranks)
+                rs.cpu_mark = time.thread_time() - msg[2]
+                _step_hook(me.optimizers.setdefault(msg[1], object()), (), {})
+                self._send(me, ("ok", None))
             elif kind == "result":
+                rs.cpu_mark = time.thread_time() - msg[2]  # the compute after the last operation: charged at exit
                 return pickle.loads(msg[1])
             elif kind == "exit":
                 raise SystemExit(msg[1])
