@@ -20,9 +20,10 @@ with the callee's agent bound), which then takes precedence over the
 process's.  The public functions in :mod:`.api` ask :func:`current` on every
 call and never cache it.
 
-Imports: this module sits below everything else of the RPC package except
-``errors``, ``worker`` and ``futures`` (so ``rref`` and ``api`` can both use
-:func:`invoke` without importing each other).
+Imports: this module imports only ``errors`` and ``worker`` of the RPC
+package, so ``rref``, ``api`` and the transports can all use it (``rref``'s
+proxies call :func:`invoke` without importing ``api``) and no circle forms;
+transports are imported by name through the registry.
 """
 from __future__ import annotations
 
