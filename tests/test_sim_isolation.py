@@ -321,6 +321,7 @@ def test_hash_order_program_fails_deterministically_with_call_sites_and_hash_see
         for r in range(3):
             assert f"{r}={hash_seed(0, r)}" in text
         assert "PYTHONHASHSEED" in text
+        assert "replay with simulator.run(fn, 3, seed=0, mode='coop', isolation='process')" in text
     assert messages[0] == messages[1]
 
 

@@ -47,6 +47,10 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
     last_pids = ranks.pids
     world.hash_seeds = list(ranks.hash_seeds)
     world.isolation = "thread"  # the coordinator's rank threads are the proxies
+    own_hint = world.replay_hint is None
+    if own_hint:  # a replay must run the ranks as processes again (their hash seeds are part of the failure)
+        world.replay_hint = (f"simulator.run(fn, {world.world_size}, seed={world.seed}, mode={world.mode!r}, "
+                             f"isolation='process')")
     try:
         return world.run(ranks.proxy_main)
     except BaseException as e:
@@ -56,4 +60,6 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
         raise
     finally:
         world.isolation = "process"
+        if own_hint:
+            world.replay_hint = None
         ranks.close()
