@@ -11,7 +11,9 @@ Functions travel with dill: module-level functions of importable modules
 (test modules included) go by reference.
 
 The pool starts its members itself, so its world is authenticated by
-default: it generates a secret (:func:`tensorplay.distributed.rpc._auth.generate_secret`)
+default: it generates a secret for each world it starts (a restart gets a
+fresh one, so no message of an earlier world is accepted by a later one;
+:func:`tensorplay.distributed.rpc._auth.generate_secret`)
 and gives it to each member through the pool's own pipe, which the member
 puts in its environment (``TENSORPLAY_RPC_SECRET``) before ``init_rpc``; the
 secret never passes through the rendezvous store.  ``authenticate=False``
@@ -79,8 +81,8 @@ class RpcPool:
         world_size: number of workers.
         rpc_timeout: the workers' default per-call timeout, seconds.
         call_timeout: bound on one :meth:`run`, seconds.
-        authenticate: give the members a shared secret (generated once per pool unless ``secret`` is
-            given), so only they can call each other; ``False`` for an unauthenticated world.
+        authenticate: give the members a shared secret (generated for each world the pool starts unless
+            ``secret`` is given), so only they can call each other; ``False`` for an unauthenticated world.
         secret: the secret to use (at least 16 characters) instead of a generated one.
     """
 
@@ -90,7 +92,8 @@ class RpcPool:
 
         self.world_size = world_size
         self.rpc_timeout = rpc_timeout
-        #: the members' shared secret (``None`` for an unauthenticated pool); keep it out of logs
+        self._authenticate, self._fixed_secret = authenticate, secret
+        #: the current world's shared secret (``None`` for an unauthenticated pool); keep it out of logs
         self.secret: str | None = (secret or _auth.generate_secret()) if authenticate else None
         self.pool = RankPool(world_size, call_timeout=call_timeout, pg_timeout=call_timeout)
         self._started_at_restart = -1
@@ -112,7 +115,11 @@ class RpcPool:
         """Start the processes (if needed) and initialise RPC in them."""
         if self.pool.alive and self._started_at_restart == self.pool.restarts:
             return
+        from ..distributed.rpc import _auth
+
         self.pool.start()
+        if self._authenticate and self._fixed_secret is None:
+            self.secret = _auth.generate_secret()
         port = free_port()
         self.pool.run_per_rank(_init_worker, [(f"worker{r}", r, self.world_size, port, self.rpc_timeout,
                                                self.secret) for r in range(self.world_size)])
