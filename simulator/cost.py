@@ -424,14 +424,27 @@ def _actor() -> Any:
 OVERLAP_S = 5e-5
 
 
-def charge_compute(rs: Any) -> None:
-    """Advance ``rs``'s clock by its CPU time since its mark (times ``compute_scale``), counted as compute."""
+def charge_compute(rs: Any, *, starts: bool = True) -> None:
+    """Advance ``rs``'s clock by its CPU time since its mark (times ``compute_scale``), counted as compute.
+
+    A rank's CPU time before its first operation (or optimizer step) is its start-up: counted apart and not
+    on the clock, which starts there, at 0, on every rank (as after torchrun's rendezvous).  In one process
+    the first rank to reach a code path pays torch's one-time warm-ups (lazy caches, first kernels) for all;
+    charging them would make the other ranks "wait" for it in their first operation.  ``starts=False``: the
+    rank's end, which starts no clock (a rank that never communicates keeps its compute).
+    """
     now = time.thread_time()
     dt = (now - rs.cpu_mark) * rs.run.cost.compute_scale
     rs.cpu_mark = now
+    ev = rs.run.events
+    if rs.parent is None and not ev.started[rs.rank] and rs.vt == 0.0:
+        if starts:
+            ev.started[rs.rank] = True
+            ev.startup_s[rs.rank] += max(dt, 0.0)
+            return
     if dt > 0:
         rs.vt += dt
-        rs.run.events.compute_s[rs.rank] += dt
+        ev.compute_s[rs.rank] += dt
 
 
 def reach(rs: Any, vend: float) -> float:

@@ -86,7 +86,8 @@ class EventLog:
     ``limit=None`` keeps every event; ``limit=0`` keeps none (the totals are still kept).
     """
 
-    __slots__ = ("kept", "limit", "dropped", "ops", "nbytes", "comm_s", "exposed_s", "compute_s", "steps")
+    __slots__ = ("kept", "limit", "dropped", "ops", "nbytes", "comm_s", "exposed_s", "compute_s", "steps",
+                 "startup_s", "started")
 
     def __init__(self, world_size: int, limit: int | None = DEFAULT_TRACE_LIMIT) -> None:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -104,6 +105,10 @@ class EventLog:
         self.compute_s = [0.0] * world_size
         #: per rank: the clock at the end of each torch.optim step (see simulator.cost.enabled)
         self.steps: list[list[float]] = [[] for _ in range(world_size)]
+        #: per rank: CPU time before its first operation or optimizer step (start-up; not on the clock)
+        self.startup_s = [0.0] * world_size
+        #: per rank: whether its clock started (at its first operation or optimizer step)
+        self.started = [False] * world_size
 
     def append(self, e: Event) -> None:
         r = e.rank
@@ -134,7 +139,8 @@ class Trace:
         #: events recorded but no longer kept (the run's trace_limit)
         self.dropped = events.dropped if isinstance(events, EventLog) else 0
         self._totals = (events.ops, events.nbytes, events.comm_s) if isinstance(events, EventLog) else None
-        self._clock = (events.exposed_s, events.compute_s, events.steps) if isinstance(events, EventLog) else None
+        self._clock = (events.exposed_s, events.compute_s, events.steps, events.startup_s) \
+            if isinstance(events, EventLog) else None
         self.world_size = world_size
         self.seed = seed
         self.mode = mode
@@ -166,6 +172,8 @@ class Trace:
         * ``exposed_s``: how far operations moved the rank's clock: the communication its compute did not
           hide (a synchronous operation's whole ``vend - vstart``; an async one's end past its ``wait()``);
         * ``compute_s``: CPU time charged between operations (times ``compute_scale``; imports excluded);
+        * ``startup_s``: CPU time before the rank's first operation or optimizer step (times
+          ``compute_scale``): start-up, not on the clock, which starts at that first operation;
         * ``end_s``: the clock when the rank returned (the predicted run time from the world's start);
         * ``steps`` / ``step_s``: torch.optim steps the rank took, and the median time between consecutive
           step ends (the first step, which includes start-up, is left out when there are two or more
@@ -183,13 +191,14 @@ class Trace:
                 row["bytes"] += e.nbytes
                 row["comm_s"] += e.vend - e.vstart
         if self._clock is not None:
-            exposed, compute, steps = self._clock
+            exposed, compute, steps, startup = self._clock
         else:  # a bare list of events: no clock accounting, every operation counted as exposed
             exposed = [sum(e.vend - e.vstart for e in self.events if e.rank == r) for r in range(n)]
-            compute, steps = [0.0] * n, [[] for _ in range(n)]
+            compute, steps, startup = [0.0] * n, [[] for _ in range(n)], [0.0] * n
         for r, row in enumerate(rows):
             row["exposed_s"] = exposed[r]
             row["compute_s"] = compute[r]
+            row["startup_s"] = startup[r]
             row["end_s"] = self.end_vtime[r]
             row["steps"] = len(steps[r])
             row["step_s"] = _step_time(steps[r])
@@ -197,12 +206,13 @@ class Trace:
 
     def format_summary(self) -> str:
         """The summary as a table, with a line saying which cost model predicted it."""
-        head = (f"{'rank':>4} {'ops':>6} {'bytes':>12} {'comm (s)':>11} {'exposed (s)':>11} {'compute (s)':>11} "
-                f"{'end (s)':>10} {'steps':>5} {'step (s)':>10}")
+        head = (f"{'rank':>4} {'ops':>6} {'bytes':>12} {'startup (s)':>11} {'comm (s)':>11} {'exposed (s)':>11} "
+                f"{'compute (s)':>11} {'end (s)':>10} {'steps':>5} {'step (s)':>10}")
         lines = [f"virtual time, {self.cost.describe()}; compute_scale={self.cost.compute_scale:g}", head]
         for row in self.summary():
             step = "-" if row["step_s"] is None else f"{row['step_s']:.4g}"
-            lines.append(f"{row['rank']:>4} {row['ops']:>6} {row['bytes']:>12} {row['comm_s']:>11.4g} "
+            lines.append(f"{row['rank']:>4} {row['ops']:>6} {row['bytes']:>12} {row['startup_s']:>11.4g} "
+                         f"{row['comm_s']:>11.4g} "
                          f"{row['exposed_s']:>11.4g} {row['compute_s']:>11.4g} {row['end_s']:>10.4g} "
                          f"{row['steps']:>5} {step:>10}")
         return "\n".join(lines)
