@@ -242,6 +242,35 @@ def ddp_step() -> list[torch.Tensor]:
     return out
 
 
+def fsdp2_and_dtensor() -> tuple:
+    import torch.distributed as tdist
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tdist.init_process_group("gloo")
+    r, w = tdist.get_rank(), tdist.get_world_size()
+    mesh = init_device_mesh("cpu", (w,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5 + r)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 5, generator=g, dtype=torch.float64)).pow(2).sum().backward()
+        opt.step()
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    dt = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+    total = (dt * 2).sum().full_tensor()
+    y = fc.wait_tensor(fc.all_reduce(torch.full((2,), float(r + 1)), "sum", mesh))
+    return params, dt.to_local().clone(), total, y
+
+
 def autograd_all_reduce() -> torch.Tensor:
     from tensorplay.distributed.nn import functional as dfn
 
@@ -398,6 +427,19 @@ def test_ddp_and_autograd_collectives_bitwise_equal_to_thread_mode():
     grads = simulator.run(autograd_all_reduce, 2, isolation="process")
     for r, g in enumerate(grads):  # d/dx_r sum(all_reduce(x*x)) summed over ranks' backward = 2 * x_r * W
         torch.testing.assert_close(g, 2 * torch.tensor([1.0, 2.0]) * (r + 1) * 2)
+
+
+def test_fsdp2_and_dtensor_bitwise_equal_to_thread_mode():
+    procs = simulator.run(fsdp2_and_dtensor, 2, isolation="process")
+    threads = simulator.run(fsdp2_and_dtensor, 2)
+    for a, b in zip(procs, threads):
+        for x, y in zip(a[0], b[0]):
+            assert torch.equal(x, y)
+        for x, y in zip(a[1:], b[1:]):
+            assert torch.equal(x, y)
+    torch.testing.assert_close(procs[1][1], torch.arange(6.0, 12.0).reshape(2, 3))
+    torch.testing.assert_close(procs[0][2], torch.tensor(132.0))
+    torch.testing.assert_close(procs[0][3], torch.full((2,), 3.0))
 
 
 def test_faults_and_virtual_time():

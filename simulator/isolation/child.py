@@ -33,6 +33,7 @@ from tensorplay.distributed.backends.base import Backend, Work
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 
+from ..backend import SimBackend
 from ..callsite import call_site
 from . import _wire
 from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
@@ -116,13 +117,18 @@ def _result_tensors(name: str, args: tuple) -> list[torch.Tensor]:
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 
-class ClientBackend(Backend):
-    """tensorplay.distributed's backend in a rank process: every call is run by the rank's proxy in the coordinator."""
+class ClientBackend(SimBackend):
+    """tensorplay.distributed's backend in a rank process: every call is run by the rank's proxy in the coordinator.
+
+    A :class:`~simulator.backend.SimBackend` for everything that asks whether the calling rank is simulated
+    (the torch adapter binds torch.distributed to it); it overrides every operation and shares no state with
+    the simulator's own backend.
+    """
 
     name = "sim"
 
     def __init__(self, conn: Connection, rank: int, world_size: int, arena_dir: str) -> None:
-        super().__init__(rank, world_size)
+        Backend.__init__(self, rank, world_size)  # not SimBackend's: no rank state lives in this process
         self._conn = conn
         self._arena_dir = arena_dir
         self._arenas: list[Arena] = []
@@ -162,6 +168,9 @@ class ClientBackend(Backend):
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type == "cpu"
+
+    def device_for(self, kind: str) -> torch.device:
+        return torch.device(kind)  # a rank process has no simulated device of its own (CPU ranks only)
 
     # -- the channel ------------------------------------------------------
     def _request(self, msg: tuple) -> Any:
