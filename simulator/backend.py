@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from tensorplay.distributed.backends import Backend, Work, register_backend
-from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, format_message
+from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES as _WIRE
@@ -399,6 +399,21 @@ class SimBackend(Backend):
     def world_handle(self) -> SimGroup:
         return self._world_group
 
+    def check_reinit(self, rank: int | None, world_size: int | None) -> None:
+        # the simulator initialised this rank already; calling again is allowed, but a rank or world size
+        # the program names must be this rank's (a real run with other values would hang in the rendezvous)
+        for what, given, actual in (("rank", rank, self.rank), ("world_size", world_size, self.world_size)):
+            if given not in (-1, None) and given != actual:
+                raise DistValueError(format_message(
+                    "init_process_group", f"the program asks for {what}={given}, but this simulated rank has "
+                    f"{what}={actual}", rank=self.rank, values={what: given, f"simulated_{what}": actual},
+                    fix="start as many simulated ranks as the program expects (python -m simulator "
+                        "--nproc-per-node N script.py; for a script that starts its own ranks, nprocs=N or N "
+                        "Process objects), or let it read RANK and WORLD_SIZE from the environment"))
+
+    def device_for(self, kind: str) -> torch.device:
+        return self._rs.device if kind == self._rs.device.type else torch.device(kind)
+
     def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> SimGroup | None:
         rs = self._rs
         run = rs.run
@@ -534,7 +549,7 @@ class SimBackend(Backend):
     def _flush_unobserved(self, rs: RankState | None = None) -> None:
         """At the end of a rank (or of a thread it started): trace the async operations nobody waited for."""
         rs = rs or self._rs
-        charge_compute(rs)  # the compute after the rank's last operation is part of its run
+        charge_compute(rs, starts=False)  # the compute after the rank's last operation is part of its run
         for w in rs.unflushed:
             if isinstance(w, _CollWork) and w._slot.done:
                 _observe_coll(rs, w._slot, w._call)
