@@ -18,10 +18,12 @@ messages) with their own parameters, split at ``upto_bytes``.
 
 Clock rules (applied by the backend, see docs/simulator.md "Virtual time"):
 
-* a rank's clock starts at 0 when the world starts; between operations it
-  advances by the rank's own CPU time times ``compute_scale``; the CPU time a
-  rank spends importing modules is not charged (one-time start-up cost that
-  every real process pays on its own, but only one simulated rank pays here);
+* a rank's clock starts at 0 at its first operation (or optimizer step); the
+  CPU time before is its start-up, counted apart (in one process only the
+  first rank to reach a code path pays torch's one-time costs);
+* then it advances by the rank's own CPU time times ``compute_scale``; the CPU
+  time a rank spends importing modules is never charged (every real process
+  pays its own imports once, but only one simulated rank pays them here);
 * an operation starts at the latest of its members' issue times and of the
   free times of the links it uses, and ends ``cost`` later.  Each rank has an
   outgoing and an incoming link (full duplex): a collective occupies both on
