@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from tensorplay.distributed import _state
+
 from .cases import Case, output_buffers, rank_inputs, split_sizes, upstream_grads
 
 __all__ = ["DEFAULT_IMPL", "KNOWN_IMPLS", "NOT_IMPLS", "RankOutcome", "check_impl_name", "default_dist_module",
@@ -134,26 +136,21 @@ class RankOutcome:
         return self.error_type is not None
 
 
-#: per-process cache of subgroups: every rank creates them in the same order, once
-_GROUPS: dict[tuple[Any, ...], Any] = {}
-_GROUP_GENERATION: list[int] = [0]
-
-
 def _group_for(case: Case, dist: Any, generation: int) -> Any:
+    """The case's subgroup: every rank of the world calls new_group, members or not, with the ranks in the drawn
+    order.  Groups are cached for as long as the rank's world lives (a pool's world serves many cases; a
+    simulated world, one), and dropped after a failure (the old groups may hold half-finished collectives)."""
     if case.group is None:
         return None
-    # every rank of the world calls new_group, members or not, with the ranks in the drawn order
-    if dist.get_backend() == "sim":
-        return dist.new_group(list(case.group))  # a simulated world lives for one case: nothing to reuse
-    if generation != _GROUP_GENERATION[0]:
-        # after a failure the old groups may hold half-finished collectives: start afresh
-        _GROUPS.clear()
-        _GROUP_GENERATION[0] = generation
-    key = (dist.__name__, case.world_size, case.group)
-    g = _GROUPS.get(key)
+    st = _state.current()
+    cache = st.cache if st is not None else {}
+    if cache.get("conformance-generation") != generation:
+        cache.clear()
+        cache["conformance-generation"] = generation
+    key = ("conformance-group", dist.__name__, case.world_size, case.group)
+    g = cache.get(key)
     if g is None:
-        g = dist.new_group(list(case.group))
-        _GROUPS[key] = g
+        g = cache[key] = dist.new_group(list(case.group))
     return g
 
 
@@ -212,16 +209,9 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
     try:
         dist = load_module(dist_module or default_dist_module(impl))
         out.rank = rank = dist.get_rank()
-        if device == "cuda" and dist.get_backend() == "sim":
-            import simulator
-
-            dev: Any = simulator.rank_device()  # cuda:<rank % device count>
-        elif device == "cuda" and torch.cuda.is_available():
-            if dist.get_backend() == "nccl":
-                torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
-            dev = torch.device("cuda", torch.cuda.current_device())
-        else:
-            dev = torch.device(device)
+        st = _state.current()
+        # the backend places its ranks (one GPU per rank on nccl, cuda:<rank % count> on the simulator)
+        dev: Any = st.backend.device_for(device) if st is not None else torch.device(device)
         group = _group_for(case, dist, generation)
         if rank not in case.members:
             out.member = False

@@ -754,8 +754,10 @@ _SCHEMES = ("env", "tcp", "file")
 
 def _sim_state() -> Any:
     """The calling simulated rank's tensorplay state, or ``None`` outside a simulated world."""
+    from .backend import SimBackend
+
     st = _state.current()
-    return st if st is not None and st.backend.name == "sim" else None
+    return st if st is not None and isinstance(st.backend, SimBackend) else None
 
 
 def _mismatch(call: str, what: str, given: int, st: Any) -> DistValueError:

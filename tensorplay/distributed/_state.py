@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import Backend
@@ -25,6 +25,9 @@ class DistState:
     world: "ProcessGroup"
     timeout_s: float
     groups: list["ProcessGroup"] = field(default_factory=list)
+    #: caches of tools built on the API that must live exactly as long as this rank's world (e.g. the
+    #: conformance suite's subgroups); cleared with the state
+    cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:

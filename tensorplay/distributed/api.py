@@ -362,23 +362,9 @@ def init_process_group(
     name = "init_process_group"
     st = _state.current()
     if st is not None:
-        if st.backend.name == "sim":
-            # the simulator initialised this rank already; calling again is allowed, but a rank or world size
-            # the program names must be this rank's (a real run with other values would hang in the rendezvous)
-            for what, given, actual in (("rank", rank, st.rank), ("world_size", world_size, st.world_size)):
-                if given not in (-1, None) and given != actual:
-                    raise DistValueError(format_message(
-                        name, f"the program asks for {what}={given}, but this simulated rank has {what}={actual}",
-                        rank=st.rank, values={what: given, f"simulated_{what}": actual},
-                        fix="start as many simulated ranks as the program expects (python -m simulator "
-                            "--nproc-per-node N script.py; for a script that starts its own ranks, nprocs=N or N "
-                            "Process objects), or let it read RANK and WORLD_SIZE from the environment"))
-            return
-        raise DistRuntimeError(
-            format_message(name, "the default process group is already initialised", rank=st.rank,
-                           values={"backend": st.backend.name},
-                           fix="call destroy_process_group() before initialising again")
-        )
+        # the backend decides: a process group refuses, a world started for the program checks the values
+        st.backend.check_reinit(rank, world_size)
+        return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
     if not isinstance(backend, str):

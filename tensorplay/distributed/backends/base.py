@@ -182,6 +182,27 @@ class Backend(abc.ABC):
         """Whether tensors on ``device`` can take part in this backend's collectives."""
         return device.type == "cpu"
 
+    def device_for(self, kind: str) -> torch.device:
+        """The device of kind ``kind`` (``"cpu"``/``"cuda"``) this rank's tensors live on.
+
+        The default is torch's current device of that kind; a backend that places ranks itself (one GPU
+        per rank, or simulated ranks sharing a machine) says where.
+        """
+        if kind == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(kind)
+
+    def check_reinit(self, rank: int | None, world_size: int | None) -> None:
+        """``init_process_group`` was called again while this backend runs the default group.
+
+        A process-group backend refuses (the program must destroy the group first).  A backend whose world
+        is started for the program before it runs (the simulator) accepts the call when ``rank`` and
+        ``world_size`` (``None``/-1 when not given) agree with the rank it is.
+        """
+        raise DistRuntimeError(format_message(
+            "init_process_group", "the default process group is already initialised", rank=self.rank,
+            values={"backend": self.name}, fix="call destroy_process_group() before initialising again"))
+
     def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:  # noqa: ARG002
         """Whether the backend reduces ``dtype`` with ``op`` natively (else it emulates)."""
         return True

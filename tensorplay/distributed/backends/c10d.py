@@ -587,6 +587,12 @@ class NcclBackend(C10dBackend):
     def supports_device(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
+    def device_for(self, kind: str) -> torch.device:
+        # one GPU per rank, as torchrun scripts set it (rank modulo the visible devices)
+        if kind == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        return super().device_for(kind)
+
     def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:
         return op not in _BITWISE and super().supports_op(op, dtype)
 
