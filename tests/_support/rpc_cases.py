@@ -1,4 +1,4 @@
-"""Test helper: the shared RPC cases, run on both transports by tests/test_rpc.py (no tests here).
+"""Test helper: the shared RPC cases, run on both transports by tests/test_rpc_transports.py (no tests here).
 
 Each case runs on the driving worker (``worker0``) of an RPC world - a
 simulated one, or real TensorPipe processes - and returns what it observed as

@@ -594,7 +594,7 @@ def test_rpcs_are_on_the_trace_and_replay():
     assert (m.rank, m.group, m.peer, m.seq) == (2, (2, 0), 0, 1)
     assert s.nbytes >= 2 * 4000  # 1000 float32 each way
     assert a.nbytes >= 2 * 40 and m.nbytes >= 12
-    assert s.site.startswith("test_rpc.py:")
+    assert s.site.startswith("test_rpc_transports.py:")
     cost = simulator.CostModel()
     assert s.vend - s.vstart >= cost.cost("send", 4000, 2) * 2  # at least both transfers
     chrome = tr.to_chrome()["traceEvents"]
