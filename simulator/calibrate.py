@@ -410,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"python -m simulator calibrate: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001  (a rank process failed or timed out: say so, no profile written)
+        print(f"python -m simulator calibrate: the measurement failed, no profile written: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     model.save(ns.out)
     print(f"wrote {ns.out}: {model.describe()}")
     for cls, rep in model.meta["fit"].items():
