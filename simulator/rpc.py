@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from .callsite import call_site
@@ -78,6 +78,45 @@ from tensorplay.distributed.rpc.worker import WorkerInfo
 
 __all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "options_from", "claims_caller",
            "default_rank_and_size", "USAGE"]
+
+
+# ---------------------------------------------------------------------------
+# what this transport uses of the simulator's run and rank state (its whole surface)
+# ---------------------------------------------------------------------------
+class _Scheduler(Protocol):
+    lock: Any  # the scheduler's lock: wake() and barrier bookkeeping happen under it
+
+    def block(self, rs: Any, waiting: Any) -> None: ...  # the rank waits (cooperatively) for ``waiting``
+    def wake(self, rs: Any) -> None: ...                  # what ``rs`` waits for happened
+    def leave(self, rs: Any) -> None: ...                 # a thread that joined the schedule for a wait leaves it
+
+
+class _Run(Protocol):
+    seed: int
+    cost: Any          # CostModel: .cost("send", nbytes, 2) for a message's transfer
+    events: Any        # the trace: .append(Event)
+    sched: _Scheduler
+    exit_hooks: list   # called with a rank's state when its thread ends (attached by _on_rank_exit)
+
+
+class _Rank(Protocol):
+    rank: int
+    run: _Run
+    state: int                  # FREE / DONE (sched)
+    vt: float                   # the rank's (or actor's) virtual clock; moved through cost.charge_compute/reach
+    cpu_mark: float             # the CPU time its last compute was charged at
+    torch_rng: Any              # coop mode: the rank's own torch RNG stream
+    exc: BaseException | None   # what its function raised
+
+
+def _on_rank_exit(run: _Run, hook: Callable[[Any], None]) -> None:
+    """Have the simulator call ``hook(rank_state)`` when a rank thread of ``run`` ends.
+
+    (The run has no declared list for this yet: the first user attaches one, which world.py reads.)
+    """
+    if not hasattr(run, "exit_hooks"):
+        run.exit_hooks = []
+    run.exit_hooks.append(hook)
 
 #: how to get a worker onto this transport (the "Fix:" of init_rpc(backend="sim") outside the simulator)
 WHERE = "inside a simulated rank"
@@ -626,9 +665,7 @@ def _world_of(rs: Any, size: int, secret: bytes | None) -> _RpcWorld:
             # the simulator starts every member itself, so it authenticates by default: a secret of its own
             # unless the environment names the world's
             w = _worlds[run] = _RpcWorld(run, size, secret or _auth.generate_secret().encode())
-            if not hasattr(run, "exit_hooks"):  # the simulator calls these when a rank thread ends
-                run.exit_hooks = []
-            run.exit_hooks.append(w.rank_exited)
+            _on_rank_exit(run, w.rank_exited)
         elif w.size != size:
             raise DistValueError(rpc_message(
                 "init_rpc", "world_size differs from the one other workers passed",
