@@ -281,6 +281,14 @@ def autograd_all_reduce() -> torch.Tensor:
     return x.grad
 
 
+def computes_forever() -> None:
+    dist.barrier()
+    if dist.get_rank() == 1:
+        while True:
+            pass
+    dist.barrier()
+
+
 def crash_fault() -> None:
     for _ in range(4):
         dist.all_reduce(torch.ones(1))
@@ -339,10 +347,12 @@ def test_collectives_p2p_match_reference_and_thread_mode_bitwise():
 def test_hash_order_program_fails_deterministically_with_call_sites_and_hash_seeds():
     # thread ranks share one interpreter, hence one hash order: the bug is invisible there
     simulator.run(hash_order, 3)
-    messages = []
-    for _ in range(2):
+    messages, signatures = [], []
+    for _ in range(2):  # same seed, same failure, same trace
+        world = simulator.World(3, isolation="process")
         with pytest.raises(simulator.CollectiveMismatchError) as info:
-            simulator.run(hash_order, 3, isolation="process")
+            world.run(hash_order)
+        signatures.append(world.trace.signature())
         text = str(info.value) + "\n".join(getattr(info.value, "__notes__", ()))
         messages.append(str(info.value))
         line = hash_order.__code__.co_firstlineno + 3
@@ -352,6 +362,7 @@ def test_hash_order_program_fails_deterministically_with_call_sites_and_hash_see
         assert "PYTHONHASHSEED" in text
         assert "replay with simulator.run(fn, 3, seed=0, mode='coop', isolation='process')" in text
     assert messages[0] == messages[1]
+    assert signatures[0] == signatures[1]
 
 
 def test_module_globals_parallel_state_matches_single_process_reference():
@@ -365,7 +376,8 @@ def test_module_globals_parallel_state_matches_single_process_reference():
         torch.testing.assert_close(d2, g2[tr * cols:(tr + 1) * cols], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("how,code", [("os._exit", 3), ("sigkill", -9), ("sys.exit", 5)])
+@pytest.mark.parametrize("how,code", [("os._exit", 3), pytest.param("sigkill", -9, marks=pytest.mark.slow),
+                                      pytest.param("sys.exit", 5, marks=pytest.mark.slow)])
 def test_rank_death_is_a_rank_failure_on_every_rank(how, code):
     world = simulator.World(3, isolation="process")
     with pytest.raises(simulator.RankExitError) as info:
@@ -429,6 +441,7 @@ def test_ddp_and_autograd_collectives_bitwise_equal_to_thread_mode():
         torch.testing.assert_close(g, 2 * torch.tensor([1.0, 2.0]) * (r + 1) * 2)
 
 
+@pytest.mark.slow
 def test_fsdp2_and_dtensor_bitwise_equal_to_thread_mode():
     procs = simulator.run(fsdp2_and_dtensor, 2, isolation="process")
     threads = simulator.run(fsdp2_and_dtensor, 2)
@@ -442,6 +455,7 @@ def test_fsdp2_and_dtensor_bitwise_equal_to_thread_mode():
     torch.testing.assert_close(procs[0][3], torch.full((2,), 3.0))
 
 
+@pytest.mark.slow
 def test_faults_and_virtual_time():
     with pytest.raises(simulator.InjectedFault):
         simulator.run(crash_fault, 2, isolation="process", faults=[simulator.Crash(rank=1, at=3)])
@@ -449,6 +463,16 @@ def test_faults_and_virtual_time():
     world.run(crash_fault)
     assert world.trace.summary()[1]["end_vtime"] >= 2.0 if "end_vtime" in world.trace.summary()[1] else True
     assert max(e.vend for e in world.trace.events) >= 2.0
+
+
+@pytest.mark.slow
+def test_timeout_kills_a_rank_process_stuck_computing():
+    from simulator import isolation
+
+    with pytest.raises(simulator.SimTimeoutError) as info:
+        simulator.run(computes_forever, 2, isolation="process", timeout=45)
+    assert "rank 1" in str(info.value)
+    assert not _survivors(isolation.last_pids)
 
 
 def test_cli_isolation_process(tmp_path):
