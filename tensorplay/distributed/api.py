@@ -75,7 +75,7 @@ GroupLike = Optional["ProcessGroup | _WorldSentinel"]
 # ---------------------------------------------------------------------------
 # errors with context
 # ---------------------------------------------------------------------------
-class _Call:
+class _CallContext:
     """The context every message names: collective, group and calling rank."""
 
     __slots__ = ("name", "pg")
@@ -145,7 +145,7 @@ def _group(name: str, group: Any, *, member: bool = True) -> tuple[_state.DistSt
     return st, pg
 
 
-def _root(c: _Call, role: str, global_rank: Any, group_rank: Any, default: int | None = None) -> int:
+def _root(c: _CallContext, role: str, global_rank: Any, group_rank: Any, default: int | None = None) -> int:
     """Turn ``src``/``dst`` (global) or ``group_src``/``group_dst`` into a group rank."""
     if global_rank is not None and group_rank is not None:
         raise c.error(
@@ -187,7 +187,7 @@ def _root(c: _Call, role: str, global_rank: Any, group_rank: Any, default: int |
     return gr
 
 
-def _tensor(c: _Call, t: Any, argname: str) -> torch.Tensor:
+def _tensor(c: _CallContext, t: Any, argname: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise c.error(
             DistTypeError, f"{argname} must be a torch.Tensor", "pass a tensor", **{argname: type(t).__name__}
@@ -202,7 +202,7 @@ def _tensor(c: _Call, t: Any, argname: str) -> torch.Tensor:
     return t
 
 
-def _uniform_ok(c: _Call, ts: Any, like: torch.Tensor | None, same_shape: bool) -> bool:
+def _uniform_ok(c: _CallContext, ts: Any, like: torch.Tensor | None, same_shape: bool) -> bool:
     """One cheap pass: every entry a tensor on one device the backend takes (with ``like``'s dtype/shape)."""
     dev = None
     dtype = None if like is None else like.dtype
@@ -220,7 +220,8 @@ def _uniform_ok(c: _Call, ts: Any, like: torch.Tensor | None, same_shape: bool) 
     return True
 
 
-def _tensor_list(c: _Call, ts: Any, argname: str, like: torch.Tensor | None, same_shape: bool) -> list[torch.Tensor]:
+def _tensor_list(c: _CallContext, ts: Any, argname: str, like: torch.Tensor | None,
+                 same_shape: bool) -> list[torch.Tensor]:
     """A list of exactly group-size tensors, each with ``like``'s dtype (and shape if asked)."""
     if not isinstance(ts, (list, tuple)):
         raise c.error(
@@ -250,7 +251,7 @@ def _tensor_list(c: _Call, ts: Any, argname: str, like: torch.Tensor | None, sam
     return list(ts)
 
 
-def _same_dtype(c: _Call, t: torch.Tensor, argname: str, like: torch.Tensor, likename: str = "tensor") -> None:
+def _same_dtype(c: _CallContext, t: torch.Tensor, argname: str, like: torch.Tensor, likename: str = "tensor") -> None:
     if t.dtype != like.dtype:
         raise c.error(
             DistTypeError,
@@ -260,7 +261,7 @@ def _same_dtype(c: _Call, t: torch.Tensor, argname: str, like: torch.Tensor, lik
         )
 
 
-def _op(c: _Call, op: Any, dtype: torch.dtype) -> ReduceOp:
+def _op(c: _CallContext, op: Any, dtype: torch.dtype) -> ReduceOp:
     try:
         rop = normalize_op(op)
     except ValueError:
@@ -275,7 +276,7 @@ def _op(c: _Call, op: Any, dtype: torch.dtype) -> ReduceOp:
     return rop
 
 
-def _no_list_off_root(c: _Call, lst: Any, argname: str, role: str, root_global: int) -> None:
+def _no_list_off_root(c: _CallContext, lst: Any, argname: str, role: str, root_global: int) -> None:
     if lst:
         raise c.error(
             DistValueError,
@@ -285,7 +286,7 @@ def _no_list_off_root(c: _Call, lst: Any, argname: str, role: str, root_global: 
         )
 
 
-def _check_async(c: _Call, async_op: Any) -> None:
+def _check_async(c: _CallContext, async_op: Any) -> None:
     if not isinstance(async_op, bool):
         raise c.error(DistTypeError, "async_op must be a bool", "pass async_op=True or False", async_op=async_op)
 
@@ -517,7 +518,7 @@ def barrier(group: GroupLike = None, async_op: bool = False, device_ids: Any = N
         dist.barrier()              # all ranks wait for the slowest one
     """
     _, pg = _group("barrier", group)
-    _check_async(_Call("barrier", pg), async_op)
+    _check_async(_CallContext("barrier", pg), async_op)
     return pg.backend.barrier(pg, async_op)
 
 
@@ -532,7 +533,7 @@ def broadcast(
         x = tp.full((2,), float(dist.get_rank()))
         dist.broadcast(x, src=2)     # x == [2., 2.] everywhere
     """
-    c = _Call("broadcast", _group("broadcast", group)[1])
+    c = _CallContext("broadcast", _group("broadcast", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     root = _root(c, "src", src, group_src)
@@ -549,7 +550,7 @@ def all_reduce(
         x = tp.tensor([dist.get_rank() + 1.0])
         dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)   # x == [24.] everywhere
     """
-    c = _Call("all_reduce", _group("all_reduce", group)[1])
+    c = _CallContext("all_reduce", _group("all_reduce", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     rop = _op(c, op, tensor.dtype)
@@ -569,7 +570,7 @@ def reduce(
         x = tp.tensor([1.0 + dist.get_rank()])
         dist.reduce(x, dst=1)        # rank 1: x == [3.]; rank 0: x holds scratch values
     """
-    c = _Call("reduce", _group("reduce", group)[1])
+    c = _CallContext("reduce", _group("reduce", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     rop = _op(c, op, tensor.dtype)
@@ -587,7 +588,7 @@ def all_gather(
         out = [tp.empty(1), tp.empty(1)]
         dist.all_gather(out, tp.tensor([float(dist.get_rank())]))   # out == [[0.], [1.]]
     """
-    c = _Call("all_gather", _group("all_gather", group)[1])
+    c = _CallContext("all_gather", _group("all_gather", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     outs = _tensor_list(c, tensor_list, "tensor_list", tensor, same_shape=True)
@@ -604,7 +605,7 @@ def all_gather_into_tensor(
         out = tp.empty(4)
         dist.all_gather_into_tensor(out, tp.full((2,), float(dist.get_rank())))  # [0, 0, 1, 1]
     """
-    c = _Call("all_gather_into_tensor", _group("all_gather_into_tensor", group)[1])
+    c = _CallContext("all_gather_into_tensor", _group("all_gather_into_tensor", group)[1])
     _tensor(c, output_tensor, "output_tensor")
     _tensor(c, input_tensor, "input_tensor")
     _check_async(c, async_op)
@@ -631,7 +632,7 @@ def gather(
         out = [tp.empty(1) for _ in range(3)] if dist.get_rank() == 0 else None
         dist.gather(tp.tensor([float(dist.get_rank())]), out, dst=0)   # rank 0: [[0.], [1.], [2.]]
     """
-    c = _Call("gather", _group("gather", group)[1])
+    c = _CallContext("gather", _group("gather", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     root = _root(c, "dst", dst, group_dst, default=0)
@@ -658,7 +659,7 @@ def scatter(
         x = tp.empty(1)
         dist.scatter(x, parts, src=0)        # rank r: x == [10. + r]
     """
-    c = _Call("scatter", _group("scatter", group)[1])
+    c = _CallContext("scatter", _group("scatter", group)[1])
     _tensor(c, tensor, "tensor")
     _check_async(c, async_op)
     root = _root(c, "src", src, group_src, default=0)
@@ -685,7 +686,7 @@ def reduce_scatter(
         r = dist.get_rank()
         dist.reduce_scatter(out, [tp.tensor([1. + r]), tp.tensor([10. + r])])  # rank 0: [3.], rank 1: [21.]
     """
-    c = _Call("reduce_scatter", _group("reduce_scatter", group)[1])
+    c = _CallContext("reduce_scatter", _group("reduce_scatter", group)[1])
     _tensor(c, output, "output")
     _check_async(c, async_op)
     ins = _tensor_list(c, input_list, "input_list", output, same_shape=True)
@@ -704,7 +705,7 @@ def reduce_scatter_tensor(
         out = tp.empty(2)
         dist.reduce_scatter_tensor(out, tp.arange(4.))   # rank 0: [0., 2.], rank 1: [4., 6.]
     """
-    c = _Call("reduce_scatter_tensor", _group("reduce_scatter_tensor", group)[1])
+    c = _CallContext("reduce_scatter_tensor", _group("reduce_scatter_tensor", group)[1])
     _tensor(c, output, "output")
     _tensor(c, input, "input")
     _check_async(c, async_op)
@@ -735,7 +736,7 @@ def all_to_all(
         outs = [tp.empty(1 + j) for j in range(2)]
         dist.all_to_all(outs, ins)     # rank i: outs[j] == 10*j + i, of length 1 + j
     """
-    c = _Call("all_to_all", _group("all_to_all", group)[1])
+    c = _CallContext("all_to_all", _group("all_to_all", group)[1])
     _check_async(c, async_op)
     ins = _tensor_list(c, input_tensor_list, "input_tensor_list", None, same_shape=False)
     outs = _tensor_list(c, output_tensor_list, "output_tensor_list", None, same_shape=False)
@@ -757,7 +758,7 @@ def all_to_all(
     return c.pg.backend.all_to_all(outs, ins, c.pg, async_op)
 
 
-def _splits(c: _Call, splits: Any, argname: str, t: torch.Tensor, tname: str) -> list[int]:
+def _splits(c: _CallContext, splits: Any, argname: str, t: torch.Tensor, tname: str) -> list[int]:
     w = c.pg.size()
     if t.dim() == 0:
         raise c.error(DistValueError, f"{tname} must have at least one dimension to be split",
@@ -803,7 +804,7 @@ def all_to_all_single(
         out = tp.empty(3 if r == 0 else 2)
         dist.all_to_all_single(out, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
     """
-    c = _Call("all_to_all_single", _group("all_to_all_single", group)[1])
+    c = _CallContext("all_to_all_single", _group("all_to_all_single", group)[1])
     _tensor(c, output, "output")
     _tensor(c, input, "input")
     _check_async(c, async_op)
@@ -812,7 +813,7 @@ def all_to_all_single(
     return c.pg.backend.all_to_all_single(output, input, outs, ins, c.pg, async_op)
 
 
-def _single_splits(c: _Call, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,
+def _single_splits(c: _CallContext, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,
                    input_split_sizes: Any) -> tuple[list[int], list[int]]:
     """all_to_all_single's split lists, checked against both tensors on this rank: (out_splits, in_splits)."""
     ins = _splits(c, input_split_sizes, "input_split_sizes", input, "input")
@@ -833,8 +834,8 @@ def _single_splits(c: _Call, output: torch.Tensor, input: torch.Tensor, output_s
 # point to point
 # ---------------------------------------------------------------------------
 def _p2p_args(name: str, tensor: Any, group: GroupLike, tag: Any, role: str, peer: Any, group_peer: Any,
-              any_source: bool) -> tuple[_Call, int | None]:
-    c = _Call(name, _group(name, group)[1])
+              any_source: bool) -> tuple[_CallContext, int | None]:
+    c = _CallContext(name, _group(name, group)[1])
     _tensor(c, tensor, "tensor")
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise c.error(DistTypeError, "tag must be an int", "pass tag=<int>", tag=tag)

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _state
-from ..api import _Call, _group, _root, _same_dtype, _single_splits, _tensor, _tensor_list
+from ..api import _CallContext, _group, _root, _same_dtype, _single_splits, _tensor, _tensor_list
 from ..errors import DistError, DistTypeError, DistValueError
 from ..group import ProcessGroup
 from ..group import group as _groups
@@ -254,12 +254,12 @@ class _Differentiable:
 # ---------------------------------------------------------------------------
 # validation helpers (everything is checked on the calling rank before any communication)
 # ---------------------------------------------------------------------------
-def _begin(name: str, group: Any) -> _Call:
+def _begin(name: str, group: Any) -> _CallContext:
     qualified = f"nn.functional.{name}"
-    return _Call(qualified, _group(qualified, group)[1])
+    return _CallContext(qualified, _group(qualified, group)[1])
 
 
-def _new_call(c: _Call, name: str, **fields: Any) -> Call:
+def _new_call(c: _CallContext, name: str, **fields: Any) -> Call:
     return Call(name, c.pg, c.pg.size(), c.pg.rank(), **fields)
 
 
@@ -267,7 +267,7 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _reduce_op(c: _Call, op: Any, tensors: Sequence[torch.Tensor]) -> ReduceOp:
+def _reduce_op(c: _CallContext, op: Any, tensors: Sequence[torch.Tensor]) -> ReduceOp:
     """``op`` as a ReduceOp the dtype allows and, when a gradient is wanted, one that has a gradient."""
     dtype = tensors[0].dtype
     try:
@@ -456,7 +456,7 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
     return _apply(call, like, *own)
 
 
-def _scatter_receiver_list(c: _Call, tensors: Any) -> list[torch.Tensor]:
+def _scatter_receiver_list(c: _CallContext, tensors: Any) -> list[torch.Tensor]:
     """A non-src rank's ``tensors``: ``None`` or a list of tensors (torch's convention; values unread)."""
     if tensors is None:
         return []
@@ -469,7 +469,7 @@ def _scatter_receiver_list(c: _Call, tensors: Any) -> list[torch.Tensor]:
     return list(tensors)
 
 
-def _scatter_parts(c: _Call, tensors: Any) -> list[torch.Tensor]:
+def _scatter_parts(c: _CallContext, tensors: Any) -> list[torch.Tensor]:
     if tensors is None:
         raise c.error(DistValueError, "tensors is required on the src rank",
                       f"pass a list of {c.pg.size()} tensors of one shape and dtype on src", tensors=None)
