@@ -27,6 +27,7 @@ from tensorplay.distributed.rpc._auth import AuthenticationError, Authenticator
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKER = ROOT / "tests" / "_support" / "rpc_attacker.py"
+MEMBER = ROOT / "tests" / "_support" / "rpc_member.py"
 SECRET = "correct horse battery staple 42"
 
 
@@ -259,3 +260,45 @@ def test_tensorpipe_attacker_gets_in_without_authentication(tmp_path: Path) -> N
         pool.run_on(0, rpc.rpc_sync, "worker1", _append_line, args=(str(tmp_path / "m"), "member"))
         lines = _attack(pool.port, side)
     assert lines == ["RAN 0"] and side.exists()
+
+
+def _members(secrets: list[str | None], timeout: float = 4.0) -> list[str]:
+    """Start one member process per secret (``None``: no secret) in one world; each one's report line."""
+    from tensorplay.testing import free_port
+
+    port = free_port()
+    procs = []
+    for rank, secret in enumerate(secrets):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORPLAY_RPC_SECRET")}
+        if secret is not None:
+            env[_auth.ENV_SECRET] = secret
+        procs.append(subprocess.Popen([sys.executable, str(MEMBER), str(rank), str(len(secrets)), str(port),
+                                       str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env, cwd=ROOT))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        lines = [ln for ln in out.splitlines() if ln.startswith(("OK", "ERR"))]
+        assert lines, out + err[-3000:]
+        outs.append(lines[-1])
+    return outs
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-auth")
+@pytest.mark.parametrize("secrets", [[SECRET, SECRET], [SECRET, SECRET + " but another"], [SECRET, None]],
+                         ids=["same", "different", "one-without"])
+def test_members_must_share_one_secret(secrets: list) -> None:
+    """Members with the same secret work; a member with another secret, or none, makes start-up fail on
+    every member (bounded by rpc_timeout) with an error that says so and how to fix it."""
+    outs = _members(secrets)
+    if secrets[0] == secrets[1]:
+        assert outs == ["OK 7", "OK 7"], outs
+        return
+    for line in outs:
+        assert line.startswith("ERR DistRuntimeError") and "do not share one RPC secret" in line, outs
+        assert f"set the same {_auth.ENV_SECRET}" in line, line

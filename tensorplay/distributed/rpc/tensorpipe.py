@@ -213,6 +213,16 @@ def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float 
             raise
         except Exception as e:
             _auth.uninstall_tensorpipe()
+            refused_here = auth.refused if auth is not None else 0
+            if _auth.REFUSAL in str(e) or refused_here:
+                # members that do not share one secret refuse each other's start-up messages
+                raise DistRuntimeError(rpc_message(
+                    "init_rpc", "the workers do not share one RPC secret: "
+                    + ("another worker refused this worker's messages" if _auth.REFUSAL in str(e)
+                       else f"this worker refused {refused_here} unauthenticated message(s) during start-up"),
+                    worker=name, values={"rank": rank, "authenticated_here": auth is not None},
+                    fix=f"set the same {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}) on every worker, "
+                        f"or on none of them")) from e
             raise DistRuntimeError(rpc_message(
                 "init_rpc", "the TensorPipe agent did not start", worker=name,
                 values={"rank": rank, "world_size": world_size, "init_method": url, "error": f"{type(e).__name__}: {e}"},
