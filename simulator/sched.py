@@ -1,6 +1,6 @@
 """The two schedulers: ``coop`` (one rank at a time, seeded) and ``threads`` (free-running).
 
-Both expose the same calls, used by the backend and the world:
+Both implement :class:`simulator.protocol.Scheduler`, the calls the backend and the world use:
 
 * ``lock``  - context manager guarding the shared matching state;
 * ``point(rs)`` - a scheduling point at the start of every operation;

@@ -53,3 +53,33 @@ print("OK")
 '''
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+def test_both_schedulers_implement_the_scheduler_protocol() -> None:
+    """The scheduler contract is one Protocol; each scheduler has every call, with the protocol's parameters."""
+    import inspect
+
+    from simulator.protocol import Scheduler
+    from simulator.sched import CoopScheduler, ThreadScheduler
+
+    calls = [n for n, v in vars(Scheduler).items() if callable(v) and not n.startswith("_")]
+    assert len(calls) >= 10
+    for cls in (CoopScheduler, ThreadScheduler):
+        for name in calls:
+            impl = getattr(cls, name, None)
+            assert callable(impl), f"{cls.__name__} lacks {name}()"
+            want = list(inspect.signature(getattr(Scheduler, name)).parameters)
+            got = list(inspect.signature(impl).parameters)
+            assert got[:len(want)] == want, f"{cls.__name__}.{name}{tuple(got)} does not match the protocol {want}"
+
+
+def test_a_running_world_uses_a_scheduler_that_satisfies_the_protocol() -> None:
+    import simulator
+    from simulator.protocol import Scheduler
+    from simulator.state import current_rank_state
+
+    def body():
+        return isinstance(current_rank_state().run.sched, Scheduler)
+
+    for mode in ("coop", "threads"):
+        assert simulator.run(body, 2, mode=mode) == [True, True]

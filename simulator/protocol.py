@@ -1,0 +1,71 @@
+"""The contracts of the simulator's pluggable parts, as :class:`typing.Protocol` classes.
+
+:class:`Scheduler` is what the backend, the world and the thread adapter call; both
+:class:`~simulator.sched.CoopScheduler` (one actor at a time, seeded) and
+:class:`~simulator.sched.ThreadScheduler` (free-running) implement it, and a test checks that
+they do (``isinstance`` against this runtime-checkable protocol, and the signatures).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .state import RankState
+
+__all__ = ["Scheduler", "Waitable"]
+
+
+class Waitable(Protocol):
+    """Something an actor can block on: a collective's slot, a posted send/recv, an RPC reply."""
+
+    done: bool
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """How the actors of one run (ranks, and the threads they start) take turns and wait.
+
+    Every call is made by the actor it names, on its own thread, except :meth:`wake` and
+    :meth:`wake_all_blocked` (by whoever completed what the actor waits for, holding :attr:`lock`)
+    and :meth:`prepare`/:meth:`kick` (by the thread that runs the world).
+    """
+
+    #: guards the shared matching state (slots, mailboxes, actor states)
+    lock: ContextManager[Any]
+
+    def prepare(self, ranks: list["RankState"]) -> None:
+        """Before any rank runs: the ranks of the run, in rank order."""
+
+    def kick(self) -> None:
+        """Let the first actor run."""
+
+    def enter_rank(self, rs: "RankState") -> None:
+        """``rs``'s thread starts: wait for its first turn."""
+
+    def point(self, rs: "RankState") -> None:
+        """A scheduling point at the start of every operation (coop: another actor may run first)."""
+
+    def block(self, rs: "RankState", w: Waitable) -> None:
+        """Wait until ``w.done``, or until an incident for ``rs`` (raised as ``rs``'s own exception).
+
+        When every live actor is blocked, nothing can complete: the run declares a deadlock at once
+        (by counting, not by a timeout).
+        """
+
+    def wake(self, rs: "RankState") -> None:
+        """``rs`` may be able to go on (called under :attr:`lock`)."""
+
+    def wake_all_blocked(self, ranks: list["RankState"]) -> None:
+        """Release every actor of ``ranks`` (an incident reached them; called under :attr:`lock`)."""
+
+    def exit(self, rs: "RankState") -> None:
+        """``rs``'s function returned or raised (or a thread a rank started ended)."""
+
+    def add_thread(self, rs: "RankState") -> None:
+        """A rank started a thread: ``rs`` is a new actor with that rank's identity."""
+
+    def leave(self, rs: "RankState") -> None:
+        """``rs`` steps out of the schedule around a wait the scheduler cannot see (joining its own threads)."""
+
+    def rejoin(self, rs: "RankState") -> None:
+        """``rs`` comes back into the schedule after :meth:`leave`."""
