@@ -586,10 +586,11 @@ class _Barrier:
 class _RpcWorld:
     """The RPC state of one simulated run: its agents, barriers and rank handles."""
 
-    def __init__(self, run: Any, size: int, secret: bytes) -> None:
+    def __init__(self, run: Any, size: int) -> None:
         self.run = run
         self.size = size
-        self.secret = secret  # never leaves this process; the world's members are its threads
+        #: the run's own secret, for members whose environment names none (never leaves this process)
+        self.secret = _auth.generate_secret().encode()
         self.lock = threading.RLock()
         self.agents: dict[str, SimAgent] = {}
         self.by_rank: dict[int, SimAgent] = {}
@@ -657,14 +658,12 @@ _worlds: "weakref.WeakKeyDictionary[Any, _RpcWorld]" = weakref.WeakKeyDictionary
 _worlds_lock = threading.Lock()
 
 
-def _world_of(rs: Any, size: int, secret: bytes | None) -> _RpcWorld:
+def _world_of(rs: Any, size: int) -> _RpcWorld:
     run = rs.run
     with _worlds_lock:
         w = _worlds.get(run)
         if w is None:
-            # the simulator starts every member itself, so it authenticates by default: a secret of its own
-            # unless the environment names the world's
-            w = _worlds[run] = _RpcWorld(run, size, secret or _auth.generate_secret().encode())
+            w = _worlds[run] = _RpcWorld(run, size)
             _on_rank_exit(run, w.rank_exited)
         elif w.size != size:
             raise DistValueError(rpc_message(
@@ -683,7 +682,7 @@ class SimAgent(Agent):
     per_thread = True
 
     def __init__(self, world: _RpcWorld, name: str, rank: int, rs: Any, dist_state: Any,
-                 options: SimRpcBackendOptions) -> None:
+                 options: SimRpcBackendOptions, secret: bytes | None = None) -> None:
         self.world = world
         self.name, self.rank, self.world_size = name, rank, world.size
         self.timeout = float(options.rpc_timeout)
@@ -698,8 +697,9 @@ class SimAgent(Agent):
         self.closed = False
         self.exited = False
         self.faults = options.faults
-        #: seals what this worker sends and checks what it receives (one session per worker)
-        self.auth = _auth.Authenticator(world.secret)
+        #: seals what this worker sends and checks what it receives (one session per worker): under the
+        #: secret of this rank's environment, else the run's own (the simulator starts every member itself)
+        self.auth = _auth.Authenticator(secret or world.secret)
         seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
         self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
         self._infos: list[WorkerInfo] | None = None
@@ -1064,8 +1064,8 @@ def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions |
     if not options.rpc_timeout or options.rpc_timeout <= 0:
         raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
                                          values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))
-    world = _world_of(rs, world_size, secret)
-    agent = SimAgent(world, name, rank, rs, _state.current(), options)
+    world = _world_of(rs, world_size)
+    agent = SimAgent(world, name, rank, rs, _state.current(), options, secret)
     with world.lock:
         clash = world.agents.get(name)
         if clash is not None or rank in world.by_rank:
@@ -1076,4 +1076,23 @@ def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions |
         world.agents[name] = agent
         world.by_rank[rank] = agent
     world.wait(world.init_barrier, rank)
+    _check_one_secret(world, agent)
     return agent
+
+
+def _check_one_secret(world: _RpcWorld, agent: SimAgent) -> None:
+    """As on TensorPipe, members that do not share one secret (their environments name different ones, or
+    only some name one) cannot start: every one of them fails init_rpc, saying so."""
+    groups: list[tuple[SimAgent, list[int]]] = []
+    for a in sorted(world.by_rank.values(), key=lambda a: a.rank):
+        for first, ranks in groups:
+            if first.auth.same_key(a.auth):
+                ranks.append(a.rank)
+                break
+        else:
+            groups.append((a, [a.rank]))
+    if len(groups) > 1:
+        raise DistRuntimeError(rpc_message(
+            "init_rpc", "the workers do not share one RPC secret", worker=agent.name,
+            values={"ranks_by_secret": [ranks for _, ranks in groups]},
+            fix=f"set the same {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}) on every worker, or on none of them"))

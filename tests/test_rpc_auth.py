@@ -21,7 +21,7 @@ import pytest
 import simulator
 import tensorplay.distributed as dist
 import tensorplay.distributed.rpc as rpc
-from tensorplay.distributed.errors import DistValueError
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError
 from tensorplay.distributed.rpc import _agent, _auth
 from tensorplay.distributed.rpc._auth import AuthenticationError, Authenticator
 
@@ -145,7 +145,8 @@ def _sim_attempts(side: str, forged: str) -> dict | None:
                "refused": [type(r).__name__ + ":" + r.type_name for r in
                            (again, peer._as_sender(lambda: peer._serve(bare)),
                             peer._as_sender(lambda: peer._serve(other)))],
-               "secret_from_env": a.world.secret == os.environ.get(_auth.ENV_SECRET, "").encode()}
+               "secret_from_env": _auth.ENV_SECRET in os.environ
+               and a.auth.same_key(Authenticator(os.environ[_auth.ENV_SECRET]))}
     rpc.shutdown()
     return out
 
@@ -167,6 +168,36 @@ def test_sim_transport_checks_every_message(tmp_path: Path, monkeypatch, caplog,
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 3 and all("simulated worker 'worker0'" in m for m in logged)
     assert "replayed" in logged[0] and "no authentication envelope" in logged[1]
+
+
+def _init_with(secrets: dict) -> str:
+    """A rank that sets its own secret (per-rank environment) before init_rpc."""
+    me = dist.get_rank()
+    os.environ.pop(_auth.ENV_SECRET, None)
+    if secrets.get(me) is not None:
+        os.environ[_auth.ENV_SECRET] = secrets[me]
+    try:
+        rpc.init_rpc(f"worker{me}")
+    except DistRuntimeError as e:
+        return str(e)
+    out = rpc.rpc_sync(f"worker{1 - me}", max, args=(me, 7))
+    rpc.shutdown()
+    return f"OK {out}"
+
+
+@pytest.mark.parametrize("secrets", [{0: SECRET, 1: SECRET}, {0: SECRET, 1: SECRET + " but another"},
+                                     {0: SECRET, 1: None}], ids=["same", "different", "one-without"])
+def test_sim_members_must_share_one_secret_as_on_tensorpipe(secrets: dict) -> None:
+    """The simulator's transport behaves as TensorPipe's does when the members' environments disagree."""
+    world = simulator.World(2, env={"TENSORPLAY_TEST_PER_RANK_ENV": "1"})  # each rank gets its own os.environ
+    world.run(lambda: _init_with(secrets))
+    outs = world.results
+    if secrets[0] == secrets[1]:
+        assert outs == ["OK 7", "OK 7"], outs
+        return
+    for r, line in enumerate(outs):
+        assert "do not share one RPC secret" in line and "ranks_by_secret=[[0], [1]]" in line, (r, line)
+        assert f"set the same {_auth.ENV_SECRET}" in line and f"(worker 'worker{r}')" in line, line
 
 
 # ---------------------------------------------------------------------------

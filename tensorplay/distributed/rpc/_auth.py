@@ -177,6 +177,10 @@ class Authenticator:
     def _mac(self, body: bytes | memoryview) -> bytes:
         return hashlib.blake2b(body, key=self._key, digest_size=_MAC_LEN).digest()
 
+    def same_key(self, other: "Authenticator") -> bool:
+        """Whether ``other`` seals under the same secret (constant-time)."""
+        return hmac.compare_digest(self._key, other._key)
+
     def seal(self, payload: bytes) -> bytes:
         """``payload`` in an envelope only members can produce, usable once."""
         body = _HEADER.pack(_MAGIC, self.session, next(self._counter), time.time()) + payload
