@@ -25,6 +25,7 @@ backend's outcome with :meth:`Ranks.expected`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -92,6 +93,15 @@ BACKENDS: list[Backend] = [
     # SIM_PROCESS,
 ]
 BY_NAME: dict[str, Backend] = {b.name: b for b in (SIM, GLOO, SIM_PROCESS)}
+
+# TENSORPLAY_TEST_BACKENDS=sim,sim-process runs the behaviour tests on exactly those (e.g. to try a
+# backend before it joins the list); unset: BACKENDS
+if os.environ.get("TENSORPLAY_TEST_BACKENDS"):
+    _wanted = [n.strip() for n in os.environ["TENSORPLAY_TEST_BACKENDS"].split(",") if n.strip()]
+    _unknown = [n for n in _wanted if n not in BY_NAME]
+    if _unknown:
+        raise ValueError(f"TENSORPLAY_TEST_BACKENDS names unknown backends {_unknown}; known: {sorted(BY_NAME)}")
+    BACKENDS = [BY_NAME[n] for n in _wanted]
 
 
 class Ranks:
