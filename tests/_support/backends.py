@@ -33,10 +33,6 @@ import pytest
 
 T = TypeVar("T")
 
-#: bound on one simulated world (the gloo pools bound each call themselves)
-SIM_TIMEOUT_S = 20.0
-
-
 def _sim_run(isolation: str | None) -> Callable[..., list[Any]]:
     def run(fn: Callable[..., Any], world: int, args: Sequence[Any], *, mode: str, seed: int,
             timeout: float) -> list[Any]:
@@ -62,6 +58,8 @@ class Backend:
         max_world: the largest world size the suite runs it at (gloo: 4, to fit 2 CI cores).
         modes: the simulator schedules it offers (``coop`` first: the default one).
         pool: uses the session ``rank_pool(n)`` fixture (real processes; marked ``gloo``).
+        sim_run: how a simulated backend runs ``fn`` on W ranks (``None`` for a pool backend).
+        timeout_s: bound on one simulated world (a pool bounds each call itself).
     """
 
     name: str
@@ -72,6 +70,7 @@ class Backend:
     modes: tuple[str, ...] = ("coop",)
     pool: bool = False
     sim_run: Callable[..., list[Any]] | None = field(default=None, compare=False, repr=False)
+    timeout_s: float = 20.0
 
     def marks(self, world_size: int) -> list[Any]:
         if self.pool:
@@ -84,7 +83,7 @@ SIM = Backend("sim", "sim", simulated=True, in_process=True, max_world=8, modes=
 GLOO = Backend("gloo", "gloo", simulated=False, in_process=False, max_world=4, pool=True)
 #: the process-isolated simulator (issue 14); add it to BACKENDS once simulator.run takes isolation="process"
 SIM_PROCESS = Backend("sim-process", "sim", simulated=True, in_process=False, max_world=8,
-                      modes=("coop", "threads"), sim_run=_sim_run("process"))
+                      modes=("coop", "threads"), sim_run=_sim_run("process"), timeout_s=60.0)
 
 #: every backend the behaviour tests run on; one entry per backend
 BACKENDS: list[Backend] = [
@@ -127,11 +126,12 @@ class Ranks:
         """``fn(*args)`` on every rank; the results in rank order.
 
         ``seed`` picks the simulator's schedule (a real backend's schedule is the OS's, so it has no
-        seed); ``timeout`` bounds the call (default: 20 s simulated, the pool's call timeout on gloo).
+        seed); ``timeout`` bounds the call (default: the backend's ``timeout_s`` when simulated, the
+        pool's call timeout on gloo).
         """
         if self.backend.sim_run is not None:
             return self.backend.sim_run(fn, self.world_size, args, mode=self.mode or "coop", seed=seed,
-                                        timeout=SIM_TIMEOUT_S if timeout is None else timeout)
+                                        timeout=self.backend.timeout_s if timeout is None else timeout)
         return self._pool.run(fn, *args, timeout=timeout)
 
     def expected(self, table: Mapping[str, T]) -> T:
