@@ -289,6 +289,14 @@ def computes_forever() -> None:
     dist.barrier()
 
 
+def report_pid_then_wait() -> None:
+    print(f"pid {os.getpid()}", flush=True)
+    dist.barrier()
+    import time
+
+    time.sleep(120)
+
+
 def crash_fault() -> None:
     for _ in range(4):
         dist.all_reduce(torch.ones(1))
@@ -473,6 +481,24 @@ def test_timeout_kills_a_rank_process_stuck_computing():
         simulator.run(computes_forever, 2, isolation="process", timeout=45)
     assert "rank 1" in str(info.value)
     assert not _survivors(isolation.last_pids)
+
+
+@pytest.mark.slow
+def test_rank_processes_die_with_a_killed_coordinator():
+    code = textwrap.dedent("""
+        import os, time, simulator, tensorplay.distributed as dist
+        import test_sim_isolation as t
+        simulator.run(t.report_pid_then_wait, 2, isolation="process", timeout=300)
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=here, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": here})
+    try:
+        pids = [int(p.stdout.readline().split()[1]) for _ in range(2)]
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+    assert not _survivors(pids, within=20.0)
 
 
 def test_cli_isolation_process(tmp_path):

@@ -502,7 +502,7 @@ class ScriptMain:
 
 def main() -> None:
     """Entry point of a rank process (``argv[1]``: the file descriptor of its socket to the coordinator)."""
-    _die_with_parent()
+    _die_with_parent()  # (armed already by the start-up command; again for a caller that did not)
     sock = socket.socket(fileno=int(sys.argv[1]))
     conn = Connection(sock.detach())
     setup = _wire.recv(conn)
@@ -538,6 +538,7 @@ def main() -> None:
             host, port, setup["world_size"], False, timedelta(seconds=setup["timeout"]), wait_for_workers=False)
         msg: tuple
         _honest_clock(backend)
+        _wire.send(conn, ("ready",))  # start-up done: the run's timeout counts from every rank's ready
         try:
             backend.start_clock()
             result = fn(*args, **kwargs)

@@ -40,8 +40,19 @@ from ._wire import Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
-_CHILD = "from simulator.isolation.child import main; main()"
+# the death signal is armed before the slow imports, and the parent checked after arming it: a rank process never
+# outlives the calling process, even one that dies while the rank is still starting
+_CHILD = ("import ctypes, os, signal, sys\n"
+          "try:\n"
+          "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)\n"
+          "except Exception:\n"
+          "    pass\n"
+          "if os.getppid() != int(sys.argv[2]):\n"
+          "    os._exit(1)\n"
+          "from simulator.isolation.child import main\n"
+          "main()\n")
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
+_STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
 
 
 def hash_seed(run_seed: int, rank: int) -> int:
@@ -98,7 +109,8 @@ def _dumps(obj: Any) -> bytes:
 class _Rank:
     """The coordinator's handle on one rank process."""
 
-    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers")
+    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers",
+                 "pending")
 
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -112,6 +124,7 @@ class _Rank:
         self.next_wid = 0
         self.fd_sock: socket.socket | None = None
         self.optimizers: dict[int, object] = {}  # the rank process's optimizers, by id there
+        self.pending: tuple | None = None  # a message that arrived instead of "ready"
 
 
 class ProcessRanks:
@@ -156,7 +169,7 @@ class ProcessRanks:
                 env = self._env(r, master_port)
                 parent, child = socket.socketpair()
                 try:
-                    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno())],
+                    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno()), str(os.getpid())],
                                             pass_fds=(child.fileno(),), env=env, start_new_session=True)
                 finally:
                     child.close()
@@ -165,9 +178,29 @@ class ProcessRanks:
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
                            "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
                            "store": ("127.0.0.1", self.store.port)})
+            self._await_ready()
         except BaseException:
             self.close()
             raise
+
+    def _await_ready(self) -> None:
+        """Wait (bounded) until every rank process has started: start-up does not count against the run's timeout."""
+        from multiprocessing.connection import wait
+
+        deadline = time.monotonic() + max(_STARTUP_S, self.world.timeout)
+        waiting = {me.conn: me for me in self.ranks}
+        while waiting and time.monotonic() < deadline:
+            for c in wait(list(waiting), timeout=0.2):
+                me = waiting.pop(c)  # type: ignore[call-overload]
+                try:
+                    msg = _wire.recv(me.conn)
+                except (EOFError, OSError):
+                    continue  # it died starting: its proxy reports the death
+                if msg[0] != "ready":  # e.g. the function could not be unpickled there: its proxy reports it
+                    me.pending = msg
+            for c, me in list(waiting.items()):
+                if me.proc.poll() is not None:
+                    waiting.pop(c)
 
     def _env(self, rank: int, master_port: str) -> dict[str, str]:
         from .. import _environ
@@ -193,7 +226,7 @@ class ProcessRanks:
         backend = rs.backend  # type: ignore[union-attr]
         conn = me.conn
         while True:
-            msg = self._recv(rs, me)
+            msg, me.pending = (me.pending, None) if me.pending is not None else (self._recv(rs, me), None)
             kind = msg[0]
             if kind == "call":
                 _, name, enc, site, backward, cpu, new, shared = msg
