@@ -351,14 +351,16 @@ def init_process_group(
     Inside a simulated world (``simulator.run`` or ``python -m simulator``)
     the world is already initialised and this call returns at once.
 
-    Example (two processes under ``torchrun --nproc-per-node 2``)::
+    Example (2 ranks; the same lines run unchanged in each process of ``torchrun --nproc-per-node 2``)::
 
-        import tensorplay as tp
-        import tensorplay.distributed as dist
-        dist.init_process_group("gloo")
-        x = tp.tensor([float(dist.get_rank())])
-        dist.all_reduce(x)          # x == [1.] on both ranks
-        dist.destroy_process_group()
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed as dist
+        >>> dist.init_process_group("gloo")
+        >>> x = tp.tensor([float(dist.get_rank())])
+        >>> dist.all_reduce(x)
+        >>> x                                   # on both ranks
+        tensor([1.])
+        >>> dist.destroy_process_group()
     """
     name = "init_process_group"
     st = _state.current()
@@ -448,9 +450,14 @@ def new_group(
 
     Example (4 ranks)::
 
-        g = dist.new_group([3, 1, 2])      # group ranks: 1 -> 0, 2 -> 1, 3 -> 2
-        if dist.get_rank() in (1, 2, 3):
-            dist.all_reduce(x, group=g)
+        >>> g = dist.new_group([3, 1, 2])
+        >>> dist.get_process_group_ranks(g)     # group rank i is global rank ranks[i]
+        [1, 2, 3]
+        >>> x = tp.tensor([float(dist.get_rank())])
+        >>> if dist.get_rank() in (1, 2, 3):    # only members may use g
+        ...     dist.all_reduce(x, group=g)
+        >>> x.item() == (6. if dist.get_rank() > 0 else 0.)
+        True
     """
     name = "new_group"
     st = _state_or_raise(name)
@@ -513,9 +520,9 @@ def get_group_rank(group: GroupLike, global_rank: int) -> int:
 def barrier(group: GroupLike = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Block until every rank of ``group`` reached the barrier.
 
-    Example::
+    Example (2 ranks)::
 
-        dist.barrier()              # all ranks wait for the slowest one
+        >>> dist.barrier()              # both ranks wait for the slower one
     """
     _, pg = _group("barrier", group)
     _check_async(_CallContext("barrier", pg), async_op)
@@ -530,8 +537,10 @@ def broadcast(
 
     Example (3 ranks)::
 
-        x = tp.full((2,), float(dist.get_rank()))
-        dist.broadcast(x, src=2)     # x == [2., 2.] everywhere
+        >>> x = tp.full((2,), float(dist.get_rank()))
+        >>> dist.broadcast(x, src=2)
+        >>> x                        # on every rank
+        tensor([2., 2.])
     """
     c = _CallContext("broadcast", _group("broadcast", group)[1])
     _tensor(c, tensor, "tensor")
@@ -545,10 +554,12 @@ def all_reduce(
 ) -> Work | None:
     """Reduce ``tensor`` over ``group`` with ``op``; every rank gets the result (in place).
 
-    Example (ranks 0..3)::
+    Example (4 ranks)::
 
-        x = tp.tensor([dist.get_rank() + 1.0])
-        dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)   # x == [24.] everywhere
+        >>> x = tp.tensor([dist.get_rank() + 1.0])
+        >>> dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)
+        >>> x                        # 1 * 2 * 3 * 4 on every rank
+        tensor([24.])
     """
     c = _CallContext("all_reduce", _group("all_reduce", group)[1])
     _tensor(c, tensor, "tensor")
@@ -567,8 +578,11 @@ def reduce(
 
     Example (2 ranks)::
 
-        x = tp.tensor([1.0 + dist.get_rank()])
-        dist.reduce(x, dst=1)        # rank 1: x == [3.]; rank 0: x holds scratch values
+        >>> r = dist.get_rank()
+        >>> x = tp.tensor([1.0 + r])
+        >>> dist.reduce(x, dst=1)
+        >>> r != 1 or x.tolist() == [3.]     # rank 1 holds the sum; rank 0's x holds scratch values
+        True
     """
     c = _CallContext("reduce", _group("reduce", group)[1])
     _tensor(c, tensor, "tensor")
@@ -585,8 +599,10 @@ def all_gather(
 
     Example (2 ranks)::
 
-        out = [tp.empty(1), tp.empty(1)]
-        dist.all_gather(out, tp.tensor([float(dist.get_rank())]))   # out == [[0.], [1.]]
+        >>> out = [tp.empty(1), tp.empty(1)]
+        >>> dist.all_gather(out, tp.tensor([float(dist.get_rank())]))
+        >>> out                      # on both ranks
+        [tensor([0.]), tensor([1.])]
     """
     c = _CallContext("all_gather", _group("all_gather", group)[1])
     _tensor(c, tensor, "tensor")
@@ -602,8 +618,10 @@ def all_gather_into_tensor(
 
     Example (2 ranks)::
 
-        out = tp.empty(4)
-        dist.all_gather_into_tensor(out, tp.full((2,), float(dist.get_rank())))  # [0, 0, 1, 1]
+        >>> out = tp.empty(4)
+        >>> dist.all_gather_into_tensor(out, tp.full((2,), float(dist.get_rank())))
+        >>> out                      # on both ranks
+        tensor([0., 0., 1., 1.])
     """
     c = _CallContext("all_gather_into_tensor", _group("all_gather_into_tensor", group)[1])
     _tensor(c, output_tensor, "output_tensor")
@@ -629,8 +647,11 @@ def gather(
 
     Example (3 ranks, dst=0)::
 
-        out = [tp.empty(1) for _ in range(3)] if dist.get_rank() == 0 else None
-        dist.gather(tp.tensor([float(dist.get_rank())]), out, dst=0)   # rank 0: [[0.], [1.], [2.]]
+        >>> r = dist.get_rank()
+        >>> out = [tp.empty(1) for _ in range(3)] if r == 0 else None
+        >>> dist.gather(tp.tensor([float(r)]), out, dst=0)
+        >>> r != 0 or [t.item() for t in out] == [0., 1., 2.]    # rank 0 holds every rank's tensor
+        True
     """
     c = _CallContext("gather", _group("gather", group)[1])
     _tensor(c, tensor, "tensor")
@@ -655,9 +676,12 @@ def scatter(
 
     Example (2 ranks)::
 
-        parts = [tp.tensor([10.]), tp.tensor([11.])] if dist.get_rank() == 0 else None
-        x = tp.empty(1)
-        dist.scatter(x, parts, src=0)        # rank r: x == [10. + r]
+        >>> r = dist.get_rank()
+        >>> parts = [tp.tensor([10.]), tp.tensor([11.])] if r == 0 else None
+        >>> x = tp.empty(1)
+        >>> dist.scatter(x, parts, src=0)
+        >>> x.tolist() == [10. + r]          # rank r got parts[r]
+        True
     """
     c = _CallContext("scatter", _group("scatter", group)[1])
     _tensor(c, tensor, "tensor")
@@ -682,9 +706,11 @@ def reduce_scatter(
 
     Example (2 ranks)::
 
-        out = tp.empty(1)
-        r = dist.get_rank()
-        dist.reduce_scatter(out, [tp.tensor([1. + r]), tp.tensor([10. + r])])  # rank 0: [3.], rank 1: [21.]
+        >>> out = tp.empty(1)
+        >>> r = dist.get_rank()
+        >>> dist.reduce_scatter(out, [tp.tensor([1. + r]), tp.tensor([10. + r])])
+        >>> out.tolist() == [[3.], [21.]][r]     # rank 0: 1 + 2; rank 1: 10 + 11
+        True
     """
     c = _CallContext("reduce_scatter", _group("reduce_scatter", group)[1])
     _tensor(c, output, "output")
@@ -702,8 +728,10 @@ def reduce_scatter_tensor(
 
     Example (2 ranks)::
 
-        out = tp.empty(2)
-        dist.reduce_scatter_tensor(out, tp.arange(4.))   # rank 0: [0., 2.], rank 1: [4., 6.]
+        >>> out = tp.empty(2)
+        >>> dist.reduce_scatter_tensor(out, tp.arange(4.))
+        >>> out.tolist() == [[0., 2.], [4., 6.]][dist.get_rank()]
+        True
     """
     c = _CallContext("reduce_scatter_tensor", _group("reduce_scatter_tensor", group)[1])
     _tensor(c, output, "output")
@@ -731,10 +759,12 @@ def all_to_all(
 
     Example (2 ranks)::
 
-        r = dist.get_rank()
-        ins = [tp.full((1 + r,), 10. * r + i) for i in range(2)]
-        outs = [tp.empty(1 + j) for j in range(2)]
-        dist.all_to_all(outs, ins)     # rank i: outs[j] == 10*j + i, of length 1 + j
+        >>> r = dist.get_rank()
+        >>> ins = [tp.full((1 + r,), 10. * r + i) for i in range(2)]
+        >>> outs = [tp.empty(1 + j) for j in range(2)]
+        >>> dist.all_to_all(outs, ins)
+        >>> [t.tolist() for t in outs] == [[10. * j + r] * (1 + j) for j in range(2)]   # outs[j] came from rank j
+        True
     """
     c = _CallContext("all_to_all", _group("all_to_all", group)[1])
     _check_async(c, async_op)
@@ -799,10 +829,12 @@ def all_to_all_single(
 
     Example (2 ranks; rank r sends r+1 rows to rank 0 and 1 row to rank 1)::
 
-        r = dist.get_rank()
-        x = tp.full((r + 2,), float(r))
-        out = tp.empty(3 if r == 0 else 2)
-        dist.all_to_all_single(out, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
+        >>> r = dist.get_rank()
+        >>> x = tp.full((r + 2,), float(r))
+        >>> out = tp.empty(3 if r == 0 else 2)
+        >>> dist.all_to_all_single(out, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
+        >>> out.tolist() == [[0., 1., 1.], [0., 1.]][r]
+        True
     """
     c = _CallContext("all_to_all_single", _group("all_to_all_single", group)[1])
     _tensor(c, output, "output")
@@ -854,10 +886,13 @@ def send(tensor: torch.Tensor, dst: int | None = None, group: GroupLike = None, 
 
     Example (2 ranks)::
 
-        if dist.get_rank() == 0:
-            dist.send(tp.tensor([42.]), dst=1)
-        else:
-            x = tp.empty(1); dist.recv(x, src=0)
+        >>> x = tp.tensor([42.]) if dist.get_rank() == 0 else tp.zeros(1)
+        >>> if dist.get_rank() == 0:
+        ...     dist.send(x, dst=1)
+        ... else:
+        ...     sender = dist.recv(x, src=0)
+        >>> x                        # rank 1 received rank 0's tensor
+        tensor([42.])
     """
     c, peer = _p2p_args("send", tensor, group, tag, "dst", dst, group_dst, any_source=False)
     c.pg.backend.send(tensor, peer, c.pg, tag, False)
