@@ -14,15 +14,17 @@ differentiable collectives, so a backward is differentiable again wherever the
 collective is linear (SUM, AVG and pure data movement): Hessian-vector products
 through a collective just work.  Nothing here looks at the backend's name.
 
-Example (every rank runs this; ``python -m simulator --nproc-per-node 4 ...``,
+Example (4 ranks; every rank runs these lines, under ``python -m simulator --nproc-per-node 4 ...``,
 ``simulator.run(fn, 4)`` or torchrun with gloo)::
 
-    import tensorplay as tp
-    import tensorplay.distributed.nn.functional as df
-
-    x = tp.randn(4, 8, requires_grad=True)
-    y = df.all_reduce(x)          # the sum of every rank's x
-    y.sum().backward()            # x.grad == world_size everywhere: every rank's loss uses every x
+    >>> import tensorplay as tp
+    >>> import tensorplay.distributed as dist
+    >>> import tensorplay.distributed.nn.functional as df
+    >>> x = tp.randn(4, 8, requires_grad=True)
+    >>> y = df.all_reduce(x)          # the sum of every rank's x
+    >>> y.sum().backward()
+    >>> x.grad.unique() == dist.get_world_size()   # every rank's loss uses every x
+    tensor([True])
 
 Rules every caller should know:
 
@@ -299,10 +301,14 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = WORLD, 
 
     Example (3 ranks)::
 
-        w = tp.full((2,), float(dist.get_rank()), requires_grad=True)
-        y = df.broadcast(w, src=2)        # [2., 2.] on every rank
-        (y * (dist.get_rank() + 1)).sum().backward()
-        # rank 2: w.grad == [6., 6.] (1 + 2 + 3); ranks 0 and 1: w.grad == [0., 0.]
+        >>> r = dist.get_rank()
+        >>> w = tp.full((2,), float(r), requires_grad=True)
+        >>> y = df.broadcast(w, src=2)
+        >>> y.tolist()                    # on every rank
+        [2.0, 2.0]
+        >>> (y * (r + 1)).sum().backward()
+        >>> w.grad.tolist() == ([6., 6.] if r == 2 else [0., 0.])   # src: 1 + 2 + 3; the others: zero
+        True
     """
     c = _begin("broadcast", group)
     _tensor(c, tensor, "tensor")
@@ -320,9 +326,14 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
 
     Example (2 ranks)::
 
-        x = tp.tensor([1. + dist.get_rank()], requires_grad=True)
-        y = df.reduce(x, dst=1, op=dist.ReduceOp.PRODUCT)   # rank 1: [2.]; rank 0: [0.]
-        y.sum().backward()                                   # rank 0: x.grad == [2.]; rank 1: [1.]
+        >>> r = dist.get_rank()
+        >>> x = tp.tensor([1. + r], requires_grad=True)
+        >>> y = df.reduce(x, dst=1, op=dist.ReduceOp.PRODUCT)
+        >>> y.tolist() == [[0.], [2.]][r]          # rank 1: 1 * 2; rank 0: zeros
+        True
+        >>> y.sum().backward()
+        >>> x.grad.tolist() == [[2.], [1.]][r]     # each rank's factor is the other rank's input
+        True
     """
     c = _begin("reduce", group)
     _tensor(c, tensor, "tensor")
@@ -341,9 +352,11 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = WORLD)
 
     Example (4 ranks)::
 
-        x = tp.randn(4, 8, requires_grad=True)
-        y = df.all_reduce(x)              # same on every rank
-        y.sum().backward()                # x.grad == 4 everywhere
+        >>> x = tp.randn(4, 8, requires_grad=True)
+        >>> y = df.all_reduce(x)              # the same on every rank
+        >>> y.sum().backward()
+        >>> x.grad.unique()                   # every element, on every rank: 4 losses use it
+        tensor([4.])
     """
     c = _begin("all_reduce", group)
     _tensor(c, tensor, "tensor")
@@ -360,10 +373,14 @@ def gather(tensor: torch.Tensor, dst: int | None = None, group: Any = WORLD, *,
 
     Example (3 ranks)::
 
-        x = tp.tensor([float(dist.get_rank())], requires_grad=True)
-        ys = df.gather(x, dst=0)          # rank 0: ([0.], [1.], [2.]); ranks 1, 2: three [0.]
-        sum(y.sum() * (i + 1) for i, y in enumerate(ys)).backward()
-        # rank i: x.grad == [i + 1.]
+        >>> r = dist.get_rank()
+        >>> x = tp.tensor([float(r)], requires_grad=True)
+        >>> ys = df.gather(x, dst=0)
+        >>> [y.item() for y in ys] == ([0., 1., 2.] if r == 0 else [0., 0., 0.])
+        True
+        >>> sum(y.sum() * (i + 1) for i, y in enumerate(ys)).backward()
+        >>> x.grad.tolist() == [r + 1.]       # dst's weight of block r
+        True
     """
     c = _begin("gather", group)
     _tensor(c, tensor, "tensor")
@@ -408,10 +425,14 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
 
     Example (2 ranks)::
 
-        parts = [tp.tensor([10.], requires_grad=True), tp.tensor([11.], requires_grad=True)]
-        y = df.scatter(parts if dist.get_rank() == 0 else None, src=0)   # rank r: [10. + r]
-        (y * (dist.get_rank() + 1)).sum().backward()
-        # rank 0: parts[0].grad == [1.], parts[1].grad == [2.]
+        >>> r = dist.get_rank()
+        >>> parts = [tp.tensor([10.], requires_grad=True), tp.tensor([11.], requires_grad=True)]
+        >>> y = df.scatter(parts if r == 0 else None, src=0)
+        >>> y.tolist() == [10. + r]
+        True
+        >>> (y * (r + 1)).sum().backward()
+        >>> r != 0 or [p.grad.tolist() for p in parts] == [[1.], [2.]]   # src's parts[i]: rank i's weight
+        True
     """
     c = _begin("scatter", group)
     root = _root(c, "src", src, group_src, default=0)
@@ -490,9 +511,13 @@ def all_gather(tensor: torch.Tensor, group: Any = WORLD) -> tuple[torch.Tensor, 
 
     Example (2 ranks)::
 
-        x = tp.tensor([1. + dist.get_rank()], requires_grad=True)
-        a, b = df.all_gather(x)            # ([1.], [2.]) on both ranks
-        (a * b).sum().backward()           # rank 0: x.grad == [4.] (2 + 2); rank 1: [2.]
+        >>> x = tp.tensor([1. + dist.get_rank()], requires_grad=True)
+        >>> a, b = df.all_gather(x)
+        >>> a.tolist(), b.tolist()          # on both ranks
+        ([1.0], [2.0])
+        >>> (a * b).sum().backward()
+        >>> x.grad.tolist() == [[4.], [2.]][dist.get_rank()]   # rank 0: 2 + 2; rank 1: 1 + 1
+        True
     """
     c = _begin("all_gather", group)
     _tensor(c, tensor, "tensor")
@@ -508,10 +533,13 @@ def all_gather_single(output: torch.Tensor | None, input: torch.Tensor, group: A
 
     Example (2 ranks)::
 
-        x = tp.full((2,), float(dist.get_rank()), requires_grad=True)
-        y = df.all_gather_single(None, x)  # [0., 0., 1., 1.] on both ranks
-        (y * tp.arange(4.)).sum().backward()
-        # rank 0: x.grad == [0., 2.]; rank 1: [4., 6.] (each rank's weights, summed over 2 ranks)
+        >>> x = tp.full((2,), float(dist.get_rank()), requires_grad=True)
+        >>> y = df.all_gather_single(None, x)
+        >>> y.tolist()                      # on both ranks
+        [0.0, 0.0, 1.0, 1.0]
+        >>> (y * tp.arange(4.)).sum().backward()
+        >>> x.grad.tolist() == [[0., 2.], [4., 6.]][dist.get_rank()]   # each rank's weights, summed over 2 ranks
+        True
     """
     c = _begin("all_gather_single", group)
     _tensor(c, input, "input")
@@ -547,10 +575,14 @@ def reduce_scatter(output: torch.Tensor | None, input_list: Sequence[torch.Tenso
 
     Example (2 ranks)::
 
-        r = dist.get_rank()
-        xs = [tp.tensor([1. + r], requires_grad=True), tp.tensor([10. + r], requires_grad=True)]
-        y = df.reduce_scatter(None, xs)    # rank 0: [3.], rank 1: [21.]
-        (y * (r + 1)).sum().backward()      # on both ranks: xs[0].grad == [1.], xs[1].grad == [2.]
+        >>> r = dist.get_rank()
+        >>> xs = [tp.tensor([1. + r], requires_grad=True), tp.tensor([10. + r], requires_grad=True)]
+        >>> y = df.reduce_scatter(None, xs)
+        >>> y.tolist() == [[3.], [21.]][r]
+        True
+        >>> (y * (r + 1)).sum().backward()
+        >>> [t.grad.tolist() for t in xs]   # on both ranks: xs[i] gets rank i's weight
+        [[1.0], [2.0]]
     """
     c = _begin("reduce_scatter", group)
     ins = _tensor_list(c, input_list, "input_list", None, same_shape=False)
@@ -570,10 +602,14 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor] | None, input_tensor_l
 
     Example (2 ranks, ragged)::
 
-        r = dist.get_rank()
-        xs = [tp.full((1 + r,), 10. * r + i, requires_grad=True) for i in range(2)]
-        ys = df.all_to_all([tp.empty(1 + j) for j in range(2)], xs)
-        # rank i: ys[j] == 10*j + i, of length 1 + j
+        >>> r = dist.get_rank()
+        >>> xs = [tp.full((1 + r,), 10. * r + i, requires_grad=True) for i in range(2)]
+        >>> ys = df.all_to_all([tp.empty(1 + j) for j in range(2)], xs)
+        >>> [y.tolist() for y in ys] == [[10. * j + r] * (1 + j) for j in range(2)]   # ys[j] came from rank j
+        True
+        >>> sum(y.sum() for y in ys).backward()
+        >>> [t.grad.tolist() for t in xs] == [[1.] * (1 + r)] * 2
+        True
     """
     c = _begin("all_to_all", group)
     ins = _tensor_list(c, input_tensor_list, "input_tensor_list", None, same_shape=False)
@@ -607,10 +643,14 @@ def all_to_all_single(output: torch.Tensor | None, input: torch.Tensor, output_s
 
     Example (2 ranks; rank r sends r + 1 rows to rank 0 and 1 row to rank 1)::
 
-        r = dist.get_rank()
-        x = tp.full((r + 2,), float(r), requires_grad=True)
-        y = df.all_to_all_single(None, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
-        # rank 0: [0., 1., 1.]; rank 1: [0., 1.]
+        >>> r = dist.get_rank()
+        >>> x = tp.full((r + 2,), float(r), requires_grad=True)
+        >>> y = df.all_to_all_single(None, x, [1, 2] if r == 0 else [1, 1], [r + 1, 1])
+        >>> y.tolist() == [[0., 1., 1.], [0., 1.]][r]
+        True
+        >>> (y * tp.arange(1., len(y) + 1)).sum().backward()
+        >>> x.grad.tolist() == [[1., 1.], [2., 3., 2.]][r]   # each row's weight where it landed
+        True
     """
     c = _begin("all_to_all_single", group)
     _tensor(c, input, "input")
