@@ -446,4 +446,5 @@ def test_quick_calibration_on_gloo(rank_pool, tmp_path) -> None:
     back = CostModel.load(path)
     assert back.classes == model.classes and back.calibrated
     assert all(math.isfinite(r["error_pct"]) for r in back.meta["measurements"])
-    assert back.cost("all_reduce", 10**6, 4) > back.cost("all_reduce", 10**3, 4) > 0
+    # non-negative parameters: never cheaper for more bytes (equal when the noise hid the slope), never free
+    assert back.cost("all_reduce", 10**6, 4) >= back.cost("all_reduce", 10**3, 4) > 0
