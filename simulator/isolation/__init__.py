@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from tensorplay.distributed.errors import DistValueError, format_message
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
 from .proxy import ProcessRanks, hash_seed
 
@@ -28,6 +28,8 @@ ISOLATIONS: tuple[str, ...] = ("thread", "process")
 
 #: after a process-isolated run in this process: the rank processes' ids (for tests that check none survive)
 last_pids: list[int] = []
+#: set in a rank process: a world started there would start rank processes of its own, without end
+_in_rank_process = False
 
 
 def check_isolation(isolation: Any, call: str = "simulator.run") -> str:
@@ -43,6 +45,12 @@ def check_isolation(isolation: Any, call: str = "simulator.run") -> str:
 def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
     """``world.run(fn, ...)`` with each rank in its own process (``world.isolation == "process"``)."""
     global last_pids
+    if _in_rank_process:
+        raise DistRuntimeError(format_message(
+            "simulator.run", "a process-isolated world was started inside a rank process (a rank process imports "
+            "the calling script as __mp_main__, as multiprocessing's spawn does, so unguarded top-level code runs "
+            "again there)", values={"isolation": "process"},
+            fix="put the script's top-level code under `if __name__ == \"__main__\":`"))
     ranks = ProcessRanks(world, fn, args, dict(kwargs or {}))
     last_pids = ranks.pids
     world.hash_seeds = list(ranks.hash_seeds)

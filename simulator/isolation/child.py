@@ -508,9 +508,12 @@ def main() -> None:
     setup = _wire.recv(conn)
     from multiprocessing import spawn
 
-    spawn.prepare(setup["prep"])  # the coordinator's sys.path, cwd and main module (as __mp_main__)
+    from .. import isolation
+
+    isolation._in_rank_process = True
     rank = setup["rank"]
     try:
+        spawn.prepare(setup["prep"])  # the coordinator's sys.path, cwd and main module (as __mp_main__)
         fn, args, kwargs = pickle.loads(setup["payload"])
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, _exception_message(e))
