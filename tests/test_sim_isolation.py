@@ -474,6 +474,12 @@ def test_faults_and_virtual_time():
 
 
 @pytest.mark.slow
+def test_check_reproducible_in_process_mode():
+    trace = simulator.check_reproducible(collectives_and_p2p, 3, seed=5, isolation="process")
+    assert trace.events
+
+
+@pytest.mark.slow
 def test_timeout_kills_a_rank_process_stuck_computing():
     from simulator import isolation
 
