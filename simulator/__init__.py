@@ -7,17 +7,18 @@ every rank, with what each rank was doing and where.
 
 Example::
 
-    import simulator, tensorplay as tp, tensorplay.distributed as dist
-
-    def f():
-        x = tp.arange(3.) + dist.get_rank()
-        dist.all_reduce(x)
-        return x
-
-    outs = simulator.run(f, 4)                       # [tensor([6., 10., 14.])] * 4
-    simulator.run(f, 4, seed=3, mode="threads")      # free-running threads
-    simulator.explore(f, 4, seeds=range(20))         # many schedules
-    simulator.last_trace().to_chrome("f.json")       # Perfetto / chrome://tracing timeline
+    >>> import simulator, tensorplay as tp, tensorplay.distributed as dist
+    >>> def f():
+    ...     x = tp.arange(3.) + dist.get_rank()
+    ...     dist.all_reduce(x)
+    ...     return x
+    >>> simulator.run(f, 4)                          # one result per rank, in rank order
+    [tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.])]
+    >>> doc = simulator.last_trace().to_chrome("f.json")   # Perfetto / chrome://tracing timeline
+    >>> simulator.run(f, 4, seed=3, mode="threads")[0]     # free-running threads, the same result
+    tensor([ 6., 10., 14.])
+    >>> simulator.explore(f, 4, seeds=range(20))     # many schedules (raises ExploreError naming a failing seed)
+    ExploreReport(seeds=20, distinct_schedules=14)
 
 Command line (torchrun-style scripts)::
 

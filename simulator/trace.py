@@ -8,16 +8,22 @@ cost of each operation, which ends at the last member's arrival plus its cost.
 
 Example::
 
-    import simulator, tensorplay as tp, tensorplay.distributed as dist
-
-    def step():
-        x = tp.ones(1 << 20)
-        dist.all_reduce(x)
-
-    simulator.run(step, 4, cost=simulator.CostModel(latency_s=5e-6, bandwidth_Bps=25e9))
-    tr = simulator.last_trace()
-    tr.to_chrome("run.json")          # open in https://ui.perfetto.dev or chrome://tracing
-    print(tr.format_summary())        # per rank: communication, exposed communication, compute, step time
+    >>> import simulator, tensorplay as tp, tensorplay.distributed as dist
+    >>> def step():
+    ...     x = tp.ones(1 << 20)
+    ...     dist.all_reduce(x)
+    >>> simulator.run(step, 4, cost=simulator.CostModel(latency_s=5e-6, bandwidth_Bps=25e9))
+    [None, None, None, None]
+    >>> tr = simulator.last_trace()
+    >>> doc = tr.to_chrome("run.json")        # open in https://ui.perfetto.dev or chrome://tracing
+    >>> [e.op for e in tr.events]             # one event per rank and operation
+    ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
+    >>> round(tr.summary()[0]["comm_s"] * 1e6, 1)   # the model's all_reduce time on rank 0, in microseconds
+    281.7
+    >>> print(tr.format_summary())            # per rank: communication, exposed communication, compute, step time
+    virtual time, uncalibrated alpha-beta model (latency 5e-06 s, 2.5e+10 B/s); compute_scale=1
+    rank    ops        bytes startup (s)    comm (s) exposed (s) compute (s)    end (s) steps   step (s)
+       0      1      4194304 ...
 """
 from __future__ import annotations
 

@@ -5,15 +5,17 @@ runs and the trace of the last one.
 
 Example::
 
-    import simulator, tensorplay as tp, tensorplay.distributed as dist
-
-    def f():
-        x = tp.arange(3.) + dist.get_rank()
-        dist.all_reduce(x)
-        return x
-
-    outs = simulator.run(f, 4)                  # outs[r] == [6., 10., 14.] on every rank
-    simulator.last_trace().to_chrome("f.json")  # the timeline of the run
+    >>> import simulator, tensorplay as tp, tensorplay.distributed as dist
+    >>> def f():
+    ...     x = tp.arange(3.) + dist.get_rank()
+    ...     dist.all_reduce(x)
+    ...     return x
+    >>> outs = simulator.run(f, 4)
+    >>> all(out.tolist() == [6., 10., 14.] for out in outs)   # one result per rank
+    True
+    >>> simulator.last_trace()                                 # the timeline of the run
+    Trace(4 events, world_size=4, seed=0, mode='coop')
+    >>> doc = simulator.last_trace().to_chrome("f.json")       # written for Perfetto / chrome://tracing
 
 Failures are reported once: when rank ``r`` raises, the others are released
 with :class:`RankFailedError` and ``run`` re-raises rank ``r``'s exception
@@ -447,14 +449,23 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
 
     Example::
 
-        def f():
-            x = tp.arange(3.) + dist.get_rank()
-            dist.all_reduce(x)
-            return x
+        >>> def f():
+        ...     x = tp.arange(3.) + dist.get_rank()
+        ...     dist.all_reduce(x)
+        ...     return x
+        >>> simulator.run(f, 4)                    # the results in rank order
+        [tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.]), tensor([ 6., 10., 14.])]
+        >>> simulator.run(f, 4, mode="threads")[3]   # the same result, ranks run freely
+        tensor([ 6., 10., 14.])
 
-        simulator.run(f, 4)                    # 4 x tensor([ 6., 10., 14.])
-        simulator.run(f, 4, mode="threads")    # same result, ranks run freely
-        simulator.run(f, 4, isolation="process")   # same result, each rank its own process
+    With ``isolation="process"``, ``fn`` travels to the rank processes by name, so it must be
+    importable: a module-level function of a module, not one defined in a notebook, ``python -c``
+    or a doctest.
+
+    Example (each rank its own process)::
+
+        >>> simulator.run(dist.get_rank, 4, isolation="process")
+        [0, 1, 2, 3]
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,

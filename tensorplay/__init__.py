@@ -7,10 +7,15 @@ torch.nn.Linear``.  The one part that is ours is :mod:`tensorplay.distributed`.
 
 Example::
 
-    import tensorplay as tp
-    x = tp.randn(4, 8, requires_grad=True)
-    layer = tp.nn.Linear(8, 2)
-    layer(x).sum().backward()
+    >>> import torch
+    >>> import tensorplay as tp
+    >>> tp.nn.Linear is torch.nn.Linear
+    True
+    >>> x = tp.randn(4, 8, requires_grad=True)
+    >>> layer = tp.nn.Linear(8, 2)
+    >>> layer(x).sum().backward()
+    >>> tuple(layer.weight.grad.shape)
+    (2, 8)
 """
 from __future__ import annotations
 
