@@ -60,8 +60,10 @@ def check(
 
     Example::
 
-        result = conformance.check(backend="sim", collectives="all_reduce,broadcast", world_sizes="2,3")
-        assert result.passed, result.report_markdown()
+        >>> import conformance
+        >>> result = conformance.check(backend="sim", collectives="all_reduce,broadcast", world_sizes="2,3")
+        >>> result.passed                  # if not, result.report_markdown() says what failed and how to rerun it
+        True
     """
     if isinstance(world_sizes, str):
         try:
