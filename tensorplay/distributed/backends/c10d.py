@@ -34,7 +34,7 @@ from .._rendezvous import bound_tcp_store
 from ..errors import DistBackendError, DistTimeoutError, format_message
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
-from . import register_backend
+from . import _peers, register_backend
 from .base import Backend, ChainedWork, Work
 
 __all__ = ["C10dBackend", "GlooBackend", "NcclBackend"]
@@ -100,6 +100,16 @@ def _bound_rendezvous(init_method: str | None, rank: int, world_size: int,
         return None
     store = bound_tcp_store(host, int(port), rank, world_size, timeout, caller="init_process_group")
     return store, rank, world_size
+
+
+def _default_store() -> Any:
+    """The default group's store (``None`` when torch does not expose it)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _rendezvous_host(init_method: str | None) -> str | None:
@@ -230,6 +240,10 @@ class C10dBackend(Backend):
 
     #: whether the library's own reduce_scatter is worth calling (else: one all_to_all_single and a local reduce)
     native_reduce_scatter = True
+    #: whether a world rendezvousing on loopback gets the transport pinned to the loopback interface
+    pins_loopback = False
+    #: whether each rank records its process so that a lost peer can be named (gloo reports only an address)
+    names_lost_peers = False
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
         super().__init__(rank, world_size)
@@ -248,7 +262,7 @@ class C10dBackend(Backend):
             bound = _bound_rendezvous(init_method, rank, world_size, timeout)
             if bound is not None:
                 store, rank, world_size = bound
-        if cls.name == "gloo":
+        if cls.pins_loopback:
             _pin_gloo_to_loopback(init_method)
         kwargs: dict[str, Any] = dict(backend=cls.name, timeout=timeout, world_size=world_size, rank=rank)
         if store is not None:
@@ -262,7 +276,10 @@ class C10dBackend(Backend):
                 "init_process_group", f"the {cls.name} backend could not start: {e}",
                 values={"init_method": init_method, "rank": rank, "world_size": world_size},
                 fix="check MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (or init_method) and that every rank starts")) from e
-        return cls(tdist.get_rank(), tdist.get_world_size(), timeout)
+        b = cls(tdist.get_rank(), tdist.get_world_size(), timeout)
+        if cls.names_lost_peers:
+            _peers.publish(_default_store(), b.rank)
+        return b
 
     def world_handle(self) -> Any:
         return tdist.group.WORLD
@@ -308,9 +325,24 @@ class C10dBackend(Backend):
         except (RuntimeError, ValueError) as e:
             text = str(e)
             cls = DistTimeoutError if "timed out" in text.lower() or "timeout" in text.lower() else DistBackendError
+            fix = "check that every rank of the group made the same call"
+            values: dict[str, Any] = {}
+            if _peers.PEER_LOST.search(text):
+                cls = DistBackendError
+                lost = _peers.lost_ranks(_default_store(), self.world_size, self.rank) \
+                    if self.names_lost_peers else None
+                if lost:
+                    who = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {lost}"
+                    values["lost_ranks"] = lost
+                    text = f"{who} ended during the call (its connection closed): {text}"
+                    fix = (f"look at {who}'s own output for why it stopped (its exception, a signal, an "
+                           f"out-of-memory kill); the other ranks cannot go on without it")
+                else:
+                    text = f"a peer ended or closed its connection during the call: {text}"
+                    fix = ("find the rank that stopped first (its own output says why: its exception, a signal, "
+                           "an out-of-memory kill); the other ranks cannot go on without it")
             raise cls(format_message(name, f"the {self.name} backend failed: {text}", group=group.ranks,
-                                     rank=self.rank, fix="check that every rank of the group made the same call"
-                                     )) from e
+                                     rank=self.rank, values=values or None, fix=fix)) from e
 
     # -- collectives ------------------------------------------------------
     def barrier(self, group: ProcessGroup, async_op: bool) -> Work | None:
@@ -571,6 +603,8 @@ class GlooBackend(C10dBackend):
     """torch's gloo: CPU tensors (and CUDA tensors for the ops gloo supports)."""
 
     name = "gloo"
+    pins_loopback = True
+    names_lost_peers = True
     #: gloo's reduce_scatter costs a full all_reduce of the input (measured, torch 2.13: 40 ms vs 22 ms for
     #: one all_to_all_single plus a local sum, W=4, 4e6 float32); the exchange is faster at every size tried
     native_reduce_scatter = False
