@@ -410,6 +410,22 @@ def test_cli_summary_and_cost_option(tmp_path) -> None:
     assert "calibrated on gloo" in out.stdout and "compute_scale=0" in out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert [float(r[7]) for r in rows] == pytest.approx([3e-3, 3e-3])  # end = 3 calls x 1 ms
+    # a launcher script (mp.spawn): the worlds it starts use the profile too
+    spawn = tmp_path / "spawn.py"
+    spawn.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist, torch.multiprocessing as mp
+        def run(rank, world):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29512", rank=rank, world_size=world)
+            for _ in range(2):
+                dist.all_reduce(torch.ones(4))
+        if __name__ == "__main__":
+            mp.spawn(run, args=(2,), nprocs=2)
+    """))
+    out = subprocess.run([sys.executable, "-m", "simulator", "--cost", str(prof), "--compute-scale", "0",
+                          "--summary", str(spawn)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [float(r[7]) for r in rows] == pytest.approx([2e-3, 2e-3])
     bad = subprocess.run([sys.executable, "-m", "simulator", "--cost", str(tmp_path / "nope.json"), str(script)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "cannot read the profile" in bad.stderr
