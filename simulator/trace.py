@@ -63,7 +63,9 @@ class Event(NamedTuple):
     ``rpc_async``, ``remote``) are events of the calling rank with ``group =
     (caller, callee)``, ``peer`` the callee, ``seq`` the caller's RPC counter and
     ``nbytes`` the request plus the answer.  ``async_op`` is True for an operation issued with
-    ``async_op=True``: it runs while the rank computes, until the rank waits for it.
+    ``async_op=True`` that overlapped the rank's work: the rank's clock moved more than
+    :data:`simulator.cost.OVERLAP_S` between its issue and its wait (torch's synchronous calls are
+    asynchronous ones waited for at once, and stay False).
     """
 
     rank: int

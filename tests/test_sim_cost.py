@@ -351,10 +351,14 @@ def test_ddp_style_async_bucket_overlaps_through_the_torch_adapter(fake_cpu) -> 
         w = tdist.all_reduce(torch.ones(10_000), async_op=True)
         burn(0.030)
         w.wait()
+        tdist.all_reduce(torch.ones(1))  # synchronous: issued and waited for at once
 
     simulator.run(fn, 2, cost=MODEL)
-    for row in simulator.last_trace().summary():
-        assert row["end_s"] == pytest.approx(max(c, 0.030))
+    tr = simulator.last_trace()
+    for row in tr.summary():
+        assert row["end_s"] == pytest.approx(max(c, 0.030) + ar_cost(4, 2))
+    assert sorted((e.nbytes, e.async_op) for e in tr.events) == [(4, False), (4, False), (40_000, True),
+                                                                  (40_000, True)]
 
 
 # ---------------------------------------------------------------------------
