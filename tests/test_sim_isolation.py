@@ -191,6 +191,8 @@ def dies_after_first(how: str) -> None:
     if dist.get_rank() == 1:
         if how == "os._exit":
             os._exit(3)
+        if how == "os._exit(0)":
+            os._exit(0)
         if how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if how == "sys.exit":
@@ -399,6 +401,14 @@ def test_rank_death_is_a_rank_failure_on_every_rank(how, code):
     from simulator import isolation
 
     assert not _survivors(isolation.last_pids)
+
+
+def test_os_exit_zero_is_a_rank_that_returned():
+    # torchrun counts it a success; the rank's peers then wait for it in vain: a deadlock naming it
+    world = simulator.World(2, isolation="process")
+    with pytest.raises(simulator.DeadlockError, match="rank 1 has returned"):
+        world.run(dies_after_first, args=("os._exit(0)",))
+    assert world.errors[1] is None and world.results[1] is None
 
 
 def test_program_error_keeps_its_type_and_traceback():

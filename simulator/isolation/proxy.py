@@ -355,14 +355,14 @@ class ProcessRanks:
                 if conn.poll(0.1):
                     return _wire.recv(conn)
             except (EOFError, ConnectionResetError, OSError):
-                raise self._death(me) from None
+                return self._ended(me)
             if me.proc.poll() is not None:
                 try:
                     if conn.poll(0):
                         return _wire.recv(conn)
                 except (EOFError, ConnectionResetError, OSError):
                     pass
-                raise self._death(me)
+                return self._ended(me)
             if run.aborted or time.monotonic() > run.deadline:
                 # the world timed out while this rank's process was computing: stop it (threads could not be)
                 self._kill(me)
@@ -372,6 +372,16 @@ class ProcessRanks:
                     "simulator.run", f"the run did not finish within {self.world.timeout} s; rank {me.rank}'s "
                     "process was computing and has been killed", rank=me.rank,
                     fix="make the stuck computation end, or pass a larger timeout="))
+
+    def _ended(self, me: _Rank) -> tuple:
+        """The rank process's channel ended without a last message: a normal exit (``os._exit(0)``) or a death."""
+        try:
+            code = me.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code == 0:  # the process ended successfully, as torchrun sees it: the rank has returned (None)
+            return ("exit", 0)
+        raise self._death(me) from None
 
     def _death(self, me: _Rank) -> RankExitError:
         """The rank process ended without reporting (os._exit, a signal, a crash of the interpreter)."""
