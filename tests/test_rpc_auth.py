@@ -278,6 +278,7 @@ def test_tensorpipe_attacker_without_the_secret_runs_nothing(tmp_path: Path) -> 
         assert pool.run_on(0, rpc.rpc_sync, "worker1", _append_line, args=(str(member_side), "after")) == 3
 
 
+@pytest.mark.slow  # a control of the attacker itself (about 20 s): run with -m slow
 @pytest.mark.gloo
 @pytest.mark.xdist_group("rpc-auth")
 def test_tensorpipe_attacker_gets_in_without_authentication(tmp_path: Path) -> None:
@@ -321,8 +322,12 @@ def _members(secrets: list[str | None], timeout: float = 4.0) -> list[str]:
 
 @pytest.mark.gloo
 @pytest.mark.xdist_group("rpc-auth")
-@pytest.mark.parametrize("secrets", [[SECRET, SECRET], [SECRET, SECRET + " but another"], [SECRET, None]],
-                         ids=["same", "different", "one-without"])
+@pytest.mark.parametrize("secrets", [
+    # "same" is what every authenticated RpcPool test does already; both run with -m slow (about 20 s each)
+    pytest.param([SECRET, SECRET], id="same", marks=pytest.mark.slow),
+    pytest.param([SECRET, SECRET + " but another"], id="different"),
+    pytest.param([SECRET, None], id="one-without", marks=pytest.mark.slow),
+])
 def test_members_must_share_one_secret(secrets: list) -> None:
     """Members with the same secret work; a member with another secret, or none, makes start-up fail on
     every member (bounded by rpc_timeout) with an error that says so and how to fix it."""
