@@ -6,7 +6,9 @@ at a sweep of sizes with ``torch.distributed``.  One measurement is a
 barrier-aligned loop of ``iters`` calls on every rank (``iters`` picked so a
 loop lasts a few milliseconds, the same on every rank); its time per call is
 the *slowest* rank's (what the program waits for), and the class's time at
-that size is the median over ``repeats`` loops, after ``warmup`` calls.
+that size is the median over ``repeats`` loops, after ``warmup`` calls.  The
+loops of a class go round its sizes ``repeats`` times (not all loops of one
+size in a row), so a burst of load on a shared host costs each size one sample.
 
 The fit (:func:`fit_class`) is a non-negative least-squares fit of
 ``overhead + alpha * L(n) + beta * F(n) * S`` on the relative error (every
@@ -135,9 +137,9 @@ def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequ
     import torch
     import torch.distributed as tdist
 
-    out: dict[int, list[float]] = {}
-    for nbytes in sizes:
-        op = make(nbytes)
+    ops, iters = {}, {}
+    for nbytes in sizes:  # warm-up, and the loop length of each size (agreed: the slowest rank's estimate)
+        op = ops[nbytes] = make(nbytes)
         for _ in range(warmup):
             op()
         sync()
@@ -147,17 +149,20 @@ def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequ
         sync()
         est = torch.tensor([_time.perf_counter() - t0], dtype=torch.float64)
         tdist.all_reduce(est, op=tdist.ReduceOp.MAX)  # every rank runs the same number of iterations
-        iters = int(max(1, min(500, target_s / max(est.item(), 1e-7))))
-        per_call = 2 if cls == "p2p" else 1
-        times = []
-        for _ in range(repeats):
+        iters[nbytes] = int(max(1, min(500, target_s / max(est.item(), 1e-7))))
+    per_call = 2 if cls == "p2p" else 1
+    out: dict[int, list[float]] = {n: [] for n in sizes}
+    # repeats interleaved across sizes: a burst of load on a shared host spreads over every size's samples
+    # (one sample each) instead of ruining all samples of one size, so the median discards it
+    for _ in range(repeats):
+        for nbytes in sizes:
+            op, n = ops[nbytes], iters[nbytes]
             tdist.barrier()
             t0 = _time.perf_counter()
-            for _ in range(iters):
+            for _ in range(n):
                 op()
             sync()
-            times.append((_time.perf_counter() - t0) / (iters * per_call))
-        out[nbytes] = times
+            out[nbytes].append((_time.perf_counter() - t0) / (n * per_call))
     tdist.barrier()
     return out
 
