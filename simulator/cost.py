@@ -416,9 +416,9 @@ _importing = threading.local()
 
 
 def _actor() -> Any:
-    from . import world  # lazily: world imports this module
+    from .state import current_rank_state  # lazily: state imports trace, which imports this module
 
-    return world.current_rank_state()
+    return current_rank_state()
 
 
 #: the Chrome trace shows an ``async_op=True`` operation on the rank's async track when the rank's clock moved
