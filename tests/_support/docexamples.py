@@ -1,6 +1,6 @@
 """Test helper: collect the public API's docstring examples and run them as doctests (holds no tests).
 
-One format for every example (docs/api-functional.md, "How examples are written")::
+One format for every example (docs/api-functional.md says it for users)::
 
     Example (3 ranks)::
 
@@ -174,9 +174,9 @@ def docstring_examples(qualname: str, obj: Any, module: Any) -> list[DocExample]
     doc = obj.__doc__ if inspect.ismodule(obj) else inspect.getdoc(obj)
     if not doc or (not inspect.ismodule(obj) and obj.__doc__ is None):
         return []
-    found = [(off, header, text) for off, header, text in _blocks(doc) if "Example" in header]
+    found = [(header, text) for _, header, text in _blocks(doc) if "Example" in header]
     out = []
-    for k, (off, header, text) in enumerate(found):
+    for k, (header, text) in enumerate(found):
         m = _RANKS.search(header)
         filename, lineno = _lineno(obj, module, header)
         out.append(DocExample(qualname, k, len(found), header, text, int(m.group("n")) if m else None,
@@ -361,7 +361,19 @@ def run_example(ex: DocExample, *, timeout: float = 30.0) -> None:
 
             run_statements(ex, proxy, dist.get_rank())
 
-        simulator.run(rank_body, ex.world_size, seed=0, mode="coop", timeout=timeout)
+        try:
+            simulator.run(rank_body, ex.world_size, seed=0, mode="coop", timeout=timeout)
+        except DocExampleError:
+            raise
+        except (simulator.SimError, BaseExceptionGroup) as e:  # the world failed: mismatch, deadlock, timeout
+            rank = getattr(e, "rank", None)
+            what = "".join(traceback.format_exception_only(type(e), e))
+            raise DocExampleError(f"{_where(ex, rank)}\nThe simulated world failed:\n{_indent(what, 4)}", rank) from e
+
+
+def manages_its_process_group(ex: DocExample) -> bool:
+    """Whether ``ex`` initialises or destroys the default process group itself (a torchrun-style program)."""
+    return "init_process_group(" in ex.text or "destroy_process_group(" in ex.text
 
 
 def run_on_current_rank(ex: DocExample) -> None:
@@ -370,3 +382,22 @@ def run_on_current_rank(ex: DocExample) -> None:
 
     with _captured_stdout() as proxy, _scratch_dir():
         run_statements(ex, proxy, dist.get_rank())
+
+
+def run_as_torchrun_rank(example_id: str) -> None:
+    """Run the example ``example_id`` in this process as one rank of a torchrun launch (``RANK`` etc. set).
+
+    The example sets up its own process group; used for the ones that
+    :func:`manages_its_process_group`.
+    """
+    ex = {e.id: e for e in collect()}[example_id]
+    with _captured_stdout() as proxy, _scratch_dir():
+        run_statements(ex, proxy, int(os.environ["RANK"]))
+
+
+if __name__ == "__main__":  # python -m _support.docexamples EXAMPLE_ID: one torchrun-style rank
+    try:
+        run_as_torchrun_rank(sys.argv[1])
+    except DocExampleError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
