@@ -42,7 +42,7 @@ from tensorplay.distributed import (
     ReduceOp,
 )
 
-from _support.backends import Ranks, backend_params, on_backends, on_backends_with
+from _support.backends import Ranks, backend_params, on_backends_with
 from _support.worlds import once_per_world
 
 

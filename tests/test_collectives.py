@@ -1020,19 +1020,23 @@ def _assert_reduction(ranks: Ranks, got: torch.Tensor, want: torch.Tensor, op: s
         torch.testing.assert_close(got, want)
 
 
-def _large_all_reduce_avg(n: int) -> tuple:
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(n, generator=g, dtype=torch.float32)
-    y = x.clone()
+def _large_avg_input(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(n, generator=g, dtype=torch.float32)
+
+
+def _large_all_reduce_avg(n: int) -> torch.Tensor:
+    y = _large_avg_input(dist.get_rank(), n)
     dist.all_reduce(y, op=ReduceOp.AVG)
-    return x, y
+    return y  # the test rebuilds every rank's input itself: only the result travels back
 
 
 @on_backends((4,))
 def test_large_all_reduce_uses_blocked_kernel_bitwise(ranks: Ranks) -> None:
-    res = ranks.run(_large_all_reduce_avg, 300_000)  # above the simulator's cache-blocked threshold
-    want = fold([x for x, _ in res], "avg")
-    for _, y in res:
+    n = 300_000  # above the simulator's cache-blocked threshold
+    res = ranks.run(_large_all_reduce_avg, n)
+    want = fold([_large_avg_input(r, n) for r in range(ranks.world_size)], "avg")
+    for y in res:
         _assert_reduction(ranks, y, want, "avg")
 
 
@@ -1041,18 +1045,22 @@ _LARGE_CASES = [("sum", torch.float32), ("avg", torch.float64), ("product", torc
                 ("product", torch.bool)]
 
 
-def _large_reductions(n: int, op: str, dtype: torch.dtype, root: int) -> tuple:
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
+def _large_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
     if dtype.is_floating_point:
-        x = 1.0 + 0.01 * torch.randn(n, generator=g, dtype=dtype)
-    elif dtype == torch.bool:
-        x = torch.rand(n, generator=g) < 0.7
-    else:
-        x = torch.randint(-(1 << 20), 1 << 20, (n,), generator=g, dtype=dtype)
+        return 1.0 + 0.01 * torch.randn(n, generator=g, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) < 0.7
+    return torch.randint(-(1 << 20), 1 << 20, (n,), generator=g, dtype=dtype)
+
+
+def _large_reductions(n: int, op: str, dtype: torch.dtype, root: int) -> tuple:
+    x = _large_input(dist.get_rank(), n, dtype)
     y, z = x.clone(), x.clone()
     dist.all_reduce(y, op=getattr(ReduceOp, op.upper()))
     dist.reduce(z, dst=root, op=getattr(ReduceOp, op.upper()))
-    return x, y, z
+    # the test rebuilds every rank's input itself: only the results travel back
+    return y, (z if dist.get_rank() == root else None)
 
 
 # on gloo one world size, the smallest whose combining order can differ from rank order: each call
@@ -1062,12 +1070,12 @@ def _large_reductions(n: int, op: str, dtype: torch.dtype, root: int) -> tuple:
 def test_large_reductions_fold_into_outputs_bitwise(ranks: Ranks, op: str, dtype: torch.dtype) -> None:
     """The blocked kernel (folding straight into an output where it may) gives the rank-order fold, bit for bit:
     all_reduce in place, and reduce to a root whose input is read after the first step."""
-    root = ranks.world_size - 1
-    res = ranks.run(_large_reductions, 300_017, op, dtype, root)  # above the blocked threshold, not a multiple
-    want = fold([x for x, _, _ in res], op)
-    for _, y, _ in res:
+    n, root = 300_017, ranks.world_size - 1  # above the blocked threshold, not a multiple of anything
+    res = ranks.run(_large_reductions, n, op, dtype, root)
+    want = fold([_large_input(r, n, dtype) for r in range(ranks.world_size)], op)
+    for y, _ in res:
         _assert_reduction(ranks, y, want, op)
-    _assert_reduction(ranks, res[root][2], want, op)
+    _assert_reduction(ranks, res[root][1], want, op)
 
 
 def _no_alias() -> tuple:
