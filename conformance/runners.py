@@ -220,7 +220,8 @@ class PoolRunner(Runner):
             pool.start()
             # the first call of fresh ranks imports the implementation: do it now, under the start-up bound,
             # so that a loaded machine does not turn the first case of every world into "timed out"
-            pool.call(_warm_up, [(self.impl, self.dist_module)] * w, timeout=pool.start_timeout, grace=1.0)
+            pool.gather(_warm_up, [(self.impl, self.dist_module)] * w, timeout=pool.start_timeout, grace=1.0,
+                        is_failure=_is_failure)
             self.start_seconds += time.perf_counter() - t0
         return pool
 
@@ -231,7 +232,8 @@ class PoolRunner(Runner):
         except Exception as e:  # noqa: BLE001
             return RunReport(error=f"the {self.backend} ranks did not start: {type(e).__name__}: {e}")
         args = (case, self.impl, self.dist_module, self.device, self._generation)
-        replies, complete = pool.call(run_case, [args] * w, timeout=self.timeout, grace=self.grace)
+        replies, complete = pool.gather(run_case, [args] * w, timeout=self.timeout, grace=self.grace,
+                                         is_failure=_is_failure)
         outcomes: dict[int, RankOutcome] = {}
         notes = []
         for r, (kind, value) in sorted(replies.items()):
@@ -249,7 +251,8 @@ class PoolRunner(Runner):
         if any(o.failed for o in outcomes.values()):
             # every rank answered, but some failed half-way: make sure the world still agrees
             self._generation += 1
-            probe, ok = pool.call(_probe, [()] * w, timeout=min(self.timeout, 5.0), grace=0.5)
+            probe, ok = pool.gather(_probe, [()] * w, timeout=min(self.timeout, 5.0), grace=0.5,
+                                     is_failure=_is_failure)
             if not ok or any(k != "ok" or v != float(w) for k, v in probe.values()):
                 self.restarts += 1
                 pool.kill()
@@ -334,51 +337,14 @@ def _forkserver() -> Any:
     return _FORKSERVER[0]
 
 
-def _make_case_pool() -> type:
+def _case_pool(world_size: int, backend: str, *, call_timeout: float, pg_timeout: float) -> Any:
+    """The suite's RankPool: ranks named ``conformance-rank<r>`` (main-free children), forked from a server that
+    imported torch once where the platform has one (the suite restarts its ranks after every hung case; a
+    spawned rank spends seconds importing torch, a forked one about 0.05 s)."""
     from tensorplay.testing import RankPool
 
-    class CasePool(RankPool):
-        """A RankPool whose calls return every reply that came, instead of raising on the first failure.
-
-        ``call`` stops waiting ``grace`` seconds after the first failed reply
-        (the others are then most likely stuck waiting for that rank), and on
-        an incomplete answer kills the ranks at once: a hung gloo rank does
-        not leave politely, and the next call starts fresh ones.
-        """
-
-        process_name = "conformance-rank"
-
-        def _context(self) -> Any:
-            """Fork ranks from a server that imported torch once, where the platform has one.
-
-            A spawned rank spends seconds importing torch; the suite restarts its
-            ranks after every hung case, so it forks them from a forkserver that
-            preloaded torch and tensorplay (about 0.2 s for four ranks).
-            """
-            return _forkserver() or super()._context()
-
-        def call(self, fn: Any, per_rank_args: list[tuple[Any, ...]], *, timeout: float,
-                 grace: float) -> tuple[dict[int, tuple[str, Any]], bool]:
-            if not self.alive:
-                self.start()
-            for conn, a in zip(self._conns, per_rank_args):
-                conn.send((fn, tuple(a), {}))
-            replies = self._collect(timeout, "call", grace=grace, is_failure=_is_failure)
-            complete = len(replies) == self.world_size and not any(k == "err" for k, _ in replies.values())
-            if not complete:
-                self.kill()
-            return replies, complete
-
-        def kill(self) -> None:
-            for p in self._procs:
-                if p.is_alive():
-                    p.kill()
-            for p in self._procs:
-                p.join(5.0)
-            self.close()
-            self.restarts += 1
-
-    return CasePool
+    return RankPool(world_size, backend, call_timeout=call_timeout, pg_timeout=pg_timeout,
+                    process_name="conformance-rank", context=_forkserver)
 
 
 def _is_failure(reply: tuple[str, Any]) -> bool:
@@ -386,18 +352,7 @@ def _is_failure(reply: tuple[str, Any]) -> bool:
     return kind == "err" or (isinstance(value, RankOutcome) and value.failed)
 
 
-class _LazyCasePool:
-    """Defers importing multiprocess until a process runner is used."""
-
-    _cls: type | None = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls._cls is None:
-            cls._cls = _make_case_pool()
-        return cls._cls(*args, **kwargs)
-
-
-_CasePool = _LazyCasePool
+_CasePool = _case_pool
 
 
 def make_runner(backend: str = "sim", device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,

@@ -103,12 +103,18 @@ class RankPool:
         start_timeout: seconds to wait for every rank to come up.
         call_timeout: default bound on one :meth:`run`.
         pg_timeout: the ranks' process-group timeout (a collective some rank skipped fails after it).
+        process_name: rank processes are named ``<process_name><rank>``.
+        context: a callable returning the ``multiprocess`` context to start ranks from (or ``None`` for the
+            default, spawn); e.g. a forkserver that preloaded torch makes restarts cheap.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", *, start_timeout: float = 120.0,
-                 call_timeout: float = 120.0, pg_timeout: float = 60.0) -> None:
+                 call_timeout: float = 120.0, pg_timeout: float = 60.0, process_name: str = "tensorplay-rank",
+                 context: Callable[[], Any] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"RankPool: world_size={world_size} must be >= 1")
+        self.process_name = process_name
+        self._context_factory = context
         self.world_size = world_size
         self.backend = backend
         self.start_timeout = start_timeout
@@ -150,12 +156,20 @@ class RankPool:
             self.close()
             raise self._failure("start", replies, failed, self.start_timeout)
 
-    #: rank processes are named <process_name><rank>
-    process_name = "tensorplay-rank"
-
     def _context(self) -> Any:
-        """The multiprocess context rank processes start from (spawn: safe with threads and CUDA)."""
-        return mp.get_context("spawn")
+        """The multiprocess context rank processes start from (spawn, safe with threads and CUDA, by default)."""
+        ctx = self._context_factory() if self._context_factory is not None else None
+        return ctx if ctx is not None else mp.get_context("spawn")
+
+    def kill(self) -> None:
+        """Kill the rank processes at once (a hung gloo rank does not leave politely); the next call restarts."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5.0)
+        self.close()
+        self.restarts += 1
 
     def close(self) -> None:
         for c in self._conns:
@@ -202,6 +216,28 @@ class RankPool:
             self.restarts += 1
             raise err
         return [replies[r][1] for r in range(self.world_size)]
+
+    def gather(self, fn: Callable[..., Any], per_rank_args: Sequence[Sequence[Any]], *, timeout: float,
+               grace: float = 2.0, is_failure: Callable[[tuple[str, Any]], bool] | None = None,
+               ) -> tuple[dict[int, tuple[str, Any]], bool]:
+        """Like :meth:`run_per_rank`, but return every reply that came instead of raising on a failure.
+
+        Replies are ``("ok", value)`` or ``("err", (type name, message, traceback))`` by rank; ranks that did
+        not answer are missing.  Waiting stops ``grace`` seconds after the first failed reply (``is_failure``
+        decides; by default an ``"err"``), since the others are then most likely stuck waiting for that
+        rank.  On an incomplete answer the ranks are killed at once and the next call starts fresh ones.
+        Returns ``(replies, complete)``.
+        """
+        if not self.alive:
+            self.start()
+        for conn, a in zip(self._conns, per_rank_args):
+            conn.send((fn, tuple(a), {}))
+        replies = self._collect(timeout, getattr(fn, "__name__", "call"), grace=grace,
+                                **({} if is_failure is None else {"is_failure": is_failure}))
+        complete = len(replies) == self.world_size and not any(k == "err" for k, _ in replies.values())
+        if not complete:
+            self.kill()
+        return replies, complete
 
     def _collect(self, timeout: float, what: str, *, grace: float = 2.0,
                  is_failure: Callable[[tuple[str, Any]], bool] = lambda reply: reply[0] == "err",
