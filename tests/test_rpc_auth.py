@@ -76,6 +76,14 @@ def test_out_of_order_messages_open_and_old_ones_are_refused(monkeypatch) -> Non
     sender, receiver = Authenticator(SECRET), Authenticator(SECRET, max_age_s=30.0)
     first, second, third = (sender.seal(bytes([i])) for i in range(3))
     assert [bytes(receiver.open(m)) for m in (third, first, second)] == [b"\x02", b"\x00", b"\x01"]
+    # a message further behind than the replay window is refused, and the window's memory stays bounded
+    late = sender.seal(b"late")
+    for _ in range(2 * _auth._WINDOW + 10):
+        receiver.open(sender.seal(b"."))
+    (window,) = receiver._windows.values()
+    assert len(window.seen) <= 2 * _auth._WINDOW
+    with pytest.raises(AuthenticationError):
+        receiver.open(late)
     real_time = _auth.time.time
     monkeypatch.setattr(_auth.time, "time", lambda: real_time() - 31.0)
     stale = sender.seal(b"from the past")

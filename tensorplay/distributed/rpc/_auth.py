@@ -63,8 +63,10 @@ _MAGIC = b"TPA1"
 _HEADER = struct.Struct("!4s16sQd")  # magic, session, counter, sender's time.time()
 _MAC_LEN = 32
 HEADER_LEN = _HEADER.size + _MAC_LEN  # bytes an envelope adds to a message
-#: counters a session may lag behind its newest accepted one (out-of-order delivery across pipes and threads)
-_WINDOW = 1 << 16
+#: counters a message may lag behind the newest accepted from its session (delivery out of order across pipes and
+#: handler threads) before it is refused as too old; the receiver keeps at most 2x this many counters per session
+#: (about 2 MB per peer at worst)
+_WINDOW = 1 << 14
 #: the text an unauthenticated peer gets back: nothing about the world, nothing about what failed
 REFUSAL = "tensorplay.distributed.rpc: message refused: this RPC world requires authentication"
 
