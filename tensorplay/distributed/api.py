@@ -415,7 +415,14 @@ def is_available() -> bool:
 
 
 def get_rank(group: GroupLike = None) -> int:
-    """The caller's rank in ``group`` (global rank for the world), or -1 if it is not a member."""
+    """The caller's rank in ``group`` (global rank for the world), or -1 if it is not a member.
+
+    Example (4 ranks)::
+
+        >>> g = dist.new_group([3, 1])
+        >>> dist.get_rank(g) == {1: 0, 3: 1}.get(dist.get_rank(), -1)   # group rank, or -1 off the group
+        True
+    """
     _, pg = _group("get_rank", group, member=False)
     return pg.rank()
 
@@ -492,7 +499,14 @@ def get_process_group_ranks(group: GroupLike) -> list[int]:
 
 
 def get_global_rank(group: GroupLike, group_rank: int) -> int:
-    """Global rank of ``group_rank`` in ``group``."""
+    """Global rank of ``group_rank`` in ``group``.
+
+    Example (4 ranks)::
+
+        >>> g = dist.new_group([3, 1])
+        >>> dist.get_global_rank(g, 0), dist.get_global_rank(g, 1)
+        (1, 3)
+    """
     _, pg = _group("get_global_rank", group, member=False)
     if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < pg.size():
         raise RankNotInGroupError(format_message("get_global_rank", "group_rank is not in the group", group=pg.ranks,
@@ -503,7 +517,14 @@ def get_global_rank(group: GroupLike, group_rank: int) -> int:
 
 
 def get_group_rank(group: GroupLike, global_rank: int) -> int:
-    """Group rank of ``global_rank`` in ``group``."""
+    """Group rank of ``global_rank`` in ``group``.
+
+    Example (4 ranks)::
+
+        >>> g = dist.new_group([3, 1])
+        >>> dist.get_group_rank(g, 1), dist.get_group_rank(g, 3)
+        (0, 1)
+    """
     _, pg = _group("get_group_rank", group, member=False)
     gr = pg.group_rank(global_rank) if isinstance(global_rank, int) else None
     if gr is None:
@@ -900,7 +921,18 @@ def send(tensor: torch.Tensor, dst: int | None = None, group: GroupLike = None, 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: GroupLike = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Receive into ``tensor`` from ``src`` (``None``: any source); returns the sender's global rank."""
+    """Receive into ``tensor`` from ``src`` (``None``: any source); returns the sender's global rank.
+
+    Example (3 ranks)::
+
+        >>> r = dist.get_rank()
+        >>> if r == 0:                       # any source: recv says who sent
+        ...     senders = sorted(dist.recv(tp.zeros(1)) for _ in range(2))
+        ... else:
+        ...     dist.send(tp.tensor([float(r)]), dst=0)
+        >>> r != 0 or senders == [1, 2]
+        True
+    """
     c, peer = _p2p_args("recv", tensor, group, tag, "src", src, group_src, any_source=True)
     return c.pg.ranks[c.pg.backend.recv(tensor, peer, c.pg, tag, False)]
 
@@ -921,13 +953,36 @@ class _RecvWork(ChainedWork):
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group: GroupLike = None, tag: int = 0,
           group_dst: int | None = None) -> Work:
-    """Asynchronous :func:`send`; ``wait()`` on the returned work."""
+    """Asynchronous :func:`send`; ``wait()`` on the returned work.
+
+    Example (2 ranks; each sends its tensor to the other)::
+
+        >>> r = dist.get_rank()
+        >>> x, y = tp.tensor([float(r)]), tp.zeros(1)
+        >>> works = [dist.isend(x, dst=1 - r), dist.irecv(y, src=1 - r)]
+        >>> [w.wait() for w in works]
+        [True, True]
+        >>> y.tolist() == [1. - r]
+        True
+    """
     c, peer = _p2p_args("isend", tensor, group, tag, "dst", dst, group_dst, any_source=False)
     return c.pg.backend.send(tensor, peer, c.pg, tag, True)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: GroupLike = None, tag: int = 0,
           group_src: int | None = None) -> Work:
-    """Asynchronous :func:`recv`; the work's ``source_rank()`` is the sender's global rank."""
+    """Asynchronous :func:`recv`; the work's ``source_rank()`` is the sender's global rank.
+
+    Example (3 ranks)::
+
+        >>> r = dist.get_rank()
+        >>> if r == 0:                       # two receives from any source
+        ...     works = [dist.irecv(tp.zeros(1)) for _ in range(2)]
+        ...     senders = sorted(w.source_rank() for w in works)
+        ... else:
+        ...     dist.send(tp.tensor([float(r)]), dst=0)
+        >>> r != 0 or senders == [1, 2]
+        True
+    """
     c, peer = _p2p_args("irecv", tensor, group, tag, "src", src, group_src, any_source=True)
     return _RecvWork(c.pg.backend.recv(tensor, peer, c.pg, tag, True), c.pg)
