@@ -57,6 +57,7 @@ from typing import Any, Callable, Protocol
 import torch
 from .callsite import call_site
 from .cost import charge_compute, reach
+from .protocol import Scheduler
 from .errors import RankFailedError, SimError
 from .sched import DONE, FREE
 from .threads import start_actor
@@ -83,19 +84,11 @@ __all__ = ["SimRpcBackendOptions", "MessageFaults", "SimAgent", "start", "option
 # ---------------------------------------------------------------------------
 # what this transport uses of the simulator's run and rank state (its whole surface)
 # ---------------------------------------------------------------------------
-class _Scheduler(Protocol):
-    lock: Any  # the scheduler's lock: wake() and barrier bookkeeping happen under it
-
-    def block(self, rs: Any, waiting: Any) -> None: ...  # the rank waits (cooperatively) for ``waiting``
-    def wake(self, rs: Any) -> None: ...                  # what ``rs`` waits for happened
-    def leave(self, rs: Any) -> None: ...                 # a thread that joined the schedule for a wait leaves it
-
-
 class _Run(Protocol):
     seed: int
     cost: Any          # CostModel: .cost("send", nbytes, 2) for a message's transfer
     events: Any        # the trace: .append(Event)
-    sched: _Scheduler
+    sched: Scheduler   # the scheduler contract (simulator.protocol): lock, block, wake, leave used here
     exit_hooks: list   # called with a rank's state when its thread ends (attached by _on_rank_exit)
 
 
