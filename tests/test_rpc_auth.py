@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,30 @@ def test_out_of_order_messages_open_and_old_ones_are_refused(monkeypatch) -> Non
     monkeypatch.setattr(_auth.time, "time", real_time)
     with pytest.raises(AuthenticationError):
         receiver.open(stale)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_refusal_names_the_peers_connected_to_the_listener(caplog) -> None:
+    """TensorPipe does not say which connection carried a message: the log names those open to the listener."""
+    import socket
+
+    assert _auth._decode_endpoint("0100007F:1F90") == "127.0.0.1:8080"
+    assert _auth._decode_endpoint("0000000000000000FFFF00000100007F:0050") == "127.0.0.1:80"
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted, _ = server.accept()
+    try:
+        me = "127.0.0.1:%d" % client.getsockname()[1]
+        assert _auth.connections_to(port) == [me]
+        caplog.set_level(logging.WARNING, logger="tensorplay.distributed.rpc.auth")
+        with pytest.raises(AuthenticationError):
+            Authenticator(SECRET).open(b"not sealed", _auth._TensorPipePeers(f"uv://127.0.0.1:{port}"))
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert f"TensorPipe listener uv://127.0.0.1:{port}" in line and me in line, line
+    finally:
+        for s in (client, accepted, server):
+            s.close()
 
 
 # ---------------------------------------------------------------------------
@@ -282,6 +307,9 @@ def test_tensorpipe_attacker_without_the_secret_runs_nothing(tmp_path: Path) -> 
         kept, refused = pool.run_on(1, _refusals)
         assert refused == 3, (refused, kept)  # the member's replay, the attacker's call, its replay
         assert sum("replayed" in m for m in kept) == 2 and sum("no authentication envelope" in m for m in kept) == 1
+        # the log line names the peers connected to the worker's listener (the attacker's among them)
+        attack_line = next(m for m in kept if "no authentication envelope" in m)
+        assert re.search(r"TensorPipe listener uv://127\.0\.0\.1:\d+ .*: 127\.0\.0\.1:\d+", attack_line), attack_line
         # the members still work after all that
         assert pool.run_on(0, rpc.rpc_sync, "worker1", _append_line, args=(str(member_side), "after")) == 3
 

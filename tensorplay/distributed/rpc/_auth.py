@@ -39,7 +39,9 @@ import hmac
 import itertools
 import logging
 import os
+import ipaddress
 import secrets
+import socket
 import stat
 import struct
 import threading
@@ -188,9 +190,10 @@ class Authenticator:
         body = _HEADER.pack(_MAGIC, self.session, next(self._counter), time.time()) + payload
         return self._mac(body) + body
 
-    def open(self, data: bytes, peer: str = "unknown peer") -> memoryview:
+    def open(self, data: bytes, peer: "str | Callable[[], str]" = "unknown peer") -> memoryview:
         """The payload of a sealed message; :class:`AuthenticationError` (logged) if it is not authentic.
 
+        ``peer`` names the sender for the log line (a callable is asked only when a message is refused).
         Nothing of ``data`` is interpreted beyond the fixed-size header before the mac is verified.
         """
         view = memoryview(data)
@@ -223,8 +226,13 @@ class Authenticator:
         for s in [s for s, w in self._windows.items() if now - w.last > self.max_age_s + 1.0]:
             del self._windows[s]
 
-    def _refuse(self, peer: str, why: str) -> None:
+    def _refuse(self, peer: "str | Callable[[], str]", why: str) -> None:
         self.refused += 1
+        if callable(peer):
+            try:
+                peer = peer()
+            except Exception as e:  # noqa: BLE001  naming the peer must never hide the refusal
+                peer = f"an unknown peer ({type(e).__name__} while looking it up)"
         logger.warning("refused an RPC message from %s: %s", peer, why)
         raise AuthenticationError(REFUSAL)
 
@@ -234,22 +242,84 @@ class Authenticator:
 # ---------------------------------------------------------------------------
 _tp_lock = threading.Lock()
 _tp_installed: Authenticator | None = None
-_TP_PEER = "a TensorPipe peer (torch's agent does not tell Python which connection a message came from)"
+_tp_peers: "_TensorPipePeers | None" = None
+def _decode_endpoint(hexaddr: str) -> str:
+    """``/proc/net/tcp*``'s ``0100007F:1F90`` as ``127.0.0.1:8080`` (IPv4 or IPv6, host byte order per word)."""
+    addr, port = hexaddr.split(":")
+    raw = bytes.fromhex(addr)
+    # the kernel prints each 32-bit word in host order (little-endian here): reverse within each word
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if socket.htonl(1) != 1 else raw
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{int(port, 16)}" if ip.version == 4 else f"[{ip}]:{int(port, 16)}"
 
 
-def install_tensorpipe(auth: Authenticator) -> None:
+def connections_to(port: int) -> list[str]:
+    """Remote endpoints of this host's established TCP connections whose local port is ``port``, newest
+    socket last (Linux ``/proc``; empty elsewhere)."""
+    found: list[tuple[int, str]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10 or parts[3] != "01":  # 01: ESTABLISHED
+                continue
+            if int(parts[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            found.append((int(parts[9]), _decode_endpoint(parts[2])))
+    return [ep for _, ep in sorted(found)]  # inode order: roughly creation order
+
+
+class _TensorPipePeers:
+    """Names the possible senders of a refused TensorPipe message.
+
+    torch's agent does not tell Python which connection a message came from, so the log line lists the
+    connections open to this worker's TensorPipe listener at that moment (the sender's is among them;
+    connections from members are there too).  Looked up only when a message is refused.
+    """
+
+    def __init__(self, listen: str | None) -> None:
+        self.listen: str | None = None
+        self.port: int | None = None
+        self.set(listen)
+
+    def set(self, listen: str | None) -> None:
+        """This worker's TensorPipe address (known once the agent started)."""
+        self.listen = listen
+        try:
+            self.port = int(listen.rsplit(":", 1)[1]) if listen else None
+        except ValueError:
+            self.port = None
+
+    def __call__(self) -> str:
+        if self.port is None:
+            return "an unknown TensorPipe peer (this worker's listening address is unknown)"
+        peers = connections_to(self.port)
+        return (f"one of the peers connected to this worker's TensorPipe listener {self.listen} "
+                f"(torch does not tell which connection carried the message): {', '.join(peers) or 'none found'}")
+
+
+def install_tensorpipe(auth: Authenticator, listen: str | None = None) -> None:
     """Seal every payload torch's RPC pickles in this process and refuse every unsealed one it would unpickle.
 
     torch's agent hands each Python payload (a call of a Python function, its answer, an
     RRef's value) to ``torch.distributed.rpc.internal._internal_rpc_pickler``; its
     ``deserialize`` is replaced by one that checks the envelope before the original
-    unpickles anything, and its ``serialize`` by one that seals.
+    unpickles anything, and its ``serialize`` by one that seals.  ``listen`` is this worker's TensorPipe
+    address (``uv://127.0.0.1:port``), named with the connected peers in the log line of a refusal.
     """
     global _tp_installed
     from torch.distributed.rpc import internal
 
+    global _tp_peers
     p = internal._internal_rpc_pickler
     cls = type(p)
+    peers = _tp_peers = _TensorPipePeers(listen)
     ser: Callable[[Any], Any] = cls.serialize.__get__(p)
     deser: Callable[[Any, Any], Any] = cls.deserialize.__get__(p)
 
@@ -258,7 +328,7 @@ def install_tensorpipe(auth: Authenticator) -> None:
         return auth.seal(data), tensors
 
     def deserialize(binary_data: bytes, tensor_table: list) -> Any:
-        payload = auth.open(binary_data, _TP_PEER)  # raises before a byte of the payload is unpickled
+        payload = auth.open(binary_data, peers)  # raises before a byte of the payload is unpickled
         return deser(payload, tensor_table)
 
     with _tp_lock:
@@ -277,6 +347,12 @@ def uninstall_tensorpipe() -> None:
         for name in ("serialize", "deserialize"):
             p.__dict__.pop(name, None)
         _tp_installed = None
+
+
+def set_tensorpipe_listen(listen: str | None) -> None:
+    """Tell the installed check this worker's TensorPipe address, to name the connected peers on a refusal."""
+    if _tp_peers is not None:
+        _tp_peers.set(listen)
 
 
 def tensorpipe_authenticator() -> Authenticator | None:

@@ -230,7 +230,18 @@ def start(name: str, rank: int, world_size: int, options: Any, timeout_s: float 
                     "and that all of them start within rpc_timeout")) from e
     agent = TensorPipeAgent(name, rank, world_size, float(options.rpc_timeout))
     agent.auth = auth
+    if auth is not None:
+        _auth.set_tensorpipe_listen(_listen_address(name))
     return agent
+
+
+def _listen_address(name: str) -> str | None:
+    """This worker's TensorPipe address as torch's agent published it (``uv://127.0.0.1:port``), if readable."""
+    try:
+        raw = trpc.api._get_current_rpc_agent().store.get(f"addrs/{name}")
+    except Exception:  # noqa: BLE001  only used to name peers in a log line
+        return None
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
 
 def ready_barrier(agent: "TensorPipeAgent") -> None:
