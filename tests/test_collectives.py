@@ -38,6 +38,7 @@ import torch
 import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.distributed import ReduceOp
+from tensorplay.distributed.spec import BACKEND_COLLECTIVES
 
 from _support.backends import Ranks, on_backends, on_backends_with, only_in_process
 from _support.worlds import fold, gname, group, group_specs, members, value
@@ -170,10 +171,19 @@ def _run_cases(name: str, cases: list[dict]) -> list[Any]:
 # ---------------------------------------------------------------------------
 # the test
 # ---------------------------------------------------------------------------
-COLLECTIVES = (
-    "barrier", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-)
+#: point-to-point operations of the backend table; tests/test_p2p.py covers them
+P2P = ("send", "recv")
+#: every collective of the backend interface, read from the one table (tensorplay.distributed.spec)
+COLLECTIVES = tuple(name for name in BACKEND_COLLECTIVES if name not in P2P)
+
+
+def test_every_collective_of_the_table_has_a_case_matrix() -> None:
+    """A collective added to spec.BACKEND_COLLECTIVES needs its cases_/run_ and expect_ (or check_) here."""
+    missing = [f"{kind}_{name}" for name in COLLECTIVES for kind in ("cases", "run")
+               if f"{kind}_{name}" not in globals()]
+    missing += [f"expect_{name} (or check_{name})" for name in COLLECTIVES
+                if f"expect_{name}" not in globals() and f"check_{name}" not in globals()]
+    assert not missing, f"tests/test_collectives.py lacks {missing}"
 
 
 def _compare(got: Any, want: Any, where: str = "") -> str | None:
