@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import simulator
 import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed.spec import SPECS
@@ -93,6 +94,10 @@ def test_every_example_is_a_doctest() -> None:
     assert docexamples.format_problems([ex for ex in EXAMPLES if ex.id not in NOT_YET_DOCTESTS]) == []
 
 
+def test_no_prompt_outside_an_example_block() -> None:
+    assert docexamples.stray_prompts() == []
+
+
 def test_slow_examples_exist() -> None:
     # a renamed or removed example must not leave a stale entry that would hide a new one under its id
     assert sorted(set(SLOW) - set(BY_ID)) == []
@@ -103,7 +108,8 @@ def _public_functions(module: object) -> dict[str, object]:
             if inspect.isfunction(getattr(module, name))}
 
 
-@pytest.mark.parametrize("module", [dist, df], ids=["tensorplay.distributed", "tensorplay.distributed.nn.functional"])
+@pytest.mark.parametrize("module", [dist, df, simulator],
+                         ids=["tensorplay.distributed", "tensorplay.distributed.nn.functional", "simulator"])
 def test_every_public_example_is_collected(module: object) -> None:
     collected = {ex.qualname for ex in EXAMPLES}
     with_example = {f"{fn.__module__}.{fn.__qualname__}" for fn in _public_functions(module).values()

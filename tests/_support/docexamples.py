@@ -10,8 +10,9 @@ One format for every example (docs/api-functional.md says it for users)::
         tensor([2., 2.])
 
 * A literal block (a paragraph ending in ``::``) whose header line mentions
-  ``Example`` is an example; it must hold ``>>>`` lines (:func:`format_problems`
-  lists the ones that do not).
+  ``Example``, or that holds ``>>>`` lines, is an example; every example must
+  hold ``>>>`` lines (:func:`format_problems` lists the ones that do not), and
+  no ``>>>`` line may sit outside such a block (:func:`stray_prompts`).
 * ``(N ranks)`` in the header: the block runs with :mod:`doctest`'s parser and
   output checker on each of N simulated ranks (``simulator.run``, coop mode,
   seed 0), every rank from a fresh namespace.  Expected output must hold on
@@ -119,8 +120,13 @@ def _blocks(doc: str) -> Iterator[tuple[int, str, str]]:
         while body and not body[-1].strip():
             body.pop()
         text = "\n".join(body)
+        # the header is the whole paragraph that ends in "::" (a long one wraps over several lines)
+        k = i
+        while k > 0 and lines[k - 1].strip() and not _HEADER.match(lines[k - 1]):
+            k -= 1
+        header = " ".join([ln.strip() for ln in lines[k:i]] + [m.group("text").strip()])
         if text.strip():
-            yield i, m.group("text").strip(), _dedent(text)
+            yield i, header, _dedent(text)
         i = max(j, i + 1)
 
 
@@ -164,7 +170,7 @@ def _lineno(obj: Any, module: Any, header: str) -> tuple[str, int]:
     except (OSError, TypeError):
         return getattr(module, "__file__", "?") or "?", 0
     for k, line in enumerate(lines):
-        if line.strip() == header + "::":
+        if line.strip().endswith("::") and header.endswith(line.strip()[:-2]):
             return filename, max(start, 1) + k
     return filename, start
 
@@ -174,7 +180,7 @@ def docstring_examples(qualname: str, obj: Any, module: Any) -> list[DocExample]
     doc = obj.__doc__ if inspect.ismodule(obj) else inspect.getdoc(obj)
     if not doc or (not inspect.ismodule(obj) and obj.__doc__ is None):
         return []
-    found = [(header, text) for _, header, text in _blocks(doc) if "Example" in header]
+    found = [(header, text) for _, header, text in _blocks(doc) if "Example" in header or ">>>" in text]
     out = []
     for k, (header, text) in enumerate(found):
         m = _RANKS.search(header)
@@ -196,6 +202,27 @@ def collect(modules: tuple[str, ...] = MODULES) -> list[DocExample]:
                 continue
             seen.add(id(obj))
             out.extend(docstring_examples(qualname, obj, module))
+    return out
+
+
+def stray_prompts(modules: tuple[str, ...] = MODULES) -> list[str]:
+    """Docstrings with ``>>>`` lines outside any collected block (they would never run): ``qualname: count``."""
+    out = []
+    seen: set[int] = set()
+    for modname in modules:
+        module = importlib.import_module(modname)
+        for qualname, obj in [(modname, module), *_public_objects(module)]:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            doc = obj.__doc__ if inspect.ismodule(obj) else (inspect.getdoc(obj) if obj.__doc__ else None)
+            if not doc:
+                continue
+            total = sum(line.lstrip().startswith(">>>") for line in doc.splitlines())
+            ran = sum(line.lstrip().startswith(">>>") for ex in docstring_examples(qualname, obj, module)
+                      for line in ex.text.splitlines())
+            if total != ran:
+                out.append(f"{qualname}: {total - ran} '>>>' line(s) outside an 'Example ...::' block")
     return out
 
 

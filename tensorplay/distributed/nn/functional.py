@@ -14,8 +14,10 @@ differentiable collectives, so a backward is differentiable again wherever the
 collective is linear (SUM, AVG and pure data movement): Hessian-vector products
 through a collective just work.  Nothing here looks at the backend's name.
 
-Example (4 ranks; every rank runs these lines, under ``python -m simulator --nproc-per-node 4 ...``,
-``simulator.run(fn, 4)`` or torchrun with gloo)::
+Every rank runs an example's lines, under ``python -m simulator --nproc-per-node 4 ...``,
+``simulator.run(fn, 4)`` or torchrun with gloo.
+
+Example (4 ranks)::
 
     >>> import tensorplay as tp
     >>> import tensorplay.distributed as dist
