@@ -1,12 +1,16 @@
-"""The public API's docstring examples are doctests, and they hold on the simulator.
+"""The public API's docstring examples are doctests, and they hold on the simulator and on gloo.
 
 Every ``Example`` block of the docstrings listed in
 ``tests/_support/docexamples.py`` (``MODULES``) runs: ``(N ranks)`` blocks on N
 simulated ranks (every rank checks every expected output), the others once in
-this process.  A failure names the example, shows its text, the rank and
-doctest's diff.  The coverage tests make sure nothing is skipped silently:
-every public function that shows an example is collected, every example is
-in doctest form, and every collective of the spec has an autograd example.
+this process.  The ``(N ranks)`` blocks run again on the session's N gloo
+processes (``gloo`` marker), or, when they set up their own process group,
+under torchrun (``slow``).  A failure names the example, shows its text, the
+rank and doctest's diff.  The coverage tests make sure nothing is skipped
+silently: every public function that shows an example is collected, every
+example is in doctest form, no ``>>>`` line sits outside an example, every
+public function has an example or a stated reason, and every collective of
+the spec has an autograd example.
 """
 from __future__ import annotations
 

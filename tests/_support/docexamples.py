@@ -42,6 +42,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 import threading
 import traceback
 from dataclasses import dataclass
@@ -131,8 +132,6 @@ def _blocks(doc: str) -> Iterator[tuple[int, str, str]]:
 
 
 def _dedent(text: str) -> str:
-    import textwrap
-
     return textwrap.dedent(text).strip("\n") + "\n"
 
 
