@@ -45,6 +45,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from tensorplay.distributed.spec import BACKEND_COLLECTIVES, COST_CLASSES
+
+from ._actor import current_rank_state
+
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
            "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost", "charge_compute", "reach",
            "OVERLAP_S"]
@@ -94,14 +98,15 @@ _DEFAULT_ALGORITHM = {"all_reduce": "ring_allreduce", "broadcast": "tree", "redu
                       "reduce_scatter": "ring", "all_to_all": "ring", "gather": "tree", "scatter": "tree",
                       "barrier": "latency", "p2p": "pair"}
 
+#: the class of each backend collective comes from the one table (spec.BACKEND_COLLECTIVES); these are the
+#: other names operations are recorded under (object collectives, torch's async p2p calls)
 _OP_CLASS = {
-    "all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
-    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_object": "all_gather",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-    "gather": "gather", "scatter": "scatter",
-    "send": "p2p", "recv": "p2p", "isend": "p2p", "irecv": "p2p",
+    **{name: b.cost_class for name, b in BACKEND_COLLECTIVES.items()},
+    "all_gather_object": "all_gather", "isend": "p2p", "irecv": "p2p",
 }
+if set(_OP_CLASS.values()) - set(COST_CLASSES) or set(_DEFAULT_ALGORITHM) != set(COST_CLASSES):  # pragma: no cover
+    raise ImportError(f"simulator/cost.py: the cost classes {sorted(_DEFAULT_ALGORITHM)} and "
+                      f"spec.COST_CLASSES {sorted(COST_CLASSES)} disagree")
 
 
 def op_class(op: str) -> str:
@@ -416,8 +421,6 @@ _importing = threading.local()
 
 
 def _actor() -> Any:
-    from .state import current_rank_state  # lazily: state imports trace, which imports this module
-
     return current_rank_state()
 
 

@@ -26,17 +26,12 @@ from .errors import DeadlockError, RankFailedError, SimTimeoutError
 from .faults import Fault
 from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
 from .trace import EventLog
+from ._actor import _local, current_rank_state  # noqa: F401  (re-exported: the state's public door)
 
 __all__ = ["Run", "RankState", "Incident", "SimGroup", "Slot", "RankCall", "P2PRecord", "CallKey",
            "current_rank_state", "rank_device", "OVER_TEXT"]
 
 _perf = time.perf_counter
-#: per OS thread: ``rs`` (the actor running on it) and, for the torch adapter, ``world``
-_local = threading.local()
-
-def current_rank_state() -> "RankState | None":
-    """The calling rank thread's state, or ``None`` outside a simulated world."""
-    return getattr(_local, "rs", None)
 
 
 def rank_device() -> torch.device:

@@ -27,7 +27,6 @@ raises an ``ExceptionGroup`` of them.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import queue
 import random
@@ -46,6 +45,7 @@ from . import _environ
 from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
 from .sched import DONE
+from .seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
 from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
 from .cost import resolve_cost
 from .trace import DEFAULT_TRACE_LIMIT, CostModel, EventLog, Trace
@@ -54,40 +54,7 @@ __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
 _ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc", "cost")
-#: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
-_BOOT_SEED = torch.initial_seed()
 _last_trace: Trace | None = None
-
-
-def _program_seeded() -> bool:
-    """Did the program seed torch in this process before the run (e.g. a module-level ``torch.manual_seed``)?
-
-    Every real process would have run that seeding, so every rank starts from
-    the same state.  torch 2.13 gives a fresh process a random 64-bit seed; a
-    seed set since import, or a small one (what programs pass), is the program's.
-    """
-    s = torch.initial_seed()
-    return s != _BOOT_SEED or s < 2**32
-
-
-def rank_seed(run_seed: int, rank: int) -> int:
-    """The torch seed a rank of an unseeded program starts from: distinct per rank, a pure function of the run's seed."""
-    digest = hashlib.blake2b(f"tensorplay-simulator:{run_seed}:{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") | (1 << 63)  # 64-bit, like the random seed of a fresh process
-
-
-def _initial_rng_states(run_seed: int, n: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Each rank's starting torch RNG state and seed (see :func:`_program_seeded` and :func:`rank_seed`)."""
-    if _program_seeded():
-        state = torch.get_rng_state()
-        return [state] * n, [torch.initial_seed()] * n
-    seeds = [rank_seed(run_seed, r) for r in range(n)]
-    g = torch.Generator()
-    states = []
-    for s in seeds:
-        g.manual_seed(s)
-        states.append(g.get_state())
-    return states, seeds
 
 
 def last_trace() -> Trace | None:

@@ -131,7 +131,7 @@ class ProcessRanks:
     """The rank processes of one run of a world and the proxy loop that serves them."""
 
     def __init__(self, world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        from ..world import _initial_rng_states
+        from ..seeds import _initial_rng_states
 
         if world.device.type != "cpu":
             raise DistRuntimeError(format_message(

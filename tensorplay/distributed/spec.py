@@ -556,10 +556,10 @@ SPECS: dict[str, CollectiveSpec] = {
 # --------------------------------------------------------------------------
 # the backend interface's collectives: what every backend implements
 # --------------------------------------------------------------------------
-#: how a collective's time grows with the group size W (the cost model reads this, see simulator/trace.py):
-#: ``all_reduce`` reduce-scatter then all-gather (2(W-1) steps); ``ring`` W-1 steps of 1/W of the data;
-#: ``tree`` log2(W) steps of the whole buffer; ``p2p`` one message; ``barrier`` log2(W) empty messages
-COST_CLASSES = ("all_reduce", "ring", "tree", "p2p", "barrier")
+#: the classes of communication a cost model prices (and a calibration measures) separately; the simulator's
+#: cost model (simulator/cost.py) says which algorithm each class follows (ring, tree, ...)
+COST_CLASSES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
+                "scatter", "barrier", "p2p")
 
 
 @dataclass(frozen=True)
@@ -578,7 +578,12 @@ class BackendCollective:
     #: which of CallKey's ``dtype``/``shape`` every member must share (``collective``, and ``op``/``root`` when
     #: the collective has them, are always compared)
     agree_on: tuple[str, ...] = ("dtype", "shape")
-    cost_class: str = "tree"
+    #: the class the cost model prices it as (one of COST_CLASSES; by default its own name)
+    cost_class: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.cost_class:
+            object.__setattr__(self, "cost_class", self.name)
 
     def key(self, *, op: ReduceOp | None = None, root: int | None = None, dtype: torch.dtype | None = None,
             shape: Sequence[int] | None = None) -> CallKey:
@@ -591,21 +596,21 @@ class BackendCollective:
 BACKEND_COLLECTIVES: dict[str, BackendCollective] = {
     b.name: b
     for b in [
-        BackendCollective("barrier", agree_on=(), cost_class="barrier"),
+        BackendCollective("barrier", agree_on=()),
         BackendCollective("broadcast", root="src"),
-        BackendCollective("all_reduce", takes_op=True, cost_class="all_reduce"),
+        BackendCollective("all_reduce", takes_op=True),
         BackendCollective("reduce", root="dst", takes_op=True),
-        BackendCollective("all_gather", cost_class="ring"),
-        BackendCollective("all_gather_into_tensor", cost_class="ring"),
+        BackendCollective("all_gather"),
+        BackendCollective("all_gather_into_tensor", cost_class="all_gather"),
         BackendCollective("gather", root="dst"),
         BackendCollective("scatter", root="src"),
         # the shape compared is the output's (each rank's share)
-        BackendCollective("reduce_scatter", takes_op=True, cost_class="ring"),
-        BackendCollective("reduce_scatter_tensor", takes_op=True, cost_class="ring"),
+        BackendCollective("reduce_scatter", takes_op=True),
+        BackendCollective("reduce_scatter_tensor", takes_op=True, cost_class="reduce_scatter"),
         # blocks may differ per pair of ranks: checked pairwise (sender's block = receiver's slot), not by key
-        BackendCollective("all_to_all", agree_on=("dtype",), cost_class="ring"),
+        BackendCollective("all_to_all", agree_on=("dtype",)),
         # the shape compared is the trailing dims: row counts differ per rank and are checked pairwise
-        BackendCollective("all_to_all_single", cost_class="ring"),
+        BackendCollective("all_to_all_single", cost_class="all_to_all"),
         BackendCollective("send", cost_class="p2p"),
         BackendCollective("recv", cost_class="p2p"),
     ]
