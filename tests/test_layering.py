@@ -83,3 +83,28 @@ def test_a_running_world_uses_a_scheduler_that_satisfies_the_protocol() -> None:
 
     for mode in ("coop", "threads"):
         assert simulator.run(body, 2, mode=mode) == [True, True]
+
+
+def test_no_import_circles_in_any_package() -> None:
+    """No module of the product, the simulator or the conformance suite imports itself back, even lazily."""
+    from _support.imports import cycles, graph
+
+    g = graph(["tensorplay", "simulator", "conformance"])
+    assert {"simulator.state", "simulator.backend", "tensorplay.distributed.api"} <= set(g)
+    assert "simulator.state" in g["simulator.backend"]  # the walk sees imports
+    assert not cycles(g), cycles(g)
+
+
+def test_the_product_does_not_branch_on_a_backend_name() -> None:
+    """Backends declare what callers need (check_reinit, device_for, pins_loopback, ...): nothing in the product
+    compares with a backend's name."""
+    from _support.imports import files
+
+    found = []
+    for path in files(["tensorplay"]).values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                if any(v in ("sim", "gloo", "nccl") for v in consts):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)

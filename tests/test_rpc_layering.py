@@ -9,87 +9,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _support.imports import ROOT, cycles as _cycles, files as _files, imports as _imports
+
 PRODUCT = ["tensorplay/distributed/rpc", "tensorplay/distributed/autograd", "tensorplay/distributed/optim",
            "tensorplay/distributed/nn/api", "tensorplay/testing/rpc.py"]
 SIM = ["simulator/rpc.py", "simulator/rpc_autograd.py", "simulator/torch_rpc.py"]
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _files(spec: list[str]) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for s in spec:
-        p = ROOT / s
-        for f in ([p] if p.is_file() else sorted(p.rglob("*.py"))):
-            out[_module_name(f)] = f
-    return out
-
-
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ``known`` that ``path`` imports (anywhere but under ``if TYPE_CHECKING:``)."""
-    tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
-    found: set[str] = set()
-    is_pkg = path.name == "__init__.py"
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
-            # ``from pkg import sub`` imports the submodule; ``from pkg import name`` runs pkg/__init__
-            cands = subs if len(subs) == len(node.names) else [target, *subs]
-        elif isinstance(node, ast.Import):
-            cands = [a.name for a in node.names]
-        else:
-            continue
-        found |= {c for c in cands if c in known and c != name}
-    return found
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def test_no_import_circles_among_the_rpc_modules() -> None:
