@@ -25,7 +25,7 @@ import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed.spec import SPECS
 from tensorplay.testing.pool import RankError
 
-from _net import torchrun
+from _support.net import torchrun
 from _support import docexamples
 
 EXAMPLES = docexamples.collect()

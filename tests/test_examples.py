@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _net import run_bounded, torchrun
+from _support.net import run_bounded, torchrun
 
 TIMEOUT_S = 180
 

@@ -7,7 +7,7 @@ every rank of a ``W``-rank world and returns the per-rank results: either
 share the ``functional-gloo`` xdist group so one worker holds the pools).  Each test
 batches its sub-cases into one call.
 
-What is checked (helpers in test_functional_support.py): outputs and every
+What is checked (helpers in _support/functional.py): outputs and every
 rank's input gradients against a single-process plain-torch reference
 differentiated by torch.autograd, the cross-rank dot-product identity (or a
 directional finite difference for PRODUCT/MIN/MAX), inputs left untouched,
@@ -30,7 +30,7 @@ import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import DistValueError
 from tensorplay.testing import RankPool
-from test_functional_support import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
+from _support.functional import (COLLECTIVES, ERROR_CASES, REDUCING, ROOTED, Case, errors_body, example_body,
                                      hvp_body, hvp_inputs, hvp_loss, int_body, matrix, run_checked,
                                      RECEIVER_STYLES, ScatterCase, scatter_blocks, scatter_receivers_body, scatter_upstream,
                                      scatter_hvp_body, scatter_receivers_reference, scatter_torch_style_body)

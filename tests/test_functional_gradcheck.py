@@ -25,7 +25,7 @@ import torch
 import simulator
 import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
-from test_functional_support import COLLECTIVES, REDUCING, ROOTED, Case, call, get_group, inputs
+from _support.functional import COLLECTIVES, REDUCING, ROOTED, Case, call, get_group, inputs
 
 RankFn = Callable[[list[torch.Tensor], Any], list[torch.Tensor]]
 

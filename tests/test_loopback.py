@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from _net import LOOPBACK, listening
+from _support.net import LOOPBACK, listening
 
 pytestmark = [pytest.mark.gloo, pytest.mark.xdist_group("gloo-W2"),
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")]
@@ -43,7 +43,7 @@ def test_free_port_is_bindable_and_outside_the_kernels_ephemeral_range() -> None
 _LOCAL_WORLD = """
 import json, os, sys
 sys.path.insert(0, sys.argv[3])
-from _net import listening
+from _support.net import listening
 import tensorplay.distributed as dist
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=int(sys.argv[2]), world_size=2)
 socks = listening()

@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from _net import LOOPBACK, listening
+from _support.net import LOOPBACK, listening
 
 import simulator
 import tensorplay as tp

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from _net import ROOT, torchrun
+from _support.net import ROOT, torchrun
 
 DEMO = ROOT / "examples" / "allreduce_demo.py"
 

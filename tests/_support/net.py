@@ -12,7 +12,7 @@ import pytest
 
 from tensorplay.testing import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
