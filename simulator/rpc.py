@@ -89,7 +89,7 @@ class _Run(Protocol):
     cost: Any          # CostModel: .cost("send", nbytes, 2) for a message's transfer
     events: Any        # the trace: .append(Event)
     sched: Scheduler   # the scheduler contract (simulator.protocol): lock, block, wake, leave used here
-    exit_hooks: list   # called with a rank's state when its thread ends (attached by _on_rank_exit)
+    exit_hooks: list   # called with a rank's state when its thread ends (declared on simulator.state.Run)
 
 
 class _Rank(Protocol):
@@ -103,12 +103,7 @@ class _Rank(Protocol):
 
 
 def _on_rank_exit(run: _Run, hook: Callable[[Any], None]) -> None:
-    """Have the simulator call ``hook(rank_state)`` when a rank thread of ``run`` ends.
-
-    (The run has no declared list for this yet: the first user attaches one, which world.py reads.)
-    """
-    if not hasattr(run, "exit_hooks"):
-        run.exit_hooks = []
+    """Have the simulator call ``hook(rank_state)`` when a rank thread of ``run`` ends."""
     run.exit_hooks.append(hook)
 
 #: how to get a worker onto this transport (the "Fix:" of init_rpc(backend="sim") outside the simulator)

@@ -160,6 +160,8 @@ class Run:
         self.next_gid = 1
         # large kernels run on the thread that called run() (see execute())
         self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        #: called with a rank's state when its thread ends (e.g. the RPC transport releases its barriers)
+        self.exit_hooks: list[Callable[[RankState], None]] = []
 
     # -- big kernels on one thread -------------------------------------------
     def execute(self, fn: Callable[[], Any]) -> Any:

@@ -329,7 +329,7 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         if rs.env is not None:
             _environ.unbind()
         _local.rs = None
-        for hook in getattr(run, "exit_hooks", ()):  # e.g. the RPC transport's barriers (a rank ended)
+        for hook in run.exit_hooks:  # e.g. the RPC transport's barriers (a rank ended)
             hook(rs)
         sched.exit(rs)
 
