@@ -385,6 +385,8 @@ class SimBackend(Backend):
         self._rs = rs
         self._world_group = world_group
         self._seq: dict[int, int] = {}
+        #: how many member-only groups of each rank set this rank asked for (see _member_group)
+        self._member_group_counts: dict[tuple[int, ...], int] = {}
 
     # -- life cycle -------------------------------------------------------
     @classmethod
@@ -439,11 +441,11 @@ class SimBackend(Backend):
         k-th request for ``ranks`` from any member names the same group.
         """
         run = self._rs.run
-        counts = self.__dict__.setdefault("_member_group_counts", {})
+        counts = self._member_group_counts
         k = counts.get(ranks, 0)
         counts[ranks] = k + 1
         with run.sched.lock:
-            table = run.__dict__.setdefault("member_groups", {})
+            table = run.member_groups
             g = table.get((ranks, k))
             if g is None:
                 g = table[(ranks, k)] = SimGroup(run.next_gid, tuple(ranks))

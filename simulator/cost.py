@@ -376,10 +376,7 @@ def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scal
 # ---------------------------------------------------------------------------
 def _links(run: Any) -> list[float]:
     """Per rank ``[out_free, in_free]`` flattened: index ``2r`` is rank r's outgoing link, ``2r+1`` incoming."""
-    links = run.__dict__.get("_links")
-    if links is None:
-        links = run.__dict__.setdefault("_links", [0.0] * (2 * run.n))
-    return links
+    return run.links
 
 
 def links_start(run: Any, ranks: Sequence[int], issue: float, *, send: int | None = None,
@@ -483,7 +480,7 @@ def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     # the first optimizer a rank steps marks its training steps (a second one, e.g. a local reference
     # model's, would split each step in two)
-    first = rs.run.__dict__.setdefault("_step_optimizer", {}).setdefault(rs.rank, id(optimizer))
+    first = rs.run.step_optimizer.setdefault(rs.rank, id(optimizer))
     if first != id(optimizer):
         return
     charge_compute(rs)

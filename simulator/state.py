@@ -162,6 +162,12 @@ class Run:
         self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: called with a rank's state when its thread ends (e.g. the RPC transport releases its barriers)
         self.exit_hooks: list[Callable[[RankState], None]] = []
+        #: groups created by their members only, by (ranks, k-th request for those ranks)
+        self.member_groups: dict[tuple[tuple[int, ...], int], SimGroup] = {}
+        #: per rank [outgoing link free at, incoming link free at] (virtual seconds), flattened (see cost.py)
+        self.links: list[float] = [0.0] * (2 * self.n)
+        #: the optimizer whose steps mark a rank's training steps (its first one), by rank
+        self.step_optimizer: dict[int, int] = {}
 
     # -- big kernels on one thread -------------------------------------------
     def execute(self, fn: Callable[[], Any]) -> Any:
