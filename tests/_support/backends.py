@@ -71,25 +71,30 @@ class Backend:
     pool: bool = False
     sim_run: Callable[..., list[Any]] | None = field(default=None, compare=False, repr=False)
     timeout_s: float = 20.0
+    #: its params run only in the slow tier (``-m slow``): a backend whose worlds cost seconds to start
+    slow: bool = False
 
     def marks(self, world_size: int) -> list[Any]:
+        marks: list[Any] = [pytest.mark.slow] if self.slow else []
         if self.pool:
-            return [pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{world_size}")]
-        return []
+            marks += [pytest.mark.gloo, pytest.mark.xdist_group(f"gloo-W{world_size}")]
+        return marks
 
 
 SIM = Backend("sim", "sim", simulated=True, in_process=True, max_world=8, modes=("coop", "threads"),
               sim_run=_sim_run(None))
 GLOO = Backend("gloo", "gloo", simulated=False, in_process=False, max_world=4, pool=True)
-#: the process-isolated simulator (issue 14); add it to BACKENDS once simulator.run takes isolation="process"
-SIM_PROCESS = Backend("sim-process", "sim", simulated=True, in_process=False, max_world=8,
-                      modes=("coop", "threads"), sim_run=_sim_run("process"), timeout_s=60.0)
+#: the process-isolated simulator (issue 14): every behaviour test runs on it too, in the slow tier (a
+#: world of rank interpreters takes seconds to start: about 10 s a test on 2 shared cores), coop schedule,
+#: W <= 3.  ``python -m pytest -m slow -k sim-process tests/test_p2p.py`` runs them.
+SIM_PROCESS = Backend("sim-process", "sim", simulated=True, in_process=False, max_world=3,
+                      modes=("coop",), sim_run=_sim_run("process"), timeout_s=60.0, slow=True)
 
 #: every backend the behaviour tests run on; one entry per backend
 BACKENDS: list[Backend] = [
     SIM,
     GLOO,
-    # SIM_PROCESS,
+    SIM_PROCESS,
 ]
 BY_NAME: dict[str, Backend] = {b.name: b for b in (SIM, GLOO, SIM_PROCESS)}
 
