@@ -43,10 +43,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES, COST_CLASSES
 
+from ._patch import Installation
 from ._actor import current_rank_state
 
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
@@ -411,8 +412,6 @@ def links_reserve(run: Any, ranks: Sequence[int], end: float, *, send: int | Non
 # ---------------------------------------------------------------------------
 # honest clocks: imports are not compute; optimizer steps mark the step time
 # ---------------------------------------------------------------------------
-_lock = threading.Lock()
-_active = 0
 _saved: dict[str, Any] = {}
 _importing = threading.local()
 
@@ -487,30 +486,31 @@ def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     rs.run.events.steps[rs.rank].append(rs.vt)
 
 
-@contextmanager
-def enabled() -> Iterator[None]:
+def _install() -> None:
+    boot = importlib.import_module("importlib._bootstrap")
+    _saved["find_and_load"] = boot._find_and_load
+    boot._find_and_load = _timed_find_and_load
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _saved["step_handle"] = register_optimizer_step_post_hook(_step_hook)
+    except ImportError:  # pragma: no cover  (every supported torch has it)
+        _saved["step_handle"] = None
+
+
+def _uninstall() -> None:
+    boot = importlib.import_module("importlib._bootstrap")
+    if "find_and_load" in _saved:
+        boot._find_and_load = _saved.pop("find_and_load")
+    handle = _saved.pop("step_handle", None)
+    if handle is not None:
+        handle.remove()
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
     """While a world runs: imports on rank threads are not charged as compute, and every
     ``torch.optim`` step marks the end of a training step on the rank's clock (the summary's step time)."""
-    global _active
-    boot = importlib.import_module("importlib._bootstrap")
-    with _lock:
-        if _active == 0:
-            _saved["find_and_load"] = boot._find_and_load
-            boot._find_and_load = _timed_find_and_load
-            try:
-                from torch.optim.optimizer import register_optimizer_step_post_hook
-
-                _saved["step_handle"] = register_optimizer_step_post_hook(_step_hook)
-            except ImportError:  # pragma: no cover  (every supported torch has it)
-                _saved["step_handle"] = None
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                boot._find_and_load = _saved.pop("find_and_load")
-                handle = _saved.pop("step_handle", None)
-                if handle is not None:
-                    handle.remove()
+    return _INSTALLATION.enabled()

@@ -34,11 +34,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from tensorplay.distributed import _state
 
 from . import _environ
+from ._patch import Installation
 from .sched import DONE, FREE, RUNNABLE, CoopScheduler
 from .state import RankState, _local, current_rank_state
 
@@ -206,27 +207,26 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
         return _ORIGINAL["cond_wait"](self, timeout)
 
 
-@contextlib.contextmanager
-def enabled() -> Iterator[None]:
+def _install() -> None:
+    threading.Thread.start = _start  # type: ignore[method-assign]
+    threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+    threading.Thread.join = _join  # type: ignore[method-assign]
+    threading.Condition.wait = _cond_wait  # type: ignore[method-assign]
+
+
+def _uninstall() -> None:
+    threading.Thread.start = _ORIGINAL["start"]  # type: ignore[method-assign]
+    threading.Thread._bootstrap_inner = _ORIGINAL["bootstrap_inner"]  # type: ignore[attr-defined]
+    threading.Thread.join = _ORIGINAL["join"]  # type: ignore[method-assign]
+    threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
     """While active, threads started by simulated ranks belong to their rank (see the module docstring)."""
-    global _active
-    with _lock:
-        if _active == 0:
-            threading.Thread.start = _start  # type: ignore[method-assign]
-            threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
-            threading.Thread.join = _join  # type: ignore[method-assign]
-            threading.Condition.wait = _cond_wait  # type: ignore[method-assign]
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                threading.Thread.start = _ORIGINAL["start"]  # type: ignore[method-assign]
-                threading.Thread._bootstrap_inner = _ORIGINAL["bootstrap_inner"]  # type: ignore[attr-defined]
-                threading.Thread.join = _ORIGINAL["join"]  # type: ignore[method-assign]
-                threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
+    return _INSTALLATION.enabled()
 
 
 def start_actor(owner: RankState, target: Callable[[], None], name: str) -> RankState:

@@ -41,7 +41,7 @@ import importlib
 import importlib.abc
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -54,6 +54,8 @@ from tensorplay.distributed.backends.base import completed_future
 from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
+
+from ._patch import Installation
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
 tdist_rendezvous = importlib.import_module("torch.distributed.rendezvous")
@@ -746,7 +748,6 @@ _ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
 
 
 _lock = threading.Lock()
-_active = 0
 _saved: dict[str, Any] = {}
 _stores: dict[Any, Any] = {}  # world -> rendezvous store; (world, host, port) -> TCPStore stand-in
 _SCHEMES = ("env", "tcp", "file")
@@ -881,44 +882,48 @@ def _is_barrier_after_init() -> int:
     return _saved["barrier_after_init"]()
 
 
-@contextlib.contextmanager
-def enabled() -> Iterator[None]:
+def _install() -> None:
+    _saved["world"] = c10d._world
+    _saved["rdzv"] = {s: tdist_rendezvous._rendezvous_handlers[s] for s in _SCHEMES
+                      if s in tdist_rendezvous._rendezvous_handlers}
+    _saved["helper"] = c10d._new_process_group_helper
+    _saved["barrier_after_init"] = c10d._is_barrier_after_init
+    _saved["excepthook"] = sys.excepthook
+    _saved["TCPStore"] = tdist.TCPStore
+    c10d._world = _PerRankWorld(_saved["world"])
+    for s in _saved["rdzv"]:
+        tdist_rendezvous._rendezvous_handlers[s] = _rendezvous_handler(s)
+    c10d._new_process_group_helper = _new_process_group_helper
+    c10d._is_barrier_after_init = _is_barrier_after_init
+    tdist.TCPStore = _TCPStore  # type: ignore[misc]
+    _saved["isolated"] = [_when_imported(name, isolate) for name, isolate in _ISOLATED]
+    _set_thread_isolation_mode(True)
+
+
+def _uninstall() -> None:
+    # tolerates a partial installation (what was saved is put back)
+    for attr, key in (("_world", "world"), ("_new_process_group_helper", "helper"),
+                      ("_is_barrier_after_init", "barrier_after_init")):
+        if key in _saved:
+            setattr(c10d, attr, _saved.pop(key))
+    if "rdzv" in _saved:
+        tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
+    if "excepthook" in _saved:
+        sys.excepthook = _saved.pop("excepthook")
+    if "TCPStore" in _saved:
+        tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
+    for undo in reversed(_saved.pop("isolated", [])):
+        undo()
+    _set_thread_isolation_mode(False)
+    _stores.clear()
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
     """While active, torch.distributed in simulated rank threads is per-rank and runs on the simulator."""
-    global _active
-    with _lock:
-        if _active == 0:
-            _saved["world"] = c10d._world
-            _saved["rdzv"] = {s: tdist_rendezvous._rendezvous_handlers[s] for s in _SCHEMES
-                              if s in tdist_rendezvous._rendezvous_handlers}
-            _saved["helper"] = c10d._new_process_group_helper
-            _saved["barrier_after_init"] = c10d._is_barrier_after_init
-            _saved["excepthook"] = sys.excepthook
-            c10d._world = _PerRankWorld(_saved["world"])
-            for s in _saved["rdzv"]:
-                tdist_rendezvous._rendezvous_handlers[s] = _rendezvous_handler(s)
-            c10d._new_process_group_helper = _new_process_group_helper
-            c10d._is_barrier_after_init = _is_barrier_after_init
-            _saved["TCPStore"] = tdist.TCPStore
-            tdist.TCPStore = _TCPStore  # type: ignore[misc]
-            _saved["isolated"] = [_when_imported(name, isolate) for name, isolate in _ISOLATED]
-            _set_thread_isolation_mode(True)
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                c10d._world = _saved.pop("world")
-                c10d._new_process_group_helper = _saved.pop("helper")
-                c10d._is_barrier_after_init = _saved.pop("barrier_after_init")
-                tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
-                sys.excepthook = _saved.pop("excepthook")
-                tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
-                for undo in reversed(_saved.pop("isolated")):
-                    undo()
-                _set_thread_isolation_mode(False)
-                _stores.clear()
+    return _INSTALLATION.enabled()
 
 
 @contextlib.contextmanager

@@ -46,10 +46,8 @@ their shape when installing and refuses with a clear error if torch changed.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as tdist
@@ -59,13 +57,13 @@ import torch.distributed.rpc.api as tapi
 
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
+from ._patch import Installation
+
 __all__ = ["enabled"]
 
 #: torch's RPC functions whose wrapper closure is routed, and what they become on a simulated rank
 _WRAPPED = ("rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info")
 
-_lock = threading.Lock()
-_active = 0
 _undo: list[Callable[[], None]] = []
 _contexts = threading.local()  # open torch-style autograd contexts of this thread: {context id: ours}
 
@@ -412,26 +410,13 @@ def _uninstall() -> None:
         _undo.pop()()
 
 
-@contextlib.contextmanager
-def enabled() -> Iterator[None]:
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
     """While active, torch's RPC API on simulated rank threads runs on the simulator's RPC transport.
 
     Nested and concurrent worlds share one installation (counted); the last
     one to leave restores torch's objects exactly.
     """
-    global _active
-    with _lock:
-        if _active == 0:
-            try:
-                _install()
-            except BaseException:
-                _uninstall()
-                raise
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _uninstall()
+    return _INSTALLATION.enabled()
