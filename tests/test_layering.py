@@ -108,3 +108,28 @@ def test_the_product_does_not_branch_on_a_backend_name() -> None:
                 if any(v in ("sim", "gloo", "nccl") for v in consts):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+def test_the_product_neither_exports_nor_fetches_harness_objects() -> None:
+    """No public name of a tensorplay module is a simulator/conformance object, and no product code asks a
+    registry for the simulator by name (``transport("sim", ...)``): the harness registers itself."""
+    import importlib
+    import pkgutil
+
+    import tensorplay
+
+    found = []
+    for info in pkgutil.walk_packages(tensorplay.__path__, "tensorplay."):
+        if info.name.startswith("tensorplay.testing"):
+            continue  # needs the optional extra; checked by the AST walks above
+        mod = importlib.import_module(info.name)
+        for name in getattr(mod, "__all__", ()):
+            obj = getattr(mod, name, None)
+            owner = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") or ""
+            if owner.split(".")[0] in HARNESS:
+                found.append(f"{info.name}.{name} is {owner}'s")
+    for path in sorted((ROOT / "tensorplay").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "sim" for a in node.args):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "the product must not reach the harness:\n" + "\n".join(found)

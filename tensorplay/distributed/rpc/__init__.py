@@ -64,14 +64,6 @@ from .worker import WorkerInfo
 
 __all__ = [
     "BackendType", "DEFAULT_RPC_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT", "Future", "InterfaceError", "RRef", "RemoteError", "RpcError",
-    "RpcTimeoutError", "SimRpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "WorkerUnavailableError",
+    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "WorkerInfo", "WorkerUnavailableError",
     "functions", "get_worker_info", "init_rpc", "is_initialized", "remote", "rpc_async", "rpc_sync", "shutdown", "wait_all",
 ]
-
-
-def __getattr__(name: str):
-    if name == "SimRpcBackendOptions":  # the simulator's options class, from its registered transport
-        from ._agent import transport
-
-        return transport("sim", "SimRpcBackendOptions").SimRpcBackendOptions
-    raise AttributeError(f"module 'tensorplay.distributed.rpc' has no attribute {name!r}")

@@ -70,7 +70,8 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             is ``tcp://$MASTER_ADDR:$MASTER_PORT`` with ``MASTER_ADDR`` defaulting to ``127.0.0.1``,
             and calls time out after :data:`DEFAULT_RPC_TIMEOUT` seconds.  Inside a simulated rank
             it is mapped by :func:`simulator.rpc.options_from` (``rpc_timeout`` and
-            ``device_maps`` kept, the rest has no meaning there); ``SimRpcBackendOptions`` work too.
+            ``device_maps`` kept, the rest has no meaning there); the simulator's own options
+            (``simulator.rpc.SimRpcBackendOptions``) work too.
 
     Example (two processes)::
 
