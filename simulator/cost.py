@@ -413,7 +413,6 @@ def links_reserve(run: Any, ranks: Sequence[int], end: float, *, send: int | Non
 # honest clocks: imports are not compute; optimizer steps mark the step time
 # ---------------------------------------------------------------------------
 _saved: dict[str, Any] = {}
-_importing = threading.local()
 
 
 def _actor() -> Any:
@@ -458,19 +457,41 @@ def reach(rs: Any, vend: float) -> float:
     return before
 
 
-def _timed_find_and_load(name: str, import_: Any) -> Any:
-    original = _saved["find_and_load"]
+def timed_imports(original: Callable[[str, Any], Any],
+                  excluder: Callable[[], Callable[[float], None] | None]) -> Callable[[str, Any], Any]:
+    """Wrap importlib's ``_find_and_load`` so an outermost import's CPU time is not compute.
+
+    ``excluder()`` gives, for the calling thread, what to tell the CPU time of the import to (``None``:
+    not a rank, import plainly).  Thread ranks move the actor's compute mark past it; a rank process tells
+    its proxy.  Nested imports are part of the outermost one.
+    """
+    depth = threading.local()
+
+    def find_and_load(name: str, import_: Any) -> Any:
+        exclude = None if getattr(depth, "d", 0) else excluder()
+        if exclude is None:
+            return original(name, import_)
+        depth.d = 1
+        t0 = time.thread_time()
+        try:
+            return original(name, import_)
+        finally:
+            depth.d = 0
+            exclude(time.thread_time() - t0)
+
+    return find_and_load
+
+
+def _rank_excluder() -> Callable[[float], None] | None:
     rs = _actor()
-    if rs is None or getattr(_importing, "depth", 0):
-        return original(name, import_)
-    _importing.depth = 1
-    t0 = time.thread_time()
-    try:
-        return original(name, import_)
-    finally:
-        _importing.depth = 0
+    if rs is None:
+        return None
+
+    def exclude(dt: float) -> None:
         # the rank's compute mark moves past the import: its CPU time is start-up, charged to no one
-        rs.cpu_mark += time.thread_time() - t0
+        rs.cpu_mark += dt
+
+    return exclude
 
 
 def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -489,7 +510,7 @@ def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _install() -> None:
     boot = importlib.import_module("importlib._bootstrap")
     _saved["find_and_load"] = boot._find_and_load
-    boot._find_and_load = _timed_find_and_load
+    boot._find_and_load = timed_imports(_saved["find_and_load"], _rank_excluder)
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 

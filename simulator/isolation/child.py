@@ -12,7 +12,6 @@ does the matching, the checks and the arithmetic.
 from __future__ import annotations
 
 import ctypes
-import io
 import os
 import pickle
 import random
@@ -24,7 +23,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -450,22 +449,10 @@ def _honest_clock(backend: ClientBackend) -> None:
     """As on thread ranks: imports are not compute, and each optimizer step marks a training step."""
     import importlib
 
+    from ..cost import timed_imports
+
     boot = importlib.import_module("importlib._bootstrap")
-    original = boot._find_and_load
-    depth = threading.local()
-
-    def timed(name: str, import_: Any) -> Any:
-        if getattr(depth, "d", 0):
-            return original(name, import_)
-        depth.d = 1
-        t0 = time.thread_time()
-        try:
-            return original(name, import_)
-        finally:
-            depth.d = 0
-            backend.exclude_cpu(time.thread_time() - t0)
-
-    boot._find_and_load = timed
+    boot._find_and_load = timed_imports(boot._find_and_load, lambda: backend.exclude_cpu)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(lambda opt, args, kwargs: backend.optimizer_step(opt))
