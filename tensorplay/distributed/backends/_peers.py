@@ -52,19 +52,27 @@ def lost_ranks(store: Any, world_size: int, me: int, bound_s: float = 2.0) -> li
     if store is None:
         return None
     try:
+        before = store.timeout
         store.set_timeout(timedelta(seconds=bound_s))
     except Exception:  # noqa: BLE001
-        pass
-    host, dead = socket.gethostname(), []
-    for r in range(world_size):
-        if r == me:
-            continue
-        try:
-            if not store.check([_KEY.format(rank=r)]):
+        before = None
+    try:
+        host, dead = socket.gethostname(), []
+        for r in range(world_size):
+            if r == me:
                 continue
-            rec = json.loads(store.get(_KEY.format(rank=r)))
-        except Exception:  # noqa: BLE001  the store may have died with its rank
-            return None
-        if rec.get("host") == host and _ended(int(rec["pid"])):
-            dead.append(r)
-    return dead
+            try:
+                if not store.check([_KEY.format(rank=r)]):
+                    continue
+                rec = json.loads(store.get(_KEY.format(rank=r)))
+            except Exception:  # noqa: BLE001  the store may have died with its rank
+                return None
+            if rec.get("host") == host and _ended(int(rec["pid"])):
+                dead.append(r)
+        return dead
+    finally:
+        if before is not None:  # the bound is for this lookup only: the group's later store calls keep theirs
+            try:
+                store.set_timeout(before)
+            except Exception:  # noqa: BLE001
+                pass
