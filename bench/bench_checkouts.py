@@ -10,6 +10,7 @@ the ratio (so machine load affects both alike)::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -42,8 +43,9 @@ def main() -> None:
     res: dict[str, list[float]] = {ns.old: [], ns.new: []}
     for _ in range(ns.rounds):
         for tree in (ns.old, ns.new):
-            out = subprocess.run([sys.executable, "-c", _CHILD, tree, str(ns.calls)], capture_output=True,
-                                 text=True, timeout=600, cwd="/")
+            # an absolute path: the child runs from / and checks that it imported this tree
+            out = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(tree), str(ns.calls)],
+                                 capture_output=True, text=True, timeout=600, cwd="/")
             if out.returncode:
                 raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
             res[tree].append(float(out.stdout.strip().splitlines()[-1]))
