@@ -3,8 +3,9 @@
 Each rank runs in its own Python process; the simulator (matching, checks,
 deadlock naming, faults, trace) runs in the coordinator.  Worker functions live
 at module level here: the rank processes import this module by name, each with
-its own copy of its globals.  Starting a rank process costs an interpreter and
-``import torch``, so cases are batched into few runs.
+its own copy of its globals.  Rank processes are forks of warm interpreters
+(one per hash seed, :mod:`simulator.isolation.warm`); the tests below check
+that a fork is as clean as a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -299,6 +300,19 @@ def report_pid_then_wait() -> None:
     time.sleep(120)
 
 
+_RUNS: list[int] = []  # a module global the rank processes append to
+
+
+def fresh_globals_and_start_env(var: str) -> tuple:
+    """What a rank process sees of earlier runs (nothing) and of the environment its interpreter started with."""
+    _RUNS.append(dist.get_rank())
+    with open("/proc/self/environ", "rb") as f:  # the environment the process was *started* with
+        start_env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    print(f"rank {dist.get_rank()} says hello on stdout", flush=True)
+    return (list(_RUNS), os.environ.get(var), start_env.get(var.encode(), b"").decode(), hash("tensorplay"),
+            os.environ.get("RANK"), os.getppid())
+
+
 def crash_fault() -> None:
     for _ in range(4):
         dist.all_reduce(torch.ones(1))
@@ -329,6 +343,32 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_warm_forks_are_clean_seeded_and_see_the_current_environment_and_stdio(monkeypatch, capfd):
+    """Forks of warm interpreters: no state from earlier runs, the hash seed and import-time environment of a
+    fresh interpreter, and the caller's current stdout."""
+    from simulator.isolation import warm
+
+    first = simulator.run(fresh_globals_and_start_env, 2, args=("TP_WARM_PROBE",), isolation="process")
+    monkeypatch.setenv("TP_WARM_PROBE", "second")  # a changed environment: warm interpreters started with it
+    second = simulator.run(fresh_globals_and_start_env, 2, args=("TP_WARM_PROBE",), isolation="process",
+                           torchrun_env=True)
+    assert all(o[5] != os.getpid() for o in first + second)  # forks of warm interpreters, not children of this one
+    assert [o[0] for o in first] == [[0], [1]] and [o[0] for o in second] == [[0], [1]]  # nothing carried over
+    assert [o[1:3] for o in first] == [(None, "")] * 2
+    assert [o[1:3] for o in second] == [("second", "second")] * 2  # in os.environ *and* at interpreter start
+    assert [o[4] for o in second] == ["0", "1"]  # per-rank variables are set after the fork
+    out = capfd.readouterr().out
+    assert "rank 0 says hello on stdout" in out and "rank 1 says hello on stdout" in out
+    # the same hash order as interpreters spawned afresh with the same seeds (TENSORPLAY_SIM_WARM=0)
+    monkeypatch.setenv("TENSORPLAY_SIM_WARM", "0")
+    assert not warm.enabled()
+    spawned = simulator.run(fresh_globals_and_start_env, 2, args=("TP_WARM_PROBE",), isolation="process",
+                            torchrun_env=True)
+    assert all(o[5] == os.getpid() for o in spawned)
+    assert [o[3] for o in spawned] == [o[3] for o in second] and second[0][3] != second[1][3]
+    assert [o[:3] for o in spawned] == [o[:3] for o in second]
 
 
 def test_isolations_listed_once():

@@ -15,6 +15,7 @@ import ctypes
 import os
 import pickle
 import random
+import select
 import signal
 import socket
 import sys
@@ -34,10 +35,10 @@ from tensorplay.distributed.group import ProcessGroup
 
 from ..backend import SimBackend
 from ..callsite import call_site
-from . import _wire
+from . import _wire, warm
 from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
 
-__all__ = ["ClientBackend", "ClientWork", "main"]
+__all__ = ["ClientBackend", "ClientWork", "main", "serve", "library_modules"]
 
 _ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memory
 
@@ -487,10 +488,10 @@ class ScriptMain:
                 raise
 
 
-def main() -> None:
-    """Entry point of a rank process (``argv[1]``: the file descriptor of its socket to the coordinator)."""
+def main(fd: int | None = None) -> None:
+    """Entry point of a rank process; ``fd`` (default ``argv[1]``) is its socket to the coordinator."""
     _die_with_parent()  # (armed already by the start-up command; again for a caller that did not)
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock = socket.socket(fileno=int(sys.argv[1]) if fd is None else fd)
     conn = Connection(sock.detach())
     setup = _wire.recv(conn)
     from multiprocessing import spawn
@@ -499,6 +500,7 @@ def main() -> None:
 
     isolation._in_rank_process = True
     rank = setup["rank"]
+    before = set(sys.modules)
     try:
         spawn.prepare(setup["prep"])  # the coordinator's sys.path, cwd and main module (as __mp_main__)
         fn, args, kwargs = pickle.loads(setup["payload"])
@@ -551,6 +553,158 @@ def main() -> None:
             except Exception:  # noqa: BLE001
                 pass
         try:
+            if setup.get("learn"):  # the libraries this rank imported: its warm interpreter imports them ahead
+                _wire.send(conn, ("modules", library_modules(set(sys.modules) - before)))
             _wire.send(conn, msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
+
+
+# ---------------------------------------------------------------------------
+# a warm interpreter (see .warm): forks rank processes
+# ---------------------------------------------------------------------------
+def serve(fd: int) -> None:
+    """The warm interpreter's loop: fork a rank process per request, report each one's exit status."""
+    # (this module's imports are the ones every rank process would pay for)
+    ctrl = socket.socket(fileno=fd)
+    threads = _thread_count()
+    ctrl.send(warm.MSG.pack(b"R", os.getpid(), 0))
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([ctrl], [], [], 0.05)
+        for pid, code in _reap(children):
+            ctrl.send(warm.MSG.pack(b"X", pid, code))
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(ctrl, warm.MAX_REQUEST, 8)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the coordinator is gone: so are its rank processes
+            for pid in children:
+                try:
+                    os.killpg(pid, 9)
+                except OSError:
+                    pass
+            os._exit(0)
+        env, preload = pickle.loads(data)
+        _preload(preload)
+        now = _thread_count()
+        threads = min(threads, now)  # (a thread torch starts at import may end later)
+        if now > threads:  # an import started a thread: forking now could copy a lock it holds
+            for f in fds:
+                os.close(f)
+            ctrl.send(warm.MSG.pack(b"T", 0, _thread_count()))
+            os._exit(3)
+        pid = os.fork()
+        if pid == 0:
+            _rank_process(ctrl, env, fds)  # never returns
+        for f in fds:
+            os.close(f)
+        children.add(pid)
+        ctrl.send(warm.MSG.pack(b"P", pid, 0))
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _preload(names: list[str]) -> None:
+    """Import, once in the warm interpreter, the libraries earlier rank processes imported (see :func:`library_modules`)."""
+    import importlib
+
+    for name in names:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001  a rank process that needs it imports it itself (and sees why not)
+                pass
+
+
+def library_modules(names: set[str] | list[str]) -> list[str]:
+    """The modules of ``names`` that are libraries (the standard library, site-packages, tensorplay, the simulator).
+
+    A warm interpreter may import these before it forks: their import does not depend on the rank.  The
+    program's own modules (its script, its tests) are never imported ahead: their top level runs in each
+    rank process, as under torchrun.
+    """
+    import sysconfig
+
+    roots = tuple(os.path.realpath(p) + os.sep for p in {sysconfig.get_paths()[k] for k in
+                                                          ("stdlib", "platstdlib", "purelib", "platlib")})
+    ours = ("tensorplay", "simulator", "conformance")
+    out = []
+    for name in sorted(names):
+        if name in ("__main__", "__mp_main__"):
+            continue
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None)
+        if name.split(".")[0] in ours or (path and os.path.realpath(path).startswith(roots)):
+            out.append(name)
+    return out
+
+
+def _reap(children: set[int]) -> list[tuple[int, int]]:
+    """``(pid, returncode)`` of the rank processes that ended (returncode as Popen's: -signal or the exit code)."""
+    done = []
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid in children:
+            children.discard(pid)
+            done.append((pid, os.waitstatus_to_exitcode(status)))
+    return done
+
+
+def _rank_process(ctrl: socket.socket, env: dict[str, str], fds: list[int]) -> None:
+    """In the forked child: become a rank process (own session, own environment, the caller's stdio) and run."""
+    code = 1
+    try:
+        import ctypes
+        import signal
+
+        os.setsid()  # the coordinator stops a rank and what it started with one killpg
+        ctrl.close()
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # dies with its warm interpreter, and so with the coordinator
+        except Exception:  # noqa: BLE001
+            pass
+        chan, *stdio = fds
+        for target, f in zip((0, 1, 2), stdio):
+            os.dup2(f, target)
+            os.close(f)
+        os.environ.clear()
+        os.environ.update(env)
+        main(chan)
+        code = 0
+        _finalize()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _finalize() -> None:
+    """What an interpreter does when its main module ends: join non-daemon threads, run atexit handlers."""
+    import atexit as _atexit
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    finally:
+        _atexit._run_exitfuncs()

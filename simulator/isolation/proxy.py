@@ -35,22 +35,12 @@ from tensorplay.distributed.group import ProcessGroup
 from ..cost import _step_hook
 from ..errors import RankExitError, SimTimeoutError
 from ..state import current_rank_state
-from . import _wire
+from . import _wire, warm
 from ._wire import Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
-# the death signal is armed before the slow imports, and the parent checked after arming it: a rank process never
-# outlives the calling process, even one that dies while the rank is still starting
-_CHILD = ("import ctypes, os, signal, sys\n"
-          "try:\n"
-          "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)\n"
-          "except Exception:\n"
-          "    pass\n"
-          "if os.getppid() != int(sys.argv[2]):\n"
-          "    os._exit(1)\n"
-          "from simulator.isolation.child import main\n"
-          "main()\n")
+_CHILD = warm.PROLOGUE + "from simulator.isolation.child import main\nmain()\n"  # a rank process spawned afresh
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
 _STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
 
@@ -110,9 +100,9 @@ class _Rank:
     """The coordinator's handle on one rank process."""
 
     __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers",
-                 "pending")
+                 "pending", "server")
 
-    def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, hseed: int) -> None:
+    def __init__(self, rank: int, proc: "subprocess.Popen | warm.Forked", conn: Connection, hseed: int) -> None:
         self.rank = rank
         self.proc = proc
         self.conn = conn
@@ -125,6 +115,7 @@ class _Rank:
         self.fd_sock: socket.socket | None = None
         self.optimizers: dict[int, object] = {}  # the rank process's optimizers, by id there
         self.pending: tuple | None = None  # a message that arrived instead of "ready"
+        self.server: Any = None  # the warm interpreter it was forked from (None: spawned afresh)
 
 
 class ProcessRanks:
@@ -165,19 +156,30 @@ class ProcessRanks:
         master_port = str(_free_port())
         self.ranks: list[_Rank] = []
         try:
+            envs = [self._env(r, master_port) for r in range(self.n)]
+            servers = warm.POOL.servers(envs) if warm.enabled() else [None] * self.n
             for r in range(self.n):
-                env = self._env(r, master_port)
+                env = envs[r]
                 parent, child = socket.socketpair()
                 try:
-                    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno()), str(os.getpid())],
-                                            pass_fds=(child.fileno(),), env=env, start_new_session=True)
+                    proc: Any = None
+                    if servers[r] is not None:  # a fork of the warm interpreter of this hash seed (see .warm)
+                        try:
+                            proc = servers[r].fork(child.fileno(), env)  # type: ignore[union-attr]
+                        except OSError:
+                            proc = None
+                    if proc is None:
+                        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(child.fileno()), str(os.getpid())],
+                                                pass_fds=(child.fileno(),), env=env, start_new_session=True)
                 finally:
                     child.close()
                 conn = Connection(parent.detach())
                 self.ranks.append(_Rank(r, proc, conn, self.hash_seeds[r]))
+                if isinstance(proc, warm.Forked):
+                    self.ranks[-1].server = servers[r]
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
                            "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
-                           "store": ("127.0.0.1", self.store.port)})
+                           "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked)})
             self._await_ready()
         except BaseException:
             self.close()
@@ -224,7 +226,6 @@ class ProcessRanks:
         st = _state.current()
         me.groups[0] = st.world  # type: ignore[union-attr]
         backend = rs.backend  # type: ignore[union-attr]
-        conn = me.conn
         while True:
             msg, me.pending = (me.pending, None) if me.pending is not None else (self._recv(rs, me), None)
             kind = msg[0]
@@ -263,6 +264,9 @@ class ProcessRanks:
                 rs.cpu_mark = time.thread_time() - msg[2]
                 _step_hook(me.optimizers.setdefault(msg[1], object()), (), {})
                 self._send(me, ("ok", None))
+            elif kind == "modules":
+                if me.server is not None:
+                    warm.POOL.learn(me.server, msg[1])
             elif kind == "result":
                 rs.cpu_mark = time.thread_time() - msg[2]  # the compute after the last operation: charged at exit
                 return pickle.loads(msg[1])

@@ -84,11 +84,11 @@ class Backend:
 SIM = Backend("sim", "sim", simulated=True, in_process=True, max_world=8, modes=("coop", "threads"),
               sim_run=_sim_run(None))
 GLOO = Backend("gloo", "gloo", simulated=False, in_process=False, max_world=4, pool=True)
-#: the process-isolated simulator (issue 14): every behaviour test runs on it too, in the slow tier (a
-#: world of rank interpreters takes seconds to start: about 10 s a test on 2 shared cores), coop schedule,
-#: W <= 3.  ``python -m pytest -m slow -k sim-process tests/test_p2p.py`` runs them.
-SIM_PROCESS = Backend("sim-process", "sim", simulated=True, in_process=False, max_world=3,
-                      modes=("coop",), sim_run=_sim_run("process"), timeout_s=60.0, slow=True)
+#: the process-isolated simulator (issue 14): every behaviour test runs on it too, coop schedule, W <= 4.
+#: Rank processes are forks of warm interpreters (simulator.isolation.warm), so a world starts in about
+#: 0.1 s once this test process has run one (the first pays for an interpreter and ``import torch`` per rank).
+SIM_PROCESS = Backend("sim-process", "sim", simulated=True, in_process=False, max_world=4,
+                      modes=("coop",), sim_run=_sim_run("process"), timeout_s=60.0)
 
 #: every backend the behaviour tests run on; one entry per backend
 BACKENDS: list[Backend] = [

@@ -1,0 +1,277 @@
+"""Warm interpreters for rank processes: one fork server per ``PYTHONHASHSEED``, forked once per rank and run.
+
+Starting a rank process means an interpreter and ``import torch``: about two
+seconds of CPU each, which made a process-isolated world cost seconds per run.
+The hash seed is fixed when an interpreter starts, so a classic fork server
+(one warm parent for every child) would give every rank the same hash order.
+Instead this module keeps one *warm interpreter* per hash seed and start
+environment: started once (with that ``PYTHONHASHSEED``), it imports torch and
+the simulator, then never runs a program; each rank process of each run is a
+fresh ``fork()`` of it.  A rank process therefore starts clean — its own
+globals, singletons and hash order, nothing left by an earlier run — in
+milliseconds.
+
+What differs from a freshly spawned interpreter: torch, tensorplay and the
+simulator are already imported when the program starts.  The environment a
+library reads when it is loaded (``OMP_NUM_THREADS`` for OpenMP, say) is the
+one the warm interpreter was started with, which is why the environment is part
+of its key; only the per-rank variables (``RANK``, ``MASTER_PORT``, ...) are
+set after the fork.  ``TENSORPLAY_SIM_WARM=0`` spawns every rank process
+afresh instead.
+
+Lifetimes: a warm interpreter dies with the process that started it (Linux's
+parent-death signal, and the end of its control socket); a rank process dies
+with its warm interpreter, which reports each rank's exit status to the
+coordinator (:class:`Forked` is its ``Popen``-like handle).  The warm
+interpreter's loop is :func:`simulator.isolation.child.serve`; this module is the
+coordinator's side.
+
+Warm interpreters also learn: a rank process reports the libraries it imported
+(:func:`~simulator.isolation.child.library_modules`: the standard library,
+site-packages, tensorplay and the simulator, never the program's own modules),
+and its warm interpreter imports them before its next fork, unless an import
+would start a thread (a fork copies no thread and might copy a lock one held).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "enabled"]
+
+#: variables that differ between the ranks or the runs of one world (and pytest's name of the running test):
+#: not part of a warm interpreter's key, set in the rank process after the fork
+PER_RANK_ENV = frozenset({"PYTEST_CURRENT_TEST",
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+
+_MAX_WARM = 16  # warm interpreters kept (each about the memory of an interpreter with torch imported)
+_START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and ``import torch``)
+_REPLY_S = 30.0  # bound on the answer to a fork request
+MAX_REQUEST = 1 << 17  # bytes of one fork request (its environment and the libraries to import ahead)
+MSG = struct.Struct("<cqq")  # (kind, pid, status): b"R" ready, b"P" forked pid, b"X" pid exited with returncode
+
+#: the first lines of every process the simulator starts as ``python -c ... <fd> <coordinator pid>``: the
+#: parent-death signal is armed before the slow imports, and the parent checked after arming it, so the process
+#: never outlives the coordinator, even one that dies while it is still starting
+PROLOGUE = ("import ctypes, os, signal, sys\n"
+            "try:\n"
+            "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)\n"
+            "except Exception:\n"
+            "    pass\n"
+            "if os.getppid() != int(sys.argv[2]):\n"
+            "    os._exit(1)\n")
+_SERVER = PROLOGUE + "from simulator.isolation.child import serve\nserve(int(sys.argv[1]))\n"
+
+
+def enabled() -> bool:
+    """Whether rank processes are forked from warm interpreters (Linux, unless ``TENSORPLAY_SIM_WARM=0``)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "fork")
+            and os.environ.get("TENSORPLAY_SIM_WARM", "1") not in ("0", "false", "no", "off"))
+
+
+# ---------------------------------------------------------------------------
+# the coordinator's side
+# ---------------------------------------------------------------------------
+class Forked:
+    """A ``subprocess.Popen``-like handle on a rank process forked by a warm interpreter."""
+
+    def __init__(self, server: "_Server", pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+
+class _Server:
+    """The coordinator's handle on one warm interpreter."""
+
+    def __init__(self, proc: subprocess.Popen, ctrl: socket.socket) -> None:
+        self.proc = proc
+        self.ctrl = ctrl
+        self.lock = threading.Lock()
+        self.ready = False
+        self.exits: dict[int, int] = {}
+        self.forked: list[int] = []
+        self.preload: list[str] = []  # libraries its rank processes imported: imported ahead of the next fork
+        self.sent = 0  # how many of them it was asked to import
+        self.batch: list[str] = []  # the ones of the last request
+        self.tainted = False  # an import ahead started a thread: it refused to fork and ended
+
+    def _read(self, timeout: float) -> tuple[bytes, int, int] | None:
+        """One message from the warm interpreter within ``timeout`` s (None: none yet; EOFError: it is gone)."""
+        r, _, _ = select.select([self.ctrl], [], [], timeout)
+        if not r:
+            return None
+        data = self.ctrl.recv(MSG.size)
+        if not data:
+            raise EOFError
+        kind, pid, status = MSG.unpack(data)
+        if kind == b"X":
+            self.exits[pid] = status
+        elif kind == b"R":
+            self.ready = True
+        return kind, pid, status
+
+    def await_ready(self, deadline: float) -> bool:
+        with self.lock:
+            try:
+                while not self.ready and time.monotonic() < deadline:
+                    if self._read(0.2) is None and self.proc.poll() is not None:
+                        return False
+            except (EOFError, OSError):
+                return False
+            return self.ready
+
+    def fork(self, chan: int, env: dict[str, str]) -> Forked:
+        import pickle
+
+        with self.lock:
+            preload = self.preload[self.sent:]
+            data = pickle.dumps((env, preload))
+            while len(data) > MAX_REQUEST and preload:  # the rest goes with the next forks
+                preload = preload[:len(preload) // 2]
+                data = pickle.dumps((env, preload))
+            self.batch = preload
+            self.sent += len(preload)
+            socket.send_fds(self.ctrl, [data], [chan, 0, 1, 2])
+            deadline = time.monotonic() + _REPLY_S + (_START_S if preload else 0.0)
+            while time.monotonic() < deadline:
+                msg = self._read(0.2)
+                if msg is not None and msg[0] == b"P":
+                    self.forked.append(msg[1])
+                    return Forked(self, msg[1])
+                if msg is not None and msg[0] == b"T":
+                    self.tainted = True
+                    break
+                if self.proc.poll() is not None:
+                    break
+            raise OSError("the warm interpreter did not fork a rank process")
+
+    def exit_status(self, pid: int) -> int | None:
+        with self.lock:
+            try:
+                while self._read(0) is not None:
+                    pass
+            except (EOFError, OSError):
+                if pid not in self.exits:  # the warm interpreter died: so did its rank processes (parent-death signal)
+                    self.exits[pid] = -9
+            return self.exits.pop(pid, None)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.tainted
+
+    def close(self) -> None:
+        try:
+            self.ctrl.close()  # the warm interpreter kills its rank processes and exits
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
+
+
+class WarmPool:
+    """Warm interpreters by (hash seed, start environment), at most ``_MAX_WARM`` of them (least recently used go)."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple, _Server] = {}
+        self._refused: set[str] = set()  # modules whose import ahead started a thread
+        self._lock = threading.Lock()
+        self._starter: threading.Thread | None = None
+        self._requests: "queue.Queue[tuple[list[str], dict[str, str], socket.socket, queue.Queue]]" = queue.Queue()
+
+    def _start_thread(self) -> None:
+        # The parent-death signal fires when the *thread* that started a process ends, so warm interpreters are
+        # started by one thread that lives as long as this process.
+        def starter() -> None:
+            while True:
+                argv, env, child, reply = self._requests.get()
+                try:
+                    reply.put(subprocess.Popen(argv, pass_fds=(child.fileno(),), env=env, start_new_session=True))
+                except BaseException as e:  # noqa: BLE001
+                    reply.put(e)
+
+        self._starter = threading.Thread(target=starter, name="sim-warm-starter", daemon=True)
+        self._starter.start()
+
+    def _spawn(self, env: dict[str, str]) -> _Server:
+        if self._starter is None:
+            self._start_thread()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        reply: "queue.Queue[Any]" = queue.Queue()
+        try:
+            self._requests.put(([sys.executable, "-c", _SERVER, str(child.fileno()), str(os.getpid())], env, child,
+                                reply))
+            proc = reply.get(timeout=60.0)
+        finally:
+            child.close()
+        if isinstance(proc, BaseException):
+            parent.close()
+            raise proc
+        return _Server(proc, parent)
+
+    def servers(self, envs: list[dict[str, str]]) -> list[_Server | None]:
+        """A ready warm interpreter for each start environment (None where one could not be started)."""
+        keys = [tuple(sorted((k, v) for k, v in env.items() if k not in PER_RANK_ENV)) for env in envs]
+        out: list[_Server] = []
+        with self._lock:
+            for key in keys:
+                s = self._servers.pop(key, None)
+                if s is None or not s.alive():
+                    carry: list[str] = []
+                    if s is not None:
+                        if s.tainted:  # importing its last batch ahead started a thread: never again
+                            self._refused.update(s.batch)
+                        carry = [n for n in s.preload if n not in self._refused]
+                        s.close()
+                    s = self._spawn(dict(key))
+                    s.preload = carry
+                self._servers[key] = s  # most recently used last
+                out.append(s)
+            while len(self._servers) > max(_MAX_WARM, len(set(keys))):
+                old = self._servers.pop(next(iter(self._servers)))
+                old.close()
+        deadline = time.monotonic() + _START_S
+        return [s if s.await_ready(deadline) else None for s in out]
+
+    def learn(self, server: _Server, names: list[str]) -> None:
+        """Rank processes of ``server`` imported ``names``: its next fork (and new ones) imports them ahead."""
+        with self._lock:
+            known = set(server.preload)
+            server.preload.extend(n for n in names if n not in known and n not in self._refused)
+
+    def close(self) -> None:
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), {}
+        for s in servers:
+            s.close()
+
+
+#: the pool of this process (closed at exit; its warm interpreters would die with the process anyway)
+POOL = WarmPool()
+atexit.register(POOL.close)
