@@ -104,13 +104,21 @@ def _where(rs: Any, depth: int = 3) -> str:
     import sys
     import traceback
 
+    if rs.where is not None:  # the rank's program runs in its own process: that process says where
+        return format_frames(rs.where(), depth)
     t = rs.thread
     frame = sys._current_frames().get(t.ident) if t is not None and t.ident is not None else None
     if frame is None:
         return "?"
-    frames = [f for f in traceback.extract_stack(frame)
-              if "/simulator/" not in f.filename and "/threading.py" not in f.filename]
-    return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+    return format_frames([(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)], depth)
+
+
+def format_frames(frames: list[tuple[str, int, str]], depth: int = 3) -> str:
+    """``file.py:12 in fn <- ...``: the ``depth`` innermost frames of the program (the simulator's are left out)."""
+    mine = [f for f in frames if "/simulator/" not in f[0] and "/threading.py" not in f[0]]
+    if not mine:
+        return "?"
+    return " <- ".join(f"{name.rsplit('/', 1)[-1]}:{line} in {fn}" for name, line, fn in reversed(mine[-depth:]))
 
 
 def describe_world(run: "Run", headline: str, timeout: bool = False) -> str:

@@ -70,7 +70,7 @@ class RankState:
     __slots__ = (
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
-        "unflushed", "p2p_seq", "last_site", "thread", "tid", "steered", "parent", "waits_exit",
+        "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -98,6 +98,9 @@ class RankState:
         self.p2p_seq = 0
         self.last_site = "?"
         self.thread: threading.Thread | None = None
+        #: where the rank's program is now, as ``(file, line, function)`` frames, when it runs outside ``thread``
+        #: (a rank process: its proxy asks it); None: look at ``thread``
+        self.where: Callable[[], list[tuple[str, int, str]]] | None = None
         self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
         self.steered = False
         #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)

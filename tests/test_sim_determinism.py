@@ -1,5 +1,10 @@
 """Seeds fix the schedule: same seed -> same trace and results; different seeds -> different orders;
-every rank has its own RNG state like a fresh process."""
+every rank has its own RNG state like a fresh process.
+
+Tests about the schedule and the ranks' seeds run on thread ranks and on rank processes
+(``isolation``); a new run seed means new hash seeds, so new warm interpreters (seconds each), and the
+process params take fewer seeds.  Tests of the thread scheduler's own machinery (RNG hand-offs, CPU
+affinity) are about thread ranks only."""
 from __future__ import annotations
 
 import os
@@ -10,6 +15,7 @@ import torch
 
 import simulator
 import tensorplay as tp
+from simulator.isolation import ISOLATIONS
 import tensorplay.distributed as dist
 
 
@@ -33,10 +39,12 @@ def _racy():
     return out, x
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_same_seed_same_trace_and_results(seed):
-    trace = simulator.check_reproducible(_racy, 4, seed=seed)
+@pytest.mark.parametrize("isolation,seed", [("thread", s) for s in range(20)] + [("process", s) for s in (0, 7)])
+def test_same_seed_same_trace_and_results(isolation, seed):
+    trace = simulator.check_reproducible(_racy, 4, seed=seed, isolation=isolation)
     assert len(trace.events) > 0
+    if isolation == "process":  # the same schedule as thread ranks: the same trace
+        assert trace.signature() == simulator.check_reproducible(_racy, 4, seed=seed).signature()
 
 
 def test_different_seeds_explore_different_any_source_orders():
@@ -70,6 +78,7 @@ def test_explore_counts_distinct_schedules():
 
 
 def test_not_reproducible_is_detected():
+    """Thread ranks only: state shared between two runs lives in this process (a rank process starts afresh)."""
     import itertools
 
     counter = itertools.count()  # state shared across runs: the second run differs from the first
@@ -96,11 +105,12 @@ def _rng_draws():
     return torch.initial_seed(), a, b, random.random()
 
 
-def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch):
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch, isolation):
     """Real processes of an unseeded program start from different random seeds; so do simulated ranks."""
     monkeypatch.setattr(simulator.seeds, "_program_seeded", lambda: False)
     before = torch.get_rng_state()
-    res = simulator.run(_rng_draws, 4, seed=1)
+    res = simulator.run(_rng_draws, 4, seed=1, isolation=isolation)
     assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is untouched
     seeds = [s for s, _, _, _ in res]
     assert seeds == [simulator.seeds.rank_seed(1, r) for r in range(4)]
@@ -109,19 +119,20 @@ def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch):
         g = torch.Generator().manual_seed(seed)
         assert torch.equal(a, torch.rand(3, generator=g)) and torch.equal(b, torch.rand(1, generator=g))
     assert len({p for _, _, _, p in res}) == 4  # `random` differs per rank (seeded from seed and rank)
-    again = simulator.run(_rng_draws, 4, seed=1)
+    again = simulator.run(_rng_draws, 4, seed=1, isolation=isolation)
     assert [x[0] for x in again] == seeds and [x[3] for x in again] == [x[3] for x in res]
-    assert [x[0] for x in simulator.run(_rng_draws, 4, seed=2)] != seeds
+    assert [x[0] for x in simulator.run(_rng_draws, 4, seed=2, isolation=isolation)] != seeds
 
 
-def test_program_seeded_before_the_run_seeds_every_rank(monkeypatch):
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_program_seeded_before_the_run_seeds_every_rank(monkeypatch, isolation):
     """A torch.manual_seed the program ran before the world started would have run in every real process."""
     monkeypatch.setattr(simulator.seeds, "_program_seeded", lambda: True)
     before = torch.get_rng_state()
     try:
         torch.manual_seed(1234)
         expected = torch.rand(3, generator=torch.Generator().manual_seed(1234))
-        res = simulator.run(_rng_draws, 3)
+        res = simulator.run(_rng_draws, 3, isolation=isolation)
     finally:
         torch.set_rng_state(before)
     for seed, a, b, _ in res:
@@ -150,10 +161,12 @@ def test_seed_detection_in_a_fresh_process(how):
         assert len(set(draws)) == 3
 
 
-def test_threads_mode_gives_same_results():
+def test_threads_mode_and_rank_processes_give_same_results():
     coop = simulator.run(_racy, 4, seed=0)
     thr = simulator.run(_racy, 4, mode="threads")
     assert all(torch.equal(a[1], b[1]) for a, b in zip(coop, thr))
+    procs = simulator.run(_racy, 4, seed=0, isolation="process")  # same seed, same schedule: equal throughout
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(coop, procs))
 
 
 def _draws(interleave: bool) -> list[float]:
@@ -168,14 +181,16 @@ def _draws(interleave: bool) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 5])
-def test_python_random_streams_survive_hand_offs(seed):
+@pytest.mark.parametrize("isolation,seed", [("thread", 0), ("thread", 5), ("process", 0)])
+def test_python_random_streams_survive_hand_offs(isolation, seed):
     """A rank's `random` stream (gauss's cached value included) is the same whether or not other ranks draw
-    between its draws, and differs between ranks."""
-    alone = simulator.run(_draws, 4, args=(False,), seed=seed)
-    mixed = simulator.run(_draws, 4, args=(True,), seed=seed)
+    between its draws, differs between ranks, and is the same on thread ranks and in rank processes."""
+    alone = simulator.run(_draws, 4, args=(False,), seed=seed, isolation=isolation)
+    mixed = simulator.run(_draws, 4, args=(True,), seed=seed, isolation=isolation)
     assert mixed == alone
     assert len({tuple(d) for d in mixed}) == 4
+    if isolation == "process":
+        assert mixed == simulator.run(_draws, 4, args=(True,), seed=seed)
 
 
 @pytest.mark.parametrize("fast", [True, False])

@@ -16,14 +16,31 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.distributed import DistError, DistTimeoutError, ReduceOp
 from tensorplay.distributed import _state
+from simulator.isolation import ISOLATIONS
 
 HERE = "test_sim_failures.py:"
-MODES = ["coop", "threads"]
+#: how the ranks run: a schedule of thread ranks, or rank processes (isolation="process", coop schedule)
+MODES = ["coop", "threads", "process"]
+
+
+def _how(mode: str) -> dict:
+    """``simulator.World`` keywords of a ``MODES`` entry."""
+    return {"mode": "coop", "isolation": "process"} if mode == "process" else {"mode": mode}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_rank_processes():
+    """Start the warm interpreters of rank processes once: the tests time detection, not interpreter start-up."""
+    simulator.run(_noop, 4, isolation="process")
+
+
+def _noop() -> None:
+    return None
 
 
 def _fail(fn, w, mode, cls, **kw):
     """Run ``fn``, expect ``cls`` from run(); return (exception, world, seconds)."""
-    world = simulator.World(w, mode=mode, timeout=kw.pop("timeout", 20), **kw)
+    world = simulator.World(w, timeout=kw.pop("timeout", 20), **_how(mode), **kw)
     t0 = time.monotonic()
     with pytest.raises(cls) as ei:
         world.run(fn)
@@ -101,14 +118,15 @@ def test_mismatch_raised_on_every_rank_with_table(kind, mode):
     assert "Fix:" in msg
 
 
-def test_mismatch_in_subgroup_names_only_members():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_mismatch_in_subgroup_names_only_members(isolation):
     def fn():
         g = dist.new_group([3, 1, 2])
         r = dist.get_rank()
         if r in (1, 2, 3):
             dist.all_reduce(tp.ones(2 if r != 3 else 4), group=g)
 
-    e, world, _ = _fail(fn, 4, "coop", simulator.CollectiveMismatchError)
+    e, world, _ = _fail(fn, 4, "process" if isolation == "process" else "coop", simulator.CollectiveMismatchError)
     assert "on group [1, 2, 3]" in str(e)
     assert world.errors[0] is None or isinstance(world.errors[0], simulator.RankFailedError)
     assert all(isinstance(world.errors[r], simulator.CollectiveMismatchError) for r in (1, 2, 3))
@@ -179,14 +197,15 @@ def test_deadlock_in_async_wait(mode):
     assert "rank 1 waits in recv from rank 0" in msg
 
 
-def test_deadlock_names_a_skipped_backward():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_deadlock_names_a_skipped_backward(isolation):
     def fn():
         x = tp.ones(2)
         if dist.get_rank() == 0:
             with _state.backward_of("reduce"):
                 dist.broadcast(x, src=0)
 
-    e, _, _ = _fail(fn, 2, "coop", simulator.DeadlockError)
+    e, _, _ = _fail(fn, 2, "process" if isolation == "process" else "coop", simulator.DeadlockError)
     msg = str(e)
     assert "rank 1 returned without running the backward of reduce" in msg
     assert "broadcast #1 on group [0, 1]" in msg
@@ -208,23 +227,28 @@ def test_rank_failure_releases_everyone_and_reraises_original(mode):
     assert dt < 1.0
     assert str(e) == "boom on two" and e.rank == 2
     assert any("raised on rank 2" in n for n in e.__notes__)
-    # the original traceback survives: its last frame is the raise in fn
-    tb = e.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    assert tb.tb_frame.f_code.co_name == "fn"
+    # the original traceback survives: its last frame is the raise in fn (a rank process's, as a note)
+    if mode == "process":
+        note = next(n for n in e.__notes__ if "traceback in rank 2's process" in n)
+        assert note.rstrip().endswith("ValueError: boom on two") and ', in fn\n' in note
+    else:
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        assert tb.tb_frame.f_code.co_name == "fn"
     others = [world.errors[r] for r in (0, 1, 3)]
     assert all(isinstance(x, simulator.RankFailedError) for x in others), others
     assert all(x.failed_rank == 2 and x.__cause__ is e for x in others)
     assert "rank 2 failed with ValueError: boom on two" in str(others[0])
 
 
-def test_independent_failures_form_an_exception_group():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_independent_failures_form_an_exception_group(isolation):
     def fn():
         raise KeyError(dist.get_rank())
 
     with pytest.raises(ExceptionGroup) as ei:
-        simulator.run(fn, 3)
+        simulator.run(fn, 3, isolation=isolation)
     assert sorted(x.rank for x in ei.value.exceptions) == [0, 1, 2]
     assert "3 ranks failed independently" in str(ei.value)
 
@@ -275,7 +299,7 @@ def test_sys_exit_zero_is_a_normal_return(mode):
             sys.exit(0)
         return x.item()
 
-    assert simulator.run(fn, 2, mode=mode) == [None, 2.0]
+    assert simulator.run(fn, 2, **_how(mode)) == [None, 2.0]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -315,6 +339,8 @@ def test_global_timeout_lists_who_arrived(mode):
 
 
 def test_rank_threads_still_running_after_a_timeout_are_named():
+    """Thread ranks only: a rank process still computing at the timeout is killed instead
+    (tests/test_sim_isolation.py::test_timeout_kills_a_rank_process_stuck_computing)."""
     def fn():
         if dist.get_rank() == 1:
             time.sleep(4.0)
@@ -325,7 +351,8 @@ def test_rank_threads_still_running_after_a_timeout_are_named():
     time.sleep(2.0)  # let the sleeping rank thread end before the next test
 
 
-def test_errors_after_failure_are_rank_failed_at_next_op():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_errors_after_failure_are_rank_failed_at_next_op(isolation):
     def fn():
         if dist.get_rank() == 0:
             raise RuntimeError("first")
@@ -335,7 +362,7 @@ def test_errors_after_failure_are_rank_failed_at_next_op():
             pass
         dist.barrier()  # the world stays failed
 
-    world = simulator.World(3)
+    world = simulator.World(3, isolation=isolation)
     with pytest.raises(RuntimeError, match="first"):
         world.run(fn)
     assert all(isinstance(world.errors[r], simulator.RankFailedError) for r in (1, 2))
@@ -355,21 +382,23 @@ def test_run_argument_errors():
         simulator.run(42, 2)
 
 
+@pytest.mark.parametrize("isolation", ISOLATIONS)
 @pytest.mark.parametrize("kw", [{"world_size": 3}, {"rank": 5}])
-def test_init_process_group_with_another_rank_or_world_size_is_refused(kw):
+def test_init_process_group_with_another_rank_or_world_size_is_refused(kw, isolation):
     """tensorplay's init_process_group on a simulated rank checks what the program names, as torch's does."""
     def fn():
         dist.init_process_group("gloo", **kw)
 
     with pytest.raises(dist.DistValueError) as ei:
-        simulator.run(fn, 2)
+        simulator.run(fn, 2, isolation=isolation)
     what, given = next(iter(kw.items()))
     assert f"{what}={given}" in str(ei.value) and "simulated_" in str(ei.value) and "--nproc-per-node" in str(ei.value)
 
 
-def test_init_process_group_with_this_ranks_values_returns():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_init_process_group_with_this_ranks_values_returns(isolation):
     def fn():
         dist.init_process_group("gloo", rank=dist.get_rank(), world_size=2)
         return dist.get_world_size()
 
-    assert simulator.run(fn, 2) == [2, 2]
+    assert simulator.run(fn, 2, isolation=isolation) == [2, 2]

@@ -488,12 +488,40 @@ class ScriptMain:
                 raise
 
 
+def _answer_where(conn: Connection, main_ident: int) -> None:
+    """Answer the proxy's "where is your program now?" (a timeout report) from a daemon thread of this process.
+
+    A request is a number; the answer is ``(number, [(file, line, function), ...])`` of the main thread's stack,
+    outermost first.  A thread, not a signal handler, so the program's own handlers are left alone.
+    """
+    def serve() -> None:
+        while True:
+            try:
+                n = conn.recv()
+            except (EOFError, OSError):
+                return
+            frame = sys._current_frames().get(main_ident)
+            stack = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)] if frame else []
+            starts = [i for i, f in enumerate(stack) if f[0] == __file__ and f[2] == "main"]
+            if starts:  # the program's frames: those below this module's main (not the start-up's)
+                stack = stack[starts[-1] + 1:]
+            try:
+                conn.send((n, stack))
+            except OSError:
+                return
+
+    threading.Thread(target=serve, name="tensorplay-sim-where", daemon=True).start()
+
+
 def main(fd: int | None = None) -> None:
     """Entry point of a rank process; ``fd`` (default ``argv[1]``) is its socket to the coordinator."""
     _die_with_parent()  # (armed already by the start-up command; again for a caller that did not)
     sock = socket.socket(fileno=int(sys.argv[1]) if fd is None else fd)
     conn = Connection(sock.detach())
     setup = _wire.recv(conn)
+    with socket.socket(fileno=os.dup(conn.fileno())) as raw:
+        _, fds, _, _ = socket.recv_fds(raw, 1, 1)  # the socket on which the proxy asks where this rank is
+    _answer_where(Connection(fds[0]), threading.get_ident())
     from multiprocessing import spawn
 
     from .. import isolation

@@ -100,7 +100,7 @@ class _Rank:
     """The coordinator's handle on one rank process."""
 
     __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers",
-                 "pending", "server")
+                 "pending", "server", "where", "asked")
 
     def __init__(self, rank: int, proc: "subprocess.Popen | warm.Forked", conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -116,6 +116,8 @@ class _Rank:
         self.optimizers: dict[int, object] = {}  # the rank process's optimizers, by id there
         self.pending: tuple | None = None  # a message that arrived instead of "ready"
         self.server: Any = None  # the warm interpreter it was forked from (None: spawned afresh)
+        self.where: Connection | None = None  # asks the process where its program is (see child._answer_where)
+        self.asked = 0
 
 
 class ProcessRanks:
@@ -180,6 +182,10 @@ class ProcessRanks:
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
                            "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
                            "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked)})
+                ask, answer = socket.socketpair()
+                with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
+                    socket.send_fds(raw, [b"w"], [answer.fileno()])
+                self.ranks[-1].where = Connection(ask.detach())
             self._await_ready()
         except BaseException:
             self.close()
@@ -225,6 +231,7 @@ class ProcessRanks:
         me = self.ranks[rs.rank]  # type: ignore[union-attr]
         st = _state.current()
         me.groups[0] = st.world  # type: ignore[union-attr]
+        rs.where = lambda: self._where(me)  # type: ignore[union-attr]  (a timeout report shows the process's stack)
         backend = rs.backend  # type: ignore[union-attr]
         while True:
             msg, me.pending = (me.pending, None) if me.pending is not None else (self._recv(rs, me), None)
@@ -302,6 +309,23 @@ class ProcessRanks:
             me.works[wid] = value
             return wid
         return value
+
+    @staticmethod
+    def _where(me: _Rank) -> list[tuple[str, int, str]]:
+        """The rank process's main-thread stack now (empty if it does not answer within a second)."""
+        if me.where is None:
+            return []
+        me.asked += 1
+        try:
+            me.where.send(me.asked)
+            deadline = time.monotonic() + 1.0
+            while me.where.poll(max(0.0, deadline - time.monotonic())):
+                n, stack = me.where.recv()
+                if n == me.asked:  # (an answer that came too late for an earlier question is dropped)
+                    return stack
+        except (EOFError, OSError):
+            pass
+        return []
 
     def _map_shared(self, me: _Rank, shared: list[tuple[int, int]]) -> None:
         if me.fd_sock is None:
@@ -427,6 +451,8 @@ class ProcessRanks:
         for me in self.ranks:
             try:
                 me.conn.close()  # a process still waiting for an answer sees the end of its channel
+                if me.where is not None:
+                    me.where.close()
                 if me.fd_sock is not None:
                     me.fd_sock.close()
             except OSError:
