@@ -301,7 +301,14 @@ def _rank_entry(procs: list[mp_process.BaseProcess]) -> None:
 
 
 def format_rank_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback without the simulator's and runpy's frames: the rank's (or launcher's) own code."""
+    """``exc``'s traceback without the simulator's and runpy's frames: the rank's (or launcher's) own code.
+
+    An exception raised in a rank process carries that process's traceback: it is the one shown.
+    """
+    remote = getattr(exc, "_tp_rank_traceback", None)
+    if isinstance(remote, str):
+        notes = [n for n in getattr(exc, "__notes__", ()) if remote.rstrip() not in n]
+        return remote + "".join(n + "\n" for n in notes)
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
     seen: set[int] = set()
     todo = [te]
@@ -324,7 +331,7 @@ def _internal_file(path: str) -> bool:
     if path.startswith("<frozen runpy"):
         return True
     path = os.path.abspath(path)
-    return (os.path.dirname(path) == _HERE or os.path.basename(path) == "runpy.py"
+    return (path.startswith(_HERE + os.sep) or os.path.basename(path) == "runpy.py"
             or path.endswith(os.path.join("multiprocessing", "process.py")))
 
 

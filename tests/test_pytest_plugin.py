@@ -1,4 +1,6 @@
-"""Acceptance tests of the simulator's pytest plugin (@pytest.mark.world_size), through pytester."""
+"""Acceptance tests of the simulator's pytest plugin (@pytest.mark.world_size), through pytester.
+
+Each runs with thread ranks and with rank processes (``--sim-isolation process``)."""
 from __future__ import annotations
 
 import pytest
@@ -42,37 +44,53 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def test_world_size_marker_runs_the_body_on_every_rank(suite: pytest.Pytester) -> None:
-    result = suite.runpytest("-k", "sum or plain", "-p", "no:cacheprovider")
+@pytest.fixture(params=["thread", "process"])
+def iso(request: pytest.FixtureRequest) -> list[str]:
+    """The plugin's isolation option for one param (the ``--sim-isolation`` arguments)."""
+    return ["--sim-isolation", request.param]
+
+
+def _isolations(slow_process: bool = False) -> list:
+    return [pytest.param(["--sim-isolation", "thread"], id="thread"),
+            pytest.param(["--sim-isolation", "process"], id="process",
+                         marks=[pytest.mark.slow] if slow_process else [])]
+
+
+def test_world_size_marker_runs_the_body_on_every_rank(suite: pytest.Pytester, iso: list[str]) -> None:
+    result = suite.runpytest("-k", "sum or plain", "-p", "no:cacheprovider", *iso)
     result.assert_outcomes(passed=2)
 
 
-def test_a_failure_names_the_rank_the_seed_and_how_to_replay(suite: pytest.Pytester) -> None:
-    result = suite.runpytest("-k", "rank_2", "--sim-seed", "7")
+def test_a_failure_names_the_rank_the_seed_and_how_to_replay(suite: pytest.Pytester, iso: list[str]) -> None:
+    result = suite.runpytest("-k", "rank_2", "--sim-seed", "7", *iso)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "rank two is bad" in out
     assert "failed on rank(s) [2] with seed=7, mode='coop'" in out
     assert "replay: pytest 'test_sim_suite.py::test_fails_on_rank_2' --sim-seed 7" in out
+    if iso[-1] == "process":
+        assert "--sim-isolation process" in out
 
 
-def test_the_seed_chooses_the_schedule_and_a_failing_seed_replays(suite: pytest.Pytester) -> None:
+# rank processes of six seeds: six sets of warm interpreters (the slow tier)
+@pytest.mark.parametrize("how", _isolations(slow_process=True))
+def test_the_seed_chooses_the_schedule_and_a_failing_seed_replays(suite: pytest.Pytester, how: list[str]) -> None:
     outcomes = {}
     for seed in range(6):
-        res = suite.runpytest("-k", "first_sender", "--sim-seed", str(seed))
+        res = suite.runpytest("-k", "first_sender", "--sim-seed", str(seed), *how)
         outcomes[seed] = res.ret == 0
     assert any(outcomes.values()) and not all(outcomes.values()), outcomes
     bad = next(s for s, ok in outcomes.items() if not ok)
-    first = suite.runpytest("-k", "first_sender", "--sim-seed", str(bad))
-    again = suite.runpytest("-k", "first_sender", "--sim-seed", str(bad))
+    first = suite.runpytest("-k", "first_sender", "--sim-seed", str(bad), *how)
+    again = suite.runpytest("-k", "first_sender", "--sim-seed", str(bad), *how)
     first.assert_outcomes(failed=1)
     again.assert_outcomes(failed=1)
     pick = [line for line in first.stdout.lines if "first sender was" in line]
     assert pick and pick == [line for line in again.stdout.lines if "first sender was" in line]
 
 
-def test_threads_mode_option(suite: pytest.Pytester) -> None:
-    result = suite.runpytest("-k", "sum", "--sim-mode", "threads")
+def test_threads_mode_option(suite: pytest.Pytester, iso: list[str]) -> None:
+    result = suite.runpytest("-k", "sum", "--sim-mode", "threads", *iso)
     result.assert_outcomes(passed=1)
 
 

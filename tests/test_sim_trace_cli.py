@@ -1,4 +1,6 @@
-"""Trace export, virtual time, fault replay, and `python -m simulator` scripts."""
+"""Trace export, virtual time, fault replay, and `python -m simulator` scripts.
+
+The tests that hold for every isolation take ``isolation``: thread ranks, and rank processes."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,11 @@ import tensorplay.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(params=["thread", "process"])
+def isolation(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 def _step():
     x = tp.ones(1000)
     dist.all_reduce(x)
@@ -29,8 +36,8 @@ def _step():
     return x.sum().item()
 
 
-def test_trace_records_every_op_and_exports_chrome_json(tmp_path):
-    simulator.run(_step, 3)
+def test_trace_records_every_op_and_exports_chrome_json(tmp_path, isolation):
+    simulator.run(_step, 3, isolation=isolation)
     tr = simulator.last_trace()
     assert {(e.rank, e.op) for e in tr.events} >= {(r, op) for r in range(3) for op in ("all_reduce", "all_gather")}
     ar = [e for e in tr.events if e.op == "all_reduce"]
@@ -52,7 +59,7 @@ def test_trace_records_every_op_and_exports_chrome_json(tmp_path):
     assert len([e for e in wall["traceEvents"] if e["ph"] == "X"]) == len(xs)
 
 
-def test_virtual_time_follows_the_alpha_beta_model():
+def test_virtual_time_follows_the_alpha_beta_model(isolation):
     cost = simulator.CostModel(latency_s=1e-3, bandwidth_Bps=1e6, compute_scale=0.0)
 
     def fn():
@@ -60,7 +67,7 @@ def test_virtual_time_follows_the_alpha_beta_model():
         dist.broadcast(tp.ones(250), src=0)
         dist.all_gather_into_tensor(tp.empty(1000), tp.ones(250))  # gathered: 4000 bytes
 
-    simulator.run(fn, 4, cost=cost)
+    simulator.run(fn, 4, cost=cost, isolation=isolation)
     tr = simulator.last_trace()
     n, a, b = 4, 1e-3, 1e6
     ar = 2 * (n - 1) * a + 2 * (n - 1) / n * 1000 / b
@@ -77,13 +84,13 @@ def test_virtual_time_follows_the_alpha_beta_model():
     assert "rank" in tr.format_summary()
 
 
-def test_delay_fault_makes_a_straggler_in_virtual_time():
+def test_delay_fault_makes_a_straggler_in_virtual_time(isolation):
     cost = simulator.CostModel(latency_s=0.0, bandwidth_Bps=1e12, compute_scale=0.0)
 
     def fn():
         dist.all_reduce(tp.ones(1))
 
-    simulator.run(fn, 3, cost=cost, faults=[simulator.Delay(rank=1, seconds=0.5)])
+    simulator.run(fn, 3, cost=cost, faults=[simulator.Delay(rank=1, seconds=0.5)], isolation=isolation)
     tr = simulator.last_trace()
     for e in tr.events:
         assert e.vend == pytest.approx(0.5)  # everyone waits for the straggler
@@ -91,7 +98,7 @@ def test_delay_fault_makes_a_straggler_in_virtual_time():
     assert waits[1] == pytest.approx(0.0, abs=1e-9) and waits[0] == pytest.approx(0.5)
 
 
-def test_crash_fault_replays_identically():
+def test_crash_fault_replays_identically(isolation):
     faults = simulator.random_faults(seed=5, world_size=4, max_at=4)
     assert faults == simulator.random_faults(seed=5, world_size=4, max_at=4)
 
@@ -101,7 +108,7 @@ def test_crash_fault_replays_identically():
 
     sigs = []
     for _ in range(2):
-        w = simulator.World(4, faults=faults)
+        w = simulator.World(4, faults=faults, isolation=isolation)
         with pytest.raises(simulator.InjectedFault) as ei:
             w.run(fn)
         sigs.append((ei.value.rank, str(ei.value), w.trace.signature()))
@@ -141,51 +148,55 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _cli(tmp_path, *args):
+def _cli(tmp_path, *args, isolation="thread"):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "simulator", *args[:-1], str(script), *args[-1]],
+    return subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, *args[:-1], str(script),
+                           *args[-1]],
                           capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
 
 
-def test_cli_runs_a_torchrun_script_with_per_rank_env(tmp_path):
+def test_cli_runs_a_torchrun_script_with_per_rank_env(tmp_path, isolation):
     trace = tmp_path / "run.json"
-    p = _cli(tmp_path, "--nproc-per-node", "3", "--seed", "4", "--trace", str(trace), ["--lr", "0.1"])
+    p = _cli(tmp_path, "--nproc-per-node", "3", "--seed", "4", "--trace", str(trace), ["--lr", "0.1"],
+             isolation=isolation)
     assert p.returncode == 0, p.stderr
     lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank="))
     assert lines == [f"rank={r} sum=3.0 argv=['--lr', '0.1']" for r in range(3)]
     assert json.loads(trace.read_text())["traceEvents"]
 
 
-def test_cli_failure_exits_non_zero_with_the_rank_traceback(tmp_path):
-    p = _cli(tmp_path, "--nproc-per-node", "3", "--mode", "threads", ["--fail"])
+def test_cli_failure_exits_non_zero_with_the_rank_traceback(tmp_path, isolation):
+    p = _cli(tmp_path, "--nproc-per-node", "3", "--mode", "threads", ["--fail"], isolation=isolation)
     assert p.returncode == 1
     assert "rank 1 failed (ValueError)" in p.stderr
     assert "rank one fails on purpose" in p.stderr and "train.py" in p.stderr
     # the replay hint is the command line (issue 16), the traceback is printed once, without "[rankN]:" prefixes
     assert "replay with python -m simulator --nproc-per-node 3 --seed 0 --mode threads" in p.stderr
+    if isolation == "process":
+        assert "--isolation process" in p.stderr
     assert p.stderr.count("ValueError: rank one fails on purpose") == 1
     assert "[rank" not in p.stderr
 
 
-def test_cli_rank_exit_status(tmp_path):
-    p = _cli(tmp_path, "--nproc-per-node", "3", ["--exit3"])
+def test_cli_rank_exit_status(tmp_path, isolation):
+    p = _cli(tmp_path, "--nproc-per-node", "3", ["--exit3"], isolation=isolation)
     assert p.returncode == 1
     assert "rank 2 exited with code 3" in p.stderr and "sys.exit(3)" in p.stderr
-    ok = _cli(tmp_path, "--nproc-per-node", "3", ["--exit0"])  # sys.exit(0) is a normal end of a rank
+    ok = _cli(tmp_path, "--nproc-per-node", "3", ["--exit0"], isolation=isolation)  # sys.exit(0) is a normal end of a rank
     assert ok.returncode == 0, ok.stderr
     assert len([line for line in ok.stdout.splitlines() if line.startswith("rank=")]) == 3
 
 
-def test_environ_is_restored_after_a_run():
+def test_environ_is_restored_after_a_run(isolation):
     before = os.environ
 
     def fn():
         return os.environ["RANK"], os.getenv("WORLD_SIZE")
 
-    out = simulator.run(fn, 2, torchrun_env=True)
+    out = simulator.run(fn, 2, torchrun_env=True, isolation=isolation)
     assert out == [("0", "2"), ("1", "2")]
     assert os.environ is before
 
@@ -248,7 +259,7 @@ def test_default_trace_is_bounded():
         simulator.World(2, trace_limit=-1)
 
 
-def test_torchrun_style_ranks_see_torchruns_environment(tmp_path):
+def test_torchrun_style_ranks_see_torchruns_environment(tmp_path, isolation):
     """The variables torchrun sets for each of several local processes, OMP_NUM_THREADS=1 included."""
     import json
     import os
@@ -260,7 +271,8 @@ def test_torchrun_style_ranks_see_torchruns_environment(tmp_path):
                       "'ROLE_NAME', 'TORCHELASTIC_RESTART_COUNT', 'TORCHELASTIC_MAX_RESTARTS', 'OMP_NUM_THREADS']\n"
                       "print(json.dumps({k: os.environ.get(k) for k in keys} | {'threads': torch.get_num_threads()}))\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", str(script)], env=env,
+    out = subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, "--nproc-per-node", "2",
+                          str(script)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["RANK"])

@@ -432,9 +432,16 @@ def _dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _rank_traceback(e: BaseException) -> str:
+    """``e``'s traceback as the program's: without the simulator's frames (nor runpy's, for a script)."""
+    from ..launch import format_rank_traceback
+
+    return format_rank_traceback(e)
+
+
 def _exception_message(e: BaseException) -> tuple:
     """``("raise", pickled or None, class name, text, traceback text)`` for an exception of the program."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    tb = _rank_traceback(e)
     try:
         data = _dumps(e)
         pickle.loads(data)
@@ -571,7 +578,7 @@ def main(fd: int | None = None) -> None:
                     fix="return tensors, numbers, strings or other picklable objects (or None) under "
                         "isolation='process'")))
         except SystemExit as e:
-            msg = ("exit", e.code if e.code is None or isinstance(e.code, int) else str(e.code))
+            msg = ("exit", e.code if e.code is None or isinstance(e.code, int) else str(e.code), _rank_traceback(e))
         except BaseException as e:  # noqa: BLE001  every failure is reported by the coordinator
             eid = getattr(e, "_tp_forwarded", None)
             msg = ("forwarded", eid) if eid is not None else _exception_message(e)

@@ -278,7 +278,10 @@ class ProcessRanks:
                 rs.cpu_mark = time.thread_time() - msg[2]  # the compute after the last operation: charged at exit
                 return pickle.loads(msg[1])
             elif kind == "exit":
-                raise SystemExit(msg[1])
+                exit_ = SystemExit(msg[1])
+                if len(msg) > 2:  # where the rank process exited (a CLI shows it as the rank's traceback)
+                    exit_._tp_rank_traceback = msg[2]  # type: ignore[attr-defined]
+                raise exit_
             elif kind == "forwarded":
                 raise me.errors[msg[1]]
             elif kind == "raise":
@@ -374,6 +377,7 @@ class ProcessRanks:
             exc = DistRuntimeError(f"{clsname}: {text}")
         exc.add_note(f"[simulator] traceback in rank {me.rank}'s process (pid {me.proc.pid}, "
                      f"PYTHONHASHSEED={me.hash_seed}):\n{tb.rstrip()}")
+        exc._tp_rank_traceback = tb  # type: ignore[attr-defined]  (launch.format_rank_traceback shows it instead)
         return exc
 
     def _recv(self, rs: Any, me: _Rank) -> tuple:
