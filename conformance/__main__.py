@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the ranks run: sim (threads, in-process; default), gloo (processes on loopback), "
                         "nccl (one GPU per rank)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="tensor device (default cpu)")
+    p.add_argument("--isolation", choices=("thread", "process"), default="thread",
+                   help="sim only: thread (ranks are threads of one process; default) or process (each rank its "
+                        "own process, with its own globals and PYTHONHASHSEED)")
     p.add_argument("--world-sizes", type=_world_sizes, default=DEFAULT_WORLD_SIZES, metavar="1,2,3,4",
                    help="world sizes to test (default 1,2,3,4)")
     p.add_argument("--collectives", type=_csv("collectives", COLLECTIVES), default=COLLECTIVES, metavar="NAMES",
@@ -128,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = SuiteConfig(
         backend=args.backend, device=args.device, impl=args.impl, dist_module=args.dist_module,
         world_sizes=args.world_sizes, collectives=args.collectives, ops=args.ops, examples=args.examples,
-        seed=args.seed, timeout=args.timeout, workers=args.workers, cases=cases,
+        seed=args.seed, timeout=args.timeout, workers=args.workers, cases=cases, isolation=args.isolation,
         command="python -m conformance " + " ".join(shlex.quote(a) for a in raw),
     )
     try:

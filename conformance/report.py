@@ -36,6 +36,10 @@ def repro_command(case: Case, config: dict[str, Any]) -> str:
         parts.append(f"--dist-module {config['dist_module']}")
     if config.get("timeout_given"):
         parts.append(f"--timeout {config['timeout']:g}")
+    if config.get("isolation", "thread") != "thread":
+        parts.append(f"--isolation {config['isolation']}")
+        if config.get("seed", 0):  # the rank processes' hash seeds derive from the suite's seed
+            parts.append(f"--seed {config['seed']}")
     parts.append(f"--case '{case.id()}'")
     return " ".join(parts)
 

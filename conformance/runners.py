@@ -125,10 +125,24 @@ class Runner:
 
 
 class SimRunner(Runner):
-    """Every case in a fresh simulated world (threads in this process)."""
+    """Every case in a fresh simulated world (threads in this process, or rank processes).
+
+    With ``isolation="process"`` every rank runs in its own process; the rank processes' hash seeds derive
+    from the suite's seed (``hash_seed``), not the case's, so the cases share warm rank interpreters while
+    each case's seed still picks its schedule.
+    """
 
     backend = "sim"
     _warm = False
+
+    def __init__(self, *, isolation: str = "thread", suite_seed: int = 0, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.isolation = isolation
+        self.suite_seed = suite_seed
+
+    @property
+    def label(self) -> str:
+        return f"sim{'-process' if self.isolation == 'process' else ''}/{self.device}"
 
     def _run(self, case: Case) -> RunReport:
         try:
@@ -140,12 +154,14 @@ class SimRunner(Runner):
             # once, outside the per-case bound, so that the first case is not reported as timed out
             self._warm = True
             try:
-                simulator.run(functools.partial(_warm_up, self.impl, self.dist_module), 1, timeout=120.0)
+                simulator.run(functools.partial(_warm_up, self.impl, self.dist_module), 1, timeout=120.0,
+                              **self._isolated())
             except BaseException:  # noqa: BLE001  whatever fails here fails again in the case, and is reported there
                 pass
         fn = functools.partial(run_case, case, self.impl, self.dist_module, self.device, 0)
         try:
-            results = simulator.run(fn, case.world_size, seed=case.seed, timeout=self.timeout, device=self.device)
+            results = simulator.run(fn, case.world_size, seed=case.seed, timeout=self.timeout, device=self.device,
+                                    **self._isolated())
         except BaseException as e:  # noqa: BLE001  the simulator's own report (deadlock, timeout) is the finding
             timed_out = "timeout" in type(e).__name__.lower() or isinstance(e, TimeoutError)
             return RunReport(timed_out=timed_out, note=f"simulator.run raised {type(e).__name__}: {e}")
@@ -154,6 +170,10 @@ class SimRunner(Runner):
             if isinstance(o, RankOutcome):
                 outcomes[o.rank if o.rank >= 0 else r] = o
         return RunReport(outcomes=outcomes)
+
+
+    def _isolated(self) -> dict[str, Any]:
+        return {"isolation": "process", "hash_seed": self.suite_seed} if self.isolation == "process" else {}
 
 
 def _warm_up(impl: str, dist_module: str) -> str:
@@ -356,9 +376,16 @@ _CasePool = _case_pool
 
 
 def make_runner(backend: str = "sim", device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,
-                timeout: float | None = None) -> Runner:
-    """The runner for ``backend``/``device`` (raises :class:`RunnerError` for impossible combinations)."""
+                timeout: float | None = None, *, isolation: str = "thread", seed: int = 0) -> Runner:
+    """The runner for ``backend``/``device`` (raises :class:`RunnerError` for impossible combinations).
+
+    ``isolation`` (sim only): ``"process"`` runs each rank in its own process; ``seed`` is the suite's.
+    """
     validate_backend_device(backend, device, impl, dist_module)
     if backend == "sim":
-        return SimRunner(device=device, impl=impl, dist_module=dist_module, timeout=timeout)
+        return SimRunner(device=device, impl=impl, dist_module=dist_module, timeout=timeout, isolation=isolation,
+                         suite_seed=seed)
+    if isolation != "thread":
+        raise RunnerError(f"isolation={isolation!r} with backend={backend!r}: only the simulator has an isolation "
+                          "option (gloo and nccl ranks are processes already)")
     return PoolRunner(backend=backend, device=device, impl=impl, dist_module=dist_module, timeout=timeout)

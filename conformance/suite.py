@@ -53,6 +53,8 @@ class SuiteConfig:
     workers: int = 1
     cases: tuple[Case, ...] = ()
     command: str = ""
+    #: sim only: "thread" (ranks are threads) or "process" (each rank its own process; simulator.isolation)
+    isolation: str = "thread"
 
     def validate(self) -> "SuiteConfig":
         if self.backend not in BACKENDS:
@@ -78,6 +80,12 @@ class SuiteConfig:
             raise ConfigError(f"workers={self.workers!r} (-n) must be an int >= 1")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds")
+        if self.isolation not in ("thread", "process"):
+            raise ConfigError(f"isolation={self.isolation!r} is unknown; use thread or process")
+        if self.isolation == "process" and (self.backend != "sim" or self.device != "cpu"):
+            raise ConfigError(f"isolation='process' with backend={self.backend!r}, device={self.device!r}: rank "
+                              "processes are an option of the simulator on the CPU; pass --backend sim --device cpu, "
+                              "or leave --isolation out (gloo and nccl ranks are processes already)")
         why = check_impl_name(self.impl) if isinstance(self.impl, str) else f"impl={self.impl!r} must be a str"
         if why:
             raise ConfigError(why)
@@ -93,7 +101,7 @@ class SuiteConfig:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}/{self.device}"
+        return f"{self.backend}{'-process' if self.isolation == 'process' else ''}/{self.device}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -105,7 +113,7 @@ class SuiteConfig:
             "examples": self.examples, "seed": self.seed,
             "timeout": self.timeout if self.timeout is not None else DEFAULT_TIMEOUT[self.backend],
             "timeout_given": self.timeout is not None, "workers": self.workers,
-            "explicit_cases": [c.id() for c in self.cases], "command": self.command,
+            "explicit_cases": [c.id() for c in self.cases], "command": self.command, "isolation": self.isolation,
         }
 
 
@@ -224,7 +232,8 @@ def _worker_main(config: SuiteConfig, tasks: Any, results: Any) -> None:
     signal.signal(signal.SIGTERM, stop)
     warnings.simplefilter("ignore", FutureWarning)
     cd = config.as_dict()
-    runner = make_runner(config.backend, config.device, config.impl, config.dist_module, config.timeout)
+    runner = make_runner(config.backend, config.device, config.impl, config.dist_module, config.timeout,
+                         isolation=config.isolation, seed=config.seed)
     try:
         while True:
             chunk = tasks.get()
@@ -266,7 +275,8 @@ def run_suite(config: SuiteConfig, *, progress: bool | Progress = True,
         # torch.distributed.nn.functional warns on every call that it is deprecated
         warnings.simplefilter("ignore", FutureWarning)
         if config.workers <= 1 or len(cases) <= 1:
-            runner = make_runner(config.backend, config.device, config.impl, config.dist_module, config.timeout)
+            runner = make_runner(config.backend, config.device, config.impl, config.dist_module, config.timeout,
+                         isolation=config.isolation, seed=config.seed)
             try:
                 for case in cases:
                     record(run_one(runner, case, cd))

@@ -87,6 +87,9 @@ class World:
             buffered sends; a program that needs this deadlocks on gloo and NCCL).
         isolation: ``"thread"`` (default: ranks are threads of this process) or ``"process"`` (each rank runs
             in its own process with its own ``PYTHONHASHSEED``; see :mod:`simulator.isolation`).
+        hash_seed: what the rank processes' ``PYTHONHASHSEED``\ s derive from (default: ``seed``).  Fix it to
+            explore schedules (``seed``) with the same rank interpreters: a new hash seed costs a new warm
+            interpreter per rank, seconds each.
 
     After a run, ``world.trace`` is its trace, ``world.errors[r]`` the exception rank ``r`` raised (or
     ``None``) and ``world.results[r]`` its return value.
@@ -97,7 +100,7 @@ class World:
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
                  stack_size: int | None = None, p2p: str = "rendezvous",
                  trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread",
-                 compute_scale: float | None = None) -> None:
+                 compute_scale: float | None = None, hash_seed: int | None = None) -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
         from .isolation import check_isolation
 
@@ -131,8 +134,12 @@ class World:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DistValueError(format_message("simulator.run", "device='cuda' but no GPU is available",
                                                 values={"device": device}, fix="pass device='cpu'"))
+        if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int)):
+            raise DistTypeError(format_message("simulator.run", "hash_seed must be an int or None",
+                                               values={"hash_seed": hash_seed}, fix="pass e.g. hash_seed=0"))
         self.world_size = world_size
         self.seed = seed
+        self.hash_seed = seed if hash_seed is None else hash_seed
         self.mode = mode
         self.timeout = float(timeout)
         self.device = dev
@@ -407,7 +414,7 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         faults: Sequence[Fault] = (), cost: CostModel | str | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
         p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT,
-        isolation: str = "thread", compute_scale: float | None = None) -> list[Any]:
+        isolation: str = "thread", compute_scale: float | None = None, hash_seed: int | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -436,5 +443,5 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
     """
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
-              trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale)
+              trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed)
     return w.run(fn, args, kwargs)

@@ -28,11 +28,16 @@ def rerun_lines(text: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"rerun: (python -m conformance .*)", text)]
 
 
-def test_sim_tiny_selection_passes() -> None:
+#: the simulator's two isolations: ranks as threads, ranks as processes (label sim/cpu, sim-process/cpu)
+ISOLATIONS = {"thread": "sim/cpu", "process": "sim-process/cpu"}
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_sim_tiny_selection_passes(isolation: str) -> None:
     p = run_cli("--collectives", "all_reduce,scatter,all_to_all_single", "--ops", "SUM,MAX",
-                "--world-sizes", "1,3", "--examples", "2", "-q")
+                "--world-sizes", "1,3", "--examples", "2", "-q", "--isolation", isolation)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert re.search(r"\d+ cases on sim/cpu: \d+ passed, 0 failed", p.stdout)
+    assert re.search(rf"\d+ cases on {ISOLATIONS[isolation]}: \d+ passed, 0 failed", p.stdout)
 
 
 @pytest.mark.gloo
@@ -43,10 +48,11 @@ def test_gloo_tiny_selection_passes() -> None:
     assert "on gloo/cpu" in p.stdout and " 0 failed" in p.stdout
 
 
-def test_broken_avg_gradient_fails_with_a_reproduction_that_reruns_the_case() -> None:
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_broken_avg_gradient_fails_with_a_reproduction_that_reruns_the_case(isolation: str) -> None:
     impl = str(IMPLS / "avg_grad_without_1_over_w.py")
     p = run_cli("--impl", impl, "--collectives", "all_reduce", "--ops", "AVG,SUM", "--world-sizes", "2,3",
-                "--examples", "2", "-q")
+                "--examples", "2", "-q", "--isolation", isolation)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "gradient: gradient differs from the reference VJP (off by a factor W=" in p.stdout
     lines = rerun_lines(p.stdout)
@@ -57,7 +63,7 @@ def test_broken_avg_gradient_fails_with_a_reproduction_that_reruns_the_case() ->
     again = subprocess.run(shlex.split(lines[0]), cwd=ROOT, capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert again.returncode == 1, again.stdout + again.stderr
-    assert "1 cases on sim/cpu: 0 passed, 1 failed" in again.stdout
+    assert f"1 cases on {ISOLATIONS[isolation]}: 0 passed, 1 failed" in again.stdout
     case_id = re.search(r"--case '([^']+)'", lines[0]).group(1)
     assert case_id in again.stdout
 
@@ -92,6 +98,7 @@ def test_nccl_without_gpus_is_skipped_with_the_reason() -> None:
     (["--impl", "torch.distributed.nn.functional"], "calls torch.distributed"),
     (["--collectives", "allreduce"], "unknown allreduce"),
     (["--case", "reduce,W=2,op=AVG,dtype=int64,root=0,seed=1"], "not allowed"),
+    (["--backend", "gloo", "--isolation", "process"], "rank processes are an option of the simulator"),
 ])
 def test_bad_options_exit_2_with_the_fix(args: list[str], message: str) -> None:
     p = run_cli(*args)

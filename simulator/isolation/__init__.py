@@ -57,8 +57,9 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
     world.isolation = "thread"  # the coordinator's rank threads are the proxies
     own_hint = world.replay_hint is None
     if own_hint:  # a replay must run the ranks as processes again (their hash seeds are part of the failure)
+        same = world.hash_seed == world.seed
         world.replay_hint = (f"simulator.run(fn, {world.world_size}, seed={world.seed}, mode={world.mode!r}, "
-                             f"isolation='process')")
+                             f"isolation='process'{'' if same else f', hash_seed={world.hash_seed}'})")
     try:
         return world.run(ranks.proxy_main)
     except BaseException as e:

@@ -144,7 +144,7 @@ class ProcessRanks:
 
         self.world = world
         self.n = world.world_size
-        self.hash_seeds = [hash_seed(world.seed, r) for r in range(self.n)]
+        self.hash_seeds = [hash_seed(world.hash_seed, r) for r in range(self.n)]
         rng_states, _ = _initial_rng_states(world.seed, self.n)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.arena_dir = tempfile.mkdtemp(prefix="tp-sim-ranks-", dir=shm)
