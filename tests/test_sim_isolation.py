@@ -371,6 +371,35 @@ def test_warm_forks_are_clean_seeded_and_see_the_current_environment_and_stdio(m
     assert [o[:3] for o in spawned] == [o[:3] for o in second]
 
 
+def _world_in_forked_child(q) -> None:  # noqa: ANN001
+    from simulator.isolation import warm
+
+    q.put((len(warm.POOL._servers), simulator.run(dist.get_world_size, 2, isolation="process")))
+
+
+def test_a_forked_coordinator_starts_its_own_warm_interpreters():
+    """A process forked from a coordinator does not share its parent's warm interpreters (one coordinator each)."""
+    import multiprocessing as mp
+
+    from simulator.isolation import warm
+
+    simulator.run(dist.get_world_size, 2, isolation="process")
+    before = dict(warm.POOL._servers)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_world_in_forked_child, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=120) == (0, [2, 2])
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+    assert warm.POOL._servers == before and all(s.alive() for s in before.values())
+    assert simulator.run(dist.get_world_size, 2, isolation="process") == [2, 2]
+
+
 def test_isolations_listed_once():
     assert ISOLATIONS == ("thread", "process")
     with pytest.raises(dist.DistValueError, match=r"isolation='fork'.*available=\['thread', 'process'\]"):

@@ -271,7 +271,22 @@ class WarmPool:
         for s in servers:
             s.close()
 
+    def _forget(self) -> None:
+        """In a process forked from this one: the warm interpreters are its parent's (their sockets are closed
+        here, never used: one coordinator per warm interpreter); it starts its own when it needs them."""
+        for s in self._servers.values():
+            try:
+                s.ctrl.close()
+            except OSError:
+                pass
+        self._servers = {}
+        self._lock = threading.Lock()
+        self._starter = None  # the starter thread did not survive the fork
+        self._requests = queue.Queue()
+
 
 #: the pool of this process (closed at exit; its warm interpreters would die with the process anyway)
 POOL = WarmPool()
 atexit.register(POOL.close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=POOL._forget)
