@@ -46,6 +46,7 @@ from .backend import SimBackend  # noqa: E402  (registers the "sim" backend)
 from tensorplay.distributed.rpc._agent import register_transport  # noqa: E402
 
 register_transport("sim", f"{__name__}.rpc")  # RPC inside a simulated world (imported when a world uses it)
+register_transport("sim-process", f"{__name__}.isolation.rpc_process")  # RPC in a process-isolated rank
 from .explore import ExploreReport, check_reproducible, explore
 
 __all__ = [

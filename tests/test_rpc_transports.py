@@ -62,7 +62,9 @@ def backends(*, modes: bool = False) -> list:
     """The ``rpc_world`` parameters: the simulator (in both scheduling modes with ``modes``) and TensorPipe."""
     sims = [pytest.param(("sim", m), id=f"sim-{m}") for m in ("coop", "threads")] if modes else \
         [pytest.param(("sim", "coop"), id="sim")]
-    return sims + [pytest.param(("tensorpipe", None), id="tensorpipe", marks=TP)]
+    # rank processes talk over TensorPipe, on the free-running schedule (simulator/isolation/rpc_process.py)
+    return sims + [pytest.param(("sim-process", "threads"), id="sim-process"),
+                   pytest.param(("tensorpipe", None), id="tensorpipe", marks=TP)]
 
 
 @pytest.fixture

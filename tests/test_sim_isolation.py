@@ -313,6 +313,36 @@ def fresh_globals_and_start_env(var: str) -> tuple:
             os.environ.get("RANK"), os.getppid())
 
 
+_REMEMBERED: list[int] = []  # appended to by RPCs, in the process of the worker they run on
+
+
+def _remember(r: int) -> int:
+    _REMEMBERED.append(r)
+    return os.getpid()
+
+
+def _refuse(r: int) -> None:
+    raise ValueError(f"refused on {dist.get_rank()} for {r}")
+
+
+def rpc_program() -> tuple:
+    """tensorplay.distributed.rpc between rank processes, with no rendezvous of the program's own."""
+    import tensorplay.distributed.rpc as rpc
+
+    r = dist.get_rank()
+    rpc.init_rpc(f"worker{r}")  # rank and world size from the simulated world, as on thread ranks
+    peer = f"worker{(r + 1) % dist.get_world_size()}"
+    summed = rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), r))
+    where = rpc.rpc_sync("worker0", _remember, args=(r,))  # runs in rank 0's process
+    try:
+        rpc.rpc_sync(peer, _refuse, args=(r,))
+        error = None
+    except ValueError as e:  # remote exceptions keep their type
+        error = str(e)
+    rpc.shutdown()  # graceful: every worker's calls are done after it
+    return summed, where, os.getpid(), error, sorted(_REMEMBERED)
+
+
 def crash_fault() -> None:
     for _ in range(4):
         dist.all_reduce(torch.ones(1))
@@ -398,6 +428,34 @@ def test_a_forked_coordinator_starts_its_own_warm_interpreters():
     assert p.exitcode == 0
     assert warm.POOL._servers == before and all(s.alive() for s in before.values())
     assert simulator.run(dist.get_world_size, 2, isolation="process") == [2, 2]
+
+
+def test_rpc_between_rank_processes_runs_in_the_callees_process():
+    outs = simulator.run(rpc_program, 3, isolation="process", mode="threads")
+    pids = [o[2] for o in outs]
+    for r, (summed, where, _, error, remembered) in enumerate(outs):
+        assert torch.equal(summed, torch.ones(2) + r)
+        assert where == pids[0]  # the function ran in rank 0's process ...
+        assert error == f"refused on {(r + 1) % 3} for {r}"
+        assert remembered == ([0, 1, 2] if r == 0 else [])  # ... and only its globals saw it
+
+
+def simulator_options_in_a_rank_process() -> None:
+    import tensorplay.distributed.rpc as rpc
+    from simulator.rpc import SimRpcBackendOptions
+
+    rpc.init_rpc(f"w{dist.get_rank()}", rpc_backend_options=SimRpcBackendOptions())
+
+
+def test_rpc_with_simulator_options_in_a_rank_process_is_refused_with_the_fix():
+    with pytest.raises(dist.DistTypeError, match=r"rpc_backend_options='SimRpcBackendOptions'.*isolation='thread'"):
+        simulator.run(simulator_options_in_a_rank_process, 2, isolation="process", mode="threads")
+
+
+def test_rpc_between_rank_processes_in_coop_mode_is_refused_with_the_fix():
+    """A coop turn held by a process waiting for an RPC answer would hang the world: refused before it starts."""
+    with pytest.raises(dist.DistRuntimeError, match=r"needs the free-running schedule.*mode='coop'.*mode='threads'"):
+        simulator.run(rpc_program, 2, isolation="process")
 
 
 def test_isolations_listed_once():

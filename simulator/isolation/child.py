@@ -542,6 +542,9 @@ def main(fd: int | None = None) -> None:
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, _exception_message(e))
         return
+    from . import rpc_process
+
+    rpc_process.RANK = (rank, setup["world_size"], setup["rpc_port"], setup["mode"])  # init_rpc's rendezvous
     torch.set_rng_state(setup["torch_rng"])
     random.seed(f"simulator:{setup['seed']}:{rank}")
     backend = ClientBackend(conn, rank, setup["world_size"], setup["arena_dir"])

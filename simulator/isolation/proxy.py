@@ -156,6 +156,7 @@ class ProcessRanks:
         prep = spawn.get_preparation_data("simulated-rank")
         prep.pop("authkey", None)
         master_port = str(_free_port())
+        rpc_port = _free_port()  # where init_rpc in the rank processes meets (see .rpc_process)
         self.ranks: list[_Rank] = []
         try:
             envs = [self._env(r, master_port) for r in range(self.n)]
@@ -181,7 +182,8 @@ class ProcessRanks:
                     self.ranks[-1].server = servers[r]
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
                            "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
-                           "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked)})
+                           "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked),
+                           "rpc_port": rpc_port, "mode": world.mode})
                 ask, answer = socket.socketpair()
                 with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
                     socket.send_fds(raw, [b"w"], [answer.fileno()])

@@ -578,6 +578,8 @@ class RpcWorld:
     def run(self, case: Any, world_size: int = 2, **kwargs: Any) -> Any:
         if self.kind == "tensorpipe":
             return self.pool.run_on(0, case, **kwargs)
+        if self.kind == "sim-process":  # rank processes: TensorPipe between them, rendezvoused by the simulator
+            return drive(case, world_size, mode="threads", isolation="process", **kwargs)
         return drive(case, world_size, mode=self.mode, **kwargs)
 
     def __repr__(self) -> str:
@@ -585,7 +587,7 @@ class RpcWorld:
 
 
 def drive(body: Any, world_size: int = 2, *, mode: str = "coop", seed: int = 0, options: Any = None,
-          **kwargs: Any) -> Any:
+          isolation: str = "thread", **kwargs: Any) -> Any:
     """Run ``body()`` on rank 0 of a simulated RPC world; the others serve until everyone shuts down."""
     import simulator
 
@@ -597,4 +599,4 @@ def drive(body: Any, world_size: int = 2, *, mode: str = "coop", seed: int = 0, 
         finally:
             rpc.shutdown()
 
-    return simulator.run(main, world_size, seed=seed, mode=mode)[0]
+    return simulator.run(main, world_size, seed=seed, mode=mode, isolation=isolation)[0]
