@@ -59,7 +59,8 @@ _MAX_WARM = 16  # warm interpreters kept (each about the memory of an interprete
 _START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and ``import torch``)
 _REPLY_S = 30.0  # bound on the answer to a fork request
 MAX_REQUEST = 1 << 17  # bytes of one fork request (its environment and the libraries to import ahead)
-MSG = struct.Struct("<cqq")  # (kind, pid, status): b"R" ready, b"P" forked pid, b"X" pid exited with returncode
+MSG = struct.Struct("<cqq")  # (kind, pid, status): b"R" ready, b"P" forked pid, b"X" pid exited with returncode,
+#                              b"T" refused to fork (an import ahead started a thread) and ended
 
 #: the first lines of every process the simulator starts as ``python -c ... <fd> <coordinator pid>``: the
 #: parent-death signal is armed before the slow imports, and the parent checked after arming it, so the process
