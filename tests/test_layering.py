@@ -1,7 +1,9 @@
-"""The product (tensorplay/) never imports the harness (simulator/, conformance/); docstring examples may use it."""
+"""The product (tensorplay/) never imports the harness (simulator/, conformance/), not even in a docstring example
+(a multi-rank example says ``(N ranks)`` and the doctest runner starts the ranks)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,15 @@ def test_tensorplay_imports_nothing_from_the_harness() -> None:
             found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                       if n.split(".")[0] in HARNESS]
     assert not found, "the product must not depend on the harness:\n" + "\n".join(found)
+
+
+def test_no_product_text_imports_the_harness() -> None:
+    """Docstring examples are read and copied: one that imports the simulator makes the product look dependent."""
+    line = re.compile(r"^\s*(>>>\s*)?(import|from)\s+(simulator|conformance)\b")
+    found = [f"{path.relative_to(ROOT)}:{i}: {text.strip()}"
+             for path in sorted((ROOT / "tensorplay").rglob("*.py"))
+             for i, text in enumerate(path.read_text().splitlines(), 1) if line.match(text)]
+    assert not found, "write the example as '(N ranks)' instead:\n" + "\n".join(found)
 
 
 def test_without_the_testing_extra_the_product_and_simulator_work() -> None:

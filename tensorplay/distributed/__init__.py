@@ -5,17 +5,12 @@ launched with torchrun) and ``"sim"`` (the in-process simulator, see
 :mod:`simulator`).  Code written against ``torch.distributed`` ports by
 changing the import.
 
-Example::
+Example (4 ranks)::
 
-    >>> import simulator
-    >>> import tensorplay as tp
-    >>> import tensorplay.distributed as dist
-    >>> def step():
-    ...     x = tp.tensor([float(dist.get_rank())])
-    ...     dist.all_reduce(x)
-    ...     return x.item()
-    >>> simulator.run(step, world_size=4)     # 0 + 1 + 2 + 3, on each of the 4 ranks
-    [6.0, 6.0, 6.0, 6.0]
+    >>> x = tp.tensor([float(dist.get_rank())])
+    >>> dist.all_reduce(x)
+    >>> x.item()                              # 0 + 1 + 2 + 3, on each of the 4 ranks
+    6.0
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ MODULES = (
     "tensorplay.distributed",
     "tensorplay.distributed.api",
     "tensorplay.distributed.nn.functional",
+    "tensorplay.distributed.rpc",
     "simulator",
     "simulator.world",
     "simulator.trace",

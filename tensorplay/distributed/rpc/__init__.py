@@ -25,20 +25,14 @@ simulator do this by default); payloads are still not encrypted, and torch's
 C++-only messages are not covered.  See "Networking and the trust model" in
 docs/rpc.md for exactly what is and is not protected.
 
-Example (two simulated workers)::
+Example (2 ranks; each rank calls the other)::
 
-    import simulator, torch
-    import tensorplay.distributed.rpc as rpc
-
-    def main():
-        import tensorplay.distributed as dist
-        me = dist.get_rank()
-        rpc.init_rpc(f"worker{me}")
-        out = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), me)) if me == 0 else None
-        rpc.shutdown()
-        return out
-
-    print(simulator.run(main, world_size=2))     # [tensor([1., 1.]), None]
+    >>> import tensorplay.distributed.rpc as rpc
+    >>> rpc.init_rpc(f"worker{dist.get_rank()}")
+    >>> out = rpc.rpc_sync(f"worker{1 - dist.get_rank()}", torch.add, args=(torch.ones(2), dist.get_rank()))
+    >>> out.tolist() == [1.0 + dist.get_rank()] * 2     # computed on the other worker
+    True
+    >>> rpc.shutdown()
 """
 from __future__ import annotations
 

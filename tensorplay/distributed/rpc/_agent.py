@@ -234,7 +234,7 @@ def transport(name: str, call: str = "init_rpc") -> Any:
         raise DistRuntimeError(rpc_message(
             call, f"no RPC transport is registered for backend {name!r}",
             values={"backend": name, "registered": sorted(_TRANSPORTS)},
-            fix="import the package that provides it first (e.g. `import simulator` for the simulator's transport)"))
+            fix="import the package that registers it first (the simulator's package registers its transport)"))
     return importlib.import_module(module)
 
 

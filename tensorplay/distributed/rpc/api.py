@@ -73,12 +73,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             ``device_maps`` kept, the rest has no meaning there); the simulator's own options
             (``simulator.rpc.SimRpcBackendOptions``) work too.
 
-    Example (two processes)::
+    Example (2 ranks; each rank is one worker)::
 
-        # worker 0                                   # worker 1
-        rpc.init_rpc("worker0", rank=0, world_size=2)  rpc.init_rpc("worker1", rank=1, world_size=2)
-        rpc.rpc_sync("worker1", torch.add, (t, 1))     rpc.shutdown()
-        rpc.shutdown()
+        >>> import tensorplay.distributed.rpc as rpc
+        >>> rpc.init_rpc(f"worker{dist.get_rank()}", rank=dist.get_rank(), world_size=2)
+        >>> rpc.get_worker_info().name == f"worker{dist.get_rank()}"
+        True
+        >>> rpc.shutdown()
     """
     call = "init_rpc"
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
@@ -157,9 +158,13 @@ def rpc_sync(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = No
     notes.  A dead destination raises :class:`WorkerUnavailableError`; a call
     past ``timeout`` seconds raises :class:`RpcTimeoutError`.
 
-    Example::
+    Example (2 ranks)::
 
-        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))   # tensor([4., 4.])
+        >>> import tensorplay.distributed.rpc as rpc
+        >>> rpc.init_rpc(f"worker{dist.get_rank()}")
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))   # computed on worker1
+        tensor([4., 4.])
+        >>> rpc.shutdown()
     """
     return _agent.invoke("rpc_sync", to, func, args, kwargs, timeout)
 
@@ -168,10 +173,14 @@ def rpc_async(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = N
               timeout: float | None = None) -> Future[T]:
     """Like :func:`rpc_sync` but returns a :class:`Future` at once; ``wait()`` gives the result.
 
-    Example::
+    Example (3 ranks)::
 
-        futs = [rpc.rpc_async(w, torch.add, args=(x, 1)) for w in ("worker1", "worker2")]
-        results = [f.wait() for f in futs]
+        >>> import tensorplay.distributed.rpc as rpc
+        >>> rpc.init_rpc(f"worker{dist.get_rank()}")
+        >>> futs = [rpc.rpc_async(w, torch.add, args=(torch.ones(1), i)) for i, w in enumerate(["worker1", "worker2"])]
+        >>> [f.wait().item() for f in futs]
+        [1.0, 2.0]
+        >>> rpc.shutdown()
     """
     return _agent.invoke("rpc_async", to, func, args, kwargs, timeout)
 
@@ -183,10 +192,14 @@ def remote(to: Any, func: Callable[..., T], args: Any = None, kwargs: Any = None
     Returns at once; ``to_here()`` waits for the value (and raises ``func``'s
     exception if it failed).
 
-    Example::
+    Example (2 ranks)::
 
-        rref = rpc.remote("worker1", torch.ones, args=(2,))
-        rref.to_here()                                           # tensor([1., 1.])
+        >>> import tensorplay.distributed.rpc as rpc
+        >>> rpc.init_rpc(f"worker{dist.get_rank()}")
+        >>> rref = rpc.remote("worker1", torch.ones, args=(2,))   # the tensor lives on worker1
+        >>> rref.to_here()
+        tensor([1., 1.])
+        >>> rpc.shutdown()
     """
     return _agent.invoke("remote", to, func, args, kwargs, timeout)
 
