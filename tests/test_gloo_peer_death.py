@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from _support.net import run_ranks
 
 pytestmark = [pytest.mark.gloo,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")]
@@ -34,19 +34,11 @@ os._exit(0)
 
 
 def test_the_survivors_error_names_the_rank_that_died(tmp_path) -> None:
-    from tensorplay.testing import free_port
-
     script = tmp_path / "peer_death.py"
     script.write_text(_PROGRAM)
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert procs[2].returncode == 3, outs[2][1][-2000:]
+    ranks = run_ranks(str(script), 3)
+    outs = [(out, err) for _, out, err in ranks]
+    assert ranks[2][0] == 3, outs[2][1][-2000:]
     for r in (0, 1):
         lines = [ln for ln in outs[r][0].splitlines() if ln.startswith("{")]
         assert lines, f"rank {r} printed no outcome; stderr:\n{outs[r][1][-3000:]}"

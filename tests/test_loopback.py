@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from _support.net import LOOPBACK, listening
+from _support.net import LOOPBACK, listening, run_ranks
 
 pytestmark = [pytest.mark.gloo, pytest.mark.xdist_group("gloo-W2"),
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")]
@@ -57,25 +57,13 @@ dist.destroy_process_group()
 def test_a_loopback_world_without_gloo_socket_ifname_listens_on_loopback_only(tmp_path) -> None:
     """A user's own script (no GLOO_SOCKET_IFNAME): gloo must not listen on the hostname's address."""
     import json
-    import subprocess
-    import sys
-
-    from tensorplay.testing import free_port
 
     here = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "local_world.py"
     script.write_text(_LOCAL_WORLD)
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), here], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (out, err) in enumerate(outs):
-        assert procs[r].returncode == 0, err[-2000:]
+    for r, (code, out, err) in enumerate(run_ranks(str(script), 2, here, env=env)):
+        assert code == 0, err[-2000:]
         rep = json.loads(out.strip().splitlines()[-1])
         bad = [s for s in rep["sockets"] if s[0] not in LOOPBACK]
         assert not bad, f"rank {r} listens beyond loopback: {bad}"

@@ -1,5 +1,5 @@
 """Test helpers for real multi-process runs: the TCP sockets this process listens on (Linux /proc), to check
-loopback-only binding, and a bounded torchrun launch on loopback."""
+loopback-only binding, a bounded launch of one script per rank, and a bounded torchrun launch on loopback."""
 from __future__ import annotations
 
 import os
@@ -45,6 +45,21 @@ def listening() -> list[tuple[str, int]]:
                 addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
             out.append((addr, int(hexport, 16)))
     return out
+
+
+def run_ranks(script: str, n: int, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 120) -> list[tuple[int | None, str, str]]:
+    """Run ``python script <free port> <rank> *args`` for ranks 0..n-1 at once; ``(returncode, stdout, stderr)``
+    per rank.  Every process is killed after ``timeout`` seconds at the latest."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, script, port, str(r), *args], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
