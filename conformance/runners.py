@@ -31,13 +31,18 @@ import torch
 from .cases import Case
 from .execute import DEFAULT_IMPL, RankOutcome, default_dist_module, run_case
 
-__all__ = ["BACKENDS", "DEVICES", "MAIN_FREE_PREFIXES", "RunnerError", "Runner", "RunReport", "SimRunner",
+__all__ = ["BACKENDS", "DEVICES", "MAIN_FREE_PREFIXES", "RunnerError", "runner_label", "Runner", "RunReport", "SimRunner",
            "PoolRunner", "main_free_children", "make_runner", "refuse_while_bootstrapping", "validate_backend_device"]
 
 BACKENDS = ("sim", "gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 #: per-case bound, seconds: legitimate cases take milliseconds
 DEFAULT_TIMEOUT = {"sim": 10.0, "gloo": 10.0, "nccl": 60.0}
+
+
+def runner_label(backend: str, device: str, isolation: str = "thread") -> str:
+    """How results name where they ran: ``sim/cpu``, ``sim-process/cpu``, ``gloo/cpu``, ``nccl/cuda``."""
+    return f"{backend}{'-process' if isolation == 'process' else ''}/{device}"
 
 
 class RunnerError(ValueError):
@@ -83,6 +88,7 @@ class Runner:
     """Runs cases; subclasses say where."""
 
     backend = "?"
+    isolation = "thread"  # how the ranks are isolated from each other (the simulator can also use processes)
 
     def __init__(self, *, device: str = "cpu", impl: str = DEFAULT_IMPL, dist_module: str | None = None,
                  timeout: float | None = None) -> None:
@@ -94,7 +100,7 @@ class Runner:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}/{self.device}"
+        return runner_label(self.backend, self.device, self.isolation)
 
     def skip_reason(self, case: Case) -> str:
         """Empty when ``case`` can run here, else why not."""
@@ -139,10 +145,6 @@ class SimRunner(Runner):
         super().__init__(**kw)
         self.isolation = isolation
         self.suite_seed = suite_seed
-
-    @property
-    def label(self) -> str:
-        return f"sim{'-process' if self.isolation == 'process' else ''}/{self.device}"
 
     def _run(self, case: Case) -> RunReport:
         try:

@@ -20,7 +20,7 @@ from .execute import DEFAULT_IMPL, check_impl_name, default_dist_module
 from .expect import Verdict, check_case
 from .report import CaseResult, Progress, Result, repro_command
 from .runners import (BACKENDS, DEFAULT_TIMEOUT, DEVICES, RunnerError, main_free_children, make_runner,
-                      refuse_while_bootstrapping, validate_backend_device)
+                      refuse_while_bootstrapping, runner_label, validate_backend_device)
 
 __all__ = ["DEFAULT_EXAMPLES", "ConfigError", "SuiteConfig", "plan_cases", "run_suite", "draw"]
 
@@ -101,7 +101,7 @@ class SuiteConfig:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}{'-process' if self.isolation == 'process' else ''}/{self.device}"
+        return runner_label(self.backend, self.device, self.isolation)
 
     def as_dict(self) -> dict[str, Any]:
         return {

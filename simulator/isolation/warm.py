@@ -97,11 +97,12 @@ class Forked:
             self.returncode = self._server.exit_status(self.pid)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self, timeout: float) -> int:
+        """Its return code once it ended; ``subprocess.TimeoutExpired`` after ``timeout`` seconds (always bounded)."""
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
             time.sleep(0.01)
         return self.returncode  # type: ignore[return-value]
 
