@@ -43,7 +43,7 @@ from ._patch import Installation
 from .sched import DONE, FREE, RUNNABLE, CoopScheduler
 from .state import RankState, _local, current_rank_state
 
-__all__ = ["enabled", "start_actor"]
+__all__ = ["enabled", "start_actor", "adopt", "run_adopted", "join_actor", "step_out", "step_in", "start_plain"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
@@ -92,13 +92,22 @@ def _adopt_c10d(world: Any) -> None:
         pass
 
 
+def adopt(parent: RankState, thread: threading.Thread) -> _Inherited:
+    """``parent``'s rank starts ``thread``: give it an actor of the rank (FREE in coop mode) and what it inherits.
+
+    Called by the starting thread (a thread rank's ``Thread.start``, or a rank process's proxy when the
+    process starts one); the new thread then runs its target through :func:`run_adopted`.
+    """
+    inh = _Inherited(parent, thread)
+    parent.run.children.append(inh.actor)
+    parent.run.sched.add_thread(inh.actor)
+    return inh
+
+
 def _start(self: threading.Thread) -> None:
     parent = current_rank_state()
     if parent is not None and parent.run.sched is not None and not parent.run.over:
-        inh = _Inherited(parent, self)
-        self._tp_sim_inherited = inh  # type: ignore[attr-defined]
-        parent.run.children.append(inh.actor)
-        parent.run.sched.add_thread(inh.actor)
+        self._tp_sim_inherited = adopt(parent, self)  # type: ignore[attr-defined]
     # start() waits for the new thread to signal that it runs, holding locks of the caller's (e.g. the
     # executor's shutdown lock): a short wait the rank must not step out of the schedule for
     _quiet.depth = getattr(_quiet, "depth", 0) + 1
@@ -108,10 +117,9 @@ def _start(self: threading.Thread) -> None:
         _quiet.depth -= 1
 
 
-def _bootstrap_inner(self: threading.Thread) -> None:
-    inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
-    if inh is None:
-        return _ORIGINAL["bootstrap_inner"](self)
+def run_adopted(inh: _Inherited, target: Callable[[], None]) -> None:
+    """On the adopted thread: run ``target`` as the rank's actor (its state, environment and c10d state bound);
+    the actor exits when ``target`` ends, however it ends."""
     actor = inh.actor
     actor.tid = threading.get_native_id()
     actor.cpu_mark = time.thread_time()
@@ -126,7 +134,7 @@ def _bootstrap_inner(self: threading.Thread) -> None:
 
         torch.cuda.set_device(inh.cuda)
     try:
-        _ORIGINAL["bootstrap_inner"](self)  # runs the target; an exception goes to threading.excepthook, as usual
+        target()
     finally:
         try:
             actor.backend._flush_unobserved(actor)
@@ -145,24 +153,44 @@ def _bootstrap_inner(self: threading.Thread) -> None:
         actor.run.sched.exit(actor)
 
 
+def _bootstrap_inner(self: threading.Thread) -> None:
+    inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
+    if inh is None:
+        return _ORIGINAL["bootstrap_inner"](self)
+    # runs the target; an exception goes to threading.excepthook, as usual
+    run_adopted(inh, lambda: _ORIGINAL["bootstrap_inner"](self))
+
+
 def _own_live_threads(rs: RankState) -> bool:
     root = rs.parent or rs
     return any(c.parent is root and c.state != DONE for c in rs.run.children)
 
 
+def step_out(rs: RankState | None) -> bool:
+    """Before a wait the scheduler cannot see: if the rank's own threads may need the turn this wait holds,
+    step out of the schedule so they can take it (True: call :func:`step_in` after the wait)."""
+    if (rs is None or rs.state == FREE or rs.run.over or getattr(_quiet, "depth", 0)
+            or not _own_live_threads(rs)):
+        return False  # nothing of this rank's could be waiting for the baton this wait holds
+    rs.run.sched.leave(rs)
+    return True
+
+
+def step_in(rs: RankState) -> None:
+    """After the wait :func:`step_out` stepped out for: take part in the schedule again."""
+    rs.run.sched.rejoin(rs)
+
+
 @contextlib.contextmanager
 def _stepped_out(rs: RankState | None) -> Iterator[None]:
     """Around a wait the scheduler cannot see: let the rank's own threads run meanwhile."""
-    if (rs is None or rs.state == FREE or rs.run.over or getattr(_quiet, "depth", 0)
-            or not _own_live_threads(rs)):
-        yield  # nothing of this rank's could be waiting for the baton this wait holds
+    if not step_out(rs):
+        yield
         return
-    sched = rs.run.sched
-    sched.leave(rs)
     try:
         yield
     finally:
-        sched.rejoin(rs)
+        step_in(rs)  # type: ignore[arg-type]
 
 
 class _ThreadEnd:
@@ -182,18 +210,23 @@ class _ThreadEnd:
         return f"in Thread.join of its thread {a.thread.name if a.thread else '?'!r} (started at {a.last_site})"
 
 
+def join_actor(rs: RankState, actor: RankState) -> None:
+    """``rs`` joins the thread of ``actor`` without a timeout: a scheduler wait, so a deadlock through it is named."""
+    end = _ThreadEnd(actor)
+    if not end.done:
+        sched = rs.run.sched
+        sched.block(rs, end)
+        if rs.parent is not None:
+            sched.leave(rs)
+
+
 def _join(self: threading.Thread, timeout: float | None = None) -> None:
     rs = current_rank_state()
     inh: _Inherited | None = getattr(self, "_tp_sim_inherited", None)
     if rs is None or inh is None or rs.run is not inh.actor.run or rs.run.over:
         return _ORIGINAL["join"](self, timeout)
     if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
-        end = _ThreadEnd(inh.actor)
-        if not end.done:
-            sched = rs.run.sched
-            sched.block(rs, end)
-            if rs.parent is not None:
-                sched.leave(rs)
+        join_actor(rs, inh.actor)
         return _ORIGINAL["join"](self, None)
     with _stepped_out(rs):  # a bounded join is a real wait: let the rank's threads run meanwhile
         return _ORIGINAL["join"](self, timeout)
@@ -227,6 +260,15 @@ _INSTALLATION = Installation(_install, _uninstall)
 def enabled() -> ContextManager[None]:
     """While active, threads started by simulated ranks belong to their rank (see the module docstring)."""
     return _INSTALLATION.enabled()
+
+
+def start_plain(t: threading.Thread) -> None:
+    """Start ``t`` as a thread of the simulator's own (not adopted by the calling rank, whoever calls)."""
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        _ORIGINAL["start"](t)
+    finally:
+        _quiet.depth -= 1
 
 
 def start_actor(owner: RankState, target: Callable[[], None], name: str) -> RankState:
@@ -285,11 +327,7 @@ def start_actor(owner: RankState, target: Callable[[], None], name: str) -> Rank
             sched.exit(actor)
 
     t.run = body  # type: ignore[method-assign]
-    _quiet.depth = getattr(_quiet, "depth", 0) + 1  # start()'s short wait for the thread is not a rank's wait
-    try:
-        _ORIGINAL["start"](t)
-    finally:
-        _quiet.depth -= 1
+    start_plain(t)  # (start()'s short wait for the thread is not a rank's wait)
     if coop and was_free:
         sched.leave(me)
     return actor

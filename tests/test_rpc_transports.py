@@ -60,11 +60,12 @@ def tp_pool():
 
 def backends(*, modes: bool = False) -> list:
     """The ``rpc_world`` parameters: the simulator (in both scheduling modes with ``modes``) and TensorPipe."""
-    sims = [pytest.param(("sim", m), id=f"sim-{m}") for m in ("coop", "threads")] if modes else \
-        [pytest.param(("sim", "coop"), id="sim")]
-    # rank processes talk over TensorPipe, on the free-running schedule (simulator/isolation/rpc_process.py)
-    return sims + [pytest.param(("sim-process", "threads"), id="sim-process"),
-                   pytest.param(("tensorpipe", None), id="tensorpipe", marks=TP)]
+    ms = ("coop", "threads") if modes else ("coop",)
+    sims = [pytest.param((kind, m), id=f"{kind}-{m}" if modes else kind)
+            for kind in ("sim", "sim-process") for m in ms]
+    # rank processes talk over TensorPipe; from init_rpc on their compute runs outside the coop schedule
+    # (simulator/isolation/rpc_process.py)
+    return sims + [pytest.param(("tensorpipe", None), id="tensorpipe", marks=TP)]
 
 
 @pytest.fixture

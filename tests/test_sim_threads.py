@@ -2,7 +2,9 @@
 
 Every program here also runs unchanged on gloo processes: a thread of a rank
 process sees the process group.  The simulator must run them to the same
-result and keep naming deadlocks that go through a thread.
+result and keep naming deadlocks that go through a thread, on thread ranks and
+on rank processes (issue 14: each thread of a rank process is an actor of its
+own, with its own channel to the coordinator).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import torch.distributed as tdist
 
 import simulator
 import tensorplay.distributed as dist
+from simulator.isolation import ISOLATIONS
 
 MODES = ["coop", "threads"]
+isolations = pytest.mark.parametrize("isolation", ISOLATIONS)
 
 
 def _comm_thread_all_reduce():
@@ -38,11 +42,12 @@ def _comm_thread_all_reduce():
     return box["y"], z
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# (rank processes of a new seed start new warm interpreters, seconds each: one seed covers them)
+@pytest.mark.parametrize("isolation,seed", [("thread", 0), ("thread", 1), ("thread", 2), ("process", 0)])
 @pytest.mark.parametrize("mode", MODES)
-def test_collective_from_a_thread_the_rank_started(mode, seed):
+def test_collective_from_a_thread_the_rank_started(mode, isolation, seed):
     w = 3
-    res = simulator.run(_comm_thread_all_reduce, w, mode=mode, seed=seed, timeout=30)
+    res = simulator.run(_comm_thread_all_reduce, w, mode=mode, seed=seed, timeout=30, isolation=isolation)
     ref = sum(torch.arange(3.0) + 10 * r for r in range(w))
     for r, (y, z) in enumerate(res):
         assert torch.equal(y, ref) and torch.equal(z, (torch.arange(3.0) + 10 * r) * 2)
@@ -57,8 +62,10 @@ def _executor():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_thread_pool_worker_runs_collectives(mode):
-    assert [t.tolist() for t in simulator.run(_executor, 4, mode=mode, timeout=30)] == [[10.0, 10.0]] * 4
+@isolations
+def test_thread_pool_worker_runs_collectives(mode, isolation):
+    res = simulator.run(_executor, 4, mode=mode, timeout=30, isolation=isolation)
+    assert [t.tolist() for t in res] == [[10.0, 10.0]] * 4
 
 
 def _queue_worker():
@@ -82,10 +89,11 @@ def _queue_worker():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_queue_fed_comm_thread(mode):
+@isolations
+def test_queue_fed_comm_thread(mode, isolation):
     w = 2
     expect = [[float(sum(r * 10 + i for r in range(w)))] * 2 for i in range(3)]
-    assert simulator.run(_queue_worker, w, mode=mode, timeout=30) == [expect] * w
+    assert simulator.run(_queue_worker, w, mode=mode, timeout=30, isolation=isolation) == [expect] * w
 
 
 def _p2p_from_thread():
@@ -99,10 +107,40 @@ def _p2p_from_thread():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_blocking_send_in_a_thread_and_recv_in_the_rank(mode):
+@isolations
+def test_blocking_send_in_a_thread_and_recv_in_the_rank(mode, isolation):
     w = 3
-    assert simulator.run(_p2p_from_thread, w, mode=mode, timeout=30) == \
+    assert simulator.run(_p2p_from_thread, w, mode=mode, timeout=30, isolation=isolation) == \
         [([float((r - 1) % w)] * 2, (r - 1) % w) for r in range(w)]
+
+
+def _two_threads_at_once():
+    """Rank 0's two threads each wait in a collective; rank 1 serves the second group first.
+
+    On gloo both threads of rank 0 are in their collectives at once.  A rank whose threads took turns on one
+    channel would block the second group behind the first and never finish.
+    """
+    r = dist.get_rank()
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+    x, y = torch.full((2,), 1.0 + r), torch.full((2,), 10.0 + r)
+    if r == 0:
+        ts = [threading.Thread(target=dist.all_reduce, args=(x,), kwargs={"group": g1}, name="first"),
+              threading.Thread(target=dist.all_reduce, args=(y,), kwargs={"group": g2}, name="second")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    else:
+        dist.all_reduce(y, group=g2)
+        dist.all_reduce(x, group=g1)
+    return x.tolist(), y.tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@isolations
+def test_two_threads_of_a_rank_communicate_at_once(mode, isolation):
+    assert simulator.run(_two_threads_at_once, 2, mode=mode, timeout=30, isolation=isolation) == \
+        [([3.0, 3.0], [21.0, 21.0])] * 2
 
 
 def _thread_waits_for_a_rank_that_returned():
@@ -116,12 +154,13 @@ def _thread_waits_for_a_rank_that_returned():
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread gets it too
 @pytest.mark.parametrize("mode", MODES)
-def test_deadlock_through_a_thread_is_named_not_timed_out(mode):
+@isolations
+def test_deadlock_through_a_thread_is_named_not_timed_out(mode, isolation):
     import time
 
     t0 = time.monotonic()
     with pytest.raises(simulator.DeadlockError) as ei:
-        simulator.run(_thread_waits_for_a_rank_that_returned, 2, mode=mode, timeout=30)
+        simulator.run(_thread_waits_for_a_rank_that_returned, 2, mode=mode, timeout=30, isolation=isolation)
     assert time.monotonic() - t0 < 5.0
     text = str(ei.value)
     assert "rank 0 waits in Thread.join of its thread 'comm'" in text
@@ -138,11 +177,12 @@ def _daemon_thread_left_behind():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_run_does_not_wait_for_daemon_threads(mode):
+@isolations
+def test_run_does_not_wait_for_daemon_threads(mode, isolation):
     import time
 
     t0 = time.monotonic()
-    assert simulator.run(_daemon_thread_left_behind, 2, mode=mode, timeout=30) == [2.0, 2.0]
+    assert simulator.run(_daemon_thread_left_behind, 2, mode=mode, timeout=30, isolation=isolation) == [2.0, 2.0]
     assert time.monotonic() - t0 < 10.0  # a process exits without waiting for its daemon threads
 
 

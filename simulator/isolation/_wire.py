@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Arena", "SharedStorage", "TensorRef", "GroupRef", "OUTPUTS", "ALIGN", "SHARED_BASE"]
+__all__ = ["arena_path", "Arena", "SharedStorage", "TensorRef", "GroupRef", "OUTPUTS", "ALIGN", "SHARED_BASE"]
 
 #: ids of the program's own shared-memory storages start here (arena ids are below)
 SHARED_BASE = 1 << 30
@@ -85,6 +85,11 @@ class SharedStorage:
     def view(self, offset_elems: int, dtype: torch.dtype, size: tuple[int, ...],
              stride: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(0, dtype=dtype).set_(self.storage, offset_elems, size, stride)
+
+
+def arena_path(arena_dir: str, rank: int, aid: int) -> str:
+    """The file of rank ``rank``'s arena ``aid`` (created by the rank process, mapped by its proxy on first use)."""
+    return os.path.join(arena_dir, f"r{rank}-a{aid}")
 
 
 def span_of(t: torch.Tensor) -> tuple[int, int]:

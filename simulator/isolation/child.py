@@ -24,7 +24,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -46,9 +46,10 @@ _ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memor
 class _Staged:
     """The arena regions and output copies of one forwarded call."""
 
-    __slots__ = ("arenas", "outputs")
+    __slots__ = ("arenas", "outputs", "lock")
 
-    def __init__(self) -> None:
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock  # the backend's arena bookkeeping lock (a rank's threads stage concurrently)
         self.arenas: list[Arena] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (program's tensor, its arena view)
 
@@ -58,11 +59,12 @@ class _Staged:
                 t.copy_(v)
 
     def release(self) -> None:
-        for a in self.arenas:
-            a.live -= 1
-            if a.live == 0:
-                a.top = 0
-        self.arenas = []
+        with self.lock:
+            for a in self.arenas:
+                a.live -= 1
+                if a.live == 0:
+                    a.top = 0
+            self.arenas = []
 
 
 class ClientWork(Work):
@@ -132,14 +134,18 @@ class ClientBackend(SimBackend):
         self._conn = conn
         self._arena_dir = arena_dir
         self._arenas: list[Arena] = []
-        self._new_arenas: list[tuple[int, int]] = []
-        self._lock = threading.RLock()  # one request at a time on the channel (a rank's threads share it)
+        self._alock = threading.Lock()  # arena bookkeeping (the copies themselves run unlocked)
+        # the main channel: the rank's main thread, and threads this process did not start during the run
+        # (an RPC agent's native threads) share it, one request at a time; every thread the program starts
+        # has a channel of its own (see .rank_threads)
+        self._lock = threading.RLock()
+        self._main_ident = threading.get_ident()
+        self._tl = threading.local()  # .chan: the calling thread's own channel
         self._cpu = threading.local()
         self._world_key = object()
         #: the program's shared-memory storages the proxy has mapped: address -> (id, weak ref, bytes)
         self._shared: dict[int, tuple[int, Any, int]] = {}
-        self._new_fds: list[tuple[int, int, int]] = []  # (id, fd, bytes) to pass with the next call
-        self._fd_sock: socket.socket | None = None
+        self._slock = threading.Lock()
         self._next_sid = 0
 
     # -- life cycle -------------------------------------------------------
@@ -173,11 +179,24 @@ class ClientBackend(SimBackend):
         return torch.device(kind)  # a rank process has no simulated device of its own (CPU ranks only)
 
     # -- the channel ------------------------------------------------------
-    def _request(self, msg: tuple) -> Any:
+    def _request(self, msg: tuple, fds: Sequence[int] = ()) -> Any:
+        """Send ``msg`` (and ``fds``) on the calling thread's channel; return the proxy's answer or raise its error."""
+        chan = getattr(self._tl, "chan", None)
+        if chan is not None:
+            return _exchange(chan, msg, fds)
         with self._lock:
-            _wire.send(self._conn, msg)
-            reply = _wire.recv(self._conn)
-        return _answer(reply)
+            return _exchange(self._conn, msg, fds)
+
+    def has_channel(self) -> bool:
+        """Whether the calling thread is an actor of this rank: the main thread, or one the program started."""
+        return threading.get_ident() == self._main_ident or getattr(self._tl, "chan", None) is not None
+
+    def on_main_thread(self) -> bool:
+        return threading.get_ident() == self._main_ident
+
+    def bind_channel(self, chan: Connection | None) -> None:
+        """The calling thread talks to its own actor over ``chan`` (``None``: unbind)."""
+        self._tl.chan = chan
 
     def _cpu_delta(self) -> float:
         now = time.thread_time()
@@ -222,7 +241,12 @@ class ClientBackend(SimBackend):
             else:
                 s[0], s[1] = min(s[0], align_down(lo)), max(s[1], hi)
         need = sum(align_up(hi - lo) for lo, hi in spans.values())
-        arena = self._arena_for(need)
+        with self._alock:  # reserve the call's region; the copies below run unlocked
+            arena = self._arena_for(need)
+            top = arena.top
+            arena.top += need
+            arena.live += 1
+            staged.arenas.append(arena)
         base: dict[int, int] = {}
         for t in tensors:
             if t.numel() == 0:
@@ -231,12 +255,10 @@ class ClientBackend(SimBackend):
             if key in base or key in shared:
                 continue
             lo, hi = spans[key]
-            off = arena.top
-            arena.top += align_up(hi - lo)
+            off = top
+            top += align_up(hi - lo)
             arena.bytes[off:off + hi - lo].copy_(storage_bytes(t)[lo:hi])
             base[key] = off - lo  # arena byte offset of the storage's byte 0
-        staged.arenas.append(arena)
-        arena.live += 1
         out_pos = set(OUTPUTS.get(name, ()))
 
         def ref(t: torch.Tensor, is_out: bool) -> TensorRef:
@@ -282,19 +304,18 @@ class ClientBackend(SimBackend):
             return False
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        sid = SHARED_BASE + self._next_sid
-        self._next_sid += 1
-        self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
-        self._new_fds.append((sid, fd, size))
+        # registered before any call names it (and under a lock, so no other thread of this rank names it first)
+        with self._slock:
+            known = self._shared.get(key)
+            if known is not None and not known[1].expired() and known[2] == st.nbytes():
+                shared[key] = known[0]
+                return True
+            sid = SHARED_BASE + self._next_sid
+            self._next_sid += 1
+            self._request(("share", sid, size), (fd,))
+            self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
         shared[key] = sid
         return True
-
-    def _send_fds(self) -> None:
-        """Pass the file descriptors of newly shared storages right after the call that names them."""
-        if self._fd_sock is None:
-            self._fd_sock = socket.socket(fileno=os.dup(self._conn.fileno()))
-        socket.send_fds(self._fd_sock, [b"f"], [fd for _, fd, _ in self._new_fds])
-        self._new_fds = []
 
     def _arena_for(self, need: int) -> Arena:
         for a in self._arenas:
@@ -304,31 +325,21 @@ class ClientBackend(SimBackend):
                 return a
         aid = len(self._arenas)
         size = max(_ARENA_BYTES, align_up(need) * 2)
-        a = Arena(aid, os.path.join(self._arena_dir, f"r{self.rank}-a{aid}"), size, create=True)
-        self._arenas.append(a)
-        self._new_arenas.append((aid, size))
+        a = Arena(aid, _wire.arena_path(self._arena_dir, self.rank, aid), size, create=True)  # the proxy maps it
+        self._arenas.append(a)  # on first use
         return a
 
     def _forward(self, name: str, args: tuple, async_op: bool = False) -> Any:
         site = call_site(1)
-        with self._lock:
-            staged = _Staged()
-            try:
-                enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
-                new, self._new_arenas = self._new_arenas, []
-                fds = [(sid, size) for sid, _, size in self._new_fds]
-                msg = ("call", name, enc, site, _state.current_backward(), self._cpu_delta(), new, fds)
-                if fds:
-                    _wire.send(self._conn, msg)
-                    self._send_fds()
-                    value = _answer(_wire.recv(self._conn))
-                else:
-                    value = self._request(msg)
-            except BaseException:
-                staged.release()
-                self._cpu.mark = time.thread_time()
-                raise
+        staged = _Staged(self._alock)
+        try:
+            enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
+            value = self._request(("call", name, enc, site, _state.current_backward(), self._cpu_delta()))
+        except BaseException:
+            staged.release()
             self._cpu.mark = time.thread_time()
+            raise
+        self._cpu.mark = time.thread_time()
         if async_op:
             return ClientWork(self, value, staged, _result_tensors(name, args))
         try:
@@ -394,6 +405,14 @@ class ClientBackend(SimBackend):
 # ---------------------------------------------------------------------------
 # errors: the coordinator's exception, rebuilt here; this process's exception, sent there
 # ---------------------------------------------------------------------------
+def _exchange(conn: Connection, msg: tuple, fds: Sequence[int] = ()) -> Any:
+    _wire.send(conn, msg)
+    if fds:  # descriptors follow the message they belong to (see proxy._Channel.recv_fds)
+        with socket.socket(fileno=os.dup(conn.fileno())) as raw:
+            socket.send_fds(raw, [b"f"], list(fds))
+    return _answer(_wire.recv(conn))
+
+
 def _answer(reply: tuple) -> Any:
     if reply[0] == "ok":
         return reply[1]
@@ -553,6 +572,9 @@ def main(fd: int | None = None) -> None:
     from .. import torch_native
 
     _install_backend(backend, timedelta(seconds=setup["timeout"]))
+    from . import rank_threads
+
+    rank_threads.install(backend)  # (after this module's own threads: those are not the program's)
     with torch_native.enabled():
         # one rank per process: torch's process-wide c10d state is this rank's (threads the program starts see it)
         import torch.distributed.distributed_c10d as c10d

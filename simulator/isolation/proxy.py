@@ -12,6 +12,7 @@ computing thread rank is); a process that dies is a failed rank.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import pickle
 import shutil
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from datetime import timedelta
@@ -34,9 +36,11 @@ from tensorplay.distributed.group import ProcessGroup
 
 from ..cost import _step_hook
 from ..errors import RankExitError, SimTimeoutError
+from .. import threads
+from ..sched import CoopScheduler
 from ..state import current_rank_state
 from . import _wire, warm
-from ._wire import Arena, GroupRef, SharedStorage, TensorRef
+from ._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
@@ -96,28 +100,63 @@ def _dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-class _Rank:
-    """The coordinator's handle on one rank process."""
+class _ThreadGone(Exception):
+    """A thread of a rank process can no longer be answered (its process is ending)."""
 
-    __slots__ = ("rank", "proc", "conn", "hash_seed", "arenas", "groups", "works", "errors", "next_wid", "fd_sock", "optimizers",
-                 "pending", "server", "where", "asked")
+
+class _Channel:
+    """One thread of a rank process, as its actor's proxy sees it: a socket, and a duplicate for descriptors."""
+
+    __slots__ = ("conn", "fd_sock")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.fd_sock: socket.socket | None = None
+
+    def recv_fds(self, n: int) -> list[int]:
+        """The ``n`` descriptors the process sent right after its last message (see child._exchange)."""
+        if self.fd_sock is None:
+            self.fd_sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        _, fds, _, _ = socket.recv_fds(self.fd_sock, 1, n)
+        return fds
+
+    def close(self) -> None:
+        try:
+            self.conn.close()  # a thread still waiting for an answer sees the end of its channel
+            if self.fd_sock is not None:
+                self.fd_sock.close()
+        except OSError:
+            pass
+
+
+class _Rank:
+    """The coordinator's handle on one rank process (shared by the actors serving its threads)."""
+
+    __slots__ = ("rank", "proc", "conn", "main", "hash_seed", "arenas", "groups", "works", "errors", "wids",
+                 "optimizers", "pending", "server", "where", "asked", "lock", "threads", "tids", "chans",
+                 "free_running")
 
     def __init__(self, rank: int, proc: "subprocess.Popen | warm.Forked", conn: Connection, hseed: int) -> None:
         self.rank = rank
         self.proc = proc
         self.conn = conn
+        self.main = _Channel(conn)  # the process's main thread (the rank)
         self.hash_seed = hseed
-        self.arenas: dict[int, Arena] = {}
+        self.lock = threading.Lock()  # what the actors of its threads update together
+        self.arenas: dict[int, Arena | SharedStorage] = {}
         self.groups: dict[int, ProcessGroup] = {}
         self.works: dict[int, Any] = {}
-        self.errors: list[BaseException] = []
-        self.next_wid = 0
-        self.fd_sock: socket.socket | None = None
+        self.errors: dict[int, BaseException] = {}
+        self.wids = itertools.count(1)
         self.optimizers: dict[int, object] = {}  # the rank process's optimizers, by id there
         self.pending: tuple | None = None  # a message that arrived instead of "ready"
         self.server: Any = None  # the warm interpreter it was forked from (None: spawned afresh)
         self.where: Connection | None = None  # asks the process where its program is (see child._answer_where)
         self.asked = 0
+        self.threads: dict[int, Any] = {}  # the actors of the threads the process started, by id
+        self.tids = itertools.count(1)
+        self.chans: list[_Channel] = [self.main]
+        self.free_running = False  # after init_rpc in coop mode: its compute runs outside the schedule
 
 
 class ProcessRanks:
@@ -231,51 +270,42 @@ class ProcessRanks:
         """The function of every rank thread: serve this rank's process until its function ends."""
         rs = current_rank_state()
         me = self.ranks[rs.rank]  # type: ignore[union-attr]
-        st = _state.current()
-        me.groups[0] = st.world  # type: ignore[union-attr]
+        me.groups[0] = _state.current().world  # type: ignore[union-attr]
         rs.where = lambda: self._where(me)  # type: ignore[union-attr]  (a timeout report shows the process's stack)
-        backend = rs.backend  # type: ignore[union-attr]
+        return self._serve(rs, me, me.main)
+
+    #: what a thread of the rank process asks and waits for the answer to; the other messages end its thread
+    _REQUESTS = frozenset(("call", "wait", "completed", "success", "source", "step", "share", "thread", "join",
+                           "leave", "rejoin", "free"))
+
+    def _serve(self, rs: Any, me: _Rank, chan: _Channel) -> Any:
+        """Serve one thread of the rank process as the actor ``rs`` until the thread ends.
+
+        The main thread's channel ends with the rank's result (returned) or its failure (raised); the channel of a
+        thread the program started ends with the thread.
+        """
+        main = chan is me.main
+        backend = rs.backend
         while True:
-            msg, me.pending = (me.pending, None) if me.pending is not None else (self._recv(rs, me), None)
+            if main and me.pending is not None:
+                msg, me.pending = me.pending, None
+            else:
+                msg = self._recv(rs, me, chan)
             kind = msg[0]
-            if kind == "call":
-                _, name, enc, site, backward, cpu, new, shared = msg
-                for aid, size in new:
-                    me.arenas[aid] = Arena(aid, os.path.join(self.arena_dir, f"r{me.rank}-a{aid}"), size, create=False)
-                if shared:  # the program's own shared-memory storages: their descriptors follow the message
-                    self._map_shared(me, shared)
-                # the rank process's own compute since its last call: charged by the call's first step, as the
-                # CPU time of a thread rank is
-                rs.cpu_mark = time.thread_time() - cpu
+            if kind in self._REQUESTS:
                 try:
-                    value = self._perform(me, backend, name, enc, site, backward)
-                except BaseException as e:  # noqa: BLE001  (sent to the rank process, which raises it)
-                    self._send(me, self._error_reply(me, e))
+                    value = self._request(rs, me, chan, backend, msg)
+                except BaseException as e:  # noqa: BLE001  (sent to the rank process's thread, which raises it)
+                    self._send(me, chan, self._error_reply(me, e))
                 else:
-                    self._send(me, ("ok", value))
-            elif kind in ("wait", "completed", "success", "source"):
-                work = me.works[msg[1]]
-                try:
-                    if kind == "wait":
-                        rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
-                        value: Any = work.wait()
-                    elif kind == "completed":
-                        value = work.is_completed()
-                    elif kind == "success":
-                        value = work.is_success()
-                    else:
-                        value = work.source_rank()
-                except BaseException as e:  # noqa: BLE001
-                    self._send(me, self._error_reply(me, e))
-                else:
-                    self._send(me, ("ok", value))
-            elif kind == "step":  # an optimizer step of the rank process (see cost.enabled on thread ranks)
-                rs.cpu_mark = time.thread_time() - msg[2]
-                _step_hook(me.optimizers.setdefault(msg[1], object()), (), {})
-                self._send(me, ("ok", None))
+                    self._send(me, chan, ("ok", value))
+                if main and me.free_running:
+                    rs.run.sched.leave(rs)  # (a no-op while it is outside the schedule already)
             elif kind == "modules":
                 if me.server is not None:
                     warm.POOL.learn(me.server, msg[1])
+            elif kind == "end":  # a thread the program started has ended
+                return None
             elif kind == "result":
                 rs.cpu_mark = time.thread_time() - msg[2]  # the compute after the last operation: charged at exit
                 return pickle.loads(msg[1])
@@ -290,6 +320,77 @@ class ProcessRanks:
                 raise self._program_error(me, msg)
             else:  # pragma: no cover  (a protocol error is a bug of this module)
                 raise DistRuntimeError(f"simulator: unknown message {kind!r} from rank {me.rank}'s process")
+
+    def _request(self, rs: Any, me: _Rank, chan: _Channel, backend: Any, msg: tuple) -> Any:
+        """Perform one request of a thread of the rank process, as its actor ``rs``; returns the answer."""
+        kind = msg[0]
+        if kind == "call":
+            _, name, enc, site, backward, cpu = msg
+            # the thread's own compute since its last call: charged by the call's first step, as the CPU time
+            # of a thread rank is
+            rs.cpu_mark = time.thread_time() - cpu
+            return self._perform(me, backend, name, enc, site, backward)
+        if kind in ("wait", "completed", "success", "source"):
+            work = me.works[msg[1]]
+            if kind == "wait":
+                rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
+                return work.wait()
+            if kind == "completed":
+                return work.is_completed()
+            if kind == "success":
+                return work.is_success()
+            return work.source_rank()
+        if kind == "step":  # an optimizer step of the rank process (see cost.enabled on thread ranks)
+            rs.cpu_mark = time.thread_time() - msg[2]
+            _step_hook(me.optimizers.setdefault(msg[1], object()), (), {})
+            return None
+        if kind == "share":  # a storage of the program in shared memory: calls on it are not staged
+            _, sid, size = msg
+            fds = chan.recv_fds(1)
+            try:
+                me.arenas[sid] = SharedStorage(fds[0], size)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            return None
+        if kind == "thread":  # the thread starts a thread: an actor of the rank, as Thread.start on thread ranks
+            return self._adopt(rs, me, chan, msg[1], msg[2])
+        if kind == "join":
+            threads.join_actor(rs, me.threads[msg[1]])
+            return None
+        if kind == "leave":  # around a wait the scheduler cannot see (an Event, a Queue, a Future)
+            return threads.step_out(rs)
+        if kind == "rejoin":
+            threads.step_in(rs)
+            return None
+        # "free": the process started an RPC agent, whose waits the scheduler cannot see (see .rpc_process)
+        me.free_running = isinstance(rs.run.sched, CoopScheduler)
+        return None
+
+    def _adopt(self, rs: Any, me: _Rank, chan: _Channel, name: str, daemon: bool) -> int:
+        """The thread of ``chan`` starts a thread ``name``: give it an actor of the rank and a proxy serving it."""
+        fds = chan.recv_fds(1)
+        child = _Channel(Connection(fds[0]))
+        with me.lock:
+            me.chans.append(child)
+            tid = next(me.tids)
+        # the thread object only names the actor (reports say "rank 0 (thread 'comm')"); it never runs
+        inh = threads.adopt(rs, threading.Thread(name=name, daemon=daemon))
+        me.threads[tid] = inh.actor
+
+        def serve() -> None:
+            try:
+                self._serve(inh.actor, me, child)
+            except _ThreadGone:
+                pass
+            except BaseException:  # noqa: BLE001  the world ended under it: the main proxy reports why
+                if not (rs.run.over or rs.run.aborted):
+                    raise
+
+        t = threading.Thread(target=threads.run_adopted, args=(inh, serve), name=f"tp-sim-rank{me.rank}-{name}",
+                             daemon=True)
+        threads.start_plain(t)
+        return tid
 
     def _perform(self, me: _Rank, backend: Any, name: str, enc: list[Any], site: str, backward: str | None) -> Any:
         if name in ("new_group_handle", "member_group_handle"):
@@ -309,8 +410,7 @@ class ProcessRanks:
         else:
             value = _at(site)(method, dec)
         if value is not None and not isinstance(value, int):  # a work of an async_op call
-            me.next_wid += 1
-            wid = me.next_wid
+            wid = next(me.wids)
             me.works[wid] = value
             return wid
         return value
@@ -332,40 +432,46 @@ class ProcessRanks:
             pass
         return []
 
-    def _map_shared(self, me: _Rank, shared: list[tuple[int, int]]) -> None:
-        if me.fd_sock is None:
-            me.fd_sock = socket.socket(fileno=os.dup(me.conn.fileno()))
-        _, fds, _, _ = socket.recv_fds(me.fd_sock, 1, len(shared))
-        try:
-            for (sid, size), fd in zip(shared, fds):
-                me.arenas[sid] = SharedStorage(fd, size)
-        finally:
-            for fd in fds:
-                os.close(fd)
+    def _arena(self, me: _Rank, aid: int) -> Arena | SharedStorage:
+        """Arena ``aid`` of the rank process, mapped here the first time a call names it."""
+        a = me.arenas.get(aid)
+        if a is None:
+            if aid >= SHARED_BASE:  # pragma: no cover  (registered by a "share" before any call names it)
+                raise DistRuntimeError(f"simulator: rank {me.rank}'s process named an unknown shared storage {aid}")
+            with me.lock:  # (two of its threads may name a new arena at once)
+                a = me.arenas.get(aid)
+                if a is None:
+                    path = _wire.arena_path(self.arena_dir, me.rank, aid)
+                    a = me.arenas[aid] = Arena(aid, path, os.path.getsize(path), create=False)
+        return a
 
     def _decode(self, me: _Rank, a: Any) -> Any:
         if isinstance(a, TensorRef):
             aid, off, dtype, size, stride, _ = a
             if aid < 0:
                 return torch.empty_strided(size, stride, dtype=dtype)
-            return me.arenas[aid].view(off, dtype, size, stride)
+            return self._arena(me, aid).view(off, dtype, size, stride)
         if isinstance(a, GroupRef):
             return me.groups[a[0]]
         if isinstance(a, list):
             return [self._decode(me, x) for x in a]
         return a
 
-    def _send(self, me: _Rank, msg: tuple) -> None:
+    def _send(self, me: _Rank, chan: _Channel, msg: tuple) -> None:
         try:
-            _wire.send(me.conn, msg)
+            _wire.send(chan.conn, msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise self._death(me) from None
+            if chan is me.main:
+                raise self._death(me) from None
+            raise _ThreadGone from None  # the process is going: its main proxy reports how
 
     def _error_reply(self, me: _Rank, e: BaseException) -> tuple:
-        me.errors.append(e)
+        with me.lock:
+            eid = len(me.errors)
+            me.errors[eid] = e
         attrs = {k: getattr(e, k) for k in ("rank", "failed_rank", "ranks", "exit_code", "seed")
                  if isinstance(getattr(e, k, None), (int, list, tuple))}
-        return ("err", len(me.errors) - 1, type(e).__module__, type(e).__qualname__, str(e), attrs)
+        return ("err", eid, type(e).__module__, type(e).__qualname__, str(e), attrs)
 
     def _program_error(self, me: _Rank, msg: tuple) -> BaseException:
         _, data, clsname, text, tb = msg
@@ -382,22 +488,24 @@ class ProcessRanks:
         exc._tp_rank_traceback = tb  # type: ignore[attr-defined]  (launch.format_rank_traceback shows it instead)
         return exc
 
-    def _recv(self, rs: Any, me: _Rank) -> tuple:
-        conn, run = me.conn, rs.run
+    def _recv(self, rs: Any, me: _Rank, chan: _Channel) -> tuple:
+        conn, run, main = chan.conn, rs.run, chan is me.main
         while True:
             try:
                 if conn.poll(0.1):
                     return _wire.recv(conn)
             except (EOFError, ConnectionResetError, OSError):
-                return self._ended(me)
+                return self._ended(me) if main else ("end",)
             if me.proc.poll() is not None:
                 try:
                     if conn.poll(0):
                         return _wire.recv(conn)
                 except (EOFError, ConnectionResetError, OSError):
                     pass
-                return self._ended(me)
-            if run.aborted or time.monotonic() > run.deadline:
+                return self._ended(me) if main else ("end",)  # (a daemon thread ends with its process)
+            if not main and (run.aborted or run.over):
+                return ("end",)
+            if main and (run.aborted or time.monotonic() > run.deadline):
                 # the world timed out while this rank's process was computing: stop it (threads could not be)
                 self._kill(me)
                 if run.fatal is not None:
@@ -455,12 +563,11 @@ class ProcessRanks:
     def close(self) -> None:
         """Bounded teardown: let the rank processes exit, kill what remains, reap them, drop the shared memory."""
         for me in self.ranks:
+            for chan in me.chans:
+                chan.close()
             try:
-                me.conn.close()  # a process still waiting for an answer sees the end of its channel
                 if me.where is not None:
                     me.where.close()
-                if me.fd_sock is not None:
-                    me.fd_sock.close()
             except OSError:
                 pass
         deadline = time.monotonic() + _GRACE_S

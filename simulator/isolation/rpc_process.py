@@ -67,13 +67,12 @@ def start(name: str, rank: int, world_size: int, options: Any, *, default_timeou
     from tensorplay.distributed.rpc import tensorpipe
 
     rank_, size_, port, mode = _mine("init_rpc")
-    if mode != "threads":
-        raise DistRuntimeError(rpc_message(
-            "init_rpc", "RPC between process-isolated ranks needs the free-running schedule: in coop mode a rank "
-            "process waiting for an RPC answer would keep the turn from the rank that must answer",
-            values={"mode": mode, "isolation": "process", "rank": rank_, "world_size": size_},
-            fix="run the world with mode='threads' (python -m simulator --mode threads), or with "
-                "isolation='thread', where RPC is simulated on the seeded schedule"))
+    if mode == "coop":
+        from . import rank_threads
+
+        # the agent's waits (rpc_sync, Future.wait, to_here, shutdown's barrier) are invisible to the scheduler:
+        # a rank waiting there while holding the coop turn would keep it from the rank that must answer
+        rank_threads.free_running()
     timeout = 60.0 if default_timeout is None else default_timeout
     if options is not None and not isinstance(options, trpc.TensorPipeRpcBackendOptions):
         raise DistTypeError(rpc_message(

@@ -579,7 +579,7 @@ class RpcWorld:
         if self.kind == "tensorpipe":
             return self.pool.run_on(0, case, **kwargs)
         if self.kind == "sim-process":  # rank processes: TensorPipe between them, rendezvoused by the simulator
-            return drive(case, world_size, mode="threads", isolation="process", **kwargs)
+            return drive(case, world_size, mode=self.mode, isolation="process", **kwargs)
         return drive(case, world_size, mode=self.mode, **kwargs)
 
     def __repr__(self) -> str:

@@ -1,0 +1,139 @@
+"""Threads of a rank process: each one the program starts is an actor of its rank, as on thread ranks.
+
+On thread ranks, :mod:`simulator.threads` gives a thread a rank starts an actor
+of that rank in the scheduler.  In a rank process the same happens across the
+process boundary, so one program behaves the same in both isolations:
+
+* ``Thread.start`` asks the proxy for an actor (``"thread"``, with one end of a
+  new socket pair): the proxy adopts it with :func:`simulator.threads.adopt`
+  and serves the thread's own channel from a thread of its own.  The thread's
+  calls go over that channel, so two threads of one process communicate at
+  once, as on gloo (one shared channel would let a blocked call hold up the
+  call that unblocks it).
+* ``Thread.join`` without a timeout is a scheduler wait (``"join"``), so a
+  deadlock through a join is named, not timed out.
+* ``Condition.wait`` (``Event.wait``, ``Queue.get``, ``Future.result``) of the
+  rank's main thread, while threads it started live, steps out of the schedule
+  (``"leave"``/``"rejoin"``), so in ``coop`` mode those threads can take the
+  turn the waiting rank would otherwise hold.
+
+Threads the process did not start during the run (an RPC agent's native
+threads) share the main thread's channel, one request at a time.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from . import _wire
+
+__all__ = ["install", "free_running"]
+
+_ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
+             "join": threading.Thread.join, "cond_wait": threading.Condition.wait}
+_backend: Any = None  # the rank's ClientBackend
+_quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait is not the rank's
+_live: set[threading.Thread] = set()  # threads started by the program that have not ended
+
+
+def install(backend: Any) -> None:
+    """Make the threads the program starts from now on actors of the rank (for the rest of this process)."""
+    global _backend
+    _backend = backend
+    threading.Thread.start = _start  # type: ignore[method-assign]
+    threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+    threading.Thread.join = _join  # type: ignore[method-assign]
+    threading.Condition.wait = _cond_wait  # type: ignore[method-assign]
+
+
+def free_running() -> None:
+    """From now on the rank's compute runs outside the coop schedule (its waits on RPC answers are invisible to
+    the scheduler; see :mod:`.rpc_process`)."""
+    if _backend is not None:
+        _backend._request(("free",))
+
+
+def _start(self: threading.Thread) -> None:
+    b = _backend
+    if b is not None and b.has_channel():
+        mine, theirs = socket.socketpair()
+        try:
+            tid = b._request(("thread", self.name, self.daemon), (theirs.fileno(),))
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._tp_chan = Connection(mine.detach())  # type: ignore[attr-defined]
+        self._tp_tid = tid  # type: ignore[attr-defined]
+        _live.add(self)
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        _ORIGINAL["start"](self)
+    except BaseException:
+        _ended(self)  # it never ran: its actor must not wait for it
+        raise
+    finally:
+        _quiet.depth -= 1
+
+
+def _ended(self: threading.Thread) -> None:
+    """The thread is over: tell its actor (which exits) and close its channel."""
+    _live.discard(self)
+    chan: Connection | None = self.__dict__.pop("_tp_chan", None)
+    if chan is None:
+        return
+    try:
+        _wire.send(chan, ("end",))
+    except OSError:
+        pass
+    chan.close()
+
+
+def _bootstrap_inner(self: threading.Thread) -> None:
+    chan = getattr(self, "_tp_chan", None)
+    if chan is None or _backend is None:
+        return _ORIGINAL["bootstrap_inner"](self)
+    _backend.bind_channel(chan)
+    _backend.start_clock()
+    try:
+        _ORIGINAL["bootstrap_inner"](self)  # runs the target; an exception goes to threading.excepthook, as usual
+    finally:
+        _backend.bind_channel(None)
+        _ended(self)
+
+
+def _join(self: threading.Thread, timeout: float | None = None) -> None:
+    b = _backend
+    tid = getattr(self, "_tp_tid", None)
+    if tid is None or b is None or self is threading.current_thread() or not b.has_channel():
+        return _ORIGINAL["join"](self, timeout)
+    if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
+        b._request(("join", tid))
+        return _ORIGINAL["join"](self, None)
+    return _stepped_out(lambda: _ORIGINAL["join"](self, timeout))
+
+
+def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
+    if timeout is not None and timeout <= 0:  # a poll never waits
+        return _ORIGINAL["cond_wait"](self, timeout)
+    return _stepped_out(lambda: _ORIGINAL["cond_wait"](self, timeout))
+
+
+def _stepped_out(wait: Any) -> Any:
+    """Run ``wait`` (a wait the scheduler cannot see) outside the schedule if the rank's threads may need the turn.
+
+    Only the main thread's actor can hold the turn while its process computes (the actors of the other
+    threads leave the schedule after each call), so only its waits step out.
+    """
+    b = _backend
+    if b is None or not _live or getattr(_quiet, "depth", 0) or not b.on_main_thread():
+        return wait()
+    left = b._request(("leave",))
+    try:
+        return wait()
+    finally:
+        if left:
+            b._request(("rejoin",))
