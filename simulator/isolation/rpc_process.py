@@ -10,10 +10,10 @@ ranks.  Its calls are real: they are not matched, traced or scheduled by the
 simulator, and their order between workers is the operating system's (see
 docs/simulator.md, limits of process ranks).
 
-It needs ``mode="threads"``: in ``coop`` mode one rank's proxy holds the turn
-while its process computes, so a process waiting for an RPC answer (invisible
-to the simulator) would keep the turn from the rank that must answer, and
-``init_rpc`` refuses with that fix.
+In ``coop`` mode a rank that calls ``init_rpc`` runs its compute outside the
+seeded schedule from then on (its collectives still take their turn): its
+waits on RPC answers are invisible to the scheduler, and a rank holding the
+turn there would keep it from the rank that must answer.
 
 Example (each rank its own process)::
 
@@ -24,7 +24,7 @@ Example (each rank its own process)::
         rpc.shutdown()
         return out
 
-    simulator.run(worker, 2, isolation="process", mode="threads")
+    simulator.run(worker, 2, isolation="process")
 """
 from __future__ import annotations
 
