@@ -544,6 +544,9 @@ class SimBackend(Backend):
         slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
         links_reserve(run, slot.group.ranks, slot.vend)
         slot.done = True
+        for c in calls:
+            if c.rs.on_complete is not None and not c.async_op:
+                c.rs.on_complete(slot)
         wake = run.sched.wake
         for w in slot.waiters:
             wake(w)

@@ -71,6 +71,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
+        "on_complete",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -107,6 +108,9 @@ class RankState:
         self.parent: RankState | None = None
         #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
         self.waits_exit = True
+        #: called with the slot when a blocking collective of this actor completes, before the actor resumes
+        #: (a rank process's proxy answers its process there: see simulator.isolation.proxy)
+        self.on_complete: Any = None
 
     @property
     def label(self) -> str:

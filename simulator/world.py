@@ -168,6 +168,7 @@ class World:
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         global _last_trace
+        _check_arguments(args, kwargs)
         if self.isolation == "process" and current_rank_state() is None and callable(fn):
             from .isolation import run_processes
 
@@ -407,6 +408,23 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
     if all(isinstance(e, Exception) for e in excs):
         raise ExceptionGroup(f"{len(firsts)} ranks failed independently (ranks {ranks_txt})", excs)  # type: ignore[arg-type]
     raise BaseExceptionGroup(f"{len(firsts)} ranks failed independently (ranks {ranks_txt})", excs)
+
+
+def _check_arguments(args: Any, kwargs: Any) -> None:
+    """``args`` a sequence and ``kwargs`` a dict, before any rank starts (each rank unpacks them)."""
+    from collections.abc import Sequence as _Seq
+
+    if isinstance(args, (str, bytes)) or not isinstance(args, _Seq):
+        plain = isinstance(args, (int, float, str))
+        raise DistTypeError(format_message(
+            "simulator.run", "args must be a tuple (or list) of fn's positional arguments",
+            values={"args": args if plain else type(args).__name__},
+            fix=f"pass args=({args!r},) for a single argument" if plain else "pass args=(a, b): each rank calls "
+                "fn(*args)"))
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise DistTypeError(format_message(
+            "simulator.run", "kwargs must be a dict of fn's keyword arguments",
+            values={"kwargs": type(kwargs).__name__}, fix="pass kwargs={'name': value}"))
 
 
 def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,

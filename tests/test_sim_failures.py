@@ -30,8 +30,12 @@ def _how(mode: str) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def _warm_rank_processes():
-    """Start the warm interpreters of rank processes once: the tests time detection, not interpreter start-up."""
-    simulator.run(_noop, 4, isolation="process")
+    """Start the warm interpreters of rank processes: the tests time detection, not interpreter start-up.
+
+    Twice: the second world's forks import ahead the libraries the first world's rank processes imported.
+    """
+    for _ in range(2):
+        simulator.run(_noop, 4, isolation="process")
 
 
 def _noop() -> None:

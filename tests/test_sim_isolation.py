@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -348,6 +349,16 @@ def crash_fault() -> None:
         dist.all_reduce(torch.ones(1))
 
 
+def waits_between_collectives(seconds: float) -> tuple[float, float]:
+    """A wait between two all_reduces, timed by wall clock (a stand-in for each rank's own compute)."""
+    dist.all_reduce(torch.ones(1))
+    t0 = time.time()
+    time.sleep(seconds)
+    t1 = time.time()
+    dist.all_reduce(torch.ones(1))
+    return t0, t1
+
+
 # ---------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------
@@ -555,6 +566,20 @@ def test_deadlocks_named_by_counting():
         simulator.run(deadlocks, 2, isolation="process", timeout=60)
     with pytest.raises(simulator.DeadlockError, match="recv"):
         simulator.run(recv_deadlock, 2, isolation="process", timeout=60)
+
+
+def test_coop_rank_processes_compute_at_once_on_the_seeded_schedule():
+    """In coop mode a rank process is answered when its collective completes, not when its turn comes back.
+
+    So the ranks' compute between two collectives runs at once, as on torchrun (thread ranks in coop mode
+    compute one at a time), while the schedule, and so the trace, stays the seed's: the same as thread ranks.
+    """
+    w = 4
+    world = simulator.World(w, seed=3, isolation="process")
+    spans = world.run(waits_between_collectives, (0.5,))
+    assert max(t0 for t0, _ in spans) < min(t1 for _, t1 in spans), spans  # every rank waited at the same time
+    simulator.run(waits_between_collectives, w, seed=3, args=(0.0,))
+    assert world.trace.signature() == simulator.last_trace().signature()
 
 
 def test_process_state_is_per_rank_and_seeded():

@@ -7,7 +7,10 @@ forwards (see :mod:`.child`) on the real simulator backend.  Matching, the
 agreement checks, deadlock detection, faults, virtual time and the trace are
 therefore the very code thread ranks use.  While the rank process computes,
 its proxy waits on the socket (the rank is *running* for the scheduler, as a
-computing thread rank is); a process that dies is a failed rank.
+computing thread rank is); a process that dies is a failed rank.  A thread the
+rank process starts gets an actor of the rank and a proxy thread of its own
+(:meth:`ProcessRanks._adopt`, see :mod:`.rank_threads`), as a thread a thread
+rank starts does.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ from ._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 __all__ = ["ProcessRanks", "hash_seed"]
 
 _CHILD = warm.PROLOGUE + "from simulator.isolation.child import main\nmain()\n"  # a rank process spawned afresh
+#: the blocking collectives a proxy may answer when they complete (their answer is None), see ProcessRanks._early
+_EAGER = frozenset(("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+                    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"))
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
 _STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
 
@@ -107,11 +113,13 @@ class _ThreadGone(Exception):
 class _Channel:
     """One thread of a rank process, as its actor's proxy sees it: a socket, and a duplicate for descriptors."""
 
-    __slots__ = ("conn", "fd_sock")
+    __slots__ = ("conn", "fd_sock", "replied", "deferred")
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.fd_sock: socket.socket | None = None
+        self.replied = False  # the request being performed was answered already (see ProcessRanks._early)
+        self.deferred: BaseException | None = None  # its failure, which came after that answer
 
     def recv_fds(self, n: int) -> list[int]:
         """The ``n`` descriptors the process sent right after its last message (see child._exchange)."""
@@ -293,12 +301,21 @@ class ProcessRanks:
                 msg = self._recv(rs, me, chan)
             kind = msg[0]
             if kind in self._REQUESTS:
+                if chan.deferred is not None:  # the previous request failed after its early answer: fail this one
+                    e, chan.deferred = chan.deferred, None
+                    self._send(me, chan, self._error_reply(me, e))
+                    continue
                 try:
                     value = self._request(rs, me, chan, backend, msg)
                 except BaseException as e:  # noqa: BLE001  (sent to the rank process's thread, which raises it)
-                    self._send(me, chan, self._error_reply(me, e))
+                    if chan.replied:
+                        chan.deferred = e
+                    else:
+                        self._send(me, chan, self._error_reply(me, e))
                 else:
-                    self._send(me, chan, ("ok", value))
+                    if not chan.replied:
+                        self._send(me, chan, ("ok", value))
+                chan.replied = False
                 if main and me.free_running:
                     rs.run.sched.leave(rs)  # (a no-op while it is outside the schedule already)
             elif kind == "modules":
@@ -307,6 +324,8 @@ class ProcessRanks:
             elif kind == "end":  # a thread the program started has ended
                 return None
             elif kind == "result":
+                if chan.deferred is not None:
+                    raise chan.deferred
                 rs.cpu_mark = time.thread_time() - msg[2]  # the compute after the last operation: charged at exit
                 return pickle.loads(msg[1])
             elif kind == "exit":
@@ -329,7 +348,12 @@ class ProcessRanks:
             # the thread's own compute since its last call: charged by the call's first step, as the CPU time
             # of a thread rank is
             rs.cpu_mark = time.thread_time() - cpu
-            return self._perform(me, backend, name, enc, site, backward)
+            if name in _EAGER and enc[-1] is False and isinstance(rs.run.sched, CoopScheduler):
+                rs.on_complete = lambda slot: self._early(rs, chan, slot)
+            try:
+                return self._perform(me, backend, name, enc, site, backward)
+            finally:
+                rs.on_complete = None
         if kind in ("wait", "completed", "success", "source"):
             work = me.works[msg[1]]
             if kind == "wait":
@@ -366,6 +390,24 @@ class ProcessRanks:
         # "free": the process started an RPC agent, whose waits the scheduler cannot see (see .rpc_process)
         me.free_running = isinstance(rs.run.sched, CoopScheduler)
         return None
+
+    @staticmethod
+    def _early(rs: Any, chan: _Channel, slot: Any) -> None:
+        """A blocking collective of ``chan``'s thread completed: answer the thread now (coop mode).
+
+        Its outputs are in the arena already and its outcome is final, so the process computes on while its
+        actor waits for the seeded schedule to give it the turn back; the schedule, and so the trace and every
+        result, stay those of thread ranks, but the rank processes compute in parallel instead of one at a
+        time.  A failure that reaches the actor after this answer fails the thread's next request instead.
+        """
+        run = rs.run
+        if slot.error is not None or rs.pending is not None or run.fatal is not None or run.aborted or run.over:
+            return  # the actor raises when it resumes: the process waits for that answer
+        try:
+            _wire.send(chan.conn, ("ok", None))
+        except OSError:
+            return  # the process is gone: its proxy finds out when it reads
+        chan.replied = True
 
     def _adopt(self, rs: Any, me: _Rank, chan: _Channel, name: str, daemon: bool) -> int:
         """The thread of ``chan`` starts a thread ``name``: give it an actor of the rank and a proxy serving it."""
