@@ -16,6 +16,12 @@
    target: within 3x.  Ordinary buffers are staged through shared memory (a
    copy in and a copy out per rank); a buffer the program moved to shared
    memory itself (``share_memory_()``) is reduced in place.
+4. **compute between collectives, W=8, coop**: each step a rank multiplies a
+   matrix (one intra-op thread) and all_reduces 1e3 float32.  Thread ranks in
+   coop mode compute one at a time; rank processes are answered when their
+   collective completes, so they compute at once, on the same seeded schedule.
+   Printed against the two bounds of the machine: one rank's step times W
+   (serial) and times W / cores (every core busy).
 """
 from __future__ import annotations
 
@@ -72,6 +78,18 @@ def large_body(n: int, reps: int, shared: bool = False) -> list[tuple[float, flo
         dist.all_reduce(x)
         ts.append((t0, time.perf_counter()))
     return ts[1:]  # the first call also maps the shared-memory arena
+
+
+def compute_body(steps: int, n: int) -> tuple[float, float]:
+    torch.set_num_threads(1)  # one core per rank, as OMP_NUM_THREADS=1 under torchrun
+    a = torch.randn(n, n)
+    x = torch.ones(1000)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x[0] = (a @ a)[0, 0]
+        dist.all_reduce(x)
+    return t0, time.perf_counter()
 
 
 # ---------------------------------------------------------------------------
@@ -171,6 +189,24 @@ def _large(mib: int, reps: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------
+# 4. compute between collectives
+# ---------------------------------------------------------------------------
+def _compute(steps: int, n: int) -> dict:
+    torch.set_num_threads(1)
+    a = torch.randn(n, n)
+    one = []
+    for _ in range(max(5, steps)):
+        t = time.perf_counter()
+        a @ a
+        one.append(time.perf_counter() - t)
+    out = {"n": n, "steps": steps, "one_rank_matmul_s": statistics.median(one)}
+    for isolation in ("thread", "process"):
+        res = simulator.run(compute_body, W, args=(steps, n), mode="coop", timeout=1800, isolation=isolation)
+        out[f"{isolation}_step_s"] = (max(b for _, b in res) - min(a_ for a_, _ in res)) / steps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
@@ -210,6 +246,15 @@ def main() -> None:
     for key in ("coop", "threads", "coop_shared", "threads_shared"):
         what = key.replace("_shared", ", buffer in shared memory")
         print(f"process ranks, {what:32s}: {large[f'{key}_s'] * 1e3:7.1f} ms = {large[f'{key}_ratio']:.2f}x the bound")
+    print(f"\n## 4. a matmul and an all_reduce per step, W={W}, coop mode")
+    cpu = _compute(3 if ns.quick else 10, 1024)
+    fig["compute"] = cpu
+    serial, busy = W * cpu["one_rank_matmul_s"], W * cpu["one_rank_matmul_s"] / (os.cpu_count() or 1)
+    print(f"one rank's matmul: {cpu['one_rank_matmul_s'] * 1e3:.1f} ms; bounds per step: serial {serial * 1e3:.0f} ms, "
+          f"every core busy {busy * 1e3:.0f} ms ({os.cpu_count()} cores)")
+    for isolation in ("thread", "process"):
+        t = cpu[f"{isolation}_step_s"]
+        print(f"{isolation} ranks: {t * 1e3:7.1f} ms per step = {t / serial:.2f}x serial, {t / busy:.2f}x every core busy")
     fig["loadavg_after"] = os.getloadavg()
     if ns.json:
         with open(ns.json, "w") as f:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -359,6 +360,31 @@ def waits_between_collectives(seconds: float) -> tuple[float, float]:
     return t0, t1
 
 
+def _forked_worker(q) -> None:  # noqa: ANN001  (a DataLoader-style worker forked from a rank process)
+    t = threading.Thread(target=q.put, args=("its own thread ran",))
+    t.start()
+    t.join()
+    try:
+        dist.all_reduce(torch.ones(1))
+        q.put("communicated")
+    except dist.DistRuntimeError as e:
+        q.put(str(e))
+
+
+def forks_a_worker() -> tuple:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_worker, args=(q,))
+    p.start()
+    got = (q.get(timeout=60), q.get(timeout=60))
+    p.join(60)
+    x = torch.ones(1)
+    dist.all_reduce(x)  # the rank's channel is intact
+    return got, p.exitcode, x.item()
+
+
 # ---------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------
@@ -580,6 +606,13 @@ def test_coop_rank_processes_compute_at_once_on_the_seeded_schedule():
     assert max(t0 for t0, _ in spans) < min(t1 for _, t1 in spans), spans  # every rank waited at the same time
     simulator.run(waits_between_collectives, w, seed=3, args=(0.0,))
     assert world.trace.signature() == simulator.last_trace().signature()
+
+
+def test_a_process_forked_from_a_rank_process_is_not_the_rank():
+    """Its threads are plain threads, and a call on the inherited channel is refused with the fix."""
+    for (ran, refused), code, total in simulator.run(forks_a_worker, 2, isolation="process"):
+        assert ran == "its own thread ran" and code == 0 and total == 2.0
+        assert "a process forked from a rank process is not a rank" in refused and "Fix:" in refused
 
 
 def test_process_state_is_per_rank_and_seeded():

@@ -140,6 +140,7 @@ class ClientBackend(SimBackend):
         # has a channel of its own (see .rank_threads)
         self._lock = threading.RLock()
         self._main_ident = threading.get_ident()
+        self._pid = os.getpid()  # a process forked from this one (a DataLoader worker) is not the rank
         self._tl = threading.local()  # .chan: the calling thread's own channel
         self._cpu = threading.local()
         self._world_key = object()
@@ -181,18 +182,30 @@ class ClientBackend(SimBackend):
     # -- the channel ------------------------------------------------------
     def _request(self, msg: tuple, fds: Sequence[int] = ()) -> Any:
         """Send ``msg`` (and ``fds``) on the calling thread's channel; return the proxy's answer or raise its error."""
+        self._own_process(msg[1] if msg[0] == "call" else "torch.distributed")
         chan = getattr(self._tl, "chan", None)
         if chan is not None:
             return _exchange(chan, msg, fds)
         with self._lock:
             return _exchange(self._conn, msg, fds)
 
+    def _own_process(self, call: str) -> None:
+        """Refuse a call from a process forked from the rank process (before it touches the rank's arenas)."""
+        if os.getpid() != self._pid:
+            raise DistRuntimeError(format_message(
+                call, "a process forked from a rank process is not a "
+                "rank: its inherited channel belongs to the rank (as on torchrun, where a forked child cannot use "
+                "its parent's process group)", rank=self.rank, values={"pid": os.getpid(), "rank_pid": self._pid},
+                fix="communicate from the rank process itself; pass data to its workers through queues or pipes"))
+
     def has_channel(self) -> bool:
         """Whether the calling thread is an actor of this rank: the main thread, or one the program started."""
+        if os.getpid() != self._pid:
+            return False
         return threading.get_ident() == self._main_ident or getattr(self._tl, "chan", None) is not None
 
     def on_main_thread(self) -> bool:
-        return threading.get_ident() == self._main_ident
+        return threading.get_ident() == self._main_ident and os.getpid() == self._pid
 
     def bind_channel(self, chan: Connection | None) -> None:
         """The calling thread talks to its own actor over ``chan`` (``None``: unbind)."""
@@ -330,6 +343,7 @@ class ClientBackend(SimBackend):
         return a
 
     def _forward(self, name: str, args: tuple, async_op: bool = False) -> Any:
+        self._own_process(name)
         site = call_site(1)
         staged = _Staged(self._alock)
         try:
