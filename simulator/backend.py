@@ -62,6 +62,13 @@ def _caller(rs: RankState) -> RankState:
     return me if me is not None and me is not rs and me.run is rs.run and me.rank == rs.rank else rs
 
 
+def _notify(rs: RankState, w: Any, error: Incident | None, source: int | None = None) -> None:
+    """``w``, which ``rs`` is blocked on, has completed: tell ``rs.on_complete`` before ``rs`` resumes."""
+    hook = rs.on_complete
+    if hook is not None and rs.waiting is w:
+        hook(error, source)
+
+
 def _done_with(rs: RankState) -> None:
     """After an operation of a rank's thread: the thread goes back to running outside the schedule."""
     if rs.parent is not None:
@@ -545,8 +552,7 @@ class SimBackend(Backend):
         links_reserve(run, slot.group.ranks, slot.vend)
         slot.done = True
         for c in calls:
-            if c.rs.on_complete is not None and not c.async_op:
-                c.rs.on_complete(slot)
+            _notify(c.rs, slot, slot.error)
         wake = run.sched.wake
         for w in slot.waiters:
             wake(w)
@@ -743,6 +749,8 @@ class SimBackend(Backend):
             s.done = True
         r.vend = end
         r.done = True
+        _notify(s.rs, s, s.error)
+        _notify(r.rs, r, r.error, r.source)
         run.sched.wake(s.rs)
         run.sched.wake(r.rs)
 

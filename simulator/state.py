@@ -108,8 +108,9 @@ class RankState:
         self.parent: RankState | None = None
         #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
         self.waits_exit = True
-        #: called with the slot when a blocking collective of this actor completes, before the actor resumes
-        #: (a rank process's proxy answers its process there: see simulator.isolation.proxy)
+        #: ``(error incident or None, recv source or None)`` when the operation this actor is blocked on
+        #: completes, before it resumes (a rank process's proxy answers its process there: see
+        #: simulator.isolation.proxy)
         self.on_complete: Any = None
 
     @property

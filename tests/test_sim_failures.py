@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import simulator
+from _support.worlds import warm_rank_processes
 import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.distributed import DistError, DistTimeoutError, ReduceOp
@@ -30,16 +31,8 @@ def _how(mode: str) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def _warm_rank_processes():
-    """Start the warm interpreters of rank processes: the tests time detection, not interpreter start-up.
-
-    Twice: the second world's forks import ahead the libraries the first world's rank processes imported.
-    """
-    for _ in range(2):
-        simulator.run(_noop, 4, isolation="process")
-
-
-def _noop() -> None:
-    return None
+    """The tests time detection, not the start-up of rank processes."""
+    warm_rank_processes(4)
 
 
 def _fail(fn, w, mode, cls, **kw):

@@ -602,7 +602,7 @@ def test_coop_rank_processes_compute_at_once_on_the_seeded_schedule():
     """
     w = 4
     world = simulator.World(w, seed=3, isolation="process")
-    spans = world.run(waits_between_collectives, (0.5,))
+    spans = world.run(waits_between_collectives, (1.0,))
     assert max(t0 for t0, _ in spans) < min(t1 for _, t1 in spans), spans  # every rank waited at the same time
     simulator.run(waits_between_collectives, w, seed=3, args=(0.0,))
     assert world.trace.signature() == simulator.last_trace().signature()

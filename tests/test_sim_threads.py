@@ -18,6 +18,7 @@ import torch.distributed as tdist
 
 import simulator
 import tensorplay.distributed as dist
+from _support.worlds import warm_rank_processes
 from simulator.isolation import ISOLATIONS
 
 MODES = ["coop", "threads"]
@@ -158,6 +159,8 @@ def _thread_waits_for_a_rank_that_returned():
 def test_deadlock_through_a_thread_is_named_not_timed_out(mode, isolation):
     import time
 
+    if isolation == "process":
+        warm_rank_processes(2)  # the bound below is on detection, not on starting interpreters
     t0 = time.monotonic()
     with pytest.raises(simulator.DeadlockError) as ei:
         simulator.run(_thread_waits_for_a_rank_that_returned, 2, mode=mode, timeout=30, isolation=isolation)

@@ -48,9 +48,11 @@ from ._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 __all__ = ["ProcessRanks", "hash_seed"]
 
 _CHILD = warm.PROLOGUE + "from simulator.isolation.child import main\nmain()\n"  # a rank process spawned afresh
-#: the blocking collectives a proxy may answer when they complete (their answer is None), see ProcessRanks._early
+#: the blocking operations a proxy may answer when they complete (see ProcessRanks._early): their answer is None,
+#: or the source rank for recv
 _EAGER = frozenset(("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-                    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"))
+                    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send",
+                    "recv"))
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
 _STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
 
@@ -349,7 +351,8 @@ class ProcessRanks:
             # of a thread rank is
             rs.cpu_mark = time.thread_time() - cpu
             if name in _EAGER and enc[-1] is False and isinstance(rs.run.sched, CoopScheduler):
-                rs.on_complete = lambda slot: self._early(rs, chan, slot)
+                recv = name == "recv"
+                rs.on_complete = lambda error, src: self._early(rs, chan, error, src if recv else None)
             try:
                 return self._perform(me, backend, name, enc, site, backward)
             finally:
@@ -358,7 +361,12 @@ class ProcessRanks:
             work = me.works[msg[1]]
             if kind == "wait":
                 rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
-                return work.wait()
+                if isinstance(rs.run.sched, CoopScheduler):
+                    rs.on_complete = lambda error, src: self._early(rs, chan, error, True)
+                try:
+                    return work.wait()
+                finally:
+                    rs.on_complete = None
             if kind == "completed":
                 return work.is_completed()
             if kind == "success":
@@ -392,8 +400,8 @@ class ProcessRanks:
         return None
 
     @staticmethod
-    def _early(rs: Any, chan: _Channel, slot: Any) -> None:
-        """A blocking collective of ``chan``'s thread completed: answer the thread now (coop mode).
+    def _early(rs: Any, chan: _Channel, error: Any, value: Any) -> None:
+        """The operation ``chan``'s thread waits for completed: answer the thread now with ``value`` (coop mode).
 
         Its outputs are in the arena already and its outcome is final, so the process computes on while its
         actor waits for the seeded schedule to give it the turn back; the schedule, and so the trace and every
@@ -401,10 +409,10 @@ class ProcessRanks:
         time.  A failure that reaches the actor after this answer fails the thread's next request instead.
         """
         run = rs.run
-        if slot.error is not None or rs.pending is not None or run.fatal is not None or run.aborted or run.over:
+        if error is not None or rs.pending is not None or run.fatal is not None or run.aborted or run.over:
             return  # the actor raises when it resumes: the process waits for that answer
         try:
-            _wire.send(chan.conn, ("ok", None))
+            _wire.send(chan.conn, ("ok", value))
         except OSError:
             return  # the process is gone: its proxy finds out when it reads
         chan.replied = True

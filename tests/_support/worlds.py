@@ -109,3 +109,19 @@ def fold(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     if op == "avg":
         acc = acc / len(xs)
     return acc
+
+
+def _noop() -> None:
+    return None
+
+
+def warm_rank_processes(world_size: int = 4) -> None:
+    """Start the warm interpreters of rank processes (seed 0) before a test times detection, not start-up.
+
+    Twice: the second world's forks also import ahead the libraries the first world's rank processes
+    imported (see simulator/isolation/warm.py).
+    """
+    import simulator
+
+    for _ in range(2):
+        simulator.run(_noop, world_size, isolation="process")
