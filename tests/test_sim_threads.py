@@ -69,6 +69,31 @@ def test_thread_pool_worker_runs_collectives(mode, isolation):
     assert [t.tolist() for t in res] == [[10.0, 10.0]] * 4
 
 
+_KEPT: list = []  # executors a program keeps for its lifetime (module state, as a real program's would be)
+
+
+def _executor_left_open():
+    """An executor kept open for the program's life: its workers are joined when the interpreter ends."""
+    ex = ThreadPoolExecutor(max_workers=2)
+    _KEPT.append(ex)
+    x = torch.full((2,), float(dist.get_rank() + 1))
+    ex.submit(dist.all_reduce, x).result()
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@isolations
+def test_executor_left_open_ends_with_the_rank(mode, isolation, capfd):
+    try:
+        res = simulator.run(_executor_left_open, 3, mode=mode, timeout=30, isolation=isolation)
+    finally:
+        while _KEPT:  # (thread ranks kept theirs in this process)
+            _KEPT.pop().shutdown()
+    assert [t.tolist() for t in res] == [[6.0, 6.0]] * 3
+    # a rank process joins them at its end (atexit) as a plain process does, after its rank has returned
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def _queue_worker():
     """A long-lived comm thread fed through queues (the rank waits on Queue.get)."""
     todo, done = queue.Queue(), queue.Queue()

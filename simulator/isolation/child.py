@@ -204,6 +204,10 @@ class ClientBackend(SimBackend):
             return False
         return threading.get_ident() == self._main_ident or getattr(self._tl, "chan", None) is not None
 
+    def main_returned(self) -> None:
+        """The rank's function has ended: the main thread is no longer an actor of the rank."""
+        self._main_ident = None
+
     def on_main_thread(self) -> bool:
         return threading.get_ident() == self._main_ident and os.getpid() == self._pid
 
@@ -621,6 +625,9 @@ def main(fd: int | None = None) -> None:
         except BaseException as e:  # noqa: BLE001  every failure is reported by the coordinator
             eid = getattr(e, "_tp_forwarded", None)
             msg = ("forwarded", eid) if eid is not None else _exception_message(e)
+        # the rank's end: its proxy stops serving the main channel, so the interpreter's own end (atexit joins
+        # of executor threads, non-daemon threads) waits as a real process does
+        backend.main_returned()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
