@@ -135,6 +135,40 @@ P2P_PROCESS = textwrap.dedent("""
 """)
 
 
+# torchrun shape, with what only a process has: a communication thread whose collective on its own group
+# overlaps the main thread's, and torch.distributed.checkpoint's async_save (a background thread writes while
+# the main thread goes on), then a load
+THREADS_DCP = textwrap.dedent("""
+    import sys, threading
+    import torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    side = dist.new_group(list(range(size)))
+    x = torch.arange(3.0) + 10 * rank
+    box = {}
+
+    def comm():
+        y = x.clone()
+        dist.all_reduce(y, group=side)
+        box["y"] = y
+
+    t = threading.Thread(target=comm, name="comm")
+    t.start()
+    z = x * 2
+    dist.all_reduce(z)
+    t.join()
+    state = {"w": torch.arange(4.0) + 100 * rank, "b": torch.full((2,), float(rank))}
+    dcp.async_save(state, checkpoint_id=sys.argv[1]).result()
+    back = {"w": torch.zeros(4), "b": torch.zeros(2)}
+    dcp.load(back, checkpoint_id=sys.argv[1])
+    print(f"rank {rank} thread {box['y'].tolist()} main {z.tolist()} loaded {back['w'].tolist()} "
+          f"{back['b'].tolist()}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
@@ -182,3 +216,19 @@ def test_p2p_tutorial_with_process_ranks_matches_gloo(tmp_path: Path) -> None:
     assert "exit codes [0, 0, 0, 0]" in real
     assert "rank 0 ring [60.0, 64.0, 68.0]" in real  # sum over ranks of arange(3) + 10 * rank
     assert sim == real
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W2")
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_comm_thread_and_async_checkpoint_under_torchrun_match_the_simulator(tmp_path: Path, isolation: str) -> None:
+    script = tmp_path / "threads_dcp.py"
+    script.write_text(THREADS_DCP)
+    real = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path / "real")], tmp_path)
+    assert real.returncode == 0, real.stderr[-3000:]
+    sim = _run([sys.executable, "-m", "simulator", "--isolation", isolation, "--nproc-per-node", "2", str(script),
+                str(tmp_path / "sim")], tmp_path)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    assert len(_lines(real.stdout)) == 2 and "rank 1 thread [10.0, 12.0, 14.0]" in real.stdout, real.stdout
+    assert _lines(sim.stdout) == _lines(real.stdout)
