@@ -289,7 +289,10 @@ class Run:
 
 OVER_TEXT = format_message(
     "simulator.run", "the simulated world has ended (every rank returned): a daemon thread a rank started made "
-    "a distributed call afterwards", fix="join the thread before the rank returns, or stop it from communicating")
+    "a distributed call afterwards (a thread rank is itself a daemon thread, so a thread it starts is a daemon "
+    "unless it passes daemon=False; a process's main thread is not, and its threads are not daemons by default)",
+    fix="join the thread before the rank returns; or pass daemon=False, and the run waits for the thread as a "
+        "process waits for its non-daemon threads; or run with isolation='process'")
 
 
 
