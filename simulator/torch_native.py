@@ -466,10 +466,12 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
             "init_process_group", "the 'sim' torch backend runs only on simulated ranks",
             values={"backend": "sim"},
             fix="run the code under simulator.run(fn, world_size) or `python -m simulator`"))
-    ranks = tuple(sorted(global_ranks)) if global_ranks else tuple(range(st.world_size))
-    if ranks == st.world.ranks:
+    if not global_ranks:  # init_process_group's default group (torch passes no ranks for it)
         return st.world
-    # torch calls the creator on member ranks only, so the group is made without the non-members
+    # any other group is a communicator of its own, even over every rank (torch's new_group() is): its
+    # collectives never match the world's. torch calls the creator on member ranks only, so the group is
+    # made without the non-members
+    ranks = tuple(sorted(global_ranks))
     handle = st.backend.member_group_handle(ranks)
     pg = TpGroup(ranks, st.backend, handle, group_id=len(st.groups) + 1)
     st.groups.append(pg)

@@ -15,6 +15,7 @@ import torch.distributed as tdist
 
 import simulator
 from simulator import torch_native
+from simulator.isolation import ISOLATIONS
 
 W = 4
 
@@ -148,6 +149,27 @@ def test_mismatch_in_torch_native_code_is_caught_by_the_simulator() -> None:
     with pytest.raises(BaseException) as info:
         simulator.run(body, 2)
     assert "CollectiveMismatchError" in repr(info.value) or isinstance(info.value, simulator.CollectiveMismatchError)
+
+
+def _full_size_group_is_its_own() -> list:
+    """torch's new_group() over every rank is a communicator of its own: its collectives never meet the world's."""
+    tdist.init_process_group("gloo")
+    r = tdist.get_rank()
+    side = tdist.new_group(list(range(tdist.get_world_size())))
+    ones = torch.ones(1)
+    tdist.all_reduce(ones, group=side)  # every rank on the full-size group: fine
+    tdist.all_reduce(torch.ones(1), group=side if r == 0 else None)  # rank 0 on it, rank 1 on the world: hangs on gloo
+    return [ones.item()]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_full_size_new_group_is_not_the_world(isolation) -> None:
+    with pytest.raises(simulator.DeadlockError) as info:
+        simulator.run(_full_size_group_is_its_own, 2, isolation=isolation, timeout=60)
+    text = str(info.value)
+    # each rank waits on a different group: rank 0 in the subgroup's second call, rank 1 in the world's first
+    assert "rank 0 waits in all_reduce #2 on group [0, 1] (subgroup 1)" in text, text
+    assert re.search(r"rank 1 waits in all_reduce #1 on group \[0, 1\] at .*missing: \[0\]", text), text
 
 
 def test_unsupported_torch_version_is_refused_with_a_clear_message() -> None:

@@ -61,14 +61,19 @@ def _start(self: threading.Thread) -> None:
         mine, theirs = socket.socketpair()
         try:
             tid = b._request(("thread", self.name, self.daemon), (theirs.fileno(),))
+        except (EOFError, OSError):  # the world has ended (a daemon thread starting one): a plain thread, as
+            tid = None               # on thread ranks once the run is over
         except BaseException:
             mine.close()
             raise
         finally:
             theirs.close()
-        self._tp_chan = Connection(mine.detach())  # type: ignore[attr-defined]
-        self._tp_tid = tid  # type: ignore[attr-defined]
-        _live.add(self)
+        if tid is None:
+            mine.close()
+        else:
+            self._tp_chan = Connection(mine.detach())  # type: ignore[attr-defined]
+            self._tp_tid = tid  # type: ignore[attr-defined]
+            _live.add(self)
     _quiet.depth = getattr(_quiet, "depth", 0) + 1
     try:
         _ORIGINAL["start"](self)
