@@ -360,6 +360,23 @@ def waits_between_collectives(seconds: float) -> tuple[float, float]:
     return t0, t1
 
 
+def many_threads(coordinator: int, n: int) -> tuple[int, int]:
+    """Start ``n`` communicating threads one after another; the coordinator's open descriptors after 1 and n."""
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{coordinator}/fd"))
+
+    x = torch.ones(1)
+    counts = []
+    for i in range(n):
+        t = threading.Thread(target=dist.all_reduce, args=(x,))
+        t.start()
+        t.join()
+        if i in (0, n - 1):
+            dist.barrier()  # (every rank's thread has ended)
+            counts.append(fds())
+    return counts[0], counts[1]
+
+
 def _forked_worker(q) -> None:  # noqa: ANN001  (a DataLoader-style worker forked from a rank process)
     t = threading.Thread(target=q.put, args=("its own thread ran",))
     t.start()
@@ -613,6 +630,13 @@ def test_a_process_forked_from_a_rank_process_is_not_the_rank():
     for (ran, refused), code, total in simulator.run(forks_a_worker, 2, isolation="process"):
         assert ran == "its own thread ran" and code == 0 and total == 2.0
         assert "a process forked from a rank process is not a rank" in refused and "Fix:" in refused
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_an_ended_threads_channel_is_closed():
+    """A program may start threads without end: the coordinator keeps no channel of a thread that has ended."""
+    for first, last in simulator.run(many_threads, 2, args=(os.getpid(), 200), isolation="process"):
+        assert last - first < 20, (first, last)  # 199 more threads: one socket each while they lived
 
 
 def test_process_state_is_per_rank_and_seeded():

@@ -165,7 +165,7 @@ class _Rank:
         self.asked = 0
         self.threads: dict[int, Any] = {}  # the actors of the threads the process started, by id
         self.tids = itertools.count(1)
-        self.chans: list[_Channel] = [self.main]
+        self.chans: set[_Channel] = {self.main}  # open channels (a thread's closes when the thread ends)
         self.free_running = False  # after init_rpc in coop mode: its compute runs outside the schedule
 
 
@@ -388,7 +388,9 @@ class ProcessRanks:
         if kind == "thread":  # the thread starts a thread: an actor of the rank, as Thread.start on thread ranks
             return self._adopt(rs, me, chan, msg[1], msg[2])
         if kind == "join":
-            threads.join_actor(rs, me.threads[msg[1]])
+            actor = me.threads.get(msg[1])
+            if actor is not None:  # (gone: its thread has ended and its actor exited)
+                threads.join_actor(rs, actor)
             return None
         if kind == "leave":  # around a wait the scheduler cannot see (an Event, a Queue, a Future)
             return threads.step_out(rs)
@@ -422,7 +424,7 @@ class ProcessRanks:
         fds = chan.recv_fds(1)
         child = _Channel(Connection(fds[0]))
         with me.lock:
-            me.chans.append(child)
+            me.chans.add(child)
             tid = next(me.tids)
         # the thread object only names the actor (reports say "rank 0 (thread 'comm')"); it never runs
         inh = threads.adopt(rs, threading.Thread(name=name, daemon=daemon))
@@ -437,8 +439,16 @@ class ProcessRanks:
                 if not (rs.run.over or rs.run.aborted):
                     raise
 
-        t = threading.Thread(target=threads.run_adopted, args=(inh, serve), name=f"tp-sim-rank{me.rank}-{name}",
-                             daemon=True)
+        def body() -> None:
+            try:
+                threads.run_adopted(inh, serve)
+            finally:  # the thread is over: its channel and entry go (a program may start threads without end)
+                child.close()
+                with me.lock:
+                    me.chans.discard(child)
+                    me.threads.pop(tid, None)
+
+        t = threading.Thread(target=body, name=f"tp-sim-rank{me.rank}-{name}", daemon=True)
         threads.start_plain(t)
         return tid
 
@@ -613,7 +623,9 @@ class ProcessRanks:
     def close(self) -> None:
         """Bounded teardown: let the rank processes exit, kill what remains, reap them, drop the shared memory."""
         for me in self.ranks:
-            for chan in me.chans:
+            with me.lock:
+                chans = list(me.chans)
+            for chan in chans:
                 chan.close()
             try:
                 if me.where is not None:
