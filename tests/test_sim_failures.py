@@ -32,7 +32,11 @@ def _how(mode: str) -> dict:
 @pytest.fixture(scope="module", autouse=True)
 def _warm_rank_processes():
     """The tests time detection, not the start-up of rank processes."""
-    warm_rank_processes(4)
+    warm_rank_processes(4, _noop)
+
+
+def _noop() -> None:
+    return None
 
 
 def _fail(fn, w, mode, cls, **kw):

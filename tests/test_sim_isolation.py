@@ -10,6 +10,7 @@ that a fork is as clean as a fresh interpreter.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -455,6 +456,34 @@ def test_warm_forks_are_clean_seeded_and_see_the_current_environment_and_stdio(m
     assert [o[:3] for o in spawned] == [o[:3] for o in second]
 
 
+def imports_wave() -> bool:
+    """Whether ``wave`` (a library no other test imports) was imported before the rank's function ran."""
+    was = "wave" in sys.modules
+    import wave  # noqa: F401
+
+    return was
+
+
+def test_warm_interpreters_import_ahead_between_runs():
+    """The libraries a world's rank processes imported are imported by their warm interpreters right after the
+    run (not when the next world starts): the next world's rank processes find them loaded."""
+    from simulator.isolation import warm
+
+    seed = 7707  # (warm interpreters of their own: no other test imports wave into them)
+    assert simulator.run(imports_wave, 2, isolation="process", seed=seed) == [False, False]
+    mine = [s for key, s in warm.POOL._servers.items()
+            if dict(key).get("PYTHONHASHSEED") in {str(hash_seed(seed, r)) for r in range(2)}]
+    assert len(mine) == 2
+    deadline = time.monotonic() + 120
+    for s in mine:
+        with s.lock:
+            while s.loading and time.monotonic() < deadline:
+                s.drain()
+                time.sleep(0.05)
+        assert not s.loading and "wave" in s.preload[:s.sent]  # imported ahead before any fork asked
+    assert simulator.run(imports_wave, 2, isolation="process", seed=seed) == [True, True]
+
+
 def _world_in_forked_child(q) -> None:  # noqa: ANN001
     from simulator.isolation import warm
 
@@ -737,7 +766,8 @@ def test_cli_isolation_process(tmp_path):
     p = subprocess.run([sys.executable, "-m", "simulator", "--isolation", "process", "--nproc-per-node", "2",
                         str(script)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    lines = sorted(l for l in p.stdout.splitlines() if l.startswith("rank"))
+    # two processes share the pipe, as under torchrun: their lines may interleave, so match the records
+    lines = sorted(re.findall(r"rank \d sum \d state \[\d\] hashseed \d+", p.stdout))
     assert lines == [f"rank {r} sum 3 state [{r}] hashseed {hash_seed(0, r)}" for r in range(2)]
 
 

@@ -677,6 +677,9 @@ def serve(fd: int) -> None:
                 os.close(f)
             ctrl.send(warm.MSG.pack(b"T", 0, _thread_count()))
             os._exit(3)
+        if env is None:  # import ahead only (between two runs)
+            ctrl.send(warm.MSG.pack(b"L", 0, 0))
+            continue
         pid = os.fork()
         if pid == 0:
             _rank_process(ctrl, env, fds)  # never returns

@@ -60,7 +60,8 @@ _START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and `
 _REPLY_S = 30.0  # bound on the answer to a fork request
 MAX_REQUEST = 1 << 17  # bytes of one fork request (its environment and the libraries to import ahead)
 MSG = struct.Struct("<cqq")  # (kind, pid, status): b"R" ready, b"P" forked pid, b"X" pid exited with returncode,
-#                              b"T" refused to fork (an import ahead started a thread) and ended
+#                              b"T" refused to fork (an import ahead started a thread) and ended, b"L" imported
+#                              ahead what a request without an environment named (see _Server.import_ahead)
 
 #: the first lines of every process the simulator starts as ``python -c ... <fd> <coordinator pid>``: the
 #: parent-death signal is armed before the slow imports, and the parent checked after arming it, so the process
@@ -121,6 +122,7 @@ class _Server:
         self.sent = 0  # how many of them it was asked to import
         self.batch: list[str] = []  # the ones of the last request
         self.tainted = False  # an import ahead started a thread: it refused to fork and ended
+        self.loading = False  # it is importing ahead (between two runs): a fork request waits for that
 
     def _read(self, timeout: float) -> tuple[bytes, int, int] | None:
         """One message from the warm interpreter within ``timeout`` s (None: none yet; EOFError: it is gone)."""
@@ -135,6 +137,10 @@ class _Server:
             self.exits[pid] = status
         elif kind == b"R":
             self.ready = True
+        elif kind == b"L":
+            self.loading = False
+        elif kind == b"T":
+            self.tainted = True
         return kind, pid, status
 
     def await_ready(self, deadline: float) -> bool:
@@ -147,26 +153,44 @@ class _Server:
                 return False
             return self.ready
 
-    def fork(self, chan: int, env: dict[str, str]) -> Forked:
+    def _request(self, env: dict[str, str] | None) -> tuple[bytes, bool]:
+        """A request for ``env`` (None: import ahead only) with the libraries not yet sent; (bytes, any?)."""
         import pickle
 
-        with self.lock:
-            preload = self.preload[self.sent:]
+        preload = self.preload[self.sent:]
+        data = pickle.dumps((env, preload))
+        while len(data) > MAX_REQUEST and preload:  # the rest goes with the next requests
+            preload = preload[:len(preload) // 2]
             data = pickle.dumps((env, preload))
-            while len(data) > MAX_REQUEST and preload:  # the rest goes with the next forks
-                preload = preload[:len(preload) // 2]
-                data = pickle.dumps((env, preload))
-            self.batch = preload
-            self.sent += len(preload)
+        self.batch = preload
+        self.sent += len(preload)
+        return data, bool(preload)
+
+    def import_ahead(self) -> None:
+        """Between two runs: import the libraries learned since the last request now, not at the next fork."""
+        with self.lock:
+            if self.tainted or self.proc.poll() is not None:
+                return
+            data, any_ = self._request(None)
+            if not any_:
+                return
+            try:
+                self.ctrl.send(data)
+            except OSError:
+                return
+            self.loading = True
+
+    def fork(self, chan: int, env: dict[str, str]) -> Forked:
+        with self.lock:
+            data, preload = self._request(env)
             socket.send_fds(self.ctrl, [data], [chan, 0, 1, 2])
-            deadline = time.monotonic() + _REPLY_S + (_START_S if preload else 0.0)
+            deadline = time.monotonic() + _REPLY_S + (_START_S if preload or self.loading else 0.0)
             while time.monotonic() < deadline:
                 msg = self._read(0.2)
                 if msg is not None and msg[0] == b"P":
                     self.forked.append(msg[1])
                     return Forked(self, msg[1])
                 if msg is not None and msg[0] == b"T":
-                    self.tainted = True
                     break
                 if self.proc.poll() is not None:
                     break
@@ -174,13 +198,18 @@ class _Server:
 
     def exit_status(self, pid: int) -> int | None:
         with self.lock:
-            try:
-                while self._read(0) is not None:
-                    pass
-            except (EOFError, OSError):
-                if pid not in self.exits:  # the warm interpreter died: so did its rank processes (parent-death signal)
-                    self.exits[pid] = -9
+            if not self.drain() and pid not in self.exits:
+                self.exits[pid] = -9  # the warm interpreter died: so did its rank processes (parent-death signal)
             return self.exits.pop(pid, None)
+
+    def drain(self) -> bool:
+        """Read the messages already sent (caller holds ``lock``); False once the warm interpreter is gone."""
+        try:
+            while self._read(0) is not None:
+                pass
+        except (EOFError, OSError):
+            return False
+        return True
 
     def alive(self) -> bool:
         return self.proc.poll() is None and not self.tainted
@@ -244,6 +273,9 @@ class WarmPool:
         with self._lock:
             for key in keys:
                 s = self._servers.pop(key, None)
+                if s is not None and not s.alive():
+                    with s.lock:
+                        s.drain()  # (its last words: b"T" if an import ahead started a thread)
                 if s is None or not s.alive():
                     carry: list[str] = []
                     if s is not None:
@@ -266,6 +298,7 @@ class WarmPool:
         with self._lock:
             known = set(server.preload)
             server.preload.extend(n for n in names if n not in known and n not in self._refused)
+        server.import_ahead()  # while the program runs on, not when the next world starts
 
     def close(self) -> None:
         with self._lock:

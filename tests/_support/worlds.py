@@ -115,13 +115,14 @@ def _noop() -> None:
     return None
 
 
-def warm_rank_processes(world_size: int = 4) -> None:
+def warm_rank_processes(world_size: int = 4, fn: Callable[[], Any] | None = None) -> None:
     """Start the warm interpreters of rank processes (seed 0) before a test times detection, not start-up.
 
-    Twice: the second world's forks also import ahead the libraries the first world's rank processes
-    imported (see simulator/isolation/warm.py).
+    ``fn`` (default: a no-op here) should be a no-op of the calling test module, so that the warm
+    interpreters learn the libraries that module imports.  Twice: the second world's forks find those
+    libraries imported ahead (see simulator/isolation/warm.py).
     """
     import simulator
 
     for _ in range(2):
-        simulator.run(_noop, world_size, isolation="process")
+        simulator.run(fn or _noop, world_size, isolation="process")
