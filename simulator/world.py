@@ -26,6 +26,7 @@ raises an ``ExceptionGroup`` of them.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import importlib
 import queue
@@ -412,9 +413,7 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
 
 def _check_arguments(args: Any, kwargs: Any) -> None:
     """``args`` a sequence and ``kwargs`` a dict, before any rank starts (each rank unpacks them)."""
-    from collections.abc import Sequence as _Seq
-
-    if isinstance(args, (str, bytes)) or not isinstance(args, _Seq):
+    if isinstance(args, (str, bytes)) or not isinstance(args, collections.abc.Sequence):
         plain = isinstance(args, (int, float, str))
         raise DistTypeError(format_message(
             "simulator.run", "args must be a tuple (or list) of fn's positional arguments",

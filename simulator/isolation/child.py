@@ -182,7 +182,11 @@ class ClientBackend(SimBackend):
     # -- the channel ------------------------------------------------------
     def _request(self, msg: tuple, fds: Sequence[int] = ()) -> Any:
         """Send ``msg`` (and ``fds``) on the calling thread's channel; return the proxy's answer or raise its error."""
-        self._own_process(msg[1] if msg[0] == "call" else "torch.distributed")
+        self._own_process("torch.distributed")
+        return self._exchange(msg, fds)
+
+    def _exchange(self, msg: tuple, fds: Sequence[int] = ()) -> Any:
+        """:meth:`_request` from a caller that has checked it runs in the rank process."""
         chan = getattr(self._tl, "chan", None)
         if chan is not None:
             return _exchange(chan, msg, fds)
@@ -311,9 +315,9 @@ class ClientBackend(SimBackend):
         st = t.untyped_storage()
         if not st.is_shared() or st.data_ptr() % 64:
             return False
-        known = self._shared.get(key)
-        if known is not None and not known[1].expired() and known[2] == st.nbytes():
-            shared[key] = known[0]
+        sid = self._known_sid(key, st)
+        if sid is not None:
+            shared[key] = sid
             return True
         try:
             fd, size = st._share_fd_cpu_()
@@ -323,16 +327,21 @@ class ClientBackend(SimBackend):
 
         # registered before any call names it (and under a lock, so no other thread of this rank names it first)
         with self._slock:
-            known = self._shared.get(key)
-            if known is not None and not known[1].expired() and known[2] == st.nbytes():
-                shared[key] = known[0]
-                return True
-            sid = SHARED_BASE + self._next_sid
-            self._next_sid += 1
-            self._request(("share", sid, size), (fd,))
-            self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
+            sid = self._known_sid(key, st)  # (another thread of the rank may have registered it meanwhile)
+            if sid is None:
+                sid = SHARED_BASE + self._next_sid
+                self._next_sid += 1
+                self._exchange(("share", sid, size), (fd,))
+                self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
         shared[key] = sid
         return True
+
+    def _known_sid(self, key: int, st: torch.UntypedStorage) -> int | None:
+        """The id the proxy knows the shared storage ``st`` (at address ``key``) by, if it still is that storage."""
+        known = self._shared.get(key)
+        if known is not None and not known[1].expired() and known[2] == st.nbytes():
+            return known[0]
+        return None
 
     def _arena_for(self, need: int) -> Arena:
         for a in self._arenas:
@@ -352,7 +361,7 @@ class ClientBackend(SimBackend):
         staged = _Staged(self._alock)
         try:
             enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
-            value = self._request(("call", name, enc, site, _state.current_backward(), self._cpu_delta()))
+            value = self._exchange(("call", name, enc, site, _state.current_backward(), self._cpu_delta()))
         except BaseException:
             staged.release()
             self._cpu.mark = time.thread_time()

@@ -43,16 +43,11 @@ from .. import threads
 from ..sched import CoopScheduler
 from ..state import current_rank_state
 from . import _wire, warm
-from ._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
+from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
 _CHILD = warm.PROLOGUE + "from simulator.isolation.child import main\nmain()\n"  # a rank process spawned afresh
-#: the blocking operations a proxy may answer when they complete (see ProcessRanks._early): their answer is None,
-#: or the source rank for recv
-_EAGER = frozenset(("barrier", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-                    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send",
-                    "recv"))
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
 _STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
 
@@ -350,23 +345,17 @@ class ProcessRanks:
             # the thread's own compute since its last call: charged by the call's first step, as the CPU time
             # of a thread rank is
             rs.cpu_mark = time.thread_time() - cpu
-            if name in _EAGER and enc[-1] is False and isinstance(rs.run.sched, CoopScheduler):
-                recv = name == "recv"
-                rs.on_complete = lambda error, src: self._early(rs, chan, error, src if recv else None)
-            try:
+            if name not in OUTPUTS or enc[-1] is not False:  # a group's creation, or an async_op call
                 return self._perform(me, backend, name, enc, site, backward)
-            finally:
-                rs.on_complete = None
+            # a blocking collective or send/recv (whose answer is None, or the source rank for recv)
+            recv = name == "recv"
+            return self._answering_early(rs, chan, lambda src: src if recv else None,
+                                         lambda: self._perform(me, backend, name, enc, site, backward))
         if kind in ("wait", "completed", "success", "source"):
             work = me.works[msg[1]]
             if kind == "wait":
                 rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
-                if isinstance(rs.run.sched, CoopScheduler):
-                    rs.on_complete = lambda error, src: self._early(rs, chan, error, True)
-                try:
-                    return work.wait()
-                finally:
-                    rs.on_complete = None
+                return self._answering_early(rs, chan, lambda src: True, work.wait)
             if kind == "completed":
                 return work.is_completed()
             if kind == "success":
@@ -400,6 +389,17 @@ class ProcessRanks:
         # "free": the process started an RPC agent, whose waits the scheduler cannot see (see .rpc_process)
         me.free_running = isinstance(rs.run.sched, CoopScheduler)
         return None
+
+    def _answering_early(self, rs: Any, chan: _Channel, answer: Callable[[Any], Any], block: Callable[[], Any]) -> Any:
+        """Run ``block`` (an operation the thread waits for) as the actor ``rs``; in coop mode the thread is answered
+        with ``answer(source)`` as soon as the operation completes (see :meth:`_early`)."""
+        if not isinstance(rs.run.sched, CoopScheduler):
+            return block()
+        rs.on_complete = lambda error, src: self._early(rs, chan, error, answer(src))
+        try:
+            return block()
+        finally:
+            rs.on_complete = None
 
     @staticmethod
     def _early(rs: Any, chan: _Channel, error: Any, value: Any) -> None:

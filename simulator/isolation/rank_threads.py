@@ -58,22 +58,7 @@ def free_running() -> None:
 def _start(self: threading.Thread) -> None:
     b = _backend
     if b is not None and b.has_channel():
-        mine, theirs = socket.socketpair()
-        try:
-            tid = b._request(("thread", self.name, self.daemon), (theirs.fileno(),))
-        except (EOFError, OSError):  # the world has ended (a daemon thread starting one): a plain thread, as
-            tid = None               # on thread ranks once the run is over
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        if tid is None:
-            mine.close()
-        else:
-            self._tp_chan = Connection(mine.detach())  # type: ignore[attr-defined]
-            self._tp_tid = tid  # type: ignore[attr-defined]
-            _live.add(self)
+        _register(self, b)
     _quiet.depth = getattr(_quiet, "depth", 0) + 1
     try:
         _ORIGINAL["start"](self)
@@ -82,6 +67,24 @@ def _start(self: threading.Thread) -> None:
         raise
     finally:
         _quiet.depth -= 1
+
+
+def _register(t: threading.Thread, b: Any) -> None:
+    """Give ``t`` an actor of the rank and a channel of its own to it (before ``t`` runs)."""
+    mine, theirs = socket.socketpair()
+    try:
+        tid = b._request(("thread", t.name, t.daemon), (theirs.fileno(),))
+    except (EOFError, OSError):  # the world has ended (a daemon thread starting one): a plain thread, as on
+        mine.close()             # thread ranks once the run is over
+        return
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    t._tp_chan = Connection(mine.detach())  # type: ignore[attr-defined]
+    t._tp_tid = tid  # type: ignore[attr-defined]
+    _live.add(t)
 
 
 def _ended(self: threading.Thread) -> None:
