@@ -88,7 +88,7 @@ class World:
             buffered sends; a program that needs this deadlocks on gloo and NCCL).
         isolation: ``"thread"`` (default: ranks are threads of this process) or ``"process"`` (each rank runs
             in its own process with its own ``PYTHONHASHSEED``; see :mod:`simulator.isolation`).
-        hash_seed: what the rank processes' ``PYTHONHASHSEED``\ s derive from (default: ``seed``).  Fix it to
+        hash_seed: what the rank processes' ``PYTHONHASHSEED`` values derive from (default: ``seed``).  Fix it to
             explore schedules (``seed``) with the same rank interpreters: a new hash seed costs a new warm
             interpreter per rank, seconds each.
 

@@ -68,3 +68,21 @@ def pytest_configure(config: pytest.Config) -> None:
     # rootdir-less invocations free of unknown-marker warnings
     config.addinivalue_line("markers", "gloo: runs real gloo rank processes on loopback")
     config.addinivalue_line("markers", "xdist_group(name): keep tests sharing a rank pool on one xdist worker")
+
+
+#: the distributions whose versions decide whether this suite is green (printed at the top of every run, so a
+#: CI log says what a fresh environment resolved)
+_REPORTED = ("torch", "numpy", "cloudpickle", "multiprocess", "pytest", "pytest-xdist", "hypothesis", "mkdocs",
+             "mkdocstrings", "mkdocstrings-python")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from importlib import metadata
+
+    found = []
+    for name in _REPORTED:
+        try:
+            found.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return "tensorplay dependencies: " + ", ".join(found)
