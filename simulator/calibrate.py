@@ -17,7 +17,10 @@ point weighs the same in %), for every algorithm the class may use
 split at one of the measured sizes, kept only when it pays for its three
 extra parameters); the best by that criterion wins and every candidate's error
 is recorded.  With a single world size, latency steps and per-call overhead
-cannot be told apart and the overhead is fixed at 0.
+cannot be told apart and the overhead is fixed at 0.  The command then prints
+each class's error against the measured points (:func:`fit_report`), a
+``WARNING:`` line for a class off by more than :data:`FIT_WARN_REL_ERROR`
+somewhere, and how to use the profile.
 
 Example::
 
@@ -41,12 +44,15 @@ import numpy as np
 
 from .cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime
 
-__all__ = ["measure", "fit_class", "fit_profile", "calibrate", "machine_info", "main", "DEFAULT_SIZES",
-           "QUICK_SIZES", "class_nbytes"]
+__all__ = ["measure", "fit_class", "fit_profile", "fit_report", "calibrate", "machine_info", "main",
+           "DEFAULT_SIZES", "QUICK_SIZES", "FIT_WARN_REL_ERROR", "class_nbytes"]
 
 #: bytes swept by default (1 kB .. 10 MB) and in quick mode
 DEFAULT_SIZES = (1_000, 4_000, 16_000, 65_536, 262_144, 1_000_000, 4_000_000, 10_000_000)
 QUICK_SIZES = (1_000, 100_000)
+#: a class whose fit is off by more than this (relative) at some measured point is flagged by a warning line: its
+#: predictions are no better than that at those sizes (a noisy machine, or a backend the model does not describe)
+FIT_WARN_REL_ERROR = 0.20
 
 
 # ---------------------------------------------------------------------------
@@ -276,11 +282,14 @@ def fit_class(points: Sequence[tuple[float, int, float]], algorithms: Sequence[s
                     by_world[w] = own  # kept only where it predicts this world size's points better
     cost = ClassCost(algo, regimes, by_world)
     errs = [(cost.time(s, n) - t) / t for s, n, t in pts]
+    worst = max(range(len(pts)), key=lambda i: abs(errs[i]))
     shared = ClassCost(algo, regimes)
     shared_errs = [(shared.time(s, n) - t) / t for s, n, t in pts]
     report = {"algorithm": algo, "regimes": len(regimes), "world_sizes": worlds,
               "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)),
               "max_rel_error": max(abs(e) for e in errs),
+              "median_rel_error": statistics.median(abs(e) for e in errs),
+              "worst": {"bytes": pts[worst][0], "world_size": pts[worst][1], "rel_error": errs[worst]},
               "shared_fit_rms_rel_error": math.sqrt(sum(e * e for e in shared_errs) / len(shared_errs)),
               "candidates_rms_rel_error": candidates, "overhead_fitted": len(worlds) > 1}
     return cost, report
@@ -300,6 +309,35 @@ def fit_profile(rows: Sequence[Mapping[str, Any]]) -> tuple[dict[str, ClassCost]
         pred = classes[row["class"]].time(row["bytes"], row["world_size"])
         out.append({**row, "predicted_s": pred, "error_pct": 100.0 * (pred - row["median_s"]) / row["median_s"]})
     return classes, reports, out
+
+
+def fit_report(reports: Mapping[str, Mapping[str, Any]], path: str | None = None, *,
+               threshold: float = FIT_WARN_REL_ERROR) -> list[str]:
+    """The lines ``calibrate`` prints after fitting: per class the algorithm and the model's relative error
+    against the measured points (median, max, rms), a ``WARNING`` line for each class whose max error exceeds
+    ``threshold``, and, given the profile's ``path``, how to use it."""
+    def pct(rep: Mapping[str, Any], key: str) -> str:  # a profile written before a key existed lacks it
+        return f"{100 * rep[key]:.1f}%" if isinstance(rep.get(key), (int, float)) else "?"
+
+    lines, bad = [], []
+    for cls, rep in reports.items():
+        lines.append(f"  {cls:<15} {rep.get('algorithm', '?'):<17} regimes={rep.get('regimes', '?')}  error vs "
+                     f"measured: median {pct(rep, 'median_rel_error')}, max {pct(rep, 'max_rel_error')}, "
+                     f"rms {pct(rep, 'rms_rel_error')}")
+        if rep.get("max_rel_error", 0) > threshold:
+            bad.append((cls, rep))
+    for cls, rep in bad:
+        w = rep.get("worst")
+        where = (f"by {100 * w['rel_error']:+.1f}% at {w['bytes']:.0f} bytes, W={w['world_size']}" if w
+                 else f"by up to {pct(rep, 'max_rel_error')}")
+        lines.append(f"WARNING: {cls}: the fit is off {where} (more than {100 * threshold:.0f}%): predictions of "
+                     f"{cls} are unreliable there. Measure again on an idle machine with more --repeats (the "
+                     f"spread is in the profile's samples_s), and at the world sizes you will run (--world-sizes)")
+    if path is not None:
+        lines += ["use it:",
+                  f"  python -m simulator --nproc-per-node N --cost {path} --summary script.py",
+                  f"  simulator.run(fn, N, cost={path!r})"]
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -421,8 +459,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     model.save(ns.out)
     print(f"wrote {ns.out}: {model.describe()}")
-    for cls, rep in model.meta["fit"].items():
-        print(f"  {cls:<15} {rep['algorithm']:<17} regimes={rep['regimes']} "
-              f"rms error {100 * rep['rms_rel_error']:.1f}%  max {100 * rep['max_rel_error']:.1f}%")
+    print("\n".join(fit_report(model.meta["fit"], ns.out)))
     return 0
 

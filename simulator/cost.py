@@ -14,7 +14,10 @@ all_gather, reduce_scatter, gather, scatter and all_to_all; one rank's buffer
 otherwise), ``n`` the group size, and ``L``/``F`` the latency-step and
 bandwidth factors of the algorithm the fit found the backend to use
 (:data:`ALGORITHMS`).  A class may have two regimes (small and large
-messages) with their own parameters, split at ``upto_bytes``.
+messages) with their own parameters, split at ``upto_bytes``.  A profile is
+checked as it is read (:mod:`simulator.profile`): a bad field is refused with
+its file, JSON path, value and fix, and every parameter is bounded so that no
+cost is infinite.
 
 Clock rules (applied by the backend, see docs/simulator.md "Virtual time"):
 
@@ -49,6 +52,7 @@ from tensorplay.distributed.spec import BACKEND_COLLECTIVES, COST_CLASSES
 
 from ._patch import Installation
 from ._actor import current_rank_state
+from .profile import check_class, check_profile, number_problem, read_profile
 
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
            "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost", "charge_compute", "reach",
@@ -126,6 +130,16 @@ class Regime:
     alpha_s: float
     beta_s_per_byte: float
 
+    def __post_init__(self) -> None:
+        for name in ("upto_bytes", "overhead_s", "alpha_s", "beta_s_per_byte"):
+            v = getattr(self, name)
+            problem = None if name == "upto_bytes" and v == math.inf else number_problem(v, name)
+            if problem:  # out of range, a cost would be infinite or negative
+                from tensorplay.distributed.errors import DistValueError, format_message
+
+                raise DistValueError(format_message("simulator.Regime", f"{name} {problem}", values={name: v},
+                                                    fix="fit regimes with `python -m simulator calibrate`"))
+
     def time(self, algorithm: str, nbytes: float, n: int) -> float:
         lat, bw = ALGORITHMS[algorithm]
         return self.overhead_s + self.alpha_s * lat(n) + self.beta_s_per_byte * bw(n) * nbytes
@@ -163,51 +177,19 @@ class ClassCost:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str) -> "ClassCost":
-        if not isinstance(d, Mapping):
-            raise _profile_error(where, "a class is an object with algorithm and regimes", {"class": d},
-                                 "rewrite the profile with `python -m simulator calibrate`")
-        algo = d.get("algorithm")
-        if algo not in ALGORITHMS:
-            raise _profile_error(where, f"unknown algorithm {algo!r}", {"algorithm": algo},
-                                 f"use one of {sorted(ALGORITHMS)}")
-        by_world = {}
-        for w, regs in (d.get("by_world") or {}).items():
-            try:
-                n = int(w)
-            except ValueError:
-                raise _profile_error(f"{where}.by_world", "keys are world sizes", {"key": w},
-                                     "rewrite the profile with `python -m simulator calibrate`") from None
-            by_world[n] = _parse_regimes(regs, f"{where}.by_world.{w}")
-        return cls(algo, _parse_regimes(d.get("regimes"), where), by_world)
+    def from_dict(cls, d: Mapping[str, Any], field: str = "class", source: str = "<dict>") -> "ClassCost":
+        """Build a class from :meth:`to_dict`'s shape; ``field`` (e.g. ``classes.all_reduce``) and ``source``
+        (the profile's path) name what is wrong when it is refused."""
+        check_class(d, source, field, algorithms=ALGORITHMS)
+        by_world = {int(w): _parse_regimes(regs) for w, regs in (d.get("by_world") or {}).items()}
+        return cls(d["algorithm"], _parse_regimes(d["regimes"]), by_world)
 
 
-def _parse_regimes(raw: Any, where: str) -> tuple[Regime, ...]:
-    regs = []
-    for i, r in enumerate(raw or ()):
-        try:
-            upto = math.inf if r.get("upto_bytes") is None else float(r["upto_bytes"])
-            reg = Regime(upto, float(r["overhead_s"]), float(r["alpha_s"]), float(r["beta_s_per_byte"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise _profile_error(f"{where}.regimes[{i}]", f"a regime needs upto_bytes, overhead_s, alpha_s and "
-                                 f"beta_s_per_byte as numbers ({type(e).__name__}: {e})", {"regime": r},
-                                 "rewrite the profile with `python -m simulator calibrate`") from None
-        if min(reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte) < 0 or not all(
-                math.isfinite(v) for v in (reg.overhead_s, reg.alpha_s, reg.beta_s_per_byte)):
-            raise _profile_error(f"{where}.regimes[{i}]", "parameters must be finite and >= 0",
-                                 {"regime": r}, "rewrite the profile with `python -m simulator calibrate`")
-        regs.append(reg)
-    if not regs:
-        raise _profile_error(where, "no regimes", {"regimes": raw},
-                             "give at least one regime with upto_bytes=null")
+def _parse_regimes(raw: Sequence[Mapping[str, Any]]) -> tuple[Regime, ...]:
+    """Regimes from checked JSON (:func:`simulator.profile.check_class`), ascending ``upto_bytes``."""
+    regs = [Regime(math.inf if r["upto_bytes"] is None else float(r["upto_bytes"]), float(r["overhead_s"]),
+                   float(r["alpha_s"]), float(r["beta_s_per_byte"])) for r in raw]
     return tuple(sorted(regs, key=lambda r: r.upto_bytes))
-
-
-def _profile_error(where: str, what: str, values: Mapping[str, Any], fix: str) -> ValueError:
-    from tensorplay.distributed.errors import DistValueError, format_message
-
-    return DistValueError(format_message("simulator.CostModel.load", f"{where}: {what}", values=dict(values),
-                                         fix=fix))
 
 
 @dataclass(frozen=True)
@@ -246,12 +228,12 @@ class CostModel:
 
         for name in ("latency_s", "bandwidth_Bps", "compute_scale"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
-                    name == "bandwidth_Bps" and v == 0):
+            problem = number_problem(v, name)  # the bounds keep every cost finite (simulator.profile.LIMITS)
+            if problem:
                 raise DistValueError(format_message(
-                    "simulator.CostModel", f"{name} must be a finite number {'> 0' if name == 'bandwidth_Bps' else '>= 0'}",
-                    values={name: v}, fix=f"pass e.g. CostModel({name}="
-                                          f"{ {'latency_s': 5e-6, 'bandwidth_Bps': 12.5e9, 'compute_scale': 1.0}[name]})"))
+                    "simulator.CostModel", f"{name} {problem}", values={name: v},
+                    fix=f"pass e.g. CostModel({name}="
+                        f"{ {'latency_s': 5e-6, 'bandwidth_Bps': 12.5e9, 'compute_scale': 1.0}[name]})"))
         unknown = sorted(set(self.classes) - set(CLASSES))
         if unknown:
             raise DistValueError(format_message("simulator.CostModel", "unknown collective classes",
@@ -283,24 +265,13 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> "CostModel":
-        """Build a model from :meth:`to_dict`'s shape (what ``calibrate`` writes); other keys go to ``meta``."""
-        if not isinstance(d, Mapping):
-            raise _profile_error(source, "a profile is a JSON object", {"type": type(d).__name__},
-                                 "write it with `python -m simulator calibrate --out PATH`")
-        fmt = d.get("format")
-        if fmt != PROFILE_FORMAT:
-            raise _profile_error(source, "not a simulator cost profile", {"format": fmt},
-                                 f"write it with `python -m simulator calibrate --out PATH` (format {PROFILE_FORMAT})")
-        raw = d.get("classes") or {}
-        if not isinstance(raw, Mapping):
-            raise _profile_error(source, "classes must be an object", {"classes": type(raw).__name__},
-                                 "rewrite the profile with `python -m simulator calibrate`")
-        classes = {}
-        for k, v in raw.items():
-            if k not in CLASSES:
-                raise _profile_error(f"{source}: classes", "unknown collective class", {"class": k},
-                                     f"use keys of {sorted(CLASSES)}")
-            classes[k] = ClassCost.from_dict(v, f"{source}: classes.{k}")
+        """Build a model from :meth:`to_dict`'s shape (what ``calibrate`` writes); other keys go to ``meta``.
+
+        A malformed profile raises :class:`~tensorplay.distributed.errors.DistValueError` naming ``source``,
+        the field (e.g. ``classes.all_reduce.regimes[0].alpha_s``), its value and the fix.
+        """
+        check_profile(d, source, fmt=PROFILE_FORMAT, classes=CLASSES)
+        classes = {k: ClassCost.from_dict(v, f"classes.{k}", source) for k, v in (d.get("classes") or {}).items()}
         meta = {k: v for k, v in d.items()
                 if k not in ("format", "latency_s", "bandwidth_Bps", "compute_scale", "classes")}
         meta.setdefault("source", source)
@@ -309,17 +280,12 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "CostModel":
-        """Read a profile written by ``python -m simulator calibrate`` (or :meth:`save`)."""
-        try:
-            with open(path) as fh:
-                d = json.load(fh)
-        except OSError as e:
-            raise _profile_error(str(path), f"cannot read the profile ({e.strerror or e})", {"path": str(path)},
-                                 "pass the path of a profile written by `python -m simulator calibrate --out PATH`") from None
-        except json.JSONDecodeError as e:
-            raise _profile_error(str(path), f"not JSON ({e})", {"path": str(path)},
-                                 "pass the path of a profile written by `python -m simulator calibrate --out PATH`") from None
-        return cls.from_dict(d, str(path))
+        """Read a profile written by ``python -m simulator calibrate`` (or :meth:`save`).
+
+        Anything but a regular file (a directory, a FIFO, a device) is refused before it is opened; a file that
+        is not a valid profile raises :class:`~tensorplay.distributed.errors.DistValueError` with the field.
+        """
+        return cls.from_dict(read_profile(path), os.fspath(path))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_dict` as JSON to ``path``."""
@@ -332,8 +298,26 @@ class CostModel:
         if not self.calibrated:
             return f"uncalibrated alpha-beta model (latency {self.latency_s:g} s, {self.bandwidth_Bps:g} B/s)"
         m = self.meta
-        return (f"calibrated on {m.get('backend', '?')} ({m.get('machine', {}).get('cpu_model', '?')}, "
+        machine = m.get("machine")  # free-form in a hand-written profile
+        cpu = machine.get("cpu_model", "?") if isinstance(machine, Mapping) else "?"
+        return (f"calibrated on {m.get('backend', '?')} ({cpu}, "
                 f"world sizes {m.get('world_sizes', '?')}, torch {m.get('torch_version', '?')})")
+
+    def __repr__(self) -> str:
+        # the dataclass repr printed ``meta`` in full: every measurement of a profile, tens of kB
+        if not self.calibrated:
+            return (f"CostModel(uncalibrated, latency_s={self.latency_s:g}, bandwidth_Bps={self.bandwidth_Bps:g}, "
+                    f"compute_scale={self.compute_scale:g})")
+        points = self.meta.get("measurements")
+        npoints = f", {len(points)} points" if isinstance(points, list) else ""
+        backend = self.meta.get("backend")
+        on = f", {str(backend)[:20]}" if backend else ""
+        source = self.meta.get("source")
+        src = ""
+        if isinstance(source, str) and source:
+            src = f", source={source if len(source) <= 120 else '...' + source[-117:]!r}"
+        return (f"CostModel(calibrated: {len(self.classes)} classes{npoints}{on}, "
+                f"compute_scale={self.compute_scale:g}{src})")
 
 
 _default: CostModel | None = None

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import deque
 from typing import Any, Iterable, NamedTuple
@@ -51,6 +52,33 @@ def _step_time(ends: list[float]) -> float | None:
         return ends[0]
     gaps = [b - a for a, b in zip(ends, ends[1:])]
     return statistics.median(gaps)
+
+
+def _non_finite(obj: Any, where: str) -> tuple[str, float] | None:
+    """The JSON path and value of the first NaN or infinity in ``obj``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        hit = _non_finite(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}")
+        if hit is not None:
+            return hit
+    return None
+
+
+def _non_finite_error(doc: dict[str, Any], path: str) -> Exception:
+    from tensorplay.distributed.errors import DistValueError, format_message
+
+    field, value = _non_finite(doc, "") or ("?", math.nan)
+    values: dict[str, Any] = {"path": path, "field": field.lstrip("."), "value": value}
+    if field.startswith(".traceEvents["):
+        ev = doc["traceEvents"][int(field[len(".traceEvents["):].split("]", 1)[0])]
+        tid = ev.get("tid", 0)
+        values["event"] = f"{ev.get('name')} on rank {tid % _ASYNC_TID}"
+    return DistValueError(format_message(
+        "simulator.Trace.to_chrome", "the trace holds a time that is not a finite number, which JSON cannot hold",
+        values=values, fix="find what made that operation's time infinite or NaN: the cost model's parameters "
+                           "(a profile, CostModel(...)) or a Delay fault's seconds"))
 
 
 class Event(NamedTuple):
@@ -255,14 +283,23 @@ class Trace:
         return out
 
     def to_chrome(self, path: str | None = None, clock: str = "virtual") -> dict[str, Any]:
-        """Return the Chrome-trace JSON object, and write it to ``path`` if given."""
+        """Return the Chrome-trace JSON object, and write it to ``path`` if given.
+
+        The file is strict JSON: a non-finite time (which JSON cannot hold; Python would write ``Infinity``, which
+        Perfetto and other strict readers refuse) raises :class:`~tensorplay.distributed.errors.DistValueError`
+        naming the event, and nothing is written.
+        """
         doc = {"traceEvents": self.chrome_events(clock), "displayTimeUnit": "ms",
                "otherData": {"world_size": self.world_size, "seed": self.seed, "mode": self.mode,
                              "latency_s": self.cost.latency_s, "bandwidth_Bps": self.cost.bandwidth_Bps,
                              "cost_model": self.cost.describe()}}
         if path is not None:
+            try:
+                text = json.dumps(doc, allow_nan=False)  # text first: a refused trace leaves no half-written file
+            except ValueError:
+                raise _non_finite_error(doc, path) from None
             with open(path, "w") as fh:
-                json.dump(doc, fh)
+                fh.write(text)
         return doc
 
     def __repr__(self) -> str:
