@@ -1,8 +1,9 @@
 """Run unmodified torch.distributed code (DDP, FSDP2, DTensor, functional collectives) on simulated ranks.
 
 Inside a simulated world, ``torch.distributed.init_process_group("sim")`` (or
-any backend name, with ``env://``) creates a torch ``ProcessGroup`` whose
-collectives call tensorplay.distributed on the simulator.  torch keeps its
+any backend name torch knows, with ``env://``) creates a torch ``ProcessGroup`` whose
+collectives call tensorplay.distributed on the simulator; a name torch refuses
+(``"glo"``) is refused as torch refuses it.  torch keeps its
 process-group bookkeeping in process-global state; simulated ranks are threads
 of one process, so while a simulated world runs, this module gives every rank
 thread its own copy of that state.
@@ -50,6 +51,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 import tensorplay.distributed as tpd
+from tensorplay.distributed.api import _backend_name_refusal
 from tensorplay.distributed.backends.base import completed_future
 from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
@@ -853,6 +855,12 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         group_size, group_rank = st.world_size, st.rank
         # torch wraps sys.excepthook with a "[rank<r>]" prefixer; rank threads would nest them
         _tls.excepthook = sys.excepthook
+    if default or st.rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
+        # every name becomes the simulator below: first refuse, as torch's helper would, a name torch does not know
+        refusal = _backend_name_refusal(f"torch.distributed.{'init_process_group' if default else 'new_group'}",
+                                        backend)
+        if refusal is not None:
+            raise refusal
     named = tdist.Backend(str(backend)) if backend is not None else tdist.Backend("undefined")
     if len(args) >= 1:  # backend_options: options of the real backend mean nothing to the simulator
         args = (None,) + tuple(args[1:])

@@ -24,6 +24,7 @@ each must get the promised :class:`DistError` subclass from validation.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -332,6 +333,90 @@ def test_not_initialised_outside_any_world() -> None:
     """The message names the ways to get a world, the simulator's included."""
     with pytest.raises(NotInitializedError, match="simulator.run"):
         dist.all_reduce(tp.ones(1))
+
+
+# -- backend names: refused as torch refuses them (torch's class, torch's message first) ----------------------
+#: names torch's init_process_group refuses: misspelt, empty, a bad device:backend string, not a string
+REFUSED_BACKENDS: list[Any] = ["glo", "glooo", "GLO", "", "cpu:glo", "gloo,nccl", "cpu:gloo:x", "cpu:gloo,cpu:gloo", 5]
+#: names it accepts (whether the backend is available is another question), and "sim", tensorplay's own
+ACCEPTED_BACKENDS: list[Any] = ["gloo", "GLOO", "nccl", "cpu:gloo,cuda:nccl", "sim", None]
+
+
+def _torch_refusal(backend: Any) -> tuple[type, str]:
+    """What torch's own ``init_process_group`` raises for ``backend`` (one rank on an in-memory store)."""
+    import warnings
+
+    import torch.distributed as tdist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that an unknown name's devices are unknown, then refuses it
+        try:
+            tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
+        except Exception as e:  # noqa: BLE001
+            return type(e), re.sub(r"\s+", " ", str(e))  # (torch's ValueError spans lines, indented)
+    tdist.destroy_process_group()
+    raise AssertionError(f"torch accepted backend={backend!r}; take it out of REFUSED_BACKENDS")
+
+
+def _init_outcomes(names: list[Any]) -> dict[str, Any]:
+    """``init_process_group(name)`` for each name: None, or (class, is AssertionError, is DistError, message)."""
+    out: dict[str, Any] = {}
+    for b in names:
+        try:
+            dist.init_process_group(b)
+            out[repr(b)] = None
+        except Exception as e:  # noqa: BLE001
+            out[repr(b)] = (type(e).__name__, isinstance(e, AssertionError), isinstance(e, DistError), str(e))
+    return out
+
+
+@pytest.mark.parametrize("backend", REFUSED_BACKENDS, ids=repr)
+def test_a_backend_name_torch_refuses_is_refused_before_any_rendezvous(backend: Any) -> None:
+    """No MASTER_ADDR, no store: the name is checked first (torch checks it after the rendezvous)."""
+    assert not dist.is_initialized(), "the test process must not hold a process group"
+    kind, torch_says = _torch_refusal(backend)
+    with pytest.raises(kind) as info:
+        dist.init_process_group(backend)
+    message = re.sub(r"\s+", " ", str(info.value))
+    assert isinstance(info.value, DistError), message
+    assert message.startswith(torch_says + "; tensorplay.distributed.init_process_group: "), (torch_says, message)
+    assert f"backend={backend!r}" in message and "Fix:" in message, message
+    assert not dist.is_initialized()
+
+
+def test_a_misspelt_backend_gets_the_closest_name() -> None:
+    with pytest.raises(AssertionError, match=r"^Unknown backend type glooo; .*known=\['gloo', 'nccl', 'sim'\]\. "
+                                             r"Fix: did you mean 'gloo'\?"):
+        dist.init_process_group("glooo")
+    with pytest.raises(AssertionError, match="Fix: a comma separates device:backend pairs"):
+        dist.init_process_group("gloo,nccl")
+
+
+def test_a_name_torch_knows_that_tensorplay_does_not_run_stays_unknown() -> None:
+    with pytest.raises(DistValueError, match=r"unknown backend: backend='mpi', available=\['gloo', 'nccl', 'sim'\]"):
+        dist.init_process_group("mpi")
+
+
+@on_backends_with("checker", range, lambda c: f"rank{c}", (1, 2))
+def test_init_process_group_in_a_running_world_refuses_what_torch_refuses(ranks: Ranks, checker: int) -> None:
+    """A simulated world is started for the program, so calling init_process_group in it is allowed, yet the
+    name is checked as a fresh torchrun process checks it.  The gloo pool's ranks hold a process group
+    already: there a second init_process_group is refused first, whatever the name (as torch does)."""
+    outs = ranks.run(_init_outcomes, REFUSED_BACKENDS + ACCEPTED_BACKENDS)
+    first = ranks.expected({"sim": "the name", "gloo": "already initialised"})
+    for r, got in enumerate(outs):
+        where = f"{ranks} rank {r}"
+        for b in REFUSED_BACKENDS + ACCEPTED_BACKENDS:
+            outcome = got[repr(b)]
+            if first == "already initialised":
+                assert outcome[0] == "DistRuntimeError" and "already initialised" in outcome[3], (where, b, outcome)
+            elif b in ACCEPTED_BACKENDS:
+                assert outcome is None, (where, b, outcome)
+            else:
+                kind, torch_says = _torch_refusal(b)
+                name, is_assertion, is_dist, message = outcome
+                assert is_dist and is_assertion == issubclass(kind, AssertionError), (where, b, outcome)
+                assert re.sub(r"\s+", " ", message).startswith(torch_says + "; "), (where, b, torch_says, message)
 
 
 # -- every rank makes the same mistake (world size 3) --------------------------------------------

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
+from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as tdist
 
 import simulator
+import tensorplay.distributed.errors as tdist_errors
 from simulator import torch_native
 from simulator.isolation import ISOLATIONS
 
@@ -522,3 +525,99 @@ def test_dtensor_op_handlers_are_per_rank_while_a_world_runs_and_restored_after(
     assert simulator.run(body, 2) == [True, False]
     assert "_custom_op_handlers" not in OpDispatcher.__dict__
     assert dispatcher._custom_op_handlers is table and table == before
+
+
+# ---------------------------------------------------------------------------
+# backend names: a name torch refuses is refused on simulated ranks too (the simulator runs every name it knows)
+# ---------------------------------------------------------------------------
+#: names torch 2.13's init_process_group refuses: misspelt, empty, bad device:backend strings
+REFUSED_BACKENDS = ["glo", "glooo", "GLO", "", "cpu:glo", "gloo,nccl", "cpu:gloo:x", "cpu:gloo,cpu:gloo"]
+
+
+def _torch_refusal(backend: object) -> tuple[type, str]:
+    """What real torch raises for ``init_process_group(backend)`` here (one rank on an in-memory store)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that an unknown name's devices are unknown, then refuses it
+        try:
+            tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
+        except Exception as e:  # noqa: BLE001
+            return type(e), re.sub(r"\s+", " ", str(e))  # (torch's ValueError spans indented lines)
+    tdist.destroy_process_group()
+    raise AssertionError(f"torch accepted backend={backend!r}; take it out of REFUSED_BACKENDS")
+
+
+def _init_named(backend: object) -> str:
+    tdist.init_process_group(backend)
+    return tdist.get_backend()
+
+
+def _assert_refused_as_torch_does(backend: object, errors: list, ranks: list[int]) -> None:
+    kind, torch_says = _torch_refusal(backend)
+    for r in ranks:
+        e = errors[r]
+        assert isinstance(e, kind) and isinstance(e, tdist_errors.DistError), (backend, r, repr(e))
+        message = re.sub(r"\s+", " ", str(e))
+        assert message.startswith(torch_says + "; torch.distributed."), (backend, r, torch_says, message)
+        named = str(tdist.Backend(backend))  # (torch's init_process_group lower-cases the name before its helper)
+        assert f"backend={named!r}" in message and "Fix:" in message, message
+
+
+@pytest.mark.parametrize("backend", REFUSED_BACKENDS, ids=repr)
+def test_a_backend_name_torch_refuses_is_refused_on_simulated_ranks(backend: str) -> None:
+    w = simulator.World(2)
+    with pytest.raises(BaseException):
+        w.run(_init_named, (backend,))
+    _assert_refused_as_torch_does(backend, w.errors, [0, 1])
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_misspelt_backend_is_refused_with_the_closest_name(isolation: str) -> None:
+    w = simulator.World(2, isolation=isolation)
+    with pytest.raises(AssertionError, match=r"^Unknown backend type glooo; torch\.distributed\.init_process_group: "
+                                             r".*Fix: did you mean 'gloo'\?"):
+        w.run(_init_named, ("glooo",))
+    _assert_refused_as_torch_does("glooo", w.errors, [0, 1])
+
+
+def _new_group_named(backend: str) -> str:
+    tdist.init_process_group("gloo")
+    tdist.new_group([0], backend=backend)
+    return "returned"
+
+
+def test_new_group_refuses_a_name_torch_refuses_on_its_members_only() -> None:
+    """torch's helper sends a non-member away before it reads the name: rank 1 is not refused."""
+    w = simulator.World(2)
+    with pytest.raises(BaseException):
+        w.run(_new_group_named, ("glo",))
+    assert isinstance(w.errors[0], AssertionError), repr(w.errors[0])
+    assert str(w.errors[0]).startswith("Unknown backend type glo; torch.distributed.new_group: "), str(w.errors[0])
+    assert not isinstance(w.errors[1], AssertionError), repr(w.errors[1])
+
+
+@pytest.fixture
+def custom_backend() -> Iterator[str]:
+    """A backend registered with torch's Backend.register_backend (torch has no unregister: undone by hand)."""
+    name, before = "tpcustom", copy.deepcopy({k: getattr(tdist.Backend, k) for k in _BACKEND_TABLES})
+    tdist.Backend.register_backend(name, lambda *a: None, devices=["cpu"])
+    yield name
+    for k, v in before.items():
+        setattr(tdist.Backend, k, v)
+    delattr(tdist.Backend, name.upper())
+
+
+_BACKEND_TABLES = ("_plugins", "backend_list", "backend_type_map", "backend_capability", "default_device_backend_map")
+
+
+def test_every_name_torch_accepts_runs_on_simulated_ranks(custom_backend: str) -> None:
+    """gloo, any case, nccl (whatever its availability here), device:backend strings, None, "sim", and a
+    backend registered with torch: the name is what get_backend reports, as on a real run."""
+    names = ["gloo", "GLOO", "nccl", "cpu:gloo,cuda:nccl", "cpu:gloo", None, "sim", custom_backend,
+             custom_backend.upper()]
+    reported = {"GLOO": "gloo", None: "undefined", custom_backend.upper(): custom_backend}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that this build has no NCCL to take a default timeout from
+        for name in names:
+            assert simulator.run(_init_named, 2, args=(name,)) == [reported.get(name, name)] * 2, name

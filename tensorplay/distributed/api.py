@@ -321,6 +321,71 @@ def _to_timedelta(name: str, timeout: Any) -> timedelta:
     return td
 
 
+class UnknownBackendError(DistError, AssertionError):
+    """A backend name torch does not know: torch raises ``AssertionError`` for it, so this is one (and a DistError)."""
+
+
+def _backend_name_refusal(call: str, backend: Any, runs: Sequence[str] = ()) -> Exception | None:
+    """What torch's ``init_process_group``/``new_group`` raises for this backend *name* (None: torch knows it).
+
+    torch 2.13 checks names in ``_new_process_group_helper``: ``Backend(name)`` (a non-string is a ValueError),
+    then ``BackendConfig`` (a malformed ``"device:backend,..."`` string is a ValueError), then a single name must
+    be one of ``Backend.backend_type_map`` (built-in or registered with ``Backend.register_backend``) and each
+    backend of a ``"device:backend"`` string a built-in one or a registered plugin, else ``AssertionError``.
+    The same class is returned, torch's message first, then which names exist.  Whether a known backend is
+    available here (NCCL without CUDA, MPI) is not a question of its name: the backend answers it.
+    ``runs``: the names the caller runs (tensorplay's backends), accepted too and offered instead of torch's.
+    """
+    import difflib
+    import warnings
+
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import Backend
+
+    if backend is None:
+        return None
+    ours = {k.lower() for k in runs}
+    try:
+        named = str(Backend(backend))
+    except ValueError as e:  # not a string
+        return DistValueError(f"{e}; " + format_message(call, "the backend must be a string", values={
+            "backend": backend}, fix="pass e.g. backend='gloo', or 'cpu:gloo,cuda:nccl'"))
+    device_form = "," in named or ":" in named
+    if device_form:
+        # torch warns that an unknown name's devices are unknown, then refuses it: the error says it all
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                pairs = c10d.BackendConfig(Backend(named)).get_device_backend_map()
+            except ValueError as e:  # malformed "device:backend,..." string
+                return DistValueError(" ".join(str(e).split()) + "; " + format_message(
+                    call, "malformed device:backend string", values={"backend": backend},
+                    fix="write '<device>:<backend>' pairs separated by commas, each device once, e.g. "
+                        "'cpu:gloo,cuda:nccl'"))
+        builtin = {Backend.GLOO, Backend.NCCL, Backend.MPI, Backend.XCCL, Backend.UCC}  # (UCC: a plugin if absent)
+        if not torch.distributed.is_ucc_available():
+            builtin.discard(Backend.UCC)
+        known = sorted(builtin | {k.lower() for k in Backend._plugins} | ours)
+        bad = next((str(b) for b in pairs.values() if str(b) not in known), None)
+        if bad is None:
+            return None
+        torch_says, name = f"Unknown c10d backend type {bad.upper()}", bad
+    else:
+        known = sorted({str(k) for k in Backend.backend_type_map if k != Backend.UNDEFINED} | ours)
+        if named in Backend.backend_type_map or named in ours:
+            return None
+        torch_says, name = f"Unknown backend type {named}", named
+    offer = sorted(ours) or known
+    close = difflib.get_close_matches(name.lower(), offer, n=1)
+    if device_form and ":" not in named:
+        hint = "a comma separates device:backend pairs: name each device, e.g. 'cpu:gloo,cuda:nccl'"
+    else:
+        hint = f"did you mean {close[0]!r}?" if close else f"pass one of {offer}"
+    return UnknownBackendError(f"{torch_says}; " + format_message(
+        call, "not a backend name torch knows", values={"backend": backend, "known": offer},
+        fix=f"{hint} (a backend of your own is registered first, with torch.distributed.Backend.register_backend)"))
+
+
 def _install_backend(backend: Any, timeout: timedelta = DEFAULT_TIMEOUT, *, thread_local: bool = False) -> _state.DistState:
     """Make ``backend`` the calling rank's default world (used by init_process_group and the simulator)."""
     world = ProcessGroup(range(backend.world_size), backend, backend.world_handle(), group_id=0)
@@ -367,11 +432,11 @@ def init_process_group(
     if st is not None:
         # the backend decides: a process group refuses, a world started for the program checks the values
         st.backend.check_reinit(rank, world_size)
+        _check_backend_name(name, backend)  # a world started for the program still refuses what a real run does
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
-    if not isinstance(backend, str):
-        backend = str(backend)
+    _check_backend_name(name, backend)
     td = _to_timedelta(name, timeout)
     try:
         cls = get_backend_class(backend.split(":")[-1] if ":" in backend else backend)
@@ -382,6 +447,18 @@ def init_process_group(
         ) from None
     b = cls.create(rank=rank, world_size=world_size, init_method=init_method, store=store, timeout=td)
     _install_backend(b, td)
+
+
+def _check_backend_name(name: str, backend: Any) -> None:
+    """Refuse what torch refuses (its class, its message first), then a name torch knows that tensorplay does
+    not run (mpi, ucc, xccl, fake); ``None`` is the default backend."""
+    refusal = _backend_name_refusal(name, backend, runs=registered())
+    if refusal is not None:
+        raise refusal
+    if backend is not None and (backend.split(":")[-1] if ":" in backend else backend).lower() not in registered():
+        raise DistValueError(
+            format_message(name, "unknown backend", values={"backend": backend, "available": registered()},
+                           fix="pass one of the available backends"))
 
 
 def destroy_process_group(group: GroupLike = None) -> None:

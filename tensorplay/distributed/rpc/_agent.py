@@ -9,7 +9,7 @@ An *agent* is one worker's end of an RPC world.  Two implementations:
 
 A transport is a module registered by name (:func:`register_transport`);
 tensorplay registers ``"tensorpipe"`` (the default) and the simulator
-registers ``"sim"`` when it is imported.  Nothing above this module compares
+registers ``"sim"`` when any of its names or modules is first used (``simulator.run``, a submodule).  Nothing above this module compares
 transport names: a transport module *declares* what callers need
 (:class:`Transport`), and an agent declares what it offers (whether it is
 bound to a thread, its distributed-autograd engine).
@@ -234,7 +234,8 @@ def transport(name: str, call: str = "init_rpc") -> Any:
         raise DistRuntimeError(rpc_message(
             call, f"no RPC transport is registered for backend {name!r}",
             values={"backend": name, "registered": sorted(_TRANSPORTS)},
-            fix="import the package that registers it first (the simulator's package registers its transport)"))
+            fix="import the package that registers it first (the simulator registers its transport when one of its "
+                "names or modules is first used, e.g. `import simulator.rpc` or a call to simulator.run)"))
     return importlib.import_module(module)
 
 
