@@ -374,3 +374,37 @@ def test_members_must_share_one_secret(secrets: list) -> None:
     for line in outs:
         assert line.startswith("ERR DistRuntimeError") and "do not share one RPC secret" in line, outs
         assert f"set the same {_auth.ENV_SECRET}" in line, line
+
+
+# ---------------------------------------------------------------------------
+# process-isolated simulated ranks (TensorPipe between the rank processes)
+# ---------------------------------------------------------------------------
+def _process_rank_attacked(side: str) -> tuple[list[str] | None, bool]:
+    """A rank process of a world whose program sets no secret: rank 0 sends the attacker at rank 1."""
+    from simulator.isolation import rpc_process
+
+    rpc.init_rpc(f"worker{dist.get_rank()}")
+    leaked = _auth.ENV_SECRET in os.environ
+    lines = None
+    if dist.get_rank() == 0:
+        lines = _attack(rpc_process.RANK[2], Path(side))  # the run's rendezvous port, as any local user can find
+        assert rpc.rpc_sync("worker1", _append_line, args=(side + ".member", "member")) == 1  # members still work
+    rpc.shutdown()
+    return lines, leaked
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("rpc-auth")
+def test_process_ranks_authenticate_rpc_by_default(tmp_path: Path, monkeypatch) -> None:
+    """As on thread ranks, RPC between rank processes is authenticated without the program setting a secret: the
+    attacker's call is refused and its os.system never runs; the secret the run generated is not left in the
+    rank processes' environment."""
+    monkeypatch.delenv(_auth.ENV_SECRET, raising=False)
+    monkeypatch.delenv(_auth.ENV_SECRET_FILE, raising=False)
+    side = tmp_path / "pwned"
+    (lines, leaked0), (_, leaked1) = simulator.run(_process_rank_attacked, 2, args=(str(side),),
+                                                   isolation="process", timeout=120)
+    assert not leaked0 and not leaked1
+    assert lines and all(ln.startswith("REFUSED") and _auth.REFUSAL in ln for ln in lines), lines
+    assert not side.exists(), "the attacker's os.system ran in rank 1's process"
+    assert _lines(tmp_path / "pwned.member") == ["member"]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
+from . import cleanup
 from .proxy import ProcessRanks, hash_seed
 
 __all__ = ["ISOLATIONS", "check_isolation", "hash_seed", "run_processes", "ProcessRanks"]
@@ -66,6 +67,7 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
         seeds = ", ".join(f"{r}={h}" for r, h in enumerate(ranks.hash_seeds))
         e.add_note(f"[simulator] isolation='process': each rank ran in its own process; PYTHONHASHSEED per rank: "
                    f"{seeds}")
+        cleanup.drop_locals([e, *(getattr(world, "errors", None) or ())])  # (they would keep the arenas mapped)
         raise
     finally:
         world.isolation = "process"

@@ -48,7 +48,7 @@ class GroupRef(tuple):
 class Arena:
     """One shared-memory file mapped as a byte tensor (the same bytes in the rank process and its proxy)."""
 
-    __slots__ = ("aid", "path", "size", "storage", "bytes", "top", "live")
+    __slots__ = ("aid", "path", "size", "storage", "bytes")
 
     def __init__(self, aid: int, path: str, size: int, create: bool) -> None:
         self.aid = aid
@@ -62,8 +62,6 @@ class Arena:
                 os.close(fd)
         self.storage = torch.UntypedStorage.from_file(path, True, size)
         self.bytes = torch.empty(0, dtype=torch.uint8).set_(self.storage)
-        self.top = 0  # bump allocator; reset when no staged call is live
-        self.live = 0
 
     def view(self, offset_elems: int, dtype: torch.dtype, size: tuple[int, ...],
              stride: tuple[int, ...]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -36,77 +36,10 @@ from tensorplay.distributed.group import ProcessGroup
 from ..backend import SimBackend
 from ..callsite import call_site
 from . import _wire, warm
-from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
+from ._wire import OUTPUTS, SHARED_BASE, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
+from .staging import ClientWork, Completions, Staged, Staging
 
 __all__ = ["ClientBackend", "ClientWork", "main", "serve", "library_modules"]
-
-_ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memory
-
-
-class _Staged:
-    """The arena regions and output copies of one forwarded call."""
-
-    __slots__ = ("arenas", "outputs", "lock")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock  # the backend's arena bookkeeping lock (a rank's threads stage concurrently)
-        self.arenas: list[Arena] = []
-        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (program's tensor, its arena view)
-
-    def copy_out(self) -> None:
-        with torch.no_grad():  # c10d writes the buffers as memory: autograd never sees it
-            for t, v in self.outputs:
-                t.copy_(v)
-
-    def release(self) -> None:
-        with self.lock:
-            for a in self.arenas:
-                a.live -= 1
-                if a.live == 0:
-                    a.top = 0
-            self.arenas = []
-
-
-class ClientWork(Work):
-    """An asynchronous operation issued in this process and running in the coordinator."""
-
-    def __init__(self, backend: "ClientBackend", wid: int, staged: _Staged, result: list[torch.Tensor]) -> None:
-        self._b = backend
-        self._wid = wid
-        self._staged: _Staged | None = staged
-        self._result = result
-        self._error: BaseException | None = None
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        if self._staged is not None:
-            staged, self._staged = self._staged, None
-            try:
-                self._b._request(("wait", self._wid, self._b._cpu_delta()))
-                self._b.start_clock()
-                staged.copy_out()
-            except BaseException as e:
-                self._error = e
-                raise
-            finally:
-                staged.release()
-        elif self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._staged is None or bool(self._b._request(("completed", self._wid)))
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None and (
-            self._staged is None or bool(self._b._request(("success", self._wid))))
-
-    def source_rank(self) -> int:
-        self.wait()
-        return int(self._b._request(("source", self._wid)))
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
 
 def _result_tensors(name: str, args: tuple) -> list[torch.Tensor]:
     """What ``Work.result()`` gives for this call (the tensors it writes), as on thread ranks."""
@@ -133,8 +66,8 @@ class ClientBackend(SimBackend):
         Backend.__init__(self, rank, world_size)  # not SimBackend's: no rank state lives in this process
         self._conn = conn
         self._arena_dir = arena_dir
-        self._arenas: list[Arena] = []
-        self._alock = threading.Lock()  # arena bookkeeping (the copies themselves run unlocked)
+        self._staging = Staging(arena_dir, rank)  # arena regions (the copies themselves run unlocked)
+        self._works = Completions()  # async operations whose completion the coordinator has not reported yet
         # the main channel: the rank's main thread, and threads this process did not start during the run
         # (an RPC agent's native threads) share it, one request at a time; every thread the program starts
         # has a channel of its own (see .rank_threads)
@@ -189,9 +122,14 @@ class ClientBackend(SimBackend):
         """:meth:`_request` from a caller that has checked it runs in the rank process."""
         chan = getattr(self._tl, "chan", None)
         if chan is not None:
-            return _exchange(chan, msg, fds)
-        with self._lock:
-            return _exchange(self._conn, msg, fds)
+            reply = _exchange(chan, msg, fds)
+        else:
+            with self._lock:
+                reply = _exchange(self._conn, msg, fds)
+        # every answer names the async operations completed since the last one: their outputs are the
+        # program's now, waited or not (as on gloo), and their staging is free
+        self._works.done(reply[-1])
+        return _answer(reply)
 
     def _own_process(self, call: str) -> None:
         """Refuse a call from a process forked from the rank process (before it touches the rank's arenas)."""
@@ -240,7 +178,7 @@ class ClientBackend(SimBackend):
         self._request(("step", id(optimizer), self._cpu_delta()))
         self._cpu.mark = time.thread_time()
 
-    def _stage(self, name: str, args: tuple, staged: _Staged) -> list[Any]:
+    def _stage(self, name: str, args: tuple, staged: Staged) -> list[Any]:
         """Copy the tensors of ``args`` into an arena; return the arguments with tensors replaced by places."""
         tensors = [t for a in args for t in flatten(a)]
         spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
@@ -262,12 +200,10 @@ class ClientBackend(SimBackend):
             else:
                 s[0], s[1] = min(s[0], align_down(lo)), max(s[1], hi)
         need = sum(align_up(hi - lo) for lo, hi in spans.values())
-        with self._alock:  # reserve the call's region; the copies below run unlocked
-            arena = self._arena_for(need)
-            top = arena.top
-            arena.top += need
-            arena.live += 1
-            staged.arenas.append(arena)
+        arena, top = None, 0
+        if need:  # the call's region; the copies below run unlocked
+            arena, top = self._staging.alloc(need, name)
+            staged.regions.append((arena, top))
         base: dict[int, int] = {}
         for t in tensors:
             if t.numel() == 0:
@@ -343,22 +279,10 @@ class ClientBackend(SimBackend):
             return known[0]
         return None
 
-    def _arena_for(self, need: int) -> Arena:
-        for a in self._arenas:
-            if a.live == 0:
-                a.top = 0
-            if a.size - a.top >= need:
-                return a
-        aid = len(self._arenas)
-        size = max(_ARENA_BYTES, align_up(need) * 2)
-        a = Arena(aid, _wire.arena_path(self._arena_dir, self.rank, aid), size, create=True)  # the proxy maps it
-        self._arenas.append(a)  # on first use
-        return a
-
     def _forward(self, name: str, args: tuple, async_op: bool = False) -> Any:
         self._own_process(name)
         site = call_site(1)
-        staged = _Staged(self._alock)
+        staged = Staged(self._staging)
         try:
             enc = self._stage(name, args, staged) if name in OUTPUTS else list(args)
             value = self._exchange(("call", name, enc, site, _state.current_backward(), self._cpu_delta()))
@@ -368,7 +292,7 @@ class ClientBackend(SimBackend):
             raise
         self._cpu.mark = time.thread_time()
         if async_op:
-            return ClientWork(self, value, staged, _result_tensors(name, args))
+            return self._works.track(ClientWork(self, value, staged, _result_tensors(name, args)))
         try:
             staged.copy_out()
         finally:
@@ -432,18 +356,19 @@ class ClientBackend(SimBackend):
 # ---------------------------------------------------------------------------
 # errors: the coordinator's exception, rebuilt here; this process's exception, sent there
 # ---------------------------------------------------------------------------
-def _exchange(conn: Connection, msg: tuple, fds: Sequence[int] = ()) -> Any:
+def _exchange(conn: Connection, msg: tuple, fds: Sequence[int] = ()) -> tuple:
+    """Send ``msg`` (and ``fds``) and return the raw answer (whose last item lists completed operations)."""
     _wire.send(conn, msg)
     if fds:  # descriptors follow the message they belong to (see proxy._Channel.recv_fds)
         with socket.socket(fileno=os.dup(conn.fileno())) as raw:
             socket.send_fds(raw, [b"f"], list(fds))
-    return _answer(_wire.recv(conn))
+    return _wire.recv(conn)
 
 
 def _answer(reply: tuple) -> Any:
     if reply[0] == "ok":
         return reply[1]
-    _, eid, mod, qualname, message, attrs = reply
+    _, eid, mod, qualname, message, attrs, _done = reply
     raise _rebuild(eid, mod, qualname, message, attrs)
 
 
@@ -467,15 +392,10 @@ def _rebuild(eid: int, mod: str, qualname: str, message: str, attrs: dict) -> Ba
 
 
 def _dumps(obj: Any) -> bytes:
-    """Pickle ``obj``; functions and classes that plain pickle refuses (lambdas, closures) go through cloudpickle."""
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001
-        try:
-            import cloudpickle
-        except ImportError:
-            raise
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    """Pickle ``obj``; what plain pickle refuses (lambdas, closures) goes by value (see :mod:`.pickling`)."""
+    from . import pickling
+
+    return pickling.dumps(obj)
 
 
 def _rank_traceback(e: BaseException) -> str:
@@ -591,6 +511,7 @@ def main(fd: int | None = None) -> None:
     from . import rpc_process
 
     rpc_process.RANK = (rank, setup["world_size"], setup["rpc_port"], setup["mode"])  # init_rpc's rendezvous
+    rpc_process.SECRET = setup.get("rpc_secret")  # (the run's: RPC is authenticated by default)
     torch.set_rng_state(setup["torch_rng"])
     random.seed(f"simulator:{setup['seed']}:{rank}")
     backend = ClientBackend(conn, rank, setup["world_size"], setup["arena_dir"])
@@ -657,9 +578,13 @@ def serve(fd: int) -> None:
     """The warm interpreter's loop: fork a rank process per request, report each one's exit status."""
     # (this module's imports are the ones every rank process would pay for)
     ctrl = socket.socket(fileno=fd)
+    children: set[int] = set()
+    from . import cleanup
+
+    # a coordinator killed outright (SIGKILL) leaves its rank processes and arenas to this interpreter
+    cleanup.on_parent_death(int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid(), lambda: children)
     threads = _thread_count()
     ctrl.send(warm.MSG.pack(b"R", os.getpid(), 0))
-    children: set[int] = set()
     while True:
         ready, _, _ = select.select([ctrl], [], [], 0.05)
         for pid, code in _reap(children):
@@ -765,6 +690,7 @@ def _rank_process(ctrl: socket.socket, env: dict[str, str], fds: list[int]) -> N
 
         os.setsid()  # the coordinator stops a rank and what it started with one killpg
         ctrl.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the warm interpreter's handler is not the program's)
         try:
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # dies with its warm interpreter, and so with the coordinator
         except Exception:  # noqa: BLE001

@@ -18,12 +18,12 @@ import hashlib
 import itertools
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import types
@@ -42,7 +42,7 @@ from ..errors import RankExitError, SimTimeoutError
 from .. import threads
 from ..sched import CoopScheduler
 from ..state import current_rank_state
-from . import _wire, warm
+from . import _wire, cleanup, pickling, warm
 from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
@@ -92,15 +92,8 @@ def _at(site: str) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
     return fn
 
 
-def _dumps(obj: Any) -> bytes:
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as first:  # noqa: BLE001
-        try:
-            import cloudpickle
-        except ImportError:
-            raise first from None
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def _dumps(obj: Any, what: str = "") -> bytes:
+    return pickling.dumps(obj, what)  # (closures keep their file names; a main script that is no file: by value)
 
 
 class _ThreadGone(Exception):
@@ -139,7 +132,7 @@ class _Rank:
 
     __slots__ = ("rank", "proc", "conn", "main", "hash_seed", "arenas", "groups", "works", "errors", "wids",
                  "optimizers", "pending", "server", "where", "asked", "lock", "threads", "tids", "chans",
-                 "free_running")
+                 "free_running", "unreported")
 
     def __init__(self, rank: int, proc: "subprocess.Popen | warm.Forked", conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -162,6 +155,7 @@ class _Rank:
         self.tids = itertools.count(1)
         self.chans: set[_Channel] = {self.main}  # open channels (a thread's closes when the thread ends)
         self.free_running = False  # after init_rpc in coop mode: its compute runs outside the schedule
+        self.unreported: dict[int, Any] = {}  # async works whose completion the process has not been told yet
 
 
 class ProcessRanks:
@@ -176,7 +170,9 @@ class ProcessRanks:
                                                                                       "isolation": "process"},
                 fix="pass device='cpu', or isolation='thread' for CUDA ranks"))
         try:
-            payload = _dumps((fn, tuple(args), dict(kwargs)))
+            payload = _dumps((fn, tuple(args), dict(kwargs)), getattr(fn, "__qualname__", repr(fn)))
+        except DistTypeError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise DistTypeError(format_message(
                 "simulator.run", f"the function and its arguments must be picklable to run in rank processes "
@@ -190,21 +186,24 @@ class ProcessRanks:
         self.n = world.world_size
         self.hash_seeds = [hash_seed(world.hash_seed, r) for r in range(self.n)]
         rng_states, _ = _initial_rng_states(world.seed, self.n)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.arena_dir = tempfile.mkdtemp(prefix="tp-sim-ranks-", dir=shm)
+        cleanup.sweep()  # the arenas of coordinators that died without cleaning up
+        self.arena_dir = cleanup.arena_dir()
+        cleanup.register(self, self.arena_dir, lambda: self.pids)  # (a SIGTERM kills the ranks, drops the arenas)
         import torch.distributed as tdist
 
         # the rendezvous store of torch.distributed in the rank processes (they are real processes: a real store)
-        self.store = tdist.TCPStore("127.0.0.1", 0, self.n, True, timedelta(seconds=world.timeout),
+        self.store = tdist.TCPStore("127.0.0.1", 0, self.n, True, timedelta(seconds=world.pg_timeout),
                                     wait_for_workers=False)
-        prep = spawn.get_preparation_data("simulated-rank")
+        prep = pickling.fix_preparation(spawn.get_preparation_data("simulated-rank"))
         prep.pop("authkey", None)
         master_port = str(_free_port())
         rpc_port = _free_port()  # where init_rpc in the rank processes meets (see .rpc_process)
+        rpc_secret = secrets.token_hex(32)  # the workers' shared RPC secret, unless the program sets its own
         self.ranks: list[_Rank] = []
+        slow = warm.SlowStartNote(self.n)  # (a first world takes seconds: said once, on stderr, if it does)
         try:
             envs = [self._env(r, master_port) for r in range(self.n)]
-            servers = warm.POOL.servers(envs) if warm.enabled() else [None] * self.n
+            servers = self._servers = warm.POOL.servers(envs) if warm.enabled() else [None] * self.n
             for r in range(self.n):
                 env = envs[r]
                 parent, child = socket.socketpair()
@@ -225,9 +224,9 @@ class ProcessRanks:
                 if isinstance(proc, warm.Forked):
                     self.ranks[-1].server = servers[r]
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
-                           "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.timeout,
+                           "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.pg_timeout,
                            "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked),
-                           "rpc_port": rpc_port, "mode": world.mode})
+                           "rpc_port": rpc_port, "mode": world.mode, "rpc_secret": rpc_secret})
                 ask, answer = socket.socketpair()
                 with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
                     socket.send_fds(raw, [b"w"], [answer.fileno()])
@@ -236,12 +235,14 @@ class ProcessRanks:
         except BaseException:
             self.close()
             raise
+        finally:
+            slow.cancel()
 
     def _await_ready(self) -> None:
         """Wait (bounded) until every rank process has started: start-up does not count against the run's timeout."""
         from multiprocessing.connection import wait
 
-        deadline = time.monotonic() + max(_STARTUP_S, self.world.timeout)
+        deadline = time.monotonic() + max(_STARTUP_S, self.world.timeout or 0.0)  # (timeout None: no whole-run bound)
         waiting = {me.conn: me for me in self.ranks}
         while waiting and time.monotonic() < deadline:
             for c in wait(list(waiting), timeout=0.2):
@@ -395,14 +396,13 @@ class ProcessRanks:
         with ``answer(source)`` as soon as the operation completes (see :meth:`_early`)."""
         if not isinstance(rs.run.sched, CoopScheduler):
             return block()
-        rs.on_complete = lambda error, src: self._early(rs, chan, error, answer(src))
+        rs.on_complete = lambda error, src: self._early(rs, chan, error, answer(src), self.ranks[rs.rank])
         try:
             return block()
         finally:
             rs.on_complete = None
 
-    @staticmethod
-    def _early(rs: Any, chan: _Channel, error: Any, value: Any) -> None:
+    def _early(self, rs: Any, chan: _Channel, error: Any, value: Any, me: _Rank) -> None:
         """The operation ``chan``'s thread waits for completed: answer the thread now with ``value`` (coop mode).
 
         Its outputs are in the arena already and its outcome is final, so the process computes on while its
@@ -414,7 +414,7 @@ class ProcessRanks:
         if error is not None or rs.pending is not None or run.fatal is not None or run.aborted or run.over:
             return  # the actor raises when it resumes: the process waits for that answer
         try:
-            _wire.send(chan.conn, ("ok", value))
+            _wire.send(chan.conn, ("ok", value, self._completed(me)))
         except OSError:
             return  # the process is gone: its proxy finds out when it reads
         chan.replied = True
@@ -455,7 +455,7 @@ class ProcessRanks:
     def _perform(self, me: _Rank, backend: Any, name: str, enc: list[Any], site: str, backward: str | None) -> Any:
         if name in ("new_group_handle", "member_group_handle"):
             ranks = enc[0]
-            args: tuple = (ranks, timedelta(seconds=self.world.timeout)) if name == "new_group_handle" else (ranks,)
+            args: tuple = (ranks, timedelta(seconds=self.world.pg_timeout)) if name == "new_group_handle" else (ranks,)
             h = _at(site)(getattr(backend, name), args)
             if h is None:
                 return None
@@ -470,8 +470,9 @@ class ProcessRanks:
         else:
             value = _at(site)(method, dec)
         if value is not None and not isinstance(value, int):  # a work of an async_op call
-            wid = next(me.wids)
-            me.works[wid] = value
+            with me.lock:
+                wid = next(me.wids)
+                me.works[wid] = me.unreported[wid] = value
             return wid
         return value
 
@@ -517,9 +518,20 @@ class ProcessRanks:
             return [self._decode(me, x) for x in a]
         return a
 
+    @staticmethod
+    def _completed(me: _Rank) -> list[tuple[int, bool]]:
+        """``[(id, ok), ...]`` of the rank's async works completed since the last answer (sent with each answer:
+        the process then copies their outputs back and frees their staging, waited or not)."""
+        with me.lock:
+            done = [(wid, w.is_success()) for wid, w in me.unreported.items() if w.is_completed()]
+            for wid, _ in done:
+                del me.unreported[wid]
+        return done
+
     def _send(self, me: _Rank, chan: _Channel, msg: tuple) -> None:
+        """Send an answer (``("ok", value)`` or an error) with the works completed since the last one."""
         try:
-            _wire.send(chan.conn, msg)
+            _wire.send(chan.conn, msg + (self._completed(me),))
         except (BrokenPipeError, ConnectionResetError, OSError):
             if chan is me.main:
                 raise self._death(me) from None
@@ -565,15 +577,16 @@ class ProcessRanks:
                 return self._ended(me) if main else ("end",)  # (a daemon thread ends with its process)
             if not main and (run.aborted or run.over):
                 return ("end",)
-            if main and (run.aborted or time.monotonic() > run.deadline):
-                # the world timed out while this rank's process was computing: stop it (threads could not be)
+            if main and (run.aborted or run.clock() > run.deadline):
+                # a bound of the run ran out while this rank's process was computing: stop it (threads could not be)
                 self._kill(me)
                 if run.fatal is not None:
                     raise run.fatal.make(me.rank)
+                names, limit = self.world.bound_names, self.world.timeout
                 raise SimTimeoutError(format_message(
-                    "simulator.run", f"the run did not finish within {self.world.timeout} s; rank {me.rank}'s "
-                    "process was computing and has been killed", rank=me.rank,
-                    fix="make the stuck computation end, or pass a larger timeout="))
+                    "simulator.run", f"the run did not finish within {limit:g} s ({names.spell('timeout', limit)}); "
+                    f"rank {me.rank}'s process was computing and has been killed", rank=me.rank,
+                    fix=f"make the stuck computation end, or raise {names.knob('timeout')}"))
 
     def _ended(self, me: _Rank) -> tuple:
         """The rank process's channel ended without a last message: a normal exit (``os._exit(0)``) or a death."""
@@ -645,7 +658,17 @@ class ProcessRanks:
             except subprocess.TimeoutExpired:  # pragma: no cover  (SIGKILL cannot be refused)
                 pass
         self.store = None
+        for me in self.ranks:  # a kept exception (its frames reach this object) must not keep arenas mapped
+            with me.lock:
+                me.arenas.clear()
+                me.works.clear()
+                me.unreported.clear()
+                me.errors.clear()
+                me.pending = None
         shutil.rmtree(self.arena_dir, ignore_errors=True)
+        cleanup.unregister(self)
+        warm.POOL.release(getattr(self, "_servers", []))  # (at most the documented number stay warm)
+        self._servers: list[Any] = []
 
     @property
     def pids(self) -> list[int]:

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "enabled"]
+__all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "SlowStartNote", "enabled"]
 
 #: variables that differ between the ranks or the runs of one world (and pytest's name of the running test):
 #: not part of a warm interpreter's key, set in the rank process after the fork
@@ -74,6 +74,41 @@ PROLOGUE = ("import ctypes, os, signal, sys\n"
             "if os.getppid() != int(sys.argv[2]):\n"
             "    os._exit(1)\n")
 _SERVER = PROLOGUE + "from simulator.isolation.child import serve\nserve(int(sys.argv[1]))\n"
+
+
+_SLOW_START_S = 2.0  # a world start-up longer than this says, once per process, why it is slow
+_said_slow = False
+
+
+class SlowStartNote:
+    """Says on stderr, once per process, why a world's start-up is slow when it takes more than ~2 s (the first
+    world pays for an interpreter and ``import torch`` per rank); silent when start-up is quick.  Cancel it when
+    the rank processes have started."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._timer: threading.Timer | None = None
+        if not _said_slow:
+            self._timer = threading.Timer(_SLOW_START_S, self._say)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _say(self) -> None:
+        global _said_slow
+        if _said_slow:
+            return
+        _said_slow = True
+        why = ("first run imports torch; later runs reuse them" if enabled()
+               else "TENSORPLAY_SIM_WARM=0: every run starts them afresh")
+        try:
+            sys.stderr.write(f"simulator: starting {self._n} rank interpreters ({why})\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001  (a closed stderr: the note is only a courtesy)
+            pass
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def enabled() -> bool:
@@ -231,6 +266,7 @@ class WarmPool:
 
     def __init__(self) -> None:
         self._servers: dict[tuple, _Server] = {}
+        self._leased: dict[int, int] = {}  # id(server) -> runs using it now (never closed while used)
         self._refused: set[str] = set()  # modules whose import ahead started a thread
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
@@ -287,11 +323,33 @@ class WarmPool:
                     s.preload = carry
                 self._servers[key] = s  # most recently used last
                 out.append(s)
-            while len(self._servers) > max(_MAX_WARM, len(set(keys))):
-                old = self._servers.pop(next(iter(self._servers)))
-                old.close()
+            for s in set(out):
+                self._leased[id(s)] = self._leased.get(id(s), 0) + 1
+            self._trim()
         deadline = time.monotonic() + _START_S
         return [s if s.await_ready(deadline) else None for s in out]
+
+    def release(self, servers: list["_Server | None"]) -> None:
+        """A run that used ``servers`` has ended: keep at most ``_MAX_WARM`` warm interpreters (a world of more
+        ranks than that started more, for its own run only)."""
+        with self._lock:
+            for s in {id(s): s for s in servers if s is not None}.values():
+                n = self._leased.get(id(s), 0) - 1
+                if n > 0:
+                    self._leased[id(s)] = n
+                else:
+                    self._leased.pop(id(s), None)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Close the least recently used warm interpreters no run uses, down to ``_MAX_WARM`` (holds ``_lock``)."""
+        for key in list(self._servers):
+            if len(self._servers) <= _MAX_WARM:
+                break
+            s = self._servers[key]
+            if id(s) not in self._leased:
+                del self._servers[key]
+                s.close()
 
     def learn(self, server: _Server, names: list[str]) -> None:
         """Rank processes of ``server`` imported ``names``: its next fork (and new ones) imports them ahead."""
@@ -315,6 +373,7 @@ class WarmPool:
             except OSError:
                 pass
         self._servers = {}
+        self._leased = {}
         self._lock = threading.Lock()
         self._starter = None  # the starter thread did not survive the fork
         self._requests = queue.Queue()

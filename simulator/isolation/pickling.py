@@ -1,0 +1,120 @@
+"""How the function, its arguments and the results cross between the coordinator and a rank process.
+
+Plain pickle first (module-level functions travel by reference: the rank
+process imports their module); what it refuses (lambdas, closures, functions of
+a script read from stdin) goes through cloudpickle, by value.  Two things are
+added to cloudpickle here:
+
+* **Code objects keep their file name.**  cloudpickle 3.1 rewrites the
+  ``co_filename`` of every function it pickles by value to ``"<dynamic-code>"``
+  (a deterministic payload), so the call sites of a closure's collectives, its
+  tracebacks and the "where is it computing" of a timeout report would name
+  ``<dynamic-code>`` instead of the program's file.  Code objects are pickled
+  here with :mod:`marshal` instead (the rank process runs the same interpreter),
+  which keeps every field, nested code objects included, whatever cloudpickle's
+  version does.
+* **A main module that is no file** (``python - <<EOF``, ``python -c``, a
+  notebook): a rank process cannot import it, so its functions travel by value.
+"""
+from __future__ import annotations
+
+import io
+import marshal
+import os
+import pickle
+import sys
+import types
+from typing import Any
+
+from tensorplay.distributed.errors import DistTypeError, format_message
+
+__all__ = ["dumps", "main_is_file", "fix_preparation"]
+
+_pickler: Any = None
+
+
+def _code_reduce(code: types.CodeType) -> tuple:
+    return marshal.loads, (marshal.dumps(code),)
+
+
+def _cloud_pickler() -> Any:
+    """cloudpickle's pickler with code objects marshalled (None without cloudpickle)."""
+    global _pickler
+    if _pickler is None:
+        try:
+            import cloudpickle
+        except ImportError:
+            return None
+        from collections import ChainMap
+
+        base = getattr(cloudpickle, "Pickler", None) or getattr(cloudpickle, "CloudPickler")
+        table = getattr(base, "dispatch_table", None)
+
+        class _Pickler(base):  # type: ignore[misc,valid-type]
+            # reducer_override (functions, classes) comes first; code objects then reach this table
+            dispatch_table = ChainMap({types.CodeType: _code_reduce}, table if table is not None else {})
+
+        _pickler = _Pickler
+    return _pickler
+
+
+def main_is_file() -> bool:
+    """Whether ``__main__`` is a file a rank process can import (not stdin, ``-c``, a REPL or a notebook)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(getattr(main, "__spec__", None), "name", None):  # python -m pkg.mod: imported by name
+        return True
+    return bool(path) and os.path.isfile(path)  # type: ignore[arg-type]
+
+
+def fix_preparation(prep: dict[str, Any]) -> dict[str, Any]:
+    """multiprocessing's preparation data, without a main module path that does not exist (``<stdin>``)."""
+    path = prep.get("init_main_from_path")
+    if path is not None and not os.path.isfile(path):
+        prep.pop("init_main_from_path")
+    return prep
+
+
+class _MainSpotter(pickle.Pickler):
+    """Plain pickle that notes the first function or class of ``__main__`` it pickles (by a name no rank has)."""
+
+    def __init__(self, file: io.BytesIO, protocol: int) -> None:
+        super().__init__(file, protocol=protocol)
+        self.file = file
+        self.found: Any = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self.found is None and isinstance(obj, (types.FunctionType, type)) and obj.__module__ == "__main__":
+            self.found = obj
+        return NotImplemented
+
+    def getvalue(self) -> bytes:
+        return self.file.getvalue()
+
+
+def dumps(obj: Any, what: str = "") -> bytes:
+    """Pickle ``obj`` for the other side (plain pickle, else cloudpickle by value, code objects marshalled).
+
+    ``what`` names ``obj`` in the error when a function of a main module that is no file cannot travel.
+    """
+    if main_is_file():
+        try:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001  (lambdas, closures: by value below)
+            if _cloud_pickler() is None:
+                raise
+    pickler = _cloud_pickler()
+    if pickler is None:  # a main module that is no file, and no cloudpickle to send its functions by value
+        spot = _MainSpotter(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        spot.dump(obj)
+        if spot.found is None:
+            return spot.getvalue()
+        name = getattr(spot.found, "__qualname__", what or "?")
+        raise DistTypeError(format_message(
+            "simulator.run", f"{name} is defined in a main script that is no file (read from stdin, `python -c`, "
+            "a notebook), so a rank process cannot import it", values={"fn": what or name, "isolation": "process"},
+            fix="save the script to a file and run that, install cloudpickle (it sends such functions by value), "
+                "or use isolation='thread'"))
+    buf = io.BytesIO()
+    pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
