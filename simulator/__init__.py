@@ -29,8 +29,6 @@ See docs/simulator.md for the guide.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what static tools (type checkers, the docs' API reference) read; loaded on first use below
@@ -46,7 +44,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the docs' API reference) 
         SimError,
         SimTimeoutError,
     )
-    from .explore import ExploreReport, check_reproducible, explore
+    from .exploring import ExploreReport, check_reproducible, explore
     from .faults import Crash, Delay, Fault, random_faults
     from .trace import CostModel, Event, Trace
     from .world import World, current_rank_state, last_trace, rank_device, run
@@ -71,28 +69,12 @@ _WHERE = {
     **dict.fromkeys(("CostModel", "Event", "Trace"), "trace"),
     **dict.fromkeys(("World", "current_rank_state", "last_trace", "rank_device", "run"), "world"),
     "SimBackend": "backend",
-    **dict.fromkeys(("ExploreReport", "check_reproducible", "explore"), "explore"),
+    **dict.fromkeys(("ExploreReport", "check_reproducible", "explore"), "exploring"),
 }
-#: submodules whose import does not load the simulator
-_LIGHT = frozenset({"pytest_plugin"})
-_registered = False
-
-
-def _register() -> None:
-    """Register the simulator's RPC transports with tensorplay (what importing the package always did)."""
-    global _registered
-    if _registered:
-        return
-    from tensorplay.distributed.rpc._agent import register_transport  # (imports nothing of the simulator)
-
-    register_transport("sim", f"{__name__}.rpc")  # RPC inside a simulated world (imported when a world uses it)
-    register_transport("sim-process", f"{__name__}.isolation.rpc_process")  # RPC in a process-isolated rank
-    _registered = True
 
 
 def _load() -> None:
     """Import every name of ``__all__`` (the first use of one), as importing the package used to."""
-    _register()
     for name, where in _WHERE.items():
         globals()[name] = getattr(importlib.import_module(f"{__name__}.{where}"), name)
 
@@ -106,23 +88,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """This package's module type: importing any of its modules (but the plugin) registers the transports.
-
-    A rank process starts with ``from simulator.isolation.child import serve`` and a program may import
-    ``simulator.world`` or ``simulator.rpc`` without touching a name above; the transports must be there for
-    them too.  Registering imports nothing of the simulator, so it is safe half-way through another import.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}":
-            if name not in _LIGHT:  # the import system binds every submodule it imports to its package
-                _register()
-            if name in _WHERE:  # simulator.explore is the function, as it always was, not its module
-                value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -32,6 +32,7 @@ from tensorplay.distributed.backends import Backend, Work, register_backend
 from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
+from tensorplay.distributed.rpc._agent import register_transport
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES as _WIRE
 from tensorplay.distributed.spec import CallKey
 
@@ -756,3 +757,7 @@ class SimBackend(Backend):
 
 
 register_backend("sim", SimBackend)
+# ... and the RPC transports, here because every simulated world and every rank process imports this module;
+# the transport modules themselves are imported only when a world uses RPC
+register_transport("sim", "simulator.rpc")  # RPC inside a simulated world
+register_transport("sim-process", "simulator.isolation.rpc_process")  # RPC in a process-isolated rank

@@ -27,6 +27,10 @@ Example::
 
 ``calibrate`` (first argument) measures collectives on real processes and writes a cost profile (see
 :mod:`simulator.calibrate`); ``--cost`` makes virtual time (``--summary``, ``--trace``) use it.
+
+A run is bounded as torch bounds it, by operation: it fails when ranks wait and nothing progressed for
+``--stall-timeout`` seconds (default 1800, torch's default process-group timeout); ``--timeout`` (default
+none) bounds the whole run.  A deadlock is reported at once.  Ctrl-C stops the run (exit code 130).
 """
 from __future__ import annotations
 
@@ -41,23 +45,75 @@ from . import launch as _launch
 from .cost import default_cost, resolve_cost
 from .isolation import ISOLATIONS
 from .isolation.child import ScriptMain
+from .progress import CLI, DEFAULT_STALL_TIMEOUT, check_seconds
 from .world import World
 
 __all__ = ["main"]
 
-_DEFAULT_TIMEOUT = 300.0
+_USAGE = ("python -m simulator [options] script [script args ...]\n"
+          "       python -m simulator calibrate [calibrate options]   (see: python -m simulator calibrate --help)\n"
+          "       python -m simulator pytest [pytest args ...]")
+_EPILOG = """subcommands:
+  calibrate   measure collectives on real processes (gloo) and write a cost profile for --cost;
+              python -m simulator calibrate --help lists its options
+  pytest      run pytest with PyTorch's own distributed test harness (MultiProcessTestCase, DTensorTestBase,
+              distributed_test.py) on simulated ranks: the same as
+              python -m pytest -p simulator.torch_harness --sim-harness thread [pytest args ...]
+
+examples:
+  python -m simulator --nproc-per-node 4 --seed 3 train.py --epochs 1
+  python -m simulator --nproc-per-node 8 --mode threads --trace run.json train.py
+  python -m simulator ddp_tutorial.py          # the script calls mp.spawn(fn, nprocs=4)
+  python -m simulator calibrate --backend gloo --world-sizes 2,4 --out profile.json
+  python -m simulator pytest test/distributed/test_c10d_gloo.py -k test_allreduce"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An abbreviation is ambiguous only between different options: ``--nproc`` names ``--nproc-per-node``
+    although ``--nproc_per_node`` (its other spelling) shares the prefix (argparse before 3.12 refuses it)."""
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        seen: set[int] = set()
+        out = []
+        for t in super()._get_option_tuples(option_string):
+            if id(t[0]) not in seen:  # t[0]: the action; one per action
+                seen.add(id(t[0]))
+                out.append(t)
+        return out
+
+
+def _seconds(flag: str, example: str) -> Any:
+    """An argparse type: a positive number of seconds (``inf``: no bound); anything else is a usage error."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a number of seconds is needed, got {text!r} "
+                                             f"(e.g. {flag} {example}; inf for no bound)") from None
+        try:
+            return check_seconds(value, flag, call="python -m simulator", example=example)
+        except Exception:  # noqa: BLE001  (nan, <= 0)
+            raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r} "
+                                             f"(e.g. {flag} {example}; inf for no bound)") from None
+
+    parse.__name__ = flag  # argparse names the type in some messages
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m simulator", description=__doc__.split("\n\n")[0], usage=_USAGE,
+                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
                    help="run the script torchrun-style on this many simulated ranks; without it the script "
                         "runs once as a launcher that starts its own ranks (mp.spawn / multiprocessing.Process)")
     p.add_argument("--seed", type=int, default=0, help="schedule seed for --mode coop (default 0)")
     p.add_argument("--mode", choices=["coop", "threads"], default="coop",
                    help="coop: one rank at a time, reproducible; threads: free-running (default coop)")
-    p.add_argument("--timeout", type=float, default=_DEFAULT_TIMEOUT,
-                   help="abort a simulated world after this many seconds (default 300)")
+    p.add_argument("--timeout", type=_seconds("--timeout", "3600"), default=None, metavar="SECONDS",
+                   help="bound each simulated world's whole run, in seconds (default: no bound)")
+    p.add_argument("--stall-timeout", type=_seconds("--stall-timeout", "3600"), default=DEFAULT_STALL_TIMEOUT,
+                   metavar="SECONDS", help="fail the run when ranks wait in an operation and nothing progressed for this many seconds "
+                        "(default 1800, torch's default process-group timeout; inf: no bound)")
     p.add_argument("--p2p", choices=["rendezvous", "eager"], default="rendezvous",
                    help="what a blocking send waits for: its recv (rendezvous, as gloo and NCCL; default) or "
                         "nothing (eager: buffered, MPI-style)")
@@ -87,8 +143,10 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
     parts += ["--seed", str(ns.seed), "--mode", ns.mode]
     if ns.p2p != "rendezvous":
         parts += ["--p2p", ns.p2p]
-    if ns.timeout != _DEFAULT_TIMEOUT:
+    if ns.timeout is not None and ns.timeout != float("inf"):
         parts += ["--timeout", f"{ns.timeout:g}"]
+    if ns.stall_timeout != DEFAULT_STALL_TIMEOUT:
+        parts += ["--stall-timeout", f"{ns.stall_timeout:g}"]
     if ns.cost is not None:
         parts += ["--cost", ns.cost]
     if ns.compute_scale is not None:
@@ -157,17 +215,22 @@ def _report(exc: BaseException) -> int:
     return 1
 
 
+_OPEN_TRACE = "open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing (Load)"
+
+
 def _write_traces(ns: argparse.Namespace, worlds: list[World]) -> None:
     traces = [w.trace for w in worlds if w.trace is not None]
     if ns.trace and traces:
         if len(traces) == 1:
             traces[0].to_chrome(ns.trace)
+            _err(f"trace written to {os.path.abspath(ns.trace)}; {_OPEN_TRACE}")
         else:  # one file per launched world, numbered in launch order
             stem, ext = os.path.splitext(ns.trace)
             names = [f"{stem}.{i}{ext or '.json'}" for i in range(len(traces))]
             for tr, name in zip(traces, names):
                 tr.to_chrome(name)
-            _err(f"{len(traces)} worlds ran; their traces: {', '.join(names)}")
+            _err(f"{len(traces)} worlds ran; their traces: {', '.join(os.path.abspath(n) for n in names)}; "
+                 f"{_OPEN_TRACE.replace('open it', 'open each')}")
     if ns.summary:
         for i, tr in enumerate(traces):
             if len(traces) > 1:
@@ -182,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .calibrate import main as calibrate_main
 
         return calibrate_main(args[1:])
+    if args[:1] == ["pytest"] and not os.path.isfile("pytest"):
+        return _run_pytest(args[1:])
     ns = _parser().parse_args(args)
     script = os.path.abspath(ns.script)
     if not os.path.isfile(script):
@@ -195,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              "own ranks with mp.spawn / multiprocessing.Process runs with --isolation thread)")
         return 2
     try:
-        World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout)  # the settings, checked before the script runs
+        World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout)  # checked first
         cost = resolve_cost(ns.cost, ns.compute_scale)
     except Exception as e:  # noqa: BLE001  a bad option is a usage error
         _err(str(e))
@@ -207,15 +272,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code, worlds = _run_launcher(ns, script)
             else:
                 code, worlds = _run_torchrun_style(ns, script)
+        _write_traces(ns, worlds)
+    except KeyboardInterrupt:  # Ctrl-C: the world was stopped (World.run releases its ranks); one line, as a shell
+        _err("interrupted")
+        return 130
     finally:
         sys.excepthook = hook  # torch's init_process_group wraps it once per rank ("[rank1]: [rank0]: ...")
-    _write_traces(ns, worlds)
     return code
 
 
+def _run_pytest(args: list[str]) -> int:
+    """``python -m simulator pytest ARGS``: pytest with torch's test harness on simulated ranks (thread ranks unless
+    ARGS choose with ``--sim-harness``)."""
+    import pytest
+
+    chosen = any(a == "--sim-harness" or a.startswith("--sim-harness=") for a in args)
+    return int(pytest.main(["-p", "simulator.torch_harness", *([] if chosen else ["--sim-harness", "thread"]),
+                            *args]))
+
+
 def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
-    launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, device="cpu",
-                                 replay_hint=_command(ns, None), p2p=ns.p2p)
+    launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
+                                 device="cpu", replay_hint=_command(ns, None), p2p=ns.p2p, bound_names=CLI)
     exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
     code = 0 if exc is None else _report(exc)
     if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
@@ -231,8 +309,10 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
             if e.code not in (None, 0):
                 raise
 
-    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, torchrun_env=True, p2p=ns.p2p,
-                  cost=resolve_cost(None), isolation=ns.isolation)  # --cost / --compute-scale, set by main()
+    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
+                  torchrun_env=True, p2p=ns.p2p, cost=resolve_cost(None),  # --cost / --compute-scale, set by main()
+                  isolation=ns.isolation)
+    world.bound_names = CLI  # its reports name --timeout / --stall-timeout
     if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit

@@ -71,7 +71,11 @@ class InjectedFault(SimError):
 
 
 class SimTimeoutError(SimError, DistTimeoutError):
-    """The global ``timeout=`` of a run ran out; the message lists who arrived where."""
+    """A bound of the run ran out: ``stall_timeout`` (actors waited while nothing progressed for that long) or
+    the whole-run ``timeout``.  The message says which, who waits where and where computing ranks are."""
+
+    #: which bound ran out: ``"stall_timeout"`` or ``"timeout"`` (None: a rank's own backstop, see the message)
+    bound: str | None = None
 
 
 class ExploreError(SimError):

@@ -64,6 +64,7 @@ import torch
 from tensorplay.distributed.errors import format_message
 
 from .errors import RankFailedError, SimError
+from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from .world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]
@@ -93,16 +94,41 @@ def _entry_function(proc: mp_process.BaseProcess) -> Any:
     return fn
 
 
+def _bound_owner(proc: mp_process.BaseProcess) -> type | None:
+    """The class of the object the process's target is bound to (``Cls._run``, ``obj.method``: ``Cls``), or None."""
+    fn: Any = getattr(proc, "_target", None) if type(proc).run is mp_process.BaseProcess.run else None
+    for _ in range(8):  # functools.partial wrappers, nested a few levels at most
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            return owner if isinstance(owner, type) else type(owner)
+        fn = getattr(fn, "func", None)
+    return None
+
+
 def _is_user_process(proc: mp_process.BaseProcess) -> bool:
     """True when the process runs the program's own code (a rank), not a library's worker.
 
     DataLoader workers, multiprocessing pools and executors start processes
     whose code lives in the standard library or site-packages; those stay real.
+    A target that is a library's method bound to a class of the program (torch's
+    ``MultiProcessTestCase`` starts ``UserTestClass._run``) is the program's: a rank.
+    The standard library's methods stay real even then (a program's ``BaseManager``
+    subclass starts its server as ``MyManager._run_server``).
     """
     fn = _entry_function(proc)
     if fn is None:
         return False
-    mod_name = getattr(fn, "__module__", None) or ""
+    if _in_program(getattr(fn, "__module__", None) or ""):
+        return True
+    owner = _bound_owner(proc)
+    if owner is None or (getattr(fn, "__module__", None) or "").split(".", 1)[0] in sys.stdlib_module_names:
+        return False
+    owner_mod = getattr(owner, "__module__", None) or ""
+    return owner_mod not in sys.builtin_module_names and _in_program(owner_mod)
+
+
+def _in_program(mod_name: str) -> bool:
+    """True when module ``mod_name`` is the program's own code (not the standard library, site-packages, us)."""
     if mod_name in ("__main__", "__mp_main__"):
         return True
     if mod_name.split(".", 1)[0] in _OWN_PACKAGES:
@@ -338,12 +364,15 @@ def _internal_file(path: str) -> bool:
 class _Launcher:
     """One launcher run: the processes it started that have not run yet, and the worlds that ran."""
 
-    def __init__(self, *, seed: int, mode: str, timeout: float, device: str, replay_hint: str | None,
-                 p2p: str = "rendezvous") -> None:
+    def __init__(self, *, seed: int, mode: str, timeout: float | None, device: str, replay_hint: str | None,
+                 p2p: str = "rendezvous", stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+                 bound_names: BoundNames = PYTHON) -> None:
         self.seed = seed
         self.p2p = p2p
         self.mode = mode
         self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self.bound_names = bound_names  # how reports name the bounds (the command line: its flags)
         self.device = device
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
@@ -386,12 +415,15 @@ class _Launcher:
             batch, self.pending = self.pending, []
             if not batch:
                 return
-            world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout, device=self.device,
+            world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
+                          stall_timeout=self.stall_timeout, device=self.device,
                           env=dict(os.environ), p2p=self.p2p)  # each rank: its own copy of the launcher's environment
+            world.bound_names = self.bound_names
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
             for r, p in enumerate(batch):
                 p._popen.rank, p._popen.world = r, world  # type: ignore[attr-defined]
+            world.rank_pids = [p.pid for p in batch]  # os.getpid() on rank r (simulator/threads.py)
             self.worlds.append(world)
             hook = sys.excepthook
             try:
@@ -675,8 +707,9 @@ def patched(launcher: _Launcher | None = None, *, hint: str = "python -m simulat
 # the entry point
 # ---------------------------------------------------------------------------
 def launch(target: str | os.PathLike[str] | Callable[..., Any], *, args: Sequence[Any] = (),
-           argv: Sequence[str] = (), seed: int = 0, mode: str = "coop", timeout: float = 60.0,
-           device: str = "cpu", replay_hint: str | None = None) -> list[World]:
+           argv: Sequence[str] = (), seed: int = 0, mode: str = "coop", timeout: float | None = None,
+           stall_timeout: float = DEFAULT_STALL_TIMEOUT, device: str = "cpu",
+           replay_hint: str | None = None) -> list[World]:
     """Run a launcher with its ranks simulated; return the worlds that ran, in order.
 
     Args:
@@ -684,8 +717,9 @@ def launch(target: str | os.PathLike[str] | Callable[..., Any], *, args: Sequenc
             ``sys.path``, as ``python script.py`` would) or a callable (called as ``target(*args)``).
         args: arguments of a callable ``target``.
         argv: command-line arguments of a script ``target``.
-        seed, mode, timeout, device: settings of every world (see :class:`simulator.World`); ``timeout``
-            bounds each world, not the launcher's own code.
+        seed, mode, timeout, stall_timeout, device: settings of every world (see :class:`simulator.World`);
+            ``timeout`` (default none) bounds each world's whole run and ``stall_timeout`` (default 1800 s, torch's
+            default process-group timeout) each world's waits without progress, not the launcher's own code.
         replay_hint: the command that replays a failure, shown in rank failures instead of the
             ``simulator.run`` hint (where :class:`World` supports it).
 
@@ -694,8 +728,9 @@ def launch(target: str | os.PathLike[str] | Callable[..., Any], *, args: Sequenc
         pending ranks ran; else, when a rank failed and the launcher carried on, what the first failed world
         raised (the rank's exception, with ``.rank``), so a rank failure never goes unnoticed.
     """
-    World(1, seed=seed, mode=mode, timeout=timeout, device=device)  # checks the settings before anything runs
-    launcher = _Launcher(seed=seed, mode=mode, timeout=timeout, device=device, replay_hint=replay_hint)
+    World(1, seed=seed, mode=mode, timeout=timeout, stall_timeout=stall_timeout, device=device)  # checked first
+    launcher = _Launcher(seed=seed, mode=mode, timeout=timeout, stall_timeout=stall_timeout, device=device,
+                         replay_hint=replay_hint)
     other = "python -m simulator --nproc-per-node N " + (
         shlex.join([os.fspath(target), *argv]) if not callable(target) else "script.py")
     exc = _execute(launcher, target, args, argv, other_style=other)

@@ -5,15 +5,16 @@ rank, then the fix.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .sched import BLOCKED, DONE
+from .progress import is_waiting
+from .sched import BLOCKED, DONE, FREE, RUNNABLE
 from .state import P2PRecord, Slot
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import Run
+    from .state import RankState, Run
 
-__all__ = ["mismatch_message", "describe_world", "fmt_ranks"]
+__all__ = ["mismatch_message", "describe_world", "fmt_ranks", "stall_headline", "timeout_headline"]
 
 _MAX_ROWS = 64
 _BACKWARD_FIX = ("call .backward() on every rank, e.g. y.sum().backward() — non-root outputs are zeros "
@@ -115,18 +116,26 @@ def _where(rs: Any, depth: int = 3) -> str:
 
 def format_frames(frames: list[tuple[str, int, str]], depth: int = 3) -> str:
     """``file.py:12 in fn <- ...``: the ``depth`` innermost frames of the program (the simulator's are left out)."""
-    mine = [f for f in frames if "/simulator/" not in f[0] and "/threading.py" not in f[0]]
+    mine = [f for f in frames if "/simulator/" not in f[0] and "/threading.py" not in f[0]
+            and "runpy" not in f[0] and not f[0].endswith("multiprocessing/process.py")]  # how the command line
+    # runs a script (runpy) or a launched rank (Process.run): not the program's own code
     if not mine:
         return "?"
     return " <- ".join(f"{name.rsplit('/', 1)[-1]}:{line} in {fn}" for name, line, fn in reversed(mine[-depth:]))
 
 
-def describe_world(run: "Run", headline: str, timeout: bool = False) -> str:
+def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bound: str | None = None,
+                   waiting: Sequence[Any] = ()) -> str:
     """One line per distinct situation: who waits where, who returned, who is still running.
 
     With ``timeout=True`` a rank that is running (not waiting in any operation) is shown with where it is
     computing, since a stuck computation, not a collective-order bug, is what a timeout usually means.
+    ``bound`` (``"stall"`` or ``"timeout"``, implies ``timeout=True``) is the bound of the run that ran out: the
+    headline says which (``waiting``: the actors that waited, for a stall) and the fix names its knob.
     """
+    if bound is not None:
+        timeout = True
+        headline = stall_headline(run, waiting, run.clock()) if bound == "stall" else timeout_headline(run)
     groups: dict[str, list[int]] = {}
     order: list[str] = []
     recv_waiters: list[int] = []
@@ -141,7 +150,8 @@ def describe_world(run: "Run", headline: str, timeout: bool = False) -> str:
             text = "has returned" if rs.exc is None else f"has failed ({type(rs.exc).__name__})"
         else:
             last = f"last call at {rs.last_site}" if rs.ops else "before its first operation"
-            if getattr(run.sched, "current", rs) is rs or run.mode == "threads":
+            # FREE: a coop rank outside the schedule (in time.sleep, or a wait the scheduler cannot see) runs too
+            if rs.state == FREE or getattr(run.sched, "current", rs) is rs or run.mode == "threads":
                 if timeout:
                     computing.append(rs.rank)
                     text = f"is computing, in no operation, at {_where(rs)} ({last})"
@@ -203,12 +213,66 @@ def describe_world(run: "Run", headline: str, timeout: bool = False) -> str:
                 break
     for h in hints:
         lines.append("Hint: " + h)
+    which = bound or "timeout"
     if computing:
         who = f"rank {computing[0]} is" if len(computing) == 1 else f"ranks {_and(computing)} are"
         lines.append(f"Fix: {who} still computing, not waiting for another rank: a computation that does not end "
                      f"(an endless loop, a long sleep, a wait on something outside the simulator) is not a "
-                     f"collective-order bug; look at the code shown above, or raise timeout= if it is just slow")
+                     f"collective-order bug; {fix_text(run, which, True)}")
+    elif timeout:
+        lines.append(f"Fix: {fix_text(run, which, False)}")
     else:
         lines.append("Fix: every member of a group must reach the same collectives in the same order, and every "
                      "recv needs a matching send (same group and tag)")
     return "\n".join(lines)
+
+
+# -- the report of a bound that ran out (see simulator.progress) ---------------------------------------------
+def _wait_what(run: "Run", a: "RankState", many: bool) -> str:
+    if a.state != BLOCKED:
+        return f"for {'their' if many else 'its'} turn (coop: one rank computes at a time)"
+    w = a.waiting
+    name = getattr(w, "name", None) or getattr(w, "kind", None)
+    if isinstance(name, str):
+        return f"in {name}"
+    return describe_wait(run, a)
+
+
+def stall_headline(run: "Run", waiting: Sequence["RankState"], now: float) -> str:
+    """``stall: no operation completed for 300 s while ...; rank 2 has been computing since ...``."""
+    by: dict[tuple[bool, str], list["RankState"]] = {}
+    for a in waiting:  # grouped by what they wait in (an operation's name, or their turn)
+        key = (a.state == BLOCKED, _wait_what(run, a, True))
+        by.setdefault(key, []).append(a)
+    parts = []
+    for actors in by.values():
+        roots = [a.rank for a in actors if a.parent is None]
+        who = [f"rank{'s' if len(roots) > 1 else ''} {_and(roots)}"] if roots else []
+        who += [a.label for a in actors if a.parent is not None][:4]
+        many = len(actors) > 1
+        parts.append(f"{' and '.join(who)} wait{'' if many else 's'} {_wait_what(run, actors[0], many)}")
+    names = run.world.bound_names
+    text = (f"stall: no operation completed for {run.stall:g} s ({names.spell('stall', run.stall)}: no rank "
+            f"entered or left a call into the simulator meanwhile) while {' and '.join(parts)}")
+    computing = [a for a in run.actors if a.state in (RUNNABLE, FREE) and not is_waiting(run, a)][:4]
+    for a in computing:
+        text += (f"; {a.label} has been computing since {a.stamp - run.started:.1f} s into the run "
+                 f"(for {now - a.stamp:.1f} s), at {_where(a)}")
+    return text
+
+
+def timeout_headline(run: "Run") -> str:
+    t = run.world.timeout
+    return f"timeout: the run did not finish within {t:g} s ({run.world.bound_names.spell('timeout', t)})"
+
+
+def fix_text(run: "Run", which: str, computing: bool) -> str:
+    """The fix of a report: what to look at, and the knob (in the caller's terms) if the program is just slow."""
+    names = run.world.bound_names
+    value = run.stall if which == "stall" else run.world.timeout
+    example = max(2 * value, 3600.0) if value is not None and value < float("inf") else 3600.0
+    raise_it = f"raise {names.knob(which)} if it is just slow (e.g. {names.spell(which, example)})"
+    if computing:
+        return "look at the code shown above, or " + raise_it
+    return ("no actor came back into the simulator: look for a wait the simulator cannot see (a lock, a socket, "
+            "a child process) in the code of the ranks shown running, or " + raise_it)

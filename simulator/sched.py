@@ -35,7 +35,6 @@ import os
 import random
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +46,6 @@ __all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "N
 
 #: FREE: a thread a rank started, running outside the scheduler (it enters it only for its operations)
 NOT_STARTED, RUNNABLE, BLOCKED, DONE, FREE = 0, 1, 2, 3, 4
-_GRACE_S = 5.0  # a rank's own bound on a wait, beyond the run's deadline (the main thread aborts first)
 
 
 class _PyRngSwap:
@@ -183,6 +181,10 @@ class _NoLock:
 class _SchedulerBase:
     def __init__(self, run: "Run") -> None:
         self.run = run
+        self.clock = run.clock  # progress stamps (see simulator.progress): one read and one store per call
+        # the first sleep of a wait before it checks the run's bounds (later ones: Run.wait_slice), fixed per run
+        # so that the common wait, a short one, computes nothing
+        self.slice0 = run.wait_slice(None)
 
     def _wake_joiners(self, rs: "RankState") -> None:
         """``rs`` (a thread a rank started) ended: wake whoever waits in ``Thread.join`` for it (under the lock)."""
@@ -206,14 +208,12 @@ class _SchedulerBase:
         return run.to_exit == 0
 
     def _acquire(self, rs: "RankState") -> None:
-        """Take ``rs``'s own lock, bounded by the run's deadline (plus grace)."""
-        run = self.run
-        while True:
-            remaining = run.deadline - time.monotonic() + _GRACE_S
-            if remaining <= 0:
-                run.local_timeout(rs)  # raises
-            if rs.wake.acquire(timeout=min(remaining, 3600.0)):
-                return
+        """Take ``rs``'s own lock; every slice of the wait, check the run's bounds (a backstop: the main thread
+        fails a stalled or late run first)."""
+        if not rs.wake.acquire(timeout=self.slice0):
+            run = self.run
+            while not rs.wake.acquire(timeout=run.wait_slice(rs)):  # raises once a bound ran out
+                pass
 
     def check(self, rs: "RankState") -> None:
         """Raise the incident pending for ``rs`` or the world's failure, if any."""
@@ -282,6 +282,7 @@ class CoopScheduler(_SchedulerBase):
         self._acquire(rs)
         _STEER.free(rs)
         self.current = rs
+        rs.stamp = self.clock()  # it starts computing now
         self._load_rng(rs)
         if rs.pending is not None:  # the run was aborted before this rank started
             self.check(rs)
@@ -398,6 +399,7 @@ class CoopScheduler(_SchedulerBase):
 
     # -- scheduling points ------------------------------------------------
     def point(self, rs: "RankState") -> None:
+        rs.stamp = self.clock()
         if rs.state == FREE:
             self._join(rs)
         if self.requests:
@@ -406,6 +408,7 @@ class CoopScheduler(_SchedulerBase):
             nxt = self._pick()
             if nxt is not rs:
                 self._handoff(rs, nxt)
+                rs.stamp = self.clock()  # it computes again from now (a rank waiting for its turn is not computing)
         self.check(rs)
 
     def block(self, rs: "RankState", w: Any) -> None:
@@ -429,6 +432,7 @@ class CoopScheduler(_SchedulerBase):
             if nxt is not rs:
                 self._handoff(rs, nxt)
         rs.waiting = None
+        rs.stamp = self.clock()  # the wait ended
         if not w.done or rs.pending is not None:
             self.check(rs)
             if not w.done:  # aborted without a pending error of our own
@@ -446,6 +450,7 @@ class CoopScheduler(_SchedulerBase):
 
     def exit(self, rs: "RankState") -> None:
         run = self.run
+        rs.stamp = self.clock()
         if rs.state == FREE:
             if not (run.aborted or run.over):
                 try:
@@ -510,6 +515,7 @@ class ThreadScheduler(_SchedulerBase):
         return None
 
     def point(self, rs: "RankState") -> None:
+        rs.stamp = self.clock()
         if rs.pending is not None or self.run.fatal is not None or self.run.over:
             self.check(rs)
 
@@ -527,22 +533,26 @@ class ThreadScheduler(_SchedulerBase):
                 if not rs.sleeping:
                     continue
                 lock.release()
+                over: BaseException | None = None
                 try:
-                    remaining = run.deadline - time.monotonic() + _GRACE_S
-                    got = rs.wake.acquire(timeout=max(min(remaining, 3600.0), 0.0)) if remaining > 0 else False
+                    got = rs.wake.acquire(timeout=self.slice0)
+                    while not got and rs.sleeping:  # every slice: check the run's bounds (see simulator.progress)
+                        try:
+                            slice_s = run.wait_slice(rs)
+                        except BaseException as e:  # noqa: BLE001  our own bound ran out: raised below, unblocked
+                            over = e
+                            break
+                        got = rs.wake.acquire(timeout=slice_s)
                 finally:
                     lock.acquire()
-                if rs.sleeping:  # our own bound ran out (the main thread should have aborted first)
+                rs.stamp = self.clock()
+                if rs.sleeping and over is not None:  # (the main thread should have aborted first)
                     rs.sleeping = False
                     rs.state = RUNNABLE
                     self.blocked -= 1
                     rs.waiting = None
-                    lock.release()
-                    try:
-                        run.local_timeout(rs)
-                    finally:
-                        lock.acquire()
-                elif not got:
+                    raise over  # (the with-block releases the lock)
+                if not got:
                     rs.wake.acquire(False)  # consume the wake-up that raced our timeout
             rs.waiting = None
         if not w.done or rs.pending is not None:
@@ -564,6 +574,7 @@ class ThreadScheduler(_SchedulerBase):
 
     def exit(self, rs: "RankState") -> None:
         run = self.run
+        rs.stamp = self.clock()
         with self.lock:
             rs.state = DONE
             self._wake_joiners(rs)

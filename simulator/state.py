@@ -11,6 +11,7 @@ simulator's modules form no import cycle: state <- sched, report <- backend, wor
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.spec import CallKey
 
+from . import progress
 from .errors import DeadlockError, RankFailedError, SimTimeoutError
 from .faults import Fault
 from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
@@ -44,14 +46,15 @@ def rank_device() -> torch.device:
 class Incident:
     """One event several ranks learn about; :meth:`make` builds each rank's own exception object."""
 
-    __slots__ = ("cls", "message", "cause", "failed_rank")
+    __slots__ = ("cls", "message", "cause", "failed_rank", "attrs")
 
     def __init__(self, cls: type, message: str, cause: BaseException | None = None,
-                 failed_rank: int | None = None) -> None:
+                 failed_rank: int | None = None, attrs: dict[str, Any] | None = None) -> None:
         self.cls = cls
         self.message = message
         self.cause = cause
         self.failed_rank = failed_rank
+        self.attrs = attrs  # more attributes of each exception (e.g. SimTimeoutError.bound)
 
     def make(self, rank: int) -> BaseException:
         exc = self.cls(self.message)
@@ -61,6 +64,9 @@ class Incident:
             exc.failed_rank = self.failed_rank
         if self.cause is not None:
             exc.__cause__ = self.cause
+        if self.attrs:
+            for k, v in self.attrs.items():
+                setattr(exc, k, v)
         return exc
 
 
@@ -71,7 +77,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete",
+        "on_complete", "stamp",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -112,6 +118,8 @@ class RankState:
         #: completes, before it resumes (a rank process's proxy answers its process there: see
         #: simulator.isolation.proxy)
         self.on_complete: Any = None
+        #: ``run.clock()`` when this actor last entered an operation or ended a wait (see simulator.progress)
+        self.stamp = run.clock()
 
     @property
     def label(self) -> str:
@@ -147,8 +155,19 @@ class Run:
         self.mode = world.mode
         self.cost = world.cost
         self.p2p = world.p2p
-        self.deadline = time.monotonic() + world.timeout
+        # the bounds (see simulator.progress), on a clock a test may replace
+        self.clock: Callable[[], float] = progress.clock
+        self.started = self.clock()
+        self.deadline = self.started + (math.inf if world.timeout is None else world.timeout)
+        self.stall = world.stall_timeout
+        #: the latest stamp the main thread has seen (taken lazily: see progress.check_stall)
+        self.progress_seen = self.started
+        #: when the main thread started the offloaded kernel it runs now (None: none; it is progress)
+        self.job_since: float | None = None
         self.aborted = False
+        #: False once a coop rank waited on the wall clock outside the schedule (time.sleep: simulator/threads.py)
+        self.deterministic = True
+        self.nondeterminism: str | None = None  # where that first happened
         self.fatal: Incident | None = None
         self.live = self.n  # actors not yet ended (ranks and the threads they started)
         self.to_exit = self.n  # actors the run waits for (ranks and their non-daemon threads)
@@ -202,7 +221,7 @@ class Run:
 
         self.jobs.put(job)
         while not done.acquire(timeout=0.25):
-            if self.aborted or time.monotonic() > self.deadline + 5.0:
+            if self.aborted or self.clock() > self.deadline + progress.GRACE_S:
                 raise self.make_error(self.fatal, self.ranks[0]) if self.fatal else RuntimeError("run aborted")
         if box[1] is not None:
             raise box[1]
@@ -262,29 +281,44 @@ class Run:
                 b.pending = inc
             self.sched.wake_all_blocked(blocked)
 
-    def local_timeout(self, rs: RankState) -> None:
-        """A rank's own bound ran out (the main thread normally aborts first)."""
-        raise SimTimeoutError(format_message(
-            "simulator.run", f"rank {rs.rank} waited past the run's timeout of {self.world.timeout} s",
-            fix="raise timeout= or look for a rank stuck in a long computation"))
+    def wait_slice(self, rs: RankState) -> float:
+        """Seconds ``rs`` may sleep in a wait before checking the bounds itself (raises once one ran out)."""
+        return progress.wait_slice(self, rs)
 
-    def abort_timeout(self) -> SimTimeoutError:
-        """Main thread: the global timeout ran out; fail every rank that is still waiting."""
+    def local_timeout(self, rs: RankState, bound: str) -> None:
+        """A rank's own backstop on a bound ran out (the main thread normally acts first)."""
+        names = self.world.bound_names
+        if bound == "stall":
+            what = (f"{rs.label} waited {self.stall:g} s while nothing progressed "
+                    f"({names.spell('stall', self.stall)})")
+        else:
+            what = f"{rs.label} waited past the run's timeout of {self.world.timeout:g} s " \
+                   f"({names.spell('timeout', self.world.timeout)})"
+        err = SimTimeoutError(format_message(
+            "simulator.run", what, fix=f"raise {names.knob(bound)} or look for a rank stuck in a long computation"))
+        err.bound = "stall_timeout" if bound == "stall" else "timeout"
+        raise err
+
+    def abort_bound(self, bound: str, waiting: list[RankState] | None = None) -> SimTimeoutError:
+        """Main thread: a bound ran out (``"stall"`` or ``"timeout"``); fail every actor that has not ended."""
         with self.sched.lock:
-            text = self.describe_world(self, headline=f"timeout: the run did not finish within {self.world.timeout} s",
-                                  timeout=True)
-            inc = Incident(SimTimeoutError, text)
-            self.fatal = inc
-            self.aborted = True
-            for rs in self.actors:
-                if rs.state != DONE:
-                    rs.pending = inc
-                    rs.sleeping = False
-                    try:
-                        rs.wake.release()
-                    except RuntimeError:
-                        pass  # already released
+            text = self.describe_world(self, bound=bound, waiting=waiting or ())
+            inc = Incident(SimTimeoutError, text, attrs={"bound": "stall_timeout" if bound == "stall" else "timeout"})
+            self.abort(inc)
         return inc.make(-1)  # type: ignore[return-value]
+
+    def abort(self, inc: Incident) -> None:
+        """Fail every actor that has not ended with ``inc`` and wake it (under the scheduler's lock)."""
+        self.fatal = inc
+        self.aborted = True
+        for rs in self.actors:
+            if rs.state != DONE:
+                rs.pending = inc
+                rs.sleeping = False
+                try:
+                    rs.wake.release()
+                except RuntimeError:
+                    pass  # already released
 
 
 OVER_TEXT = format_message(

@@ -16,6 +16,16 @@ Two waits of a rank are invisible to the scheduler and could stall a coop run
 steps out of the schedule around those waits (``sched.leave``/``rejoin``), so
 its threads can take their turn.
 
+A rank that waits outside torch.distributed, sleeping in a loop until a file
+appears (PyTorch's own test harness does), would starve the others in a coop
+run, where only the baton holder runs: ``time.sleep`` on a rank steps out of the
+schedule for its duration, and the run is no longer a pure function of its seed
+(``Run.deterministic`` becomes False; a run that never sleeps keeps its seeded
+schedule).  In a world started by a launcher (simulator/launch.py), where each
+rank stands for a process, ``os.getpid()`` on a rank (and its threads) returns
+the pid of that rank's ``Process`` object, as in the process itself; the
+standard library's ``multiprocessing`` keeps seeing the real pid.
+
 Example (2 ranks, each with a communication thread)::
 
     import threading, torch, simulator, tensorplay.distributed as dist
@@ -32,6 +42,8 @@ Example (2 ranks, each with a communication thread)::
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator
@@ -240,11 +252,70 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
         return _ORIGINAL["cond_wait"](self, timeout)
 
 
+# time.sleep and os.getpid as they were when the adapter was installed (a test may have replaced them)
+_REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid()}
+#: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
+_OWN = ("simulator", "tensorplay")
+#: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
+_REAL_PID_CALLERS = ("multiprocessing", "concurrent")
+
+
+def _caller_package() -> str:
+    name = sys._getframe(2).f_globals.get("__name__") or ""  # 0: this helper, 1: the adapter, 2: its caller
+    return name.split(".", 1)[0]
+
+
+def _sleep(seconds: float) -> None:
+    """``time.sleep`` while a world runs: on a coop rank, a wait outside the schedule (see the module docstring)."""
+    rs = current_rank_state()
+    if rs is None or _caller_package() in _OWN:
+        return _REAL["sleep"](seconds)
+    run = rs.run
+    sched = run.sched
+    if not (isinstance(sched, CoopScheduler) and rs.state != FREE and not run.over and not getattr(_quiet, "depth", 0)
+            and isinstance(seconds, (int, float)) and seconds > 0):
+        # threads mode, a thread running outside the schedule, a bad argument, or sleep(0): a plain sleep, so a
+        # program that only yields keeps its seeded schedule (and the same schedule as on rank processes)
+        return _REAL["sleep"](seconds)
+    else:
+        if run.deterministic:
+            run.deterministic = False  # the order the ranks come back in depends on the wall clock now
+            frame = sys._getframe(1)
+            run.nondeterminism = (f"{rs.label} called time.sleep({seconds:g}) at "
+                                  f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        sched.leave(rs)
+        try:
+            _REAL["sleep"](seconds)
+        finally:
+            sched.rejoin(rs)
+        if rs.parent is None and run.fatal is not None:  # another rank failed, or the world deadlocked or timed
+            raise run.make_error(run.fatal, rs)  # out: a sleep-polling rank ends like one released from a wait
+
+
+def _getpid() -> int:
+    """``os.getpid`` while a world runs: a launched rank's own pid on its threads (see the module docstring)."""
+    real = _REAL["getpid"]()
+    rs = current_rank_state()
+    if rs is None or real != _REAL["pid"]:  # not a rank, or a process forked from one (it has a pid of its own)
+        return real
+    pids = getattr(rs.run.world, "rank_pids", None)
+    if pids is None or _caller_package() in _REAL_PID_CALLERS:
+        return real
+    return pids[rs.rank]
+
+
 def _install() -> None:
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread.join = _join  # type: ignore[method-assign]
     threading.Condition.wait = _cond_wait  # type: ignore[method-assign]
+    if time.sleep is not _sleep:
+        _REAL["sleep"] = time.sleep
+    if os.getpid is not _getpid:
+        _REAL["getpid"] = os.getpid
+        _REAL["pid"] = os.getpid()
+    time.sleep = _sleep
+    os.getpid = _getpid
 
 
 def _uninstall() -> None:
@@ -252,6 +323,8 @@ def _uninstall() -> None:
     threading.Thread._bootstrap_inner = _ORIGINAL["bootstrap_inner"]  # type: ignore[attr-defined]
     threading.Thread.join = _ORIGINAL["join"]  # type: ignore[method-assign]
     threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
+    time.sleep = _REAL["sleep"]
+    os.getpid = _REAL["getpid"]
 
 
 _INSTALLATION = Installation(_install, _uninstall)

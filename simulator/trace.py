@@ -184,6 +184,10 @@ class Trace:
         self.wall_origin = wall_origin
         #: each rank's virtual clock when it returned
         self.end_vtime = list(end_vtime)
+        #: False when a rank waited on the wall clock outside the schedule (a coop rank's ``time.sleep``): the seed
+        #: then replays the schedule only up to that wait; ``nondeterminism`` says where the first one was
+        self.deterministic = True
+        self.nondeterminism: str | None = None
 
     def __len__(self) -> int:
         return len(self.events)

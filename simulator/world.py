@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import importlib
+import math
 import queue
 import random
 import re
@@ -45,6 +46,7 @@ from tensorplay.distributed.errors import DistTypeError, DistValueError, format_
 from . import _environ
 from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
+from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, poll_interval
 from .sched import DONE
 from .seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
 from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
@@ -70,7 +72,13 @@ class World:
         world_size: number of ranks (threads).
         seed: picks the schedule in ``coop`` mode (and seeds each rank's ``random`` module).
         mode: ``"coop"`` (one rank at a time, reproducible) or ``"threads"`` (free-running, faster).
-        timeout: seconds before the whole run is aborted with :class:`SimTimeoutError`.
+        timeout: an optional bound on the whole run, in seconds (default ``None``: none; ``inf`` too): when it
+            runs out, every rank that has not ended is failed with :class:`SimTimeoutError`.
+        stall_timeout: the bound on progress, in seconds (default 1800, torch's default process-group timeout):
+            the run fails with :class:`SimTimeoutError` when an actor (a rank or a thread it started) waits inside
+            an operation and no operation completed, and no rank entered or left a call into the simulator, for
+            that long (``inf``: no bound).  A rank that computes while nobody waits for it is never stopped; in
+            coop mode a rank waiting for its turn counts as waiting (see :mod:`simulator.progress`).
         device: ``"cpu"`` or ``"cuda"`` (ranks share the GPUs round-robin).
         faults: :class:`Crash` / :class:`Delay` objects.
         cost: the :class:`CostModel` for virtual time, or the path of a profile written by ``python -m simulator
@@ -96,8 +104,9 @@ class World:
     ``None``) and ``world.results[r]`` its return value.
     """
 
-    def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float = 60.0,
-                 device: str = "cpu", faults: Sequence[Fault] = (), cost: CostModel | str | None = None,
+    def __init__(self, world_size: int, *, seed: int = 0, mode: str = "coop", timeout: float | None = None,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, device: str = "cpu", faults: Sequence[Fault] = (),
+                 cost: CostModel | str | None = None,
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
                  stack_size: int | None = None, p2p: str = "rendezvous",
                  trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread",
@@ -125,9 +134,8 @@ class World:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise DistTypeError(format_message("simulator.run", "seed must be an int", values={"seed": seed},
                                                fix="pass e.g. seed=0"))
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise DistValueError(format_message("simulator.run", "timeout must be a positive number of seconds",
-                                                values={"timeout": timeout}, fix="pass e.g. timeout=60.0"))
+        whole = check_seconds(timeout, "timeout", example="600")
+        stall = check_seconds(stall_timeout, "stall_timeout", example="3600")
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise DistValueError(format_message("simulator.run", "device must be 'cpu' or 'cuda'",
@@ -142,7 +150,11 @@ class World:
         self.seed = seed
         self.hash_seed = seed if hash_seed is None else hash_seed
         self.mode = mode
-        self.timeout = float(timeout)
+        #: the bound on the whole run in seconds (None: none) and the bound on progress (inf: none)
+        self.timeout: float | None = None if whole == math.inf else whole
+        self.stall_timeout = stall
+        #: how the caller spells the bounds in its messages (the command line sets its flags here)
+        self.bound_names: BoundNames = PYTHON
         self.device = dev
         self.faults = FaultPlan(list(faults), world_size)
         self.cost = resolve_cost(cost, compute_scale)
@@ -164,6 +176,12 @@ class World:
 
     def __repr__(self) -> str:
         return f"World(world_size={self.world_size}, seed={self.seed}, mode={self.mode!r})"
+
+    @property
+    def pg_timeout(self) -> float:
+        """The timeout the ranks' process groups report, in seconds: the bound on one operation, as in torch
+        (``stall_timeout``; a year when it is off, since a process group's timeout is finite)."""
+        return self.stall_timeout if self.stall_timeout < math.inf else 365 * 86400.0
 
     # ---------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -197,7 +215,7 @@ class World:
                 rs.device = torch.device("cuda", rs.rank % ndev)
             if self.torchrun_env or self.env:
                 rs.env = self._rank_env(rs.rank)
-        td = timedelta(seconds=self.timeout)
+        td = timedelta(seconds=self.pg_timeout)
         saved_torch = torch.get_rng_state()
         saved_py = random.getstate()
         env_installed = any(rs.env is not None for rs in run.ranks)
@@ -222,10 +240,18 @@ class World:
             for t in threads:
                 t.start()
             run.sched.kick()
-            finished = _serve(run)
+            try:
+                bound, waiting = _serve(run)
+            except KeyboardInterrupt:  # release every rank (a computing one ends with its computation), re-raise
+                with run.sched.lock:
+                    run.abort(Incident(SimError, format_message("simulator.run", "the run was interrupted",
+                                                                fix="none needed: it was stopped on purpose")))
+                raise
             timeout_exc = None
-            if not finished:
-                timeout_exc = run.abort_timeout()
+            if bound is not None:
+                timeout_exc = run.abort_bound(bound, waiting)
+                timeout_exc.add_note(f"[simulator] the run was stopped (mode={self.mode!r}, seed={self.seed}); "
+                                     f"replay with {_replay(self)}")
                 run.all_done.wait(2.0)
                 _warn_still_running(run)
             else:
@@ -239,10 +265,13 @@ class World:
             random.setstate(saved_py)
         trace = Trace(run.events, self.world_size, seed=self.seed, mode=self.mode, cost=self.cost,
                       wall_origin=run.wall_origin, end_vtime=[rs.vt for rs in run.ranks])
+        trace.deterministic = run.deterministic  # cleared by a coop rank's time.sleep (threads.py)
+        trace.nondeterminism = run.nondeterminism
         self.trace = trace
         self.errors = [rs.exc for rs in run.ranks]
         self.results = [rs.result for rs in run.ranks]
         _last_trace = trace
+        self.faults.warn_unfired(run.ranks, run.children)  # a Crash/Delay whose operation never came: say so
         if timeout_exc is not None:
             raise timeout_exc
         _raise_failures(self, run.ranks)
@@ -267,7 +296,7 @@ class World:
 
 
 def _warn_still_running(run: Run) -> None:
-    """After a timeout: name the rank threads that are still executing (a computation that does not end)."""
+    """After a bound ran out: name the rank threads that are still executing (a computation that does not end)."""
     from .report import _where
 
     alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
@@ -282,19 +311,34 @@ def _warn_still_running(run: Run) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def _serve(run: Run) -> bool:
-    """Main thread: run offloaded kernels until every rank exited (True) or the deadline passed (False)."""
+def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
+    """Main thread: run offloaded kernels and watch the bounds until every rank exited.
+
+    Returns ``(None, None)`` when the world ended, ``("timeout", None)`` when the whole-run bound ran out, or
+    ``("stall", waiting)`` when actors wait and nothing progressed for ``stall_timeout`` (see
+    :mod:`simulator.progress`).  Every wait here is a short slice, bound or no bound.
+    """
+    poll = poll_interval(run)
+    clock = run.clock
     while True:
-        remaining = run.deadline - time.monotonic()
-        if remaining <= 0:
-            return run.all_done.is_set()
+        now = clock()
+        if now >= run.deadline:
+            return (None, None) if run.all_done.is_set() else ("timeout", None)
+        waiting = check_stall(run, now)
+        if waiting is not None:
+            return (None, None) if run.all_done.is_set() else ("stall", waiting)
         try:
-            job = run.jobs.get(timeout=remaining)
+            job = run.jobs.get(timeout=min(run.deadline - now, poll))
         except queue.Empty:
-            return run.all_done.is_set()
+            continue
         if job is None:
-            return True
-        job()
+            return None, None
+        run.job_since = clock()  # a kernel running here is progress (its rank waits for it)
+        try:
+            job()
+        finally:
+            run.progress_seen = clock()
+            run.job_since = None
 
 
 def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -356,17 +400,34 @@ def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
     return err
 
 
+def _replay(world: World) -> str:
+    """How to replay this world's run: the caller's own command (``replay_hint``), else the ``simulator.run`` call;
+    a ``simulator.run`` call gets the run's bounds when they are not the defaults."""
+    bounds = "" if world.timeout is None else f", timeout={world.timeout:g}"
+    if world.stall_timeout != DEFAULT_STALL_TIMEOUT:
+        stall = f"{world.stall_timeout:g}" if world.stall_timeout < math.inf else "None"
+        bounds += f", stall_timeout={stall}"
+    hint = world.replay_hint
+    if not hint:
+        return f"simulator.run(fn, {world.world_size}, seed={world.seed}, mode={world.mode!r}{bounds})"
+    if hint.startswith("simulator.run(") and hint.endswith(")") and "timeout=" not in hint:  # e.g. isolation's
+        return hint[:-1] + bounds + ")"
+    return hint
+
+
 def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     try:
         exc.rank = rank  # type: ignore[attr-defined]
     except Exception:  # pragma: no cover
         pass
-    replay = world.replay_hint or (f"simulator.run(fn, {world.world_size}, seed={world.seed}, "
-                                   f"mode={world.mode!r})")
+    replay = _replay(world)
     torch_seed = f", torch seed {world.rank_seeds[rank]}" if 0 <= rank < len(world.rank_seeds) else ""
     note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}"
             f"{torch_seed}); "
             f"replay with {replay}")
+    if world.trace is not None and not world.trace.deterministic:
+        note += (f" (the seed replays the schedule only up to the first wait on the wall clock: "
+                 f"{world.trace.nondeterminism})")
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
@@ -427,7 +488,8 @@ def _check_arguments(args: Any, kwargs: Any) -> None:
 
 
 def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-        seed: int = 0, mode: str = "coop", timeout: float = 60.0, device: str = "cpu",
+        seed: int = 0, mode: str = "coop", timeout: float | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT, device: str = "cpu",
         faults: Sequence[Fault] = (), cost: CostModel | str | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
         p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT,
@@ -436,7 +498,11 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
     (``init_process_group()`` inside is allowed and returns at once).  The
-    trace of the run is available afterwards from :func:`last_trace`.
+    trace of the run is available afterwards from :func:`last_trace`.  The
+    keywords are :class:`World`'s: a deadlock is reported at once; a rank that
+    never comes back while others wait for it, after ``stall_timeout`` seconds
+    without progress (default 1800, torch's default process-group timeout);
+    ``timeout=`` (default none) bounds the whole run.
 
     Example::
 
@@ -458,7 +524,8 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         >>> simulator.run(dist.get_rank, 4, isolation="process")
         [0, 1, 2, 3]
     """
-    w = World(world_size, seed=seed, mode=mode, timeout=timeout, device=device, faults=faults, cost=cost,
+    w = World(world_size, seed=seed, mode=mode, timeout=timeout, stall_timeout=stall_timeout, device=device,
+              faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
               trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed)
     return w.run(fn, args, kwargs)

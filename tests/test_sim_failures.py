@@ -330,6 +330,10 @@ def test_global_timeout_lists_who_arrived(mode):
     assert dt < 3.0
     msg = str(e)
     assert "timeout: the run did not finish within 0.3 s" in msg
+    # the report says which bound ran out, in the caller's terms, and how to replay with it
+    assert "(timeout=0.3)" in msg and e.bound == "timeout" and "stall" not in msg
+    assert "raise timeout= if it is just slow" in msg
+    assert any("replay with" in n and "timeout=0.3" in n for n in getattr(e, "__notes__", ()))
     if mode == "threads":
         assert "ranks 1 and 2 wait in all_reduce #1" in msg and "arrived: [1, 2]" in msg
     # the computing rank is singled out, with where it computes, and the fix fits a stuck computation
@@ -337,6 +341,105 @@ def test_global_timeout_lists_who_arrived(mode):
     assert "(before its first operation)" in msg
     assert "Fix: rank 0 is still computing, not waiting for another rank" in msg
     assert "same collectives in the same order" not in msg
+
+
+def _stuck_rank_2():
+    if dist.get_rank() == 2:
+        time.sleep(3.0)  # STUCK: longer than the stall bound; the others wait for it in all_reduce
+    dist.all_reduce(tp.ones(1))
+
+
+_STUCK_LINE = next(i for i, line in enumerate(open(__file__), 1) if "# STUCK:" in line and "time.sleep" in line)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stall_names_the_rank_computing_while_others_wait(mode):
+    """No whole-run bound: the stall bound (no progress while ranks wait) stops the run and says so."""
+    e, world, dt = _fail(_stuck_rank_2, 3, mode, simulator.SimTimeoutError, timeout=None, stall_timeout=1.5)
+    assert 1.5 <= dt < 5.5, dt
+    msg = str(e)
+    assert e.bound == "stall_timeout"
+    assert "stall: no operation completed for 1.5 s (stall_timeout=1.5" in msg, msg
+    assert "did not finish within" not in msg  # not the whole-run bound
+    if mode == "threads":
+        assert "while ranks 0 and 1 wait in all_reduce" in msg
+    # the computing rank is named with where it computes, and since when
+    assert re.search(rf"rank 2 has been computing since \d+\.\d s into the run \(for \d+\.\d s\), at "
+                     rf"test_sim_failures.py:{_STUCK_LINE} in _stuck_rank_2", msg), msg
+    assert "raise stall_timeout= if it is just slow" in msg
+    assert all(isinstance(world.errors[r], simulator.SimTimeoutError) for r in (0, 1))
+
+
+_SPEED = 200.0  # compressed time: one real second is 200 s of the bounds' clock
+
+
+def _fast_clock(monkeypatch):
+    """Make the clock of the run's bounds run ``_SPEED`` times faster than real time."""
+    from simulator import progress
+
+    real = time.monotonic
+    start = real()
+    monkeypatch.setattr(progress, "clock", lambda: start + (real() - start) * _SPEED)
+
+
+def _long_program(minutes: float, step_s: float) -> int:
+    """Compute ``step_s`` real seconds per step until ``minutes`` of compressed time passed; every rank agrees
+    on when to stop (a rank process has the real clock only, so each computes the compressed time itself)."""
+    t0 = time.monotonic()
+    steps = 0
+    while True:
+        time.sleep(step_s)
+        done = tp.tensor([float((time.monotonic() - t0) * _SPEED >= minutes * 60)])
+        dist.all_reduce(done, op=ReduceOp.MAX)
+        steps += 1
+        if done.item():
+            return steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_long_program_that_progresses_is_not_stopped_by_the_default_bounds(mode, monkeypatch):
+    """A 15-minute program (compressed): no whole-run bound by default, and every step is progress."""
+    _fast_clock(monkeypatch)
+    world = simulator.World(3, **_how(mode))
+    steps = world.run(_long_program, args=(15.5, 0.05))
+    assert steps[0] == steps[1] == steps[2] >= 10
+    assert world.timeout is None and world.stall_timeout == 1800.0  # torch's default process-group timeout
+
+
+@pytest.mark.parametrize("mode", ["coop", "process"])
+def test_coop_ranks_computing_in_turn_do_not_stall(mode, monkeypatch):
+    """Coop runs one rank at a time: 6 ranks computing 60 s each between collectives take 360 s per step,
+    more than a 300 s stall bound, yet each rank's call into the simulator is progress."""
+    _fast_clock(monkeypatch)
+
+    def fn():
+        for _ in range(2):
+            end = time.monotonic() + 60 / _SPEED
+            while time.monotonic() < end:  # computing (a sleep would step out of the coop schedule)
+                pass
+            dist.all_reduce(tp.ones(1))
+        return True
+
+    assert simulator.run(fn, 6, stall_timeout=300, **_how(mode)) == [True] * 6
+
+
+def test_bounds_are_validated_and_inf_or_none_means_no_bound():
+    bad = [({"timeout": float("nan")}, dist.DistValueError, "timeout=nan"),
+           ({"timeout": -1}, dist.DistValueError, "timeout=-1"),
+           ({"timeout": 0}, dist.DistValueError, "timeout=0"),
+           ({"timeout": True}, dist.DistTypeError, "timeout=True"),
+           ({"timeout": "60"}, dist.DistTypeError, "timeout='60'"),
+           ({"stall_timeout": float("nan")}, dist.DistValueError, "stall_timeout=nan"),
+           ({"stall_timeout": -5.0}, dist.DistValueError, "stall_timeout=-5.0"),
+           ({"stall_timeout": False}, dist.DistTypeError, "stall_timeout=False")]
+    for kw, cls, shown in bad:
+        with pytest.raises(cls) as ei:
+            simulator.run(_noop, 2, **kw)
+        assert shown in str(ei.value) and "Fix: pass e.g." in str(ei.value), (kw, str(ei.value))
+    w = simulator.World(2, timeout=float("inf"), stall_timeout=None)
+    assert w.timeout is None and w.stall_timeout == float("inf")
+    assert w.run(dist.get_rank) == [0, 1]
+    assert simulator.World(2, timeout=5).timeout == 5.0
 
 
 def test_rank_threads_still_running_after_a_timeout_are_named():

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -283,3 +284,64 @@ def test_launch_api_refuses_a_launcher_that_joins_a_group_itself():
 
     with pytest.raises(LaunchStyleError, match="init_process_group was called by the launcher"):
         launch(launcher)
+
+
+# ---- the bounds of a launched world -------------------------------------------------------------------------
+STUCK_SPAWN = textwrap.dedent("""
+    import os, time
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def run(rank, size):
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = "29512"
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        if rank == 1:
+            time.sleep(4.0)  # longer than the stall bound the test passes
+        dist.all_reduce(torch.ones(1))
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(2,), nprocs=2)
+""")
+
+
+def test_launched_worlds_get_the_command_lines_bounds(tmp_path):
+    """--stall-timeout / --timeout reach the worlds a launcher starts, and their reports name the flags."""
+    script = _write(tmp_path, "stuck_spawn.py", STUCK_SPAWN)
+    p = _sim(tmp_path, "--stall-timeout", "1.5", script)
+    assert p.returncode == 1, p.stderr
+    assert "stall: no operation completed for 1.5 s (--stall-timeout 1.5" in p.stderr, p.stderr
+    assert "rank 1 has been computing since" in p.stderr and "stuck_spawn.py:10 in run (" in p.stderr
+    assert "raise --stall-timeout if it is just slow" in p.stderr
+    p = _sim(tmp_path, "--timeout", "0.5", script)
+    assert p.returncode == 1, p.stderr
+    assert "timeout: the run did not finish within 0.5 s (--timeout 0.5)" in p.stderr, p.stderr
+
+
+def _stuck_rank(rank, size):
+    import time
+
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", rank=rank, world_size=size, init_method="tcp://127.0.0.1:1")
+    if rank == 1:
+        time.sleep(3.0)  # longer than the stall bound the test passes
+    tdist.all_reduce(torch.ones(1))
+
+
+def _stuck_launcher():
+    import torch.multiprocessing as mp
+
+    mp.spawn(_stuck_rank, args=(2,), nprocs=2)
+
+
+@pytest.mark.filterwarnings("ignore:.*still running after the run timed out:RuntimeWarning")  # (rank 1 sleeps on)
+def test_launch_api_passes_both_bounds():
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessRaisedException) as ei:
+        launch(_stuck_launcher, stall_timeout=1.5)
+    assert "stall: no operation completed for 1.5 s (stall_timeout=1.5" in str(ei.value)
+    with pytest.raises(mp.ProcessRaisedException) as ei:
+        launch(_stuck_launcher, timeout=0.5)
+    assert "the run did not finish within 0.5 s (timeout=0.5)" in str(ei.value)
+    time.sleep(3.0)  # let the sleeping rank thread end before the next test

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -148,6 +149,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _records(out: str) -> list[str]:
+    """The ``rank=...`` lines SCRIPT prints; rank processes print at once, so two may share a line of the pipe."""
+    return re.findall(r"rank=\d+ sum=\S+ argv=\[[^\]]*\]", out)
+
+
 def _cli(tmp_path, *args, isolation="thread"):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -163,7 +169,7 @@ def test_cli_runs_a_torchrun_script_with_per_rank_env(tmp_path, isolation):
     p = _cli(tmp_path, "--nproc-per-node", "3", "--seed", "4", "--trace", str(trace), ["--lr", "0.1"],
              isolation=isolation)
     assert p.returncode == 0, p.stderr
-    lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank="))
+    lines = sorted(_records(p.stdout))
     assert lines == [f"rank={r} sum=3.0 argv=['--lr', '0.1']" for r in range(3)]
     assert json.loads(trace.read_text())["traceEvents"]
 
@@ -187,7 +193,7 @@ def test_cli_rank_exit_status(tmp_path, isolation):
     assert "rank 2 exited with code 3" in p.stderr and "sys.exit(3)" in p.stderr
     ok = _cli(tmp_path, "--nproc-per-node", "3", ["--exit0"], isolation=isolation)  # sys.exit(0) is a normal end of a rank
     assert ok.returncode == 0, ok.stderr
-    assert len([line for line in ok.stdout.splitlines() if line.startswith("rank=")]) == 3
+    assert len(_records(ok.stdout)) == 3
 
 
 def test_environ_is_restored_after_a_run(isolation):
@@ -282,3 +288,113 @@ def test_torchrun_style_ranks_see_torchruns_environment(tmp_path, isolation):
         assert r["TORCHELASTIC_RESTART_COUNT"] == "0" and r["TORCHELASTIC_MAX_RESTARTS"] == "0"
         assert r["OMP_NUM_THREADS"] == "1" and r["threads"] == 1
     assert "OMP_NUM_THREADS is not set" in out.stderr
+
+
+# -- the command line's bounds, flags and signals ----------------------------------------------------------------
+STUCK = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print(f"started {dist.get_rank()}", flush=True)
+    if dist.get_rank() == 1:
+        if "--forever" in sys.argv:
+            while True:  # a rank that never comes back (Ctrl-C stops it)
+                time.sleep(0.05)
+        time.sleep(4.0)  # STUCK: longer than the bounds the tests pass
+    dist.all_reduce(torch.ones(1))
+""")
+
+
+def _sim_cli(tmp_path, *args, text=STUCK, cwd=None):
+    script = tmp_path / "stuck.py"
+    script.write_text(text)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "simulator", *[str(script) if a == "SCRIPT" else a for a in args]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=str(cwd or tmp_path))
+
+
+def test_cli_stall_and_timeout_reports_name_the_flags(tmp_path, isolation):
+    """The report says which bound ran out, in the command line's terms, and the replay command keeps it."""
+    p = _sim_cli(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", "--stall-timeout", "1.5", "SCRIPT")
+    assert p.returncode == 1, p.stderr
+    assert "stall: no operation completed for 1.5 s (--stall-timeout 1.5" in p.stderr, p.stderr
+    line = next(i for i, text in enumerate(STUCK.splitlines(), 1) if "# STUCK:" in text)
+    assert re.search(r"rank 1 has been computing since \d+\.\d s into the run \(for \d+\.\d s\)", p.stderr)
+    assert f"at stuck.py:{line} in <module> (" in p.stderr  # where it computes: the script's line, nothing else
+    assert "raise --stall-timeout if it is just slow" in p.stderr and "stall_timeout=" not in p.stderr
+    assert "replay with python -m simulator --nproc-per-node 2 --seed 0 --mode coop --stall-timeout 1.5" in p.stderr
+    if isolation == "thread":  # the whole-run bound, the same way (its process twin is in test_sim_failures.py)
+        p = _sim_cli(tmp_path, "--nproc-per-node", "2", "--timeout", "0.5", "SCRIPT")
+        assert p.returncode == 1, p.stderr
+        assert "timeout: the run did not finish within 0.5 s (--timeout 0.5)" in p.stderr, p.stderr
+        assert "raise --timeout if it is just slow" in p.stderr and "--stall-timeout" not in p.stderr
+        assert "replay with python -m simulator --nproc-per-node 2 --seed 0 --mode coop --timeout 0.5" in p.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--timeout", "nan"), ("--timeout", "-1"), ("--stall-timeout", "0"),
+                                         ("--stall-timeout", "soon")])
+def test_cli_bad_bounds_are_usage_errors(tmp_path, flag, value):
+    p = _sim_cli(tmp_path, "--nproc-per-node", "2", flag, value, "SCRIPT")
+    assert p.returncode == 2, p.stderr
+    assert f"argument {flag}:" in p.stderr and repr(value) in p.stderr and "seconds" in p.stderr
+    assert "started" not in p.stdout  # the script did not run: a usage error, not the script's failure
+
+
+def test_cli_nproc_abbreviations_work(tmp_path):
+    """``--nproc-per-node`` has two spellings; an abbreviation of both (``--nproc``) is not ambiguous."""
+    quick = "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('rank', dist.get_rank())\n"
+    for args in (["--nproc", "2"], ["--nproc=2"], ["--npr", "2"]):
+        p = _sim_cli(tmp_path, *args, "SCRIPT", text=quick)
+        assert p.returncode == 0, (args, p.stderr)
+        assert sorted(p.stdout.split("\n"))[-2:] == ["rank 0", "rank 1"], (args, p.stdout)
+
+
+def test_cli_help_lists_calibrate():
+    p = subprocess.run([sys.executable, "-m", "simulator", "--help"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0
+    assert "python -m simulator calibrate [" in p.stdout  # in the usage, next to running a script
+    assert "subcommands:" in p.stdout and "calibrate --help" in p.stdout
+    assert "--stall-timeout SECONDS" in p.stdout and "--timeout SECONDS" in p.stdout
+
+
+def test_cli_trace_says_where_it_wrote_and_how_to_open_it(tmp_path):
+    quick = "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\ndist.all_reduce(torch.ones(1))\n"
+    (tmp_path / "out").mkdir()
+    p = _sim_cli(tmp_path, "--nproc-per-node", "2", "--trace", "t.json", "SCRIPT", text=quick, cwd=tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    where = tmp_path / "out" / "t.json"
+    assert json.loads(where.read_text())["traceEvents"]
+    assert f"trace written to {where}" in p.stderr  # the absolute path, although a relative one was given
+    assert "https://ui.perfetto.dev" in p.stderr and "chrome://tracing" in p.stderr
+
+
+def test_cli_ctrl_c_prints_one_line_and_exits_130(tmp_path, isolation):
+    import select
+    import signal
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "simulator", "--isolation", isolation, "--nproc-per-node", "2",
+                          str(script), "--forever"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=str(tmp_path))
+    try:
+        started, deadline = "", time.monotonic() + 90
+        while "started 1" not in started:  # rank 1 sleeps in its loop now (rank 0 waits for it, or for its turn)
+            assert time.monotonic() < deadline and p.poll() is None, "rank 1 did not start"
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                started += p.stdout.readline()
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    assert p.returncode == 130, err
+    lines = [line for line in err.splitlines() if "OMP_NUM_THREADS" not in line and "rank interpreters" not in line]
+    assert lines == ["python -m simulator: interrupted"], err

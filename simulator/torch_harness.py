@@ -1,0 +1,310 @@
+"""pytest plugin: PyTorch's own distributed test harness on simulated thread ranks, through one switch.
+
+Suites written on ``torch.testing._internal.common_distributed.MultiProcessTestCase`` (and on its
+subclasses: ``DTensorTestBase`` with ``@with_comms``, ``TestDistBackend`` with
+``DistributedTest._DistTestBase``) start one real process per rank for every test.  With the switch
+on, the processes such a test starts are ranks of a simulated world instead, threads of the pytest
+process, and the suite itself is unmodified::
+
+    python -m pytest -p simulator.torch_harness --sim-harness thread test_my_dtensor.py
+    TENSORPLAY_SIM_HARNESS=thread python -m pytest -p simulator.torch_harness test_my_dtensor.py
+
+Each test runs inside a launcher run (:mod:`simulator.launch`): ``_spawn_processes`` in ``setUp``
+adds the ranks, the harness's first poll of ``Process.exitcode`` in ``_join_processes`` runs the
+world to its end, and the launcher is finished when the test ends.  The harness's protocol is kept:
+each rank's exit code (``TEST_ERROR_EXIT_CODE``, the ``TEST_SKIPS`` codes, which become unittest
+skips), the pipe that carries a failing rank's traceback to the parent, ``world_size``, ``rank``,
+``self.file_name`` (``init_process_group(init_method=f"file://{self.file_name}")`` and a
+``FileStore`` on it bind to the simulated world), ``destroy_pg_upon_exit``.  What a process has of
+its own, a rank has too, as far as these suites need: ``os.getpid()`` (the ``Process`` object's pid),
+its own test-case object (``_run`` builds it on the rank), and ``distributed_test.Barrier``'s class
+state; ``time.sleep`` on a rank lets the other ranks run (see :mod:`simulator.threads`).
+
+The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin`): ``--sim-seed``,
+``--sim-mode``, ``--sim-timeout`` (default: torch's per-test timeout, ``get_timeout``) and
+``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` (process-isolated ranks) is not
+available yet: it says so.  A failed test's report ends with a section that says how it ran, how to
+replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
+
+Loading this module costs a session with the switch off nothing: it imports pytest only, and torch and
+the simulator are imported when a test of the harness runs with the switch on.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Iterator, NamedTuple
+
+import pytest
+
+ENV = "TENSORPLAY_SIM_HARNESS"
+_CHOICES = ("off", "thread", "process")
+_HARNESS_MODULE = "torch.testing._internal.common_distributed"
+_DIST_TEST_MODULE = "torch.testing._internal.distributed.distributed_test"
+#: torch's MultiProcessTestCase bounds a test at 300 s; a rank that waits that long without progress hangs
+DEFAULT_STALL_TIMEOUT = 300.0
+#: failures that come from ranks sharing one process, and why (the report names the fix)
+_SHARED_PROCESS_SIGNS = (
+    (("Module hierarchy tracking", "module hierarchy tracking"),
+     "torch's module trackers (ModTracker, CommDebugMode's tracker, torch.utils.module_tracker) register their "
+     "hooks for every module of the process; on thread ranks each rank's tracker sees the other ranks' modules"),
+)
+
+
+def _message(call: str, problem: str, values: dict[str, Any], fix: str) -> str:
+    """tensorplay.distributed.errors.format_message's layout, written here so that a usage error imports no torch."""
+    return f"{call}: {problem}: " + ", ".join(f"{k}={v!r}" for k, v in values.items()) + f". Fix: {fix}"
+
+
+class Settings(NamedTuple):
+    """How the harness's tests run with the switch on."""
+
+    seed: int
+    mode: str
+    timeout: float | None  # None: torch's per-test timeout (get_timeout)
+    stall_timeout: float
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("simulator-harness", "PyTorch's MultiProcessTestCase on simulated ranks")
+    group.addoption("--sim-harness", choices=_CHOICES, default=None,
+                    help=f"thread: the processes MultiProcessTestCase tests start are simulated ranks (threads of "
+                         f"this process); off: real processes (the default; the environment variable {ENV} sets it "
+                         f"too); process: process-isolated simulated ranks (not available yet)")
+
+
+def switch(config: pytest.Config) -> str:
+    """``off`` or ``thread``: ``--sim-harness``, else ``$TENSORPLAY_SIM_HARNESS``, else off (raises for others)."""
+    given = config.getoption("sim_harness", None)
+    source = "--sim-harness"
+    if given is None:
+        given, source = (os.environ.get(ENV) or "off").strip().lower(), ENV
+    if given not in _CHOICES:
+        raise pytest.UsageError(_message(
+            "simulator.torch_harness", f"{source} takes one of {', '.join(_CHOICES)}", {source: given},
+            f"set {ENV}=thread to run MultiProcessTestCase ranks as simulated threads, or unset it"))
+    if given == "process":
+        raise pytest.UsageError(_message(
+            "simulator.torch_harness", "process-isolated simulated ranks are not available for PyTorch's test "
+            "harness yet", {source: given},
+            "use --sim-harness thread (simulated thread ranks), or leave the switch off (real processes)"))
+    return given
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if switch(config) == "thread":
+        config.pluginmanager.register(_ThreadHarness(config), "simulator-torch-harness-thread")
+
+
+class _ThreadHarness:
+    """The switch, on: tests of MultiProcessTestCase run their ranks on a simulated world."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        seed = config.getoption("sim_seed", None)
+        self.settings = Settings(
+            seed=0 if seed is None else seed, mode=config.getoption("sim_mode", None) or "coop",
+            timeout=config.getoption("sim_timeout", None),
+            stall_timeout=config.getoption("sim_stall_timeout", None) or DEFAULT_STALL_TIMEOUT)
+
+    def pytest_report_header(self, config: pytest.Config) -> str:
+        s = self.settings
+        return (f"simulator.torch_harness: MultiProcessTestCase ranks are simulated threads (--sim-harness thread, "
+                f"seed={s.seed}, mode={s.mode})")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        if not _is_harness_test(item):
+            return (yield)
+        with _simulated(item, self.settings, self.replay(item)):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        if report.failed and call.when == "call" and _is_harness_test(item):
+            report.sections.append(("simulated ranks (simulator.torch_harness)", self.explain(item, report)))
+        return report
+
+    def replay(self, item: pytest.Item) -> str:
+        s = self.settings
+        load = "" if self.config.pluginmanager.get_plugin(__name__) is None else f" -p {__name__}"
+        return (f"python -m pytest '{item.nodeid}'{load} --sim-harness thread --sim-seed {s.seed} "
+                f"--sim-mode {s.mode}")
+
+    def explain(self, item: pytest.Item, report: pytest.TestReport) -> str:
+        s = self.settings
+        lines = [f"The ranks of this test ran as simulated threads of this process (seed={s.seed}, mode={s.mode}).",
+                 f"Replay: {self.replay(item)}",
+                 f"On real processes: python -m pytest '{item.nodeid}' --sim-harness off"]
+        text = report.longreprtext
+        for signs, why in _SHARED_PROCESS_SIGNS:
+            if any(sign in text for sign in signs):
+                lines.append(f"This failure is a known effect of thread ranks sharing one process: {why}. Fix: run "
+                             f"it on real processes (--sim-harness off); --sim-harness process (simulated ranks with "
+                             f"a process each) is not available for this harness yet")
+        return "\n".join(lines)
+
+
+def _is_harness_test(item: pytest.Item) -> bool:
+    """A test method of a MultiProcessTestCase subclass (its module imported torch's harness already)."""
+    harness = sys.modules.get(_HARNESS_MODULE)
+    cls = getattr(item, "cls", None)
+    return harness is not None and isinstance(cls, type) and issubclass(cls, harness.MultiProcessTestCase)
+
+
+@contextlib.contextmanager
+def _simulated(item: pytest.Item, settings: Settings, replay: str) -> Iterator[None]:
+    """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
+    import multiprocessing
+
+    from .launch import _Launcher, patched
+    from .progress import BoundNames
+
+    harness = sys.modules[_HARNESS_MODULE]
+    timeout = settings.timeout
+    if timeout is None:  # the harness's own bound on the test (300 s, or its TIMEOUT_OVERRIDE entry)
+        timeout = float(harness.get_timeout(item.name))
+
+    class HarnessLauncher(_Launcher):
+        """A rank that exits with one of the harness's skip codes ends cleanly, as a process that exits does: the
+        other ranks go on (the simulator would release them with RankFailedError, as for a failed rank); the
+        harness still reads the code from ``Process.exitcode``."""
+
+        skip_codes = frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values())
+
+        def add(self, proc: Any) -> None:
+            super().add(proc)
+            target = proc._target
+
+            def rank_body(*args: Any, **kwargs: Any) -> None:
+                try:
+                    target(*args, **kwargs)
+                except SystemExit as e:
+                    if e.code not in self.skip_codes:
+                        raise
+                    proc._tp_skip_code = e.code  # set as its exit code once its world ran (run_pending)
+
+            proc._target = rank_body
+
+        def run_pending(self, popen: Any = None) -> None:
+            batch = list(self.pending)
+            super().run_pending(popen)
+            for p in batch:
+                code = getattr(p, "_tp_skip_code", None)
+                if code is not None and p._popen.returncode == 0:
+                    p._popen.returncode = code
+
+    launcher = HarnessLauncher(seed=settings.seed, mode=settings.mode, timeout=timeout,
+                               stall_timeout=settings.stall_timeout, device="cpu", replay_hint=replay,
+                               bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "))
+    default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
+    saved_method = getattr(default_ctx, "_actual_context", None)
+    hook = sys.excepthook
+    try:
+        with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), _own_class_state(), \
+                _one_profiler_per_process(item.nodeid):
+            try:
+                yield
+            finally:
+                launcher.finish()  # ranks started and never joined run now, as a process joins its children
+    finally:
+        sys.excepthook = hook
+        if hasattr(default_ctx, "_actual_context"):
+            default_ctx._actual_context = saved_method  # _spawn_processes' set_start_method belongs to this test
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# class state a process has of its own
+# ---------------------------------------------------------------------------------------------------------------
+class _PerRankClass:
+    """Stands for a class in its module: each rank sees a subclass of its own, so that class attributes the rank
+    sets are its own, as in a spawned process that imported the module afresh (the parent sees the class).
+
+    ``distributed_test.Barrier`` counts barriers in ``Barrier.barrier_id``: shared by thread ranks, every rank's
+    increment would count for all of them and no rank would ever see the others arrive.
+    """
+
+    def __init__(self, cls: type) -> None:
+        object.__setattr__(self, "_tp_cls", cls)
+        object.__setattr__(self, "_tp_copies", {})
+
+    def _tp_mine(self) -> type:
+        from .world import current_rank_state
+
+        rs = current_rank_state()
+        cls: type = object.__getattribute__(self, "_tp_cls")
+        if rs is None:
+            return cls
+        root = rs.parent or rs  # a rank's threads share its process
+        copies: dict[Any, type] = object.__getattribute__(self, "_tp_copies")
+        mine = copies.get(root)
+        if mine is None:
+            mine = copies[root] = type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                                              "__qualname__": cls.__qualname__})
+        return mine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tp_mine(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._tp_mine(), name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tp_mine()(*args, **kwargs)
+
+
+#: (module, class) pairs whose class state each rank process has of its own
+_PER_RANK_CLASSES = ((_DIST_TEST_MODULE, "Barrier"),)
+
+
+@contextlib.contextmanager
+def _own_class_state() -> Iterator[None]:
+    saved: list[tuple[Any, str, Any]] = []
+    for mod_name, name in _PER_RANK_CLASSES:
+        mod = sys.modules.get(mod_name)
+        cls = getattr(mod, name, None) if mod is not None else None
+        if isinstance(cls, type):
+            saved.append((mod, name, cls))
+            setattr(mod, name, _PerRankClass(cls))
+    try:
+        yield
+    finally:
+        for mod, name, cls in reversed(saved):
+            setattr(mod, name, cls)
+
+
+@contextlib.contextmanager
+def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
+    """torch's profiler (``torch.autograd.profiler.profile``, ``torch.profiler.profile``) is one per process: on
+    thread ranks each rank's would record every rank's operations, and a second rank's start or stop crashes the
+    process (a segmentation fault in ``_disable_profiler``).  Starting one on a rank fails instead, naming the fix.
+    """
+    import torch.autograd.profiler as autograd_profiler
+
+    from tensorplay.distributed.errors import format_message
+
+    from .errors import SimError
+    from .world import current_rank_state
+
+    cls = autograd_profiler.profile
+    original = cls.__dict__["_prepare_trace"]
+
+    def _prepare_trace(self: Any) -> Any:
+        rs = current_rank_state()
+        if rs is not None:
+            raise SimError(format_message(
+                "simulator.torch_harness", "torch's profiler was started on a simulated thread rank; the profiler "
+                "is one per process, and thread ranks share this process (each rank would record the others' "
+                "operations, and a second rank's start or stop crashes the process)", rank=rs.rank,
+                values={"test": nodeid},
+                fix=f"run this test on real processes: python -m pytest '{nodeid}' --sim-harness off "
+                    f"(--sim-harness process, simulated ranks with a process each, is not available yet)"))
+        return original(self)
+
+    cls._prepare_trace = _prepare_trace
+    try:
+        yield
+    finally:
+        cls._prepare_trace = original

@@ -1,0 +1,305 @@
+"""PyTorch's own distributed test harness (MultiProcessTestCase and its subclasses) on simulated thread ranks.
+
+The suites under ``tests/torch_harness_cases/`` are written as users write them on torch's harness.  Each is run
+in a subprocess twice: with ``-p simulator.torch_harness --sim-harness thread`` (its ranks are simulated threads)
+and as it is, on real gloo processes; the verdicts (passed/failed/skipped per test, from a junit file) must be
+the table's, which says so where the two differ.  The rest checks the pieces: which processes become ranks, the
+switch, ``time.sleep`` and ``os.getpid`` on ranks.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.managers
+import multiprocessing.pool
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+import simulator
+from simulator.launch import _is_user_process, launch
+from simulator.world import current_rank_state
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "torch_harness_cases"
+SIM = ("-p", "simulator.torch_harness", "--sim-harness", "thread")
+SIM_TIMEOUT_S = 300
+GLOO_TIMEOUT_S = 600
+
+# the verdict of every test of a case file; a dict where simulated thread ranks and gloo processes differ
+MULTIPROCESS = {
+    "test_all_reduce": "passed",
+    "test_fails_on_rank_one": "failed",
+    "test_skip_generic": "skipped",
+    "test_needs_many_gpus": "skipped",
+    "test_file_store": "passed",
+    "test_getpid_is_per_rank": "passed",
+    "test_sleep_polling_a_file": "passed",
+}
+DTENSOR = {"test_redistribute_shard_to_replicate": "passed", "test_wrong_expectation_fails": "failed"}
+DISTRIBUTED_TEST = {
+    "test_barrier": "passed",
+    "test_get_rank": "passed",
+    # call_dist_op runs the collective under torch's autograd profiler, one per process: refused on thread ranks
+    "test_all_reduce_sum": {"sim": "failed", "gloo": "passed"},
+}
+CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
+               "case_distributed_test.py": DISTRIBUTED_TEST}
+
+
+class Outcome:
+    def __init__(self, proc: subprocess.CompletedProcess, junit: Path, wall_s: float) -> None:
+        self.output = proc.stdout + proc.stderr
+        self.wall_s = wall_s
+        self.verdicts: dict[str, str] = {}
+        if not junit.exists():
+            pytest.fail(f"pytest wrote no junit file (exit {proc.returncode}):\n{self.output[-6000:]}")
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            verdict = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+            self.verdicts[case.get("name", "?")] = verdict
+
+
+def _run_case(tmp_path: Path, case: str, *, sim: bool, tests: tuple[str, ...] = (), extra: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> Outcome:
+    """pytest on a copy of ``case`` in a folder of its own (no conftest of ours), bounded, loopback only."""
+    work = tmp_path / ("sim" if sim else "gloo")
+    work.mkdir(exist_ok=True)
+    shutil.copy(CASES / case, work / case)
+    junit = work / "junit.xml"
+    nodes = [f"{case}::{t}" for t in tests] or [case]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", f"--junitxml={junit}",
+           *(SIM if sim else ()), *extra, *nodes]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TENSORPLAY_SIM_HARNESS"):
+        full_env.pop(k, None)
+    full_env.update(env or {})
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=full_env, capture_output=True, text=True,
+                              timeout=SIM_TIMEOUT_S if sim else GLOO_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish in time:\n{e.stdout}\n{e.stderr}")
+    return Outcome(proc, junit, time.perf_counter() - start)
+
+
+def _want(table: dict[str, object], backend: str) -> dict[str, str]:
+    return {t: v[backend] if isinstance(v, dict) else v for t, v in table.items()}  # type: ignore[index]
+
+
+def _distributed_test_env(tmp_path: Path, name: str) -> dict[str, str]:
+    """What torch's test_distributed_spawn.py needs in the environment: the backend, world size and a TEMP_DIR
+    with a barrier folder (distributed_test reads them at import)."""
+    temp = tmp_path / f"temp-{name}"
+    (temp / "barrier").mkdir(parents=True)
+    return {"BACKEND": "gloo", "WORLD_SIZE": "3", "TEMP_DIR": str(temp), "INIT_METHOD": f"file://{temp}/init"}
+
+
+def _run(tmp_path: Path, case: str, *, sim: bool) -> Outcome:
+    """A whole case file (its selected tests), simulated or on gloo."""
+    if case == "case_distributed_test.py":
+        tests = tuple(f"TestDistBackendWithSpawn::{t}" for t in DISTRIBUTED_TEST)
+        return _run_case(tmp_path, case, sim=sim, tests=tests,
+                         env=_distributed_test_env(tmp_path, "sim" if sim else "gloo"))
+    if case == "case_multiprocess.py":
+        return _run_case(tmp_path, case, sim=sim, tests=tuple(f"HarnessCases::{t}" for t in MULTIPROCESS))
+    return _run_case(tmp_path, case, sim=sim)
+
+
+_PIDS = re.compile(r"Started process \d+ with pid (\d+)")
+
+
+def _pid_max() -> int:
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the suites, simulated
+# ---------------------------------------------------------------------------------------------------------------
+def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protocol(tmp_path: Path) -> None:
+    out = _run(tmp_path, "case_multiprocess.py", sim=True)
+    assert out.verdicts == _want(MULTIPROCESS, "sim"), out.output[-8000:]
+    assert "simulator.torch_harness: MultiProcessTestCase ranks are simulated threads" in out.output
+    # the failing rank's traceback came back through the harness's pipe, and only that rank failed
+    assert "Process 1 exited with error code 10 and exception" in out.output
+    assert "AssertionError: rank one disagrees: pid-check-1-marker" in out.output
+    assert "Process 0 exited with error code 10" not in out.output
+    assert "Need at least 8 CUDA devices" in out.output  # skip_if_lt_x_gpu's skip, with its reason
+    assert "Replay: python -m pytest 'case_multiprocess.py::HarnessCases::test_fails_on_rank_one'" in out.output
+    pids = {int(p) for p in _PIDS.findall(out.output)}
+    assert pids and min(pids) > _pid_max(), pids  # the launcher's pids: no real process was started
+
+
+def test_dtensor_test_base_with_comms_redistributes_on_simulated_ranks(tmp_path: Path) -> None:
+    out = _run(tmp_path, "case_dtensor.py", sim=True)
+    assert out.verdicts == _want(DTENSOR, "sim"), out.output[-8000:]
+    assert "dtensor-sum-marker" in out.output and "Expected 9.0 but got 8.0" in out.output
+
+
+def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path) -> None:
+    out = _run(tmp_path, "case_distributed_test.py", sim=True)
+    assert out.verdicts == _want(DISTRIBUTED_TEST, "sim"), out.output[-8000:]
+    # test_barrier and test_get_rank pass through distributed_test's file barrier: per-rank pids and barrier
+    # counts, and ranks that sleep-poll the barrier files while the others run; the profiler is refused by name
+    assert "torch's profiler was started on a simulated thread rank" in out.output
+    assert "--sim-harness off" in out.output
+
+
+def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
+    out = _run_case(tmp_path, "case_multiprocess.py", sim=False, tests=("HarnessCases::test_all_reduce",),
+                    extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
+    assert out.verdicts == {"test_all_reduce": "passed"}, out.output[-4000:]
+    pids = {int(p) for p in _PIDS.findall(out.output)}
+    assert pids and min(pids) > _pid_max(), out.output[-4000:]
+
+
+@pytest.mark.parametrize("value, text", [("process", "not available for PyTorch's test harness yet"),
+                                         ("threads", "takes one of off, thread, process")])
+def test_a_switch_value_that_cannot_run_is_a_usage_error(tmp_path: Path, value: str, text: str) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "test_x.py").write_text("def test_x():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TENSORPLAY_SIM_HARNESS=value)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
+                           "test_x.py"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4 and text in proc.stderr and "TENSORPLAY_SIM_HARNESS" in proc.stderr, proc.stderr
+
+
+def test_loading_the_plugin_with_the_switch_off_imports_no_torch_and_warns_nothing() -> None:
+    program = ("import sys, warnings\nwarnings.simplefilter('error')\nimport simulator.torch_harness\n"
+               "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n")
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", program], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the same suites on real gloo processes: the verdicts of the table
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gloo
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "case_distributed_test.py" else [])
+                                  for c in sorted(CASE_TABLES)])  # distributed_test: ~1 min of gloo start-ups
+def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Path, case: str) -> None:
+    real = _run(tmp_path, case, sim=False)
+    assert real.verdicts == _want(CASE_TABLES[case], "gloo"), real.output[-8000:]
+    pids = {int(p) for p in _PIDS.findall(real.output)}
+    assert pids and max(pids) <= _pid_max(), pids  # real processes, this time
+    simulated = _run(tmp_path, case, sim=True)
+    assert simulated.verdicts == _want(CASE_TABLES[case], "sim"), simulated.output[-8000:]
+    print(f"{case}: wall time on gloo processes {real.wall_s:.1f} s, on simulated thread ranks "
+          f"{simulated.wall_s:.1f} s")  # shown with -rA or -s: the speed-up
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pieces
+# ---------------------------------------------------------------------------------------------------------------
+class _UserCase(MultiProcessTestCase):  # a class of the program whose _run is torch's
+    pass
+
+
+class _UserManager(multiprocessing.managers.BaseManager):  # its server runs the standard library's method
+    pass
+
+
+def _plain_target() -> None:
+    pass
+
+
+@pytest.mark.parametrize("target, rank", [
+    (_UserCase._run, True),                  # torch's classmethod, bound to the program's class
+    (_plain_target, True),                   # the program's function
+    (_UserManager._run_server, False),       # the standard library's classmethod on the program's class
+    (torch.utils.data._utils.worker._worker_loop, False),  # a DataLoader worker
+    (multiprocessing.pool.worker, False),    # a pool worker
+], ids=["harness-run", "program-function", "manager-server", "dataloader-worker", "pool-worker"])
+def test_which_processes_become_ranks(target: object, rank: bool) -> None:
+    proc = multiprocessing.get_context("spawn").Process(target=target)
+    assert _is_user_process(proc) is rank
+
+
+def _poll_for_flag(flag: list[bool]) -> str:
+    """Rank 1 waits for rank 0's flag outside torch.distributed, sleeping between looks."""
+    rs = current_rank_state()
+    if rs.rank == 0:  # type: ignore[union-attr]
+        time.sleep(0.05)
+        flag.append(True)
+    else:
+        deadline = time.monotonic() + 10
+        while not flag:
+            assert time.monotonic() < deadline, "rank 1 never saw rank 0's flag: the sleeping rank starved rank 0"
+            time.sleep(0.01)
+    return getattr(rs.run, "deterministic", True)  # type: ignore[union-attr]
+
+
+def test_a_sleeping_rank_lets_the_others_run_in_coop_mode_and_the_run_says_it_is_not_seeded() -> None:
+    for seed in range(4):  # either rank may run first
+        assert simulator.run(_poll_for_flag, 2, args=([],), seed=seed, timeout=60) == [False, False]
+
+
+def _no_sleep() -> object:
+    x = torch.ones(2)
+    import tensorplay.distributed as dist
+
+    dist.all_reduce(x)
+    time.sleep(0)  # a yield: a plain sleep(0), not a wall-clock wait that steps out of the schedule
+    return getattr(current_rank_state().run, "deterministic", True)  # type: ignore[union-attr]
+
+
+def test_a_run_that_never_sleeps_stays_seeded() -> None:
+    assert simulator.run(_no_sleep, 3, seed=5) == [True, True, True]
+    assert (time.sleep.__module__, os.getpid.__module__) == ("time", "posix")  # the adapters are gone again
+
+
+_SEEN: dict[int, int] = {}
+_SEEN_LOCK = threading.Lock()
+
+
+def _record_pid(rank: int) -> None:
+    with _SEEN_LOCK:
+        _SEEN[rank] = os.getpid()
+
+
+def _launch_three() -> list[int]:
+    procs = [multiprocessing.get_context("spawn").Process(target=_record_pid, args=(r,)) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return [p.pid for p in procs]  # type: ignore[misc]
+
+
+def test_os_getpid_on_a_launched_rank_is_its_process_pid_and_elsewhere_the_real_one() -> None:
+    _SEEN.clear()
+    box: list[list[int]] = []
+    launch(lambda: box.append(_launch_three()))
+    assert [_SEEN[r] for r in range(3)] == box[0]
+    assert len(set(box[0])) == 3 and min(box[0]) > _pid_max()
+    assert simulator.run(lambda: os.getpid(), 2) == [os.getpid()] * 2  # simulator.run ranks are no processes
+
+
+def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) -> None:
+    """``python -m simulator pytest FILE`` is the same switch as ``-p simulator.torch_harness --sim-harness thread``."""
+    shutil.copy(CASES / "case_multiprocess.py", tmp_path / "case_multiprocess.py")
+    junit = tmp_path / "junit.xml"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "simulator", "pytest", "-p", "no:cacheprovider", "-rA",
+                           f"--junitxml={junit}", "case_multiprocess.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    got = Outcome(proc, junit, time.perf_counter() - start)
+    assert got.verdicts == _want(MULTIPROCESS, "sim"), got.output[-6000:]
+    assert proc.returncode == 1, got.output[-3000:]  # one test of the file fails, on purpose
+    pids = {int(p) for p in _PIDS.findall(got.output)}
+    assert pids and min(pids) > _pid_max(), pids  # the ranks were simulated (their pids are the launcher's)

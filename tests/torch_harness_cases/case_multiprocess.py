@@ -1,0 +1,82 @@
+"""MultiProcessTestCase written as users write it: one process per rank, file:// rendezvous, gloo."""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import (
+    TEST_SKIPS,
+    MultiProcessTestCase,
+    skip_if_lt_x_gpu,
+)
+from torch.testing._internal.common_utils import run_tests
+
+POLL_DEADLINE_S = 20.0  # a rank polling for another rank's file gives up after this long
+
+
+class HarnessCases(MultiProcessTestCase):
+    @property
+    def world_size(self) -> int:
+        return 3
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    def _init(self) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank,
+                                world_size=self.world_size)
+
+    def test_all_reduce(self) -> None:
+        self._init()
+        x = torch.full((4,), float(self.rank + 1))
+        dist.all_reduce(x)
+        self.assertEqual(x, torch.full((4,), 6.0))
+        self.assertEqual(dist.get_world_size(), 3)
+
+    def test_fails_on_rank_one(self) -> None:
+        self._init()
+        dist.barrier()
+        if self.rank == 1:
+            raise AssertionError(f"rank one disagrees: pid-check-{self.rank}-marker")
+
+    def test_skip_generic(self) -> None:
+        sys.exit(TEST_SKIPS["generic"].exit_code)
+
+    @skip_if_lt_x_gpu(8)
+    def test_needs_many_gpus(self) -> None:
+        self._init()
+
+    def test_file_store(self) -> None:
+        store = dist.FileStore(self.file_name, self.world_size)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
+        objs = [None] * self.world_size
+        dist.all_gather_object(objs, self.rank * 10)
+        self.assertEqual(objs, [0, 10, 20])
+
+    def test_getpid_is_per_rank(self) -> None:
+        self._init()
+        pids = [None] * self.world_size
+        dist.all_gather_object(pids, os.getpid())
+        self.assertEqual(len(set(pids)), self.world_size)
+
+    def test_sleep_polling_a_file(self) -> None:
+        # ranks wait for rank 0's file outside torch.distributed, sleeping between looks, as harness barriers do
+        self._init()
+        flag = self.file_name + ".ready"
+        if self.rank == 0:
+            time.sleep(0.2)
+            with open(flag, "w") as f:
+                f.write("ready")
+        else:
+            start = time.time()
+            while not os.path.exists(flag):
+                if time.time() - start > POLL_DEADLINE_S:
+                    raise AssertionError(f"rank {self.rank} never saw {flag}")
+                time.sleep(0.05)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    run_tests()
