@@ -35,6 +35,7 @@ none) bounds the whole run.  A deadlock is reported at once.  Ctrl-C stops the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import shlex
@@ -130,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--isolation", choices=list(ISOLATIONS), default="thread",
                    help="thread: ranks are threads of this process (default); process: each rank its own process "
                         "with its own globals and PYTHONHASHSEED (torchrun-style scripts only)")
+    p.add_argument("--devices", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: every rank sees CUDA devices backed by the CPU, so a script written for GPUs runs "
+                        "unmodified on a machine without one (set_device, .to(local_rank), nccl, DDP device_ids); "
+                        "default cpu")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help="with --devices cuda: stand-in GPUs per node (torch.cuda.device_count(); LOCAL_RANK is "
+                        "rank %% N); default: --nproc-per-node")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -153,6 +161,10 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
         parts += ["--compute-scale", f"{ns.compute_scale:g}"]
     if ns.isolation != "thread":
         parts += ["--isolation", ns.isolation]
+    if ns.devices != "cpu":
+        parts += ["--devices", ns.devices]
+    if ns.gpus_per_node is not None:
+        parts += ["--gpus-per-node", str(ns.gpus_per_node)]
     return shlex.join([*parts, ns.script, *ns.script_args])
 
 
@@ -260,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              "own ranks with mp.spawn / multiprocessing.Process runs with --isolation thread)")
         return 2
     try:
-        World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout)  # checked first
+        World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,  # checked first
+              isolation=ns.isolation, devices=ns.devices, gpus_per_node=ns.gpus_per_node)
         cost = resolve_cost(ns.cost, ns.compute_scale)
     except Exception as e:  # noqa: BLE001  a bad option is a usage error
         _err(str(e))
@@ -291,10 +304,25 @@ def _run_pytest(args: list[str]) -> int:
                             *args]))
 
 
+#: stand-in GPUs a launcher-style script sees with --devices cuda and no --gpus-per-node
+_LAUNCHER_GPUS = 2
+
+
 def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
                                  device="cpu", replay_hint=_command(ns, None), p2p=ns.p2p, bound_names=CLI)
-    exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
+    launcher.devices, launcher.gpus_per_node = ns.devices, ns.gpus_per_node
+    stand_in = contextlib.nullcontext()
+    if ns.devices == "cuda":  # the launcher is a process of the machine too: it counts the GPUs to start its ranks
+        from . import standin
+
+        if ns.gpus_per_node is None:
+            launcher.gpus_per_node = _LAUNCHER_GPUS
+            _err(f"--devices cuda: the machine has {_LAUNCHER_GPUS} stand-in GPUs (torch.cuda.device_count()); "
+                 f"pass --gpus-per-node N to choose")
+        stand_in = standin.enabled(gpus_per_node=launcher.gpus_per_node)
+    with stand_in:
+        exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
     code = 0 if exc is None else _report(exc)
     if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
         code = _report(launcher.failures[0])
@@ -311,7 +339,7 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
 
     world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
                   torchrun_env=True, p2p=ns.p2p, cost=resolve_cost(None),  # --cost / --compute-scale, set by main()
-                  isolation=ns.isolation)
+                  isolation=ns.isolation, devices=ns.devices, gpus_per_node=ns.gpus_per_node)
     world.bound_names = CLI  # its reports name --timeout / --stall-timeout
     if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results

@@ -374,6 +374,9 @@ class _Launcher:
         self.stall_timeout = stall_timeout
         self.bound_names = bound_names  # how reports name the bounds (the command line: its flags)
         self.device = device
+        #: the worlds' CUDA stand-in (World's devices= and gpus_per_node=; the command line sets them)
+        self.devices = "cpu"
+        self.gpus_per_node: int | None = None
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
         self.worlds: list[World] = []
@@ -416,8 +419,8 @@ class _Launcher:
             if not batch:
                 return
             world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
-                          stall_timeout=self.stall_timeout, device=self.device,
-                          env=dict(os.environ), p2p=self.p2p)  # each rank: its own copy of the launcher's environment
+                          stall_timeout=self.stall_timeout, device=self.device, devices=self.devices,
+                          gpus_per_node=self.gpus_per_node, env=dict(os.environ), p2p=self.p2p)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]

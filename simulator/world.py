@@ -96,6 +96,12 @@ class World:
             buffered sends; a program that needs this deadlocks on gloo and NCCL).
         isolation: ``"thread"`` (default: ranks are threads of this process) or ``"process"`` (each rank runs
             in its own process with its own ``PYTHONHASHSEED``; see :mod:`simulator.isolation`).
+        devices: ``"cpu"`` (default) or ``"cuda"``: each rank sees CUDA devices backed by the CPU
+            (:mod:`simulator.standin`), so a program written for GPUs runs unmodified on a machine without one:
+            ``torch.cuda.is_available()`` is True, ``set_device``, ``.to(local_rank)``, ``init_process_group("nccl")``
+            and ``DDP(device_ids=[r])`` work, and every operator computes on the CPU (thread ranks only).
+        gpus_per_node: stand-in GPUs per node, ``torch.cuda.device_count()`` on each rank (default: the world
+            size); ranks per node for torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` too.
         hash_seed: what the rank processes' ``PYTHONHASHSEED`` values derive from (default: ``seed``).  Fix it to
             explore schedules (``seed``) with the same rank interpreters: a new hash seed costs a new warm
             interpreter per rank, seconds each.
@@ -110,7 +116,8 @@ class World:
                  env: dict[str, str] | None = None, torchrun_env: bool = False, per_rank_rng: bool = True,
                  stack_size: int | None = None, p2p: str = "rendezvous",
                  trace_limit: int | None = DEFAULT_TRACE_LIMIT, isolation: str = "thread",
-                 compute_scale: float | None = None, hash_seed: int | None = None) -> None:
+                 compute_scale: float | None = None, hash_seed: int | None = None, devices: str = "cpu",
+                 gpus_per_node: int | None = None) -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
         from .isolation import check_isolation
 
@@ -143,6 +150,7 @@ class World:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DistValueError(format_message("simulator.run", "device='cuda' but no GPU is available",
                                                 values={"device": device}, fix="pass device='cpu'"))
+        self.devices, self.gpus_per_node = _check_devices(devices, gpus_per_node, world_size, self.isolation, dev)
         if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int)):
             raise DistTypeError(format_message("simulator.run", "hash_seed must be an int or None",
                                                values={"hash_seed": hash_seed}, fix="pass e.g. hash_seed=0"))
@@ -234,6 +242,10 @@ class World:
             if old_stack is not None:
                 threading.stack_size(old_stack)
         adapters = contextlib.ExitStack()
+        if self.devices == "cuda":  # CUDA devices backed by the CPU, before any adapter or rank asks torch.cuda
+            from . import standin
+
+            adapters.enter_context(standin.enabled(gpus_per_node=self.gpus_per_node))
         for name in _ADAPTERS:  # torch's own APIs in the ranks run on this world too
             adapters.enter_context(importlib.import_module(f"{__package__}.{name}").enabled())
         try:
@@ -284,8 +296,12 @@ class World:
         env = dict(real)
         if self.torchrun_env:
             n = str(self.world_size)
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
-                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
+            per_node = self.gpus_per_node  # ranks per node: torchrun's --nproc-per-node on each node
+            nodes = -(-self.world_size // per_node)
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": n,
+                        "LOCAL_WORLD_SIZE": str(min(per_node, self.world_size - rank // per_node * per_node)),
+                        "GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes),
+                        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
                         "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                         "TORCHELASTIC_RUN_ID": "simulator", "TORCHELASTIC_RESTART_COUNT": "0",
                         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
@@ -425,12 +441,26 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}"
             f"{torch_seed}); "
             f"replay with {replay}")
+    if world.devices == "cpu" and _needs_cuda(exc) and not torch.cuda.is_available():
+        knob = "--devices cuda" if world.bound_names is not PYTHON else "devices='cuda'"
+        note += (f"\n[simulator] the program uses CUDA and this machine has no GPU: pass {knob} to give each rank "
+                 f"CUDA devices backed by the CPU (the program runs unmodified)")
     if world.trace is not None and not world.trace.deterministic:
         note += (f" (the seed replays the schedule only up to the first wait on the wall clock: "
                  f"{world.trace.nondeterminism})")
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
+
+
+#: what torch raises when a program asks for CUDA on a build or machine without it
+_NO_CUDA = ("torch._C' has no attribute '_cuda_", "Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
+            "No CUDA GPUs are available", "Distributed package doesn't have NCCL built in")
+
+
+def _needs_cuda(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in _NO_CUDA)
 
 
 def _raise_failures(world: World, ranks: list[RankState]) -> None:
@@ -493,7 +523,8 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
         faults: Sequence[Fault] = (), cost: CostModel | str | None = None, env: dict[str, str] | None = None,
         torchrun_env: bool = False, per_rank_rng: bool = True, stack_size: int | None = None,
         p2p: str = "rendezvous", trace_limit: int | None = DEFAULT_TRACE_LIMIT,
-        isolation: str = "thread", compute_scale: float | None = None, hash_seed: int | None = None) -> list[Any]:
+        isolation: str = "thread", compute_scale: float | None = None, hash_seed: int | None = None,
+        devices: str = "cpu", gpus_per_node: int | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` simulated ranks; return the results in rank order.
 
     Each rank is a thread with tensorplay.distributed initialised on ``"sim"``
@@ -527,5 +558,33 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
     w = World(world_size, seed=seed, mode=mode, timeout=timeout, stall_timeout=stall_timeout, device=device,
               faults=faults, cost=cost,
               env=env, torchrun_env=torchrun_env, per_rank_rng=per_rank_rng, stack_size=stack_size, p2p=p2p,
-              trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed)
+              trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed,
+              devices=devices, gpus_per_node=gpus_per_node)
     return w.run(fn, args, kwargs)
+
+
+def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation: str,
+                   device: torch.device) -> tuple[str, int]:
+    """``devices=`` and ``gpus_per_node=`` of :class:`World`, checked before anything runs."""
+    if devices not in ("cpu", "cuda"):
+        raise DistValueError(format_message(
+            "simulator.run", "devices must be 'cpu' or 'cuda'", values={"devices": devices},
+            fix="pass devices='cuda' to give every rank CPU-backed stand-ins of CUDA devices, or leave the default"))
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                      or gpus_per_node < 1):
+        raise DistValueError(format_message("simulator.run", "gpus_per_node must be a positive int or None",
+                                            values={"gpus_per_node": gpus_per_node}, fix="pass e.g. gpus_per_node=8"))
+    if devices == "cuda":
+        if isolation != "thread":
+            raise DistValueError(format_message(
+                "simulator.run", "the CUDA stand-in runs on thread ranks only (for now)",
+                values={"devices": devices, "isolation": isolation}, fix="pass isolation='thread'"))
+        from . import standin  # (light: torch is imported already)
+
+        # inside an enclosing stand-in (a launcher's), torch.cuda.is_available() is the stand-in's answer
+        if device.type == "cuda" or (torch.cuda.is_available() and not standin.is_active()):
+            raise DistValueError(format_message(
+                "simulator.run", "devices='cuda' stands in for GPUs on a machine without one, and this one has "
+                "CUDA", values={"devices": devices, "device": str(device)},
+                fix="use the real GPUs: pass device='cuda' and leave devices at its default"))
+    return devices, gpus_per_node if gpus_per_node is not None else world_size

@@ -1,0 +1,306 @@
+"""``torch.cuda`` on the CPU stand-in: devices, streams, events, memory and RNG, per simulated rank.
+
+These functions replace their ``torch.cuda`` namesakes while
+:func:`simulator.standin.enabled` is active (see ``install``).  Each answers
+for the calling rank (see ``ranks``): its current device, its current stream
+per device, the bytes its live stand-in tensors hold.
+
+CPU work is synchronous, so streams never run ahead: ``synchronize()`` returns
+at once, every event is complete as soon as it is recorded, and
+``elapsed_time`` measures the wall time between two records.  The stand-in's
+random numbers come from the rank's CPU generator: ``torch.cuda.manual_seed(s)``
+seeds it, so a program's numbers differ from the ones a GPU would draw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from tensorplay.distributed.errors import format_message
+
+from . import ranks
+from .errors import StandInError
+from .ranks import resolve_index, state
+from .streams import Event, Stream, current_stream, default_stream, set_stream
+
+__all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available", "device_count", "current_device",
+           "set_device", "exchange_device", "maybe_exchange_device", "get_device_name", "get_device_capability",
+           "get_device_properties", "synchronize", "current_stream", "default_stream", "set_stream",
+           "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+           "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "mem_get_info",
+           "empty_cache", "set_per_process_memory_fraction", "manual_seed", "seed", "initial_seed",
+           "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "DefaultGenerators",
+           "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "CUDAGraph"]
+
+#: the name every stand-in device reports (``{}``: its index)
+DEVICE_NAME = "tensorplay CPU stand-in (cuda:{})"
+
+
+def lazy_init() -> None:
+    """``torch.cuda._lazy_init``: nothing to start; marks the calling rank's CUDA state as initialized."""
+    state().initialized = True
+
+
+def is_initialized() -> bool:
+    """Whether the calling rank has used CUDA (set a device, made a stream or a stand-in tensor)."""
+    return state().initialized
+
+
+def is_available() -> bool:
+    """True: the stand-in devices are always there."""
+    return True
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """True, as on the Hopper-class device the stand-in describes (compute capability 9.0)."""
+    return True
+
+
+def device_count() -> int:
+    """Devices per node (:func:`simulator.standin.enabled`'s ``gpus_per_node``; default: the world size)."""
+    return ranks.device_count()
+
+
+def current_device() -> int:
+    """The calling rank's current device index."""
+    st = state()
+    st.initialized = True
+    return st.current
+
+
+def set_device(device: Any) -> None:
+    """Select the calling rank's current device (an int, ``"cuda:i"`` or a device); negative: no-op."""
+    if isinstance(device, int) and device < 0:
+        return
+    idx = resolve_index(device, "torch.cuda.set_device")
+    st = state()
+    st.current = idx
+    st.initialized = True
+
+
+def exchange_device(idx: int) -> int:
+    """``torch.cuda._exchange_device``: select ``idx`` (negative: no change), return the previous device."""
+    if idx < 0:
+        return -1
+    st = state()
+    prev = st.current
+    set_device(idx)
+    return prev
+
+
+def maybe_exchange_device(idx: int) -> int:
+    """``torch.cuda._maybe_exchange_device``: as :func:`exchange_device` (no context to avoid creating)."""
+    return exchange_device(idx)
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` reports for a stand-in device: a named, CPU-backed device
+    with the configured memory and the compute capability (9.0) and SM count of a Hopper-class GPU."""
+
+    name: str
+    total_memory: int
+    major: int = 9
+    minor: int = 0
+    multi_processor_count: int = 132
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+    max_threads_per_multi_processor: int = 2048
+    warp_size: int = 32
+    regs_per_multiprocessor: int = 65536
+    shared_memory_per_block: int = 49152
+    shared_memory_per_block_optin: int = 232448
+    shared_memory_per_multiprocessor: int = 233472
+    L2_cache_size: int = 50 << 20
+    gcnArchName: str = "NVIDIA"  # noqa: N815  (torch's attribute name)
+    uuid: str = "00000000-0000-0000-0000-000000000000"
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count="
+                f"{self.multi_processor_count}, uuid={self.uuid}, L2_cache_size={self.L2_cache_size >> 20}MB)")
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """The stand-in device's properties (name ``tensorplay CPU stand-in (cuda:i)``)."""
+    idx = resolve_index(device, "torch.cuda.get_device_properties")
+    return DeviceProperties(name=DEVICE_NAME.format(idx), total_memory=ranks.config().total_memory)
+
+
+def get_device_name(device: Any = None) -> str:
+    """``tensorplay CPU stand-in (cuda:i)``."""
+    return get_device_properties(device).name
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    """(9, 0)."""
+    p = get_device_properties(device)
+    return p.major, p.minor
+
+
+def synchronize(device: Any = None) -> None:
+    """Returns at once: stand-in work is done when the call that issued it returns."""
+    resolve_index(device, "torch.cuda.synchronize")
+
+
+# -- memory -------------------------------------------------------------------------------------------
+def _mem(device: Any, call: str) -> tuple[ranks.DeviceState, int, list[int]]:
+    idx = resolve_index(device, call)
+    st = state()
+    return st, idx, st.counters(idx)
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes held by the calling rank's live stand-in tensors on ``device`` (each rounded up to 512 bytes)."""
+    return _mem(device, "torch.cuda.memory_allocated")[2][0]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """The peak of :func:`memory_allocated` since the start or the last :func:`reset_peak_memory_stats`."""
+    return _mem(device, "torch.cuda.max_memory_allocated")[2][1]
+
+
+def memory_reserved(device: Any = None) -> int:
+    """The allocator's cache: the high-water mark of allocated bytes since the last :func:`empty_cache`."""
+    return _mem(device, "torch.cuda.memory_reserved")[2][2]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """The peak of :func:`memory_reserved`."""
+    return _mem(device, "torch.cuda.max_memory_reserved")[2][3]
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Restart the peaks from the current values."""
+    st, _, c = _mem(device, "torch.cuda.reset_peak_memory_stats")
+    with st.lock:
+        c[1], c[3] = c[0], c[2]
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    """Zero the allocation and free counts."""
+    st, _, c = _mem(device, "torch.cuda.reset_accumulated_memory_stats")
+    with st.lock:
+        c[4:8] = [0, 0, 0, 0]
+
+
+def empty_cache() -> None:
+    """Release the cache: reserved memory drops to what is allocated."""
+    st = state()
+    with st.lock:
+        for c in st.mem.values():
+            c[2] = c[0]
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """``torch.cuda.memory_stats``'s keys (so ``memory_summary`` works).
+
+    The stand-in has one pool: every figure is under ``all`` and ``large_pool``; ``small_pool`` is zero;
+    segments and split blocks do not exist (zero), and requested bytes are the allocated ones.
+    """
+    c = list(_mem(device, "torch.cuda.memory_stats")[2])
+    figures = {
+        "allocated_bytes": (c[0], c[1], c[6], c[7]), "active_bytes": (c[0], c[1], c[6], c[7]),
+        "requested_bytes": (c[0], c[1], c[6], c[7]), "reserved_bytes": (c[2], c[3], c[2], 0),
+        "allocation": (c[4] - c[5], c[4] - c[5], c[4], c[5]), "active": (c[4] - c[5], c[4] - c[5], c[4], c[5]),
+        "segment": (0, 0, 0, 0), "inactive_split": (0, 0, 0, 0), "inactive_split_bytes": (0, 0, 0, 0),
+    }
+    stats: dict[str, int] = {}
+    for name, values in figures.items():
+        for pool in ("all", "large_pool", "small_pool"):
+            for stat, v in zip(("current", "peak", "allocated", "freed"), values):
+                stats[f"{name}.{pool}.{stat}"] = 0 if pool == "small_pool" else v
+    for name in ("oversize_allocations", "oversize_segments"):
+        for stat in ("current", "peak", "allocated", "freed"):
+            stats[f"{name}.{stat}"] = 0
+    stats.update({"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+                  "num_device_free": 0, "max_split_size": -1})
+    return stats
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device`` as the calling rank sees it (free: total less the reserved bytes)."""
+    c = _mem(device, "torch.cuda.mem_get_info")[2]
+    total = ranks.config().total_memory
+    return total - c[2], total
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Cap the calling rank's allocations on ``device`` at ``fraction`` of its memory."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    state().fraction[resolve_index(device, "torch.cuda.set_per_process_memory_fraction")] = fraction
+
+
+# -- random numbers: the rank's CPU generator ---------------------------------------------------------
+def manual_seed(seed: int) -> None:
+    """Seed the stand-in devices' generator: the calling rank's CPU generator."""
+    torch._C.default_generator.manual_seed(int(seed))
+
+
+def seed() -> None:
+    """Seed the stand-in generator (the rank's CPU generator) from a random number."""
+    torch._C.default_generator.seed()
+
+
+def initial_seed() -> int:
+    """The stand-in generator's (the rank's CPU generator's) initial seed."""
+    return torch._C.default_generator.initial_seed()
+
+
+def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    """The stand-in generator's state: the rank's CPU generator state (not a GPU's Philox state)."""
+    resolve_index(device, "torch.cuda.get_rng_state")
+    return torch.get_rng_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    """Restore a state from :func:`get_rng_state` (the rank's CPU generator)."""
+    resolve_index(device, "torch.cuda.set_rng_state")
+    torch.set_rng_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    """One state per device; every stand-in device shares the rank's CPU generator."""
+    return [torch.get_rng_state() for _ in range(device_count())]
+
+
+def set_rng_state_all(new_states: Sequence[torch.Tensor]) -> None:
+    """Restore per-device states: they are one generator, so the last state wins."""
+    for s in new_states:
+        torch.set_rng_state(s)
+
+
+class DefaultGenerators(Sequence):
+    """``torch.cuda.default_generators``: the rank's CPU generator, once per device."""
+
+    def __len__(self) -> int:
+        return device_count()
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [torch._C.default_generator for _ in range(len(self))[i]]
+        if not -len(self) <= i < len(self):
+            raise IndexError("tuple index out of range")
+        return torch._C.default_generator
+
+    def __iter__(self) -> Iterator[Any]:
+        return (torch._C.default_generator for _ in range(len(self)))
+
+
+# -- CUDA graphs: refused ---------------------------------------------------------------------------------
+def refuse_graphs(*args: Any, **kwargs: Any) -> Any:
+    """CUDA graphs replay recorded GPU kernels; the stand-in has none to record."""
+    raise StandInError(format_message(
+        "torch.cuda.graphs", "CUDA graph capture and replay cannot run on the CPU stand-in",
+        fix="run the captured function eagerly (skip torch.cuda.graph / make_graphed_callables when "
+            "simulating), or run on real GPUs"))
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph``: refused on construction (see :func:`refuse_graphs`)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return refuse_graphs()

@@ -1,0 +1,343 @@
+"""Installing the CUDA stand-in: the patches :func:`simulator.standin.enabled` applies and restores.
+
+Three kinds of change, all undone when the last ``enabled()`` exits:
+
+* the C++ side (``_native``): the ``cuda`` device guard and torch's
+  "privateuseone registered" flag;
+* Python names of torch replaced by the stand-in's (``torch.cuda.*``, the
+  ``torch._C`` names behind ``torch.cuda`` and ``torch.accelerator``,
+  ``Tensor.to``/``cuda``/``pin_memory``, ``torch.compile``, the autocast
+  switches, the autograd entry point); every private one is listed in
+  :data:`simulator.standin.PRIVATE_TORCH_NAMES`;
+* operator registrations (the factory fallback for the ``CUDA`` and
+  ``PrivateUse1`` keys, ``_copy_from``, autocast kernels): registered once
+  per process and kept, but inert while the stand-in is off (a CUDA factory
+  then fails as on a CPU-only build).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.autograd
+import torch.autograd.graph
+import torch.cuda
+import torch.cuda.graphs
+import torch.cuda.memory
+import torch.cuda.nvtx
+import torch.cuda.random
+import torch.cuda.streams
+import torch.overrides
+import torch.serialization
+import torch.utils._device
+
+from .._patch import Installation
+from . import _native, amp, cuda_api as api, ranks
+from .refuse import NvtxStub, compile_guard
+from .serialization import deserialize_cuda, patched_load, registry_entry
+from .ops import copy_from, factory
+from .tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
+
+__all__ = ["INSTALLATION", "active", "configured", "PATCHED_PUBLIC"]
+
+_CPU_ONLY = "Torch not compiled with CUDA enabled"
+_lock = threading.Lock()
+_libraries: list[Any] = []  # the operator registrations, kept for the life of the process
+_saved: list[tuple[Any, Any, bool, Any]] = []
+_active = [False]
+
+
+def active() -> bool:
+    """Whether a stand-in is enabled now."""
+    return _active[0]
+
+
+# -- operator registrations (once per process) --------------------------------------------------------
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    if not _active[0]:
+        raise AssertionError(_CPU_ONLY)  # what a CUDA factory raises on a CPU-only build
+    return factory(op, *args, **kwargs)
+
+
+def _copy_from_kernel(op: Any) -> Callable[..., Any]:
+    # reached when the Python key is excluded (torch.tensor(data, device="cuda") copies that way)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return copy_from(op, args, kwargs)
+
+    return kernel
+
+
+def _register_once() -> None:
+    if _libraries:
+        return
+    fallback = torch.library.Library("_", "IMPL")
+    for key in ("CUDA", "PrivateUse1"):
+        fallback.fallback(_fallback, key)
+    lib = torch.library.Library("aten", "IMPL")
+    for op in (torch.ops.aten._copy_from.default, torch.ops.aten._copy_from_and_resize.default):
+        for key in ("CUDA", "PrivateUse1"):
+            lib.impl(op, _copy_from_kernel(op), key)
+    _libraries.extend([fallback, lib, *amp.register()])
+
+
+# -- Python-level replacements -------------------------------------------------------------------------
+def _pu(device: Any) -> Any:
+    """A device argument of ``Tensor.to``, resolved: CUDA (or an int) becomes the stand-in's ``privateuseone:i``."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return PU_DEVICES[ranks.resolve_index(device, "Tensor.to")]
+    if isinstance(device, str):
+        if not (device.startswith("cuda") or device.startswith("privateuseone")):
+            return device
+        device = torch.device(device)
+    if isinstance(device, torch.device) and device.type in ("cuda", "privateuseone"):
+        return PU_DEVICES[ranks.resolve_index(device, "Tensor.to")]
+    return device
+
+
+def _patched_to(original: Callable[..., Any]) -> Callable[..., Any]:
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # resolve "cuda"/an index to the rank's device here: torch's own resolution asks a guard that knows none
+        if args and isinstance(args[0], (str, int, torch.device)):
+            args = (_pu(args[0]),) + args[1:]
+        if kwargs.get("device") is not None:
+            kwargs["device"] = _pu(kwargs["device"])
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _patched_cuda(original_to: Callable[..., Any]) -> Callable[..., Any]:
+    def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+             memory_format: torch.memory_format = torch.preserve_format) -> Any:
+        idx = ranks.resolve_index(device, "Tensor.cuda")
+        return original_to(self, PU_DEVICES[idx], non_blocking=non_blocking, memory_format=memory_format)
+
+    return cuda
+
+
+def _patched_constructor(original: Callable[..., Any]) -> Callable[..., Any]:
+    def construct(*args: Any, **kwargs: Any) -> Any:
+        # torch.tensor(data, device="cuda") resolves a missing index through a guard that knows no rank
+        if kwargs.get("device") is not None:
+            kwargs["device"] = _pu(kwargs["device"])
+        return original(*args, **kwargs)
+
+    construct.__name__ = original.__name__
+    construct.__doc__ = original.__doc__
+    return construct
+
+
+def _patched_new_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
+    def new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> Any:
+        # torch resolves self's device without its index here (same guard as above): name it in full
+        if len(args) < 2:
+            kwargs["device"] = _pu(kwargs.get("device") if kwargs.get("device") is not None else self.device)
+        return original(self, data, *args, **kwargs)
+
+    return new_tensor
+
+
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    if isinstance(self, StandInTensor):
+        raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
+    return self  # pinning changes nothing on the CPU: the tensor is usable as is
+
+
+def _no_multithreading(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        # the engine would hand stand-in work to a device thread, where the rank's identity is lost
+        with torch.autograd.set_multithreading_enabled(False):
+            return original(*args, **kwargs)
+
+    return _engine_run_backward
+
+
+_TB_DEVICE = torch._C.TensorBase.device.__get__
+_TB_IS_CUDA = torch._C.TensorBase.is_cuda.__get__
+_MAKE_WRAPPER = torch.Tensor._make_wrapper_subclass
+
+
+def _device(self: torch.Tensor) -> torch.device:
+    # any tensor whose C++ device is privateuseone is on a stand-in: a wrapper torch builds over stand-ins
+    # (DTensor, AsyncCollectiveTensor) reports the CUDA device, as on a GPU
+    d = _TB_DEVICE(self)
+    return CUDA_DEVICES[d.index] if d.type == "privateuseone" else d
+
+
+def _is_cuda(self: torch.Tensor) -> bool:
+    return _TB_IS_CUDA(self) or _TB_DEVICE(self).type == "privateuseone"
+
+
+def _make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
+    # a wrapper subclass built "on cuda" (DTensor over a stand-in) must be on the stand-in's C++ device too:
+    # autograd only works for the privateuseone device type (see _native)
+    dev = kwargs.get("device")
+    if dev is not None:
+        kwargs["device"] = _pu(dev)
+    return _MAKE_WRAPPER(cls, *args, **kwargs)
+
+
+_TB_DATA = torch._C.TensorBase.data
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    return _TB_DATA.__get__(self)
+
+
+def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
+    # ``cpu_param.data = standin`` (FSDP2 moving a CPU model, hand-written moves) makes the parameter live on
+    # the GPU; a plain tensor cannot take a wrapper's data, so the object is swapped in place (it keeps its
+    # identity, as set_data keeps it)
+    if isinstance(new, StandInTensor) and not isinstance(self, StandInTensor):
+        repl = torch.nn.Parameter(new, requires_grad=self.requires_grad) if isinstance(self, torch.nn.Parameter) \
+            else new.detach().requires_grad_(self.requires_grad)
+        torch.utils.swap_tensors(self, repl)
+    else:
+        _TB_DATA.__set__(self, new)
+
+
+def _current_accelerator(check: bool = False) -> torch.device:
+    return torch.device("cuda")
+
+
+def _exchange(idx: int) -> int:
+    return api.exchange_device(idx)
+
+
+_MEMORY = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+           "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "mem_get_info",
+           "empty_cache", "set_per_process_memory_fraction")
+_RANDOM = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all",
+           "set_rng_state_all")
+_DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_device_name",
+           "get_device_capability", "get_device_properties", "synchronize", "current_stream", "default_stream",
+           "set_stream", "is_initialized", "is_bf16_supported")
+
+
+def _table() -> list[tuple[Any, str, Any]]:
+    """Every (owner, name, replacement) the stand-in installs."""
+    cuda, mem, rnd, streams, graphs = torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams, \
+        torch.cuda.graphs
+    t: list[tuple[Any, str, Any]] = []
+    t += [(cuda, n, getattr(api, n)) for n in _DEVICE]
+    t += [(m, n, getattr(api, n)) for n in _MEMORY for m in (cuda, mem)]
+    t += [(m, n, getattr(api, n)) for n in _RANDOM for m in (cuda, rnd)]
+    t += [(m, alias, getattr(api, n)) for m in (cuda, rnd) for alias, n in
+          (("manual_seed_all", "manual_seed"), ("seed_all", "seed"))]
+    t += [(m, alias, getattr(api, n)) for m in (cuda, mem) for alias, n in
+          (("memory_cached", "memory_reserved"), ("max_memory_cached", "max_memory_reserved"),
+           ("reset_max_memory_allocated", "reset_peak_memory_stats"),
+           ("reset_max_memory_cached", "reset_peak_memory_stats"))]
+    t += [(m, n, getattr(api, n)) for n in ("Stream", "Event") for m in (cuda, streams)]
+    t += [(m, n, api.CUDAGraph if n == "CUDAGraph" else api.refuse_graphs) for m in (cuda, graphs)
+          for n in ("CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle")]
+    t += [(m, "is_current_stream_capturing", lambda: False) for m in (cuda, graphs)]
+    t += [(cuda, "default_generators", api.DefaultGenerators()), (cuda, "init", api.lazy_init),
+          (cuda, "_lazy_init", api.lazy_init), (cuda, "_initialized", True),
+          (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
+          (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
+          (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
+          (torch.cuda.nvtx, "_nvtx", NvtxStub())]
+    c = torch._C
+    # (torch._C._cuda_* stay absent: torch modules import CUDA-only bindings when they see one of them)
+    t += [(c, "_get_accelerator", _current_accelerator), (c, "_accelerator_getAccelerator", _current_accelerator),
+          (c, "_accelerator_getDeviceIndex", api.current_device), (c, "_accelerator_setDeviceIndex", api.set_device),
+          (c, "_accelerator_exchangeDevice", _exchange), (c, "_accelerator_maybeExchangeDevice", _exchange),
+          (c, "_accelerator_synchronizeDevice", lambda idx=None: None),
+          (c, "_accelerator_getStream", api.current_stream), (c, "_accelerator_setStream", api.set_stream),
+          (c, "_accelerator_emptyCache", api.empty_cache), (c, "_accelerator_getDeviceStats", api.memory_stats),
+          (c, "_accelerator_resetPeakStats", api.reset_peak_memory_stats),
+          (c, "_accelerator_resetAccumulatedStats", api.reset_accumulated_memory_stats),
+          (c, "_accelerator_getMemoryInfo", api.mem_get_info)]
+    tensor_to = torch.Tensor.to
+    t += [(torch.Tensor, "device", property(_device)), (torch.Tensor, "is_cuda", property(_is_cuda)),
+          (torch.Tensor, "data", property(_get_data, _set_data)),
+          (torch.Tensor, "_make_wrapper_subclass", staticmethod(_make_wrapper_subclass))]
+    t += [(torch, n, _patched_constructor(getattr(torch, n))) for n in ("tensor", "as_tensor", "asarray")]
+    t += [(torch.Tensor, "to", _patched_to(tensor_to)), (torch.Tensor, "cuda", _patched_cuda(tensor_to)),
+          (torch.Tensor, "pin_memory", _pin_memory), (torch.Tensor, "new_tensor", _patched_new_tensor(
+              torch.Tensor.new_tensor)), (torch, "compile", compile_guard(torch.compile)),
+          (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
+          (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
+    t += [(torch, "load", patched_load(torch.load))]
+    backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
+    t += [(torch.autograd, "_engine_run_backward", backward), (torch.autograd.graph, "_engine_run_backward", backward)]
+    return t
+
+
+#: the public torch names the stand-in replaces while enabled (the private ones: PRIVATE_TORCH_NAMES)
+PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *_RANDOM)} | {
+    "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
+    "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
+    "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.Tensor.device",
+    "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
+    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.compile",
+    "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    had = name in vars(owner)
+    _saved.append((owner, name, had, vars(owner).get(name)))
+    setattr(owner, name, value)
+
+
+def _install() -> None:
+    with _lock:
+        _register_once()
+        _native.install()
+        # torch caches sets of its own functions on first use (the default-device constructors, the ignored
+        # overrides): fill them now, with the originals, so that no replacement below is cached for good
+        torch.utils._device._device_constructors()
+        torch.overrides.get_ignored_functions()
+        for owner, name, value in _table():
+            _set(owner, name, value)
+        # torch.load restores cuda storages through this entry: onto the CPU, to become stand-ins
+        pos, entry, priority, tagger = registry_entry()
+        _saved.append((torch.serialization._package_registry, pos, True, entry))
+        torch.serialization._package_registry[pos] = (priority, tagger, deserialize_cuda)
+        # torch.device("privateuseone", i) lazily initialises "torch.privateuseone": a module with nothing to start
+        _saved.append((sys.modules, "torch.privateuseone", "torch.privateuseone" in sys.modules,
+                       sys.modules.get("torch.privateuseone")))
+        sys.modules["torch.privateuseone"] = types.ModuleType("torch.privateuseone")
+        _active[0] = True
+
+
+def _uninstall() -> None:
+    with _lock:
+        _active[0] = False
+        while _saved:
+            owner, name, had, old = _saved.pop()
+            if isinstance(owner, list):
+                owner[name] = old
+            elif owner is sys.modules:
+                if had:
+                    sys.modules[name] = old
+                else:
+                    sys.modules.pop(name, None)
+            elif had:
+                setattr(owner, name, old)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+        _native.uninstall()
+
+
+INSTALLATION = Installation(_install, _uninstall)
+
+
+@contextlib.contextmanager
+def configured(cfg: ranks.Config) -> Iterator[None]:
+    """Install (first entry) and make ``cfg`` the active configuration until exit."""
+    with INSTALLATION.enabled():
+        ranks.push_config(cfg)
+        try:
+            yield
+        finally:
+            ranks.pop_config(cfg)
+

@@ -1,0 +1,88 @@
+"""Operators with rules of their own on stand-ins: copies and device moves (across devices, as on CUDA),
+stream bookkeeping, the fallback that computes CUDA factories on the CPU, and :func:`device_of` for
+process groups that check devices."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ranks
+from .tensor import _SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, rewrap, spec, target
+
+__all__ = ["copy_from", "factory", "device_of"]
+
+
+def _inner_of(t: Any) -> Any:
+    return t._inner if type(t) is StandInTensor else t
+
+
+def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dst.copy_(src)``: any two devices, as on CUDA."""
+    dst, src = args[0], args[1]
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    _inner_of(dst).copy_(_inner_of(src), non_blocking=non_blocking)
+    return dst
+
+
+def copy_from(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``_copy_from(src, dst)`` / ``_copy_from_and_resize(src, dst)``: what ``copy_`` calls for non-CPU tensors."""
+    src, dst = args[0], args[1]
+    _inner_of(dst).copy_(_inner_of(src))
+    return dst
+
+
+def _to_copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``_to_copy``: to the CPU gives a plain tensor, to a CUDA device a stand-in (a copy, as on a GPU)."""
+    src = args[0]
+    kw = dict(kwargs)
+    dev = kw.get("device")
+    idx = target(dev) if dev is not None else (src._idx if type(src) is StandInTensor else None)
+    kw["device"] = CPU
+    kw.pop("pin_memory", None)
+    out = func(_inner_of(src), *args[1:], **kw)
+    return out if idx is None else fresh(out, idx)
+
+
+def _record_stream(func: Any, args: tuple, kwargs: dict) -> None:
+    return None  # stand-in memory is never reused early: no stream to record
+
+
+def _is_pinned(func: Any, args: tuple, kwargs: dict) -> bool:
+    return False
+
+
+_SPECIAL.update({
+    "copy_": _copy, "_copy_from": copy_from, "_copy_from_and_resize": copy_from, "_to_copy": _to_copy,
+    "record_stream": _record_stream, "is_pinned": _is_pinned,
+})
+
+
+def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """The fallback for the ``CUDA`` and ``PrivateUse1`` keys: an operator without stand-in inputs on a CUDA
+    device (a factory); computed on the CPU and wrapped on the named device."""
+    dev = kwargs.get("device")
+    idx = target(dev) if dev is not None else ranks.state().current
+    if idx is None:  # not a CUDA device after all (cannot happen through these keys): run as given
+        return func(*args, **kwargs)
+    ranks.state().initialized = True
+    kwargs["device"] = CPU
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return rewrap(func(*args, **kwargs), idx, (), spec(func), 0)
+
+
+def device_of(t: torch.Tensor) -> torch.device:
+    """The device a process group should consider ``t`` to be on.
+
+    A stand-in's ``cuda:i``; a CPU tensor that a c10d operator (a functional
+    collective) on stand-ins hands the process group, the stand-in's ``cuda:i``;
+    any other tensor, its own device.  For backends that check devices (NCCL:
+    CUDA tensors only).
+    """
+    if type(t) is StandInTensor:
+        return CUDA_DEVICES[t._idx]
+    idx = getattr(_collective_device, "idx", None)
+    if idx is not None and t.device.type == "cpu":
+        return CUDA_DEVICES[idx]
+    return t.device

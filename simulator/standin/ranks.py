@@ -1,0 +1,222 @@
+"""Per-rank device state of the CUDA stand-in: current device, current streams, memory counters.
+
+A real rank is a process with its own CUDA context; a simulated rank is a thread.
+Each simulated rank therefore gets its own :class:`DeviceState` (found through
+``simulator.state.current_rank_state()``; a thread the rank started shares it),
+and code outside any rank uses one process-wide state, as a single process would.
+
+Memory is counted per rank and device as a caching allocator reports it:
+every stand-in storage the rank allocates adds its size rounded up to 512 bytes
+(the CUDA caching allocator's smallest block) until the storage is freed, which
+a ``weakref.finalize`` on the storage observes.  ``memory_reserved`` is the
+high-water mark of allocated bytes since the last ``empty_cache()`` (a caching
+allocator keeps freed blocks until then).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorplay.distributed.errors import format_message
+
+from .._actor import current_rank_state
+
+__all__ = ["Config", "DeviceState", "state", "config", "push_config", "pop_config", "device_count",
+           "resolve_index", "track", "GIB", "BLOCK"]
+
+GIB = 1 << 30
+#: the CUDA caching allocator's allocation granularity (bytes)
+BLOCK = 512
+
+
+@dataclass(frozen=True)
+class Config:
+    """What :func:`simulator.standin.enabled` was given."""
+
+    #: devices per node (``torch.cuda.device_count()``); None: the rank's world size (1 outside a world)
+    gpus_per_node: int | None = None
+    #: bytes of memory per device (``get_device_properties().total_memory``)
+    total_memory: int = 80 * GIB
+
+
+_configs: list[Config] = []
+
+
+def push_config(cfg: Config) -> None:
+    _configs.append(cfg)
+
+
+def pop_config(cfg: Config) -> None:
+    _configs.remove(cfg)
+
+
+def config() -> Config:
+    """The innermost active configuration (the defaults when none is active)."""
+    return _configs[-1] if _configs else Config()
+
+
+class DeviceState:
+    """One rank's (or the process's) CUDA state."""
+
+    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.initialized = False
+        #: device -> [allocated, peak, reserved, peak reserved, allocations, frees, bytes allocated, bytes freed]
+        self.mem: dict[int, list[int]] = {}
+        self.streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
+        self.fraction: dict[int, float] = {}
+        self.lock = threading.Lock()  # rank threads run at once in threads mode; finalizers on any thread
+
+    def counters(self, dev: int) -> list[int]:
+        """The memory counters of ``dev`` (see ``mem``)."""
+        c = self.mem.get(dev)
+        if c is None:
+            c = self.mem.setdefault(dev, [0] * 8)
+        return c
+
+    def alloc(self, dev: int, size: int) -> None:
+        c = self.mem.get(dev) or self.counters(dev)
+        with self.lock:
+            a = c[0] = c[0] + size
+            if a > c[1]:
+                c[1] = a
+            if a > c[2]:
+                c[2] = a
+                if a > c[3]:
+                    c[3] = a
+            c[4] += 1
+            c[6] += size
+
+    def free(self, dev: int, size: int) -> None:
+        c = self.counters(dev)
+        with self.lock:
+            c[0] -= size
+            c[5] += 1
+            c[7] += size
+
+
+_process = DeviceState()
+_by_run: "weakref.WeakKeyDictionary[Any, dict[int, DeviceState]]" = weakref.WeakKeyDictionary()
+_create = threading.Lock()
+
+
+_cache = threading.local()  # per thread: (rank state, its DeviceState), the last one looked up
+
+
+def state() -> DeviceState:
+    """The calling rank's device state (the process's outside a simulated rank)."""
+    rs = current_rank_state()
+    if rs is None:
+        return _process
+    hit = getattr(_cache, "hit", None)
+    if hit is not None and hit[0] is rs:
+        return hit[1]
+    table = _by_run.get(rs.run)
+    st = table.get(rs.rank) if table is not None else None
+    if st is None:
+        with _create:
+            st = _by_run.setdefault(rs.run, {}).setdefault(rs.rank, DeviceState())
+    _cache.hit = (rs, st)
+    return st
+
+
+def device_count() -> int:
+    """Devices per node: the configured number, else the calling rank's world size (1 outside a world)."""
+    n = config().gpus_per_node
+    if n is not None:
+        return n
+    rs = current_rank_state()
+    return 1 if rs is None else rs.run.n
+
+
+def invalid_ordinal(idx: int, call: str = "torch.cuda") -> RuntimeError:
+    """torch's error for a device index past the last device, with the stand-in's note."""
+    return torch.AcceleratorError(format_message(
+        call, f"CUDA error: invalid device ordinal (cuda:{idx} does not exist)",
+        values={"device": idx, "device_count": device_count()},
+        fix="use an index below torch.cuda.device_count(), or start the stand-in with more devices per node "
+            "(simulator.standin.enabled(gpus_per_node=N), python -m simulator --devices cuda --gpus-per-node N)"))
+
+
+def resolve_index(device: Any, call: str = "torch.cuda") -> int:
+    """The CUDA index ``device`` names (None, an int, "cuda", "cuda:1", a torch.device; no index: current)."""
+    if device is None:
+        idx = None
+    elif isinstance(device, int) and not isinstance(device, bool):
+        idx = device
+    else:
+        if isinstance(device, str):
+            device = torch.device(device)
+        if not isinstance(device, torch.device):
+            idx = getattr(device, "idx", None)  # a torch.cuda.device object
+            if not isinstance(idx, int):
+                raise ValueError(f"Expected a cuda device, but got: {device!r}")
+        elif device.type not in ("cuda", "privateuseone"):
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        else:
+            idx = device.index
+    if idx is None or idx < 0:
+        idx = state().current
+    if idx >= device_count():
+        raise invalid_ordinal(idx, call)
+    return idx
+
+
+#: storages being counted, by their C++ address: (weak reference, state, device, size); none is counted twice
+_tracked: dict[int, tuple[Any, DeviceState, int, int]] = {}
+
+
+def _released(key: int) -> Any:
+    def release(ref: Any) -> None:
+        entry = _tracked.pop(key, None)
+        if entry is not None:
+            entry[1].free(entry[2], entry[3])
+
+    return release
+
+
+def track(inner: torch.Tensor, dev: int) -> None:
+    """Count a freshly allocated stand-in storage against the calling rank's ``dev`` until it is freed."""
+    storage = inner.untyped_storage()
+    key = storage._cdata
+    if key in _tracked:
+        return
+    n = storage.nbytes()
+    if n == 0:
+        return
+    size = -(-n // BLOCK) * BLOCK
+    st = state()
+    st.initialized = True
+    used = st.mem[dev][0] if dev in st.mem else 0
+    cfg = config()
+    if used + size > cfg.total_memory or dev in st.fraction:
+        _check_limit(st, dev, used, size, cfg)
+    st.alloc(dev, size)
+    # a weak reference's callback runs when torch frees the storage (its Python object lives as long as it does)
+    _tracked[key] = (weakref.ref(storage, _released(key)), st, dev, size)
+
+
+def _check_limit(st: DeviceState, dev: int, used: int, size: int, cfg: Config) -> None:
+    limit = cfg.total_memory
+    fraction = st.fraction.get(dev)
+    if fraction is not None:
+        limit = int(limit * fraction)
+    if used + size > limit:
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {_human(size)}. GPU {dev} has a total capacity of "
+            f"{_human(cfg.total_memory)} of which {_human(max(limit - used, 0))} is free. Of the allocated "
+            f"memory {_human(used)} is allocated by PyTorch (tensorplay CPU stand-in: the limit is "
+            f"simulator.standin.enabled(total_memory=...))")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"

@@ -1,0 +1,79 @@
+"""``torch.load`` of CUDA tensors on the stand-in: checkpoints saved on GPUs load onto stand-in devices.
+
+``torch.load`` restores each storage through the deserializer registered for
+its location tag; CUDA's would copy the storage to a GPU.  While the stand-in
+is enabled, :func:`deserialize_cuda` replaces it: the storage stays on the CPU
+and is noted with its device (the saved ``cuda:i``, or ``map_location``'s), and
+:func:`patched_load` turns the tensors over noted storages into stand-ins on
+that device.  Tensors are found in the loaded object's dicts, lists and tuples
+(state dicts, optimizer states, checkpoints of those); a tensor inside any other
+object (a whole pickled ``nn.Module``) loads on the CPU.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.serialization
+
+from . import ranks
+from .tensor import StandInTensor, wrap
+
+__all__ = ["deserialize_cuda", "patched_load", "registry_entry"]
+
+_noted = threading.local()  # per loading thread: storage address -> device index
+
+
+def deserialize_cuda(obj: Any, location: str) -> Any:
+    """The stand-in's deserializer for ``cuda`` locations: the storage stays on the CPU, noted with its device."""
+    if not location.startswith("cuda"):
+        return None
+    idx = ranks.resolve_index(location, "torch.load")
+    marks = getattr(_noted, "marks", None)
+    if marks is not None:
+        marks[obj._cdata] = idx
+    return obj
+
+
+def _convert(obj: Any, marks: dict[int, int]) -> Any:
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, StandInTensor):
+        idx = marks.get(obj.untyped_storage()._cdata) if obj.layout is torch.strided else None
+        if idx is None:
+            return obj
+        ranks.track(obj, idx)
+        out = wrap(obj.detach(), idx)
+        if isinstance(obj, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=obj.requires_grad)
+        return out.requires_grad_() if obj.requires_grad else out
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _convert(v, marks)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_convert(v, marks) for v in obj)
+    return obj
+
+
+def patched_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.load`` whose CUDA tensors come back as stand-ins (see the module docstring)."""
+    def load(*args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_noted, "marks", None)
+        marks: dict[int, int] = {}
+        _noted.marks = marks
+        try:
+            obj = original(*args, **kwargs)
+        finally:
+            _noted.marks = outer
+        return _convert(obj, marks) if marks else obj
+
+    load.__doc__ = original.__doc__
+    return load
+
+
+def registry_entry() -> tuple[int, Any, int, Any]:
+    """``(position, entry, priority, tagger)`` of CUDA's entry in torch's storage-location registry."""
+    for i, entry in enumerate(torch.serialization._package_registry):
+        tagger = entry[1]
+        if getattr(tagger, "args", None) == ("cuda",):
+            return i, entry, entry[0], tagger
+    raise LookupError("torch.serialization has no deserializer for cuda locations")

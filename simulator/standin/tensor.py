@@ -1,0 +1,402 @@
+"""The stand-in tensor: a ``cuda:i`` tensor whose data is a plain CPU tensor.
+
+:class:`StandInTensor` is a wrapper subclass (``torch.Tensor._make_wrapper_subclass``):
+torch's dispatcher runs autograd, views and version counting on the wrapper as
+on any tensor, then hands every operator to :func:`dispatch`, which runs it on
+the CPU tensors inside and wraps the results on the inputs' device.  To Python
+the device is ``cuda:i``; to torch's C++ side it is ``privateuseone:i`` (see
+``_native``), the one device type whose autograd works without CUDA.
+
+* **Device rules as on a GPU.**  An operator mixing ``cuda:i`` with a CPU tensor
+  of one or more dimensions, or with ``cuda:j``, raises torch's own
+  ``Expected all tensors to be on the same device`` error; 0-dim CPU tensors,
+  copies and indexing with CPU indices are allowed, as on CUDA.  The
+  simulator's own collective code (``simulator.*``, ``tensorplay.distributed``)
+  may combine several ranks' devices, as NCCL does.
+* **Aliasing.**  Views of a stand-in are stand-ins over views of its CPU data;
+  an in-place operator returns the very wrapper it was given.
+* **Factories.**  Operators with no tensor input and a CUDA device
+  (``torch.randn(..., device="cuda")``, ``torch.empty(n, device=r)``, the
+  buckets DDP's C++ reducer allocates) reach a Python fallback registered for
+  the ``CUDA`` and ``PrivateUse1`` dispatch keys, which computes them on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from tensorplay.distributed.errors import format_message
+
+from . import ranks
+from .errors import StandInError
+
+__all__ = ["StandInTensor", "wrap", "fresh", "is_standin", "dispatch", "rewrap", "spec", "target",
+           "PU_DEVICES", "CUDA_DEVICES", "CPU", "cuda_device"]
+
+_MAX_DEVICES = 64
+PU_DEVICES = [torch.device("privateuseone", i) for i in range(_MAX_DEVICES)]
+CUDA_DEVICES = [torch.device("cuda", i) for i in range(_MAX_DEVICES)]
+CPU = torch.device("cpu")
+_SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
+_make = torch.Tensor._make_wrapper_subclass
+_NO_KWARGS: dict = {}
+
+#: operators that may combine a stand-in with a CPU tensor or another device, as they may on CUDA
+_CROSS_DEVICE = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
+                 "_index_put_impl_", "_unsafe_index", "_unsafe_index_put", "lift_fresh", "set_"}
+#: in-place operators that may change the tensor's shape (a wrapper's shape is fixed at creation)
+_RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
+              "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
+#: namespaces of c10d's operators: they hand the process group the CPU tensors inside the stand-ins
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+#: namespaces whose operators are torch's own and always have a CPU implementation or decomposition
+_TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor",
+                     "profiler", "debugprims", "rngprims", "quantized_decomposed"}
+
+
+def cuda_device(idx: int) -> torch.device:
+    """The Python-visible device ``cuda:idx``."""
+    return CUDA_DEVICES[idx]
+
+
+class StandInTensor(torch.Tensor):
+    """A ``cuda:i`` tensor computed on the CPU (see the module docstring).
+
+    ``_inner`` is the CPU tensor holding the data; ``_idx`` the CUDA index.
+    """
+
+    _inner: torch.Tensor
+    _idx: int
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return dispatch(func, args, kwargs or _NO_KWARGS)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        """``cuda:i``."""
+        return CUDA_DEVICES[self._idx]
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        """True."""
+        return True
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        """A detached stand-in sharing this one's data (setting it rebinds this tensor to another stand-in)."""
+        # a wrapper's C++ ``variable_data()`` would lose ``_inner``: build the detached alias here
+        with torch.no_grad():
+            return wrap(self._inner, self._idx)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if not isinstance(new, StandInTensor):
+            raise StandInError(format_message(
+                "simulator.standin", "a stand-in's .data can only be set to another stand-in tensor",
+                values={"new": f"{type(new).__name__} on {new.device}"},
+                fix="move the new value to the device first (new.to(param.device)) or use param.copy_(new)"))
+        torch._C.TensorBase.data.__set__(self, new)  # sizes, strides, dtype, device of the new value
+        self._inner, self._idx = new._inner, new._idx
+
+    def __tensor_flatten__(self) -> tuple[list[str], int]:
+        # torch's wrapper-subclass protocol: with it, Module.to/cuda swap each parameter in place
+        # (torch.utils.swap_tensors), so tied weights stay tied and optimizers keep their parameters
+        return ["_inner"], self._idx
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], idx: int, outer_size: Any,
+                             outer_stride: Any) -> "StandInTensor":
+        return wrap(inner["_inner"], idx)
+
+    @property
+    def __cuda_array_interface__(self) -> Any:
+        raise StandInError(format_message(
+            "simulator.standin", "a stand-in tensor has no GPU memory to export (__cuda_array_interface__)",
+            values={"device": str(self.device)},
+            fix="hand the library a CPU tensor (t.cpu()) or run on a GPU"))
+
+    def type(self, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``torch.cuda.FloatTensor``-style names, as a CUDA tensor reports them."""
+        if dtype is None:
+            return _TYPE_NAMES.get(self.dtype, "torch.cuda.Tensor")
+        if isinstance(dtype, str):
+            dtype = _NAME_TYPES.get(dtype.replace(".cuda.", "."), None) or dtype
+        return self.to(dtype=dtype, non_blocking=non_blocking) if isinstance(dtype, torch.dtype) \
+            else torch.Tensor.type(self, dtype, non_blocking, **kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        # torch's printer names the class; a CUDA tensor prints as tensor(..., device='cuda:i')
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        head = type(self).__name__ + "("
+        if text.startswith(head):
+            text = "tensor(" + text[len(head):].replace("\n" + " " * len(head), "\n" + " " * len("tensor("))
+        return "Parameter containing:\n" + text if getattr(self, "_is_param", False) else text
+
+    def __format__(self, spec: str) -> str:
+        # torch formats only exact torch.Tensor scalars by value; its printer formats elements this way
+        return self.item().__format__(spec) if self.dim() == 0 else object.__format__(self, spec)
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """Refused with torch's error for CUDA tensors: copy to the CPU first."""
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+    def __array__(self, dtype: Any = None) -> Any:
+        return self.numpy()
+
+    def tolist(self) -> Any:
+        """The values as (nested) Python numbers."""
+        return self._inner.tolist()
+
+    def data_ptr(self) -> int:
+        """The address of the CPU data (unique per storage, as a GPU pointer is)."""
+        return self._inner.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The CPU storage holding the data."""
+        return self._inner.untyped_storage()
+
+    def __deepcopy__(self, memo: dict) -> "StandInTensor":
+        # torch's version rebuilds from the wrapper's storage, which holds no data: copy the CPU data instead
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                               "because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        if id(self) in memo:
+            return memo[id(self)]
+        new = fresh(self._inner.clone(memory_format=torch.preserve_format), self._idx)
+        memo[id(self)] = new
+        if self.requires_grad:
+            new.requires_grad_()
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for k, v in self.__dict__.items():
+            if k not in ("_inner", "_idx"):
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        # saved as the CPU tensor it holds: torch.load (weights_only too) reads it back on the CPU
+        return self._inner.__reduce_ex__(proto)
+
+
+_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float64: "torch.cuda.DoubleTensor",
+               torch.float16: "torch.cuda.HalfTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+               torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
+               torch.int16: "torch.cuda.ShortTensor", torch.int8: "torch.cuda.CharTensor",
+               torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor"}
+_NAME_TYPES = {name.replace(".cuda.", "."): dt for dt, name in _TYPE_NAMES.items()}
+
+
+def is_standin(t: Any) -> bool:
+    """Whether ``t`` is a stand-in (a CPU-backed ``cuda`` tensor)."""
+    return isinstance(t, StandInTensor)
+
+
+def wrap(inner: torch.Tensor, idx: int) -> StandInTensor:
+    """A stand-in on ``cuda:idx`` over the CPU tensor ``inner`` (which must not require grad)."""
+    if inner.layout is not torch.strided:
+        raise StandInError(format_message(
+            "simulator.standin", "only dense (strided) tensors can live on a stand-in device",
+            values={"layout": str(inner.layout)}, fix="use dense tensors, or run this part on the CPU"))
+    size = inner.size()
+    if inner.is_contiguous() and inner.storage_offset() == 0 and 1 not in size:
+        # the wrapper's default strides are exactly these (passing them costs a third of the wrapping)
+        r = _make(StandInTensor, size, dtype=inner.dtype, device=PU_DEVICES[idx])
+    else:
+        r = _make(StandInTensor, size, strides=inner.stride(), storage_offset=inner.storage_offset(),
+                  dtype=inner.dtype, device=PU_DEVICES[idx])
+    r._inner = inner
+    r._idx = idx
+    return r
+
+
+def fresh(inner: torch.Tensor, idx: int) -> StandInTensor:
+    """:func:`wrap` for an operator's newly allocated result: counted in the rank's memory."""
+    ranks.track(inner, idx)
+    return wrap(inner, idx)
+
+
+# -- per-operator facts, computed once -------------------------------------------------------------------
+class _Spec:
+    __slots__ = ("special", "cross", "reshaping", "fresh", "name", "mutates", "call", "collective")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        base = schema.name.split("::")[-1]
+        self.name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+        self.special: Callable[..., Any] | None = _SPECIAL.get(base)
+        self.cross = base in _CROSS_DEVICE
+        self.reshaping = base in _RESHAPING or schema.overload_name.startswith("out")
+        # results without alias annotation are new allocations; views and in-place results are not
+        self.fresh = [r.alias_info is None for r in schema.returns] or [True]
+        # only an operator that writes an argument can return one of its inputs
+        self.mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        self.call = func._op  # the operator itself, without OpOverload.__call__'s Python frame
+        ns = schema.name.split("::")[0]
+        self.collective = ns in _COLLECTIVE_NAMESPACES
+        # the CPU entry of the computed table includes composite kernels and fallbacks
+        if ns not in _TORCH_NAMESPACES and self.special is None and \
+                not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "CPU"):
+            self.special = _no_cpu_kernel
+
+
+_SPECS: dict[Any, _Spec] = {}
+#: operators with rules of their own (copies, device moves...), by base name: filled by ``ops``
+_SPECIAL: dict[str, Callable[..., Any]] = {}
+
+
+def spec(func: Any) -> _Spec:
+    s = _SPECS.get(func)
+    if s is None:
+        s = _SPECS[func] = _Spec(func)
+    return s
+
+
+def _no_cpu_kernel(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise StandInError(format_message(
+        "simulator.standin", "this operator has a GPU kernel only (a custom CUDA extension or Triton kernel), "
+        "which the CPU stand-in cannot run", values={"operator": func.name()},
+        fix=f"register a CPU implementation (torch.library.impl('{func._schema.name}', 'CPU', fn)) so the "
+            "simulator can compute it, or run this program on real GPUs"))
+
+
+# -- unwrapping -----------------------------------------------------------------------------------------
+# ``seen`` is a 4-slot list: [first device label, (label, label) of the first conflict, stand-in index,
+# owners: [(inner, wrapper)] or None when the operator cannot return an input]
+_SCALARS = (int, float, bool, type(None), str, torch.dtype, torch.memory_format, torch.layout)
+
+
+def _label(x: Any) -> str:
+    return f"cuda:{x}" if isinstance(x, int) else str(x)
+
+
+def _note(seen: list, label: Any) -> None:
+    first = seen[0]
+    if first is None:
+        seen[0] = label
+    elif label != first and seen[1] is None:
+        seen[1] = (_label(first), _label(label))
+
+
+def _unwrap(a: Any, seen: list) -> Any:
+    t = type(a)
+    if t is StandInTensor:
+        idx = a._idx
+        if seen[0] is None:
+            seen[0] = seen[2] = idx
+        else:
+            if seen[2] is None:
+                seen[2] = idx
+            if idx != seen[0] and seen[1] is None:
+                seen[1] = (_label(seen[0]), _label(idx))
+        inner = a._inner
+        if seen[3] is not None:
+            seen[3].append((inner, a))
+        return inner
+    if t in _SCALARS:
+        return a
+    if t is list or t is tuple:
+        return t([_unwrap(x, seen) for x in a])
+    if isinstance(a, torch.Tensor) and (a.dim() != 0 or a.device.type != "cpu"):
+        _note(seen, a.device)  # CUDA accepts 0-dim CPU tensors as scalars; any other tensor is a device
+    return a
+
+
+def _from_collective_code() -> bool:
+    """Whether the innermost caller outside torch is the simulator's or tensorplay's collective code.
+
+    Only asked when an operator mixes devices, which user code may not do but a
+    collective that combines several ranks' tensors must.
+    """
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if not (name.startswith("torch.") or name.startswith("simulator.standin")):
+            return name.startswith("simulator.") or name.startswith("tensorplay.distributed")
+        f = f.f_back
+    return False
+
+
+def target(device: Any) -> int | None:
+    """The stand-in index a ``device=`` argument names; None for the CPU (or any other non-CUDA device)."""
+    if device is None:
+        return None
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device.type in ("cuda", "privateuseone"):
+        return ranks.resolve_index(device)
+    return None
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on the CPU tensors inside the stand-ins among its arguments; wrap the results."""
+    sp = _SPECS.get(func) or spec(func)
+    if sp.special is not None:
+        return sp.special(func, args, kwargs)
+    seen = [None, None, None, [] if sp.mutates else None]
+    uargs = [_unwrap(a, seen) for a in args]
+    if kwargs:
+        ukw = {k: _unwrap(v, seen) for k, v in kwargs.items()}
+        dev = ukw.get("device")
+        if dev is not None:  # a factory-like operator (new_empty, zeros_like...): the device named wins
+            seen[2] = target(dev)
+            ukw["device"] = CPU if seen[2] is not None else dev
+    else:
+        ukw = kwargs
+    if seen[1] is not None and not sp.cross and not _from_collective_code():
+        raise RuntimeError(_SAME_DEVICE.format(*seen[1]))
+    if sp.collective:
+        out = _collective(sp, seen[2], uargs, ukw)
+    else:
+        out = sp.call(*uargs, **ukw)
+    idx = seen[2]
+    if idx is None:
+        return out
+    if type(out) is torch.Tensor and seen[3] is None:  # the common case: one new tensor or view
+        return fresh(out, idx) if sp.fresh[0] else wrap(out, idx)
+    return rewrap(out, idx, seen[3] or (), sp, 0)
+
+
+_collective_device = threading.local()
+
+
+def _collective(spec: _Spec, idx: int | None, uargs: list, ukw: dict) -> Any:
+    prev = getattr(_collective_device, "idx", None)
+    _collective_device.idx = idx
+    try:
+        return spec.call(*uargs, **ukw)
+    finally:
+        _collective_device.idx = prev
+
+
+def rewrap(out: Any, idx: int, owners: Any, sp: _Spec, pos: int) -> Any:
+    """Wrap an operator's result(s) on ``cuda:idx``; ``owners``: (inner, wrapper) of the inputs it may return."""
+    if isinstance(out, torch.Tensor):
+        for inner, w in owners:
+            if out is inner:  # an in-place or out= result: the wrapper the caller holds
+                if sp.reshaping and (out.shape != w.shape or out.stride() != w.stride()
+                                     or out.storage_offset() != w.storage_offset()):
+                    raise _reshaped(sp, w, out)
+                return w
+        new = sp.fresh[pos] if pos < len(sp.fresh) else sp.fresh[-1]
+        return fresh(out, idx) if new else wrap(out, idx)
+    t = type(out)
+    if t is tuple or t is list:
+        return t([rewrap(o, idx, owners, sp, i if t is tuple else pos) for i, o in enumerate(out)])
+    return out
+
+
+def _reshaped(spec: _Spec, w: StandInTensor, out: torch.Tensor) -> StandInError:
+    return StandInError(format_message(
+        "simulator.standin", "an in-place operator changed a stand-in tensor's shape or strides, which a "
+        "stand-in cannot follow", values={"operator": spec.name, "shape": list(w.shape), "new_shape": list(out.shape)},
+        fix="use the out-of-place form (y = x.t() instead of x.t_(); a correctly sized out= tensor; "
+            "torch.empty(new_shape, device=x.device) instead of x.resize_(...))"))

@@ -1,0 +1,601 @@
+"""The CUDA stand-in (issue 22): programs written for GPUs run unmodified on simulated ranks without a GPU.
+
+Every numeric check compares against the same computation on plain CPU tensors: the stand-in computes
+on the CPU, so results must agree bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import simulator
+from simulator import standin
+from simulator.standin import StandInError, StandInTensor
+
+SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices"
+
+
+@pytest.fixture
+def two_gpus():
+    with standin.enabled(gpus_per_node=2):
+        yield
+
+
+# -- the torch.cuda surface ---------------------------------------------------------------------------
+def test_device_queries_and_selection(two_gpus):
+    assert torch.cuda.is_available()
+    assert torch.cuda.device_count() == 2
+    assert torch.cuda.current_device() == 0
+    for sel, want in ((1, 1), ("cuda:0", 0), (torch.device("cuda", 1), 1), (torch.device("cuda:0"), 0)):
+        torch.cuda.set_device(sel)
+        assert torch.cuda.current_device() == want
+    with torch.cuda.device(1):
+        assert torch.cuda.current_device() == 1
+        assert torch.empty(2, device="cuda").device == torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(2)
+    assert torch.cuda.get_device_name(1) == "tensorplay CPU stand-in (cuda:1)"
+    props = torch.cuda.get_device_properties(0)
+    assert (props.major, props.minor, props.total_memory) == (9, 0, standin.DEFAULT_TOTAL_MEMORY)
+    assert props.multi_processor_count > 0 and torch.cuda.get_device_capability() == (9, 0)
+    assert torch.cuda.is_bf16_supported()
+    torch.cuda.synchronize()
+    torch.cuda.synchronize(1)
+    assert torch.accelerator.current_accelerator() == torch.device("cuda")
+    assert torch.accelerator.device_count() == 2 and torch.accelerator.is_available()
+
+
+def test_total_memory_and_device_count_are_parameters():
+    with standin.enabled(gpus_per_node=3, total_memory=2 ** 30):
+        assert torch.cuda.device_count() == 3
+        assert torch.cuda.get_device_properties(2).total_memory == 2 ** 30
+        assert torch.cuda.mem_get_info(0) == (2 ** 30 - torch.cuda.memory_reserved(0), 2 ** 30)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        standin.enabled(gpus_per_node=0)
+    with pytest.raises(ValueError, match="total_memory"):
+        standin.enabled(total_memory=-1)
+
+
+def test_everything_is_restored_on_exit():
+    before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
+              torch._C._get_accelerator(), torch.accelerator.current_accelerator())
+    with standin.enabled():
+        with standin.enabled(gpus_per_node=4):  # nested: the innermost configuration applies
+            assert torch.cuda.device_count() == 4
+        assert torch.cuda.device_count() == 1
+        kept = torch.ones(2, device="cuda")
+    after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
+             torch._C._get_accelerator(), torch.accelerator.current_accelerator())
+    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None)
+    assert not standin.is_active()
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+        torch.empty(2, device="cuda")
+    assert torch.equal(kept.cpu(), torch.ones(2))  # a stand-in kept past the context still holds its data
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()  # CPU autograd is untouched
+    assert torch.equal(x.grad, torch.full((2,), 3.0))
+
+
+def test_streams_and_events(two_gpus):
+    s = torch.cuda.Stream()
+    assert s.device == torch.device("cuda", 0) and s.query() and isinstance(s, torch.Stream)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    with torch.cuda.stream(s):
+        assert torch.cuda.current_stream() == s
+        x = torch.ones(3, device="cuda") * 2
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    x.record_stream(s)
+    s.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    y = x @ x
+    end.record(s)
+    s.wait_event(end)
+    end.wait()
+    end.synchronize()
+    assert end.query() and end.elapsed_time(end) == 0.0 and start.elapsed_time(end) >= 0.0
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        torch.cuda.Event().elapsed_time(end)
+    with pytest.raises(RuntimeError, match="must be recorded"):
+        torch.cuda.Event(enable_timing=True).elapsed_time(end)
+    assert torch.cuda.Stream(device=1).device == torch.device("cuda", 1)
+    assert y.item() == 12.0
+
+
+def test_memory_counters_follow_live_tensors(two_gpus):
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    a = torch.empty(1000, device="cuda")  # 4000 bytes: one 4096-byte block
+    assert torch.cuda.memory_allocated() == base + 4096
+    b = torch.empty(10, device="cuda")  # rounded up to 512 bytes
+    assert torch.cuda.memory_allocated() == base + 4096 + 512
+    v = a.view(10, 100)  # a view allocates nothing
+    assert torch.cuda.memory_allocated() == base + 4096 + 512
+    c = torch.empty(10, device="cuda:1")
+    assert torch.cuda.memory_allocated(1) >= 512 and torch.cuda.memory_allocated(0) == base + 4608
+    del a
+    assert torch.cuda.memory_allocated() == base + 4608  # the view keeps the storage alive
+    del v, b
+    assert torch.cuda.memory_allocated() == base
+    assert torch.cuda.max_memory_allocated() == base + 4608
+    assert torch.cuda.memory_reserved() >= base + 4608
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == base
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == base
+    stats = torch.cuda.memory_stats()
+    assert stats["allocated_bytes.all.current"] == base and stats["allocation.all.allocated"] >= 2
+    assert "PyTorch CUDA memory summary, device ID 0" in torch.cuda.memory_summary()
+    del c
+
+
+def test_out_of_memory_names_the_limit():
+    with standin.enabled(gpus_per_node=1, total_memory=1 << 20):
+        keep = torch.empty(200_000, device="cuda")  # 800 kB of 1 MiB
+        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory.*total_memory"):
+            torch.empty(100_000, device="cuda")
+        del keep
+
+
+def test_rng_is_the_cpu_generator(two_gpus):
+    torch.cuda.manual_seed(7)
+    a = torch.randn(5, device="cuda")
+    torch.manual_seed(7)
+    assert torch.equal(a.cpu(), torch.randn(5))
+    state = torch.cuda.get_rng_state()
+    b = torch.rand(3, device="cuda")
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda").cpu(), b.cpu())
+    torch.cuda.manual_seed_all(3)
+    assert torch.cuda.initial_seed() == 3 and len(torch.cuda.get_rng_state_all()) == 2
+    assert len(torch.cuda.default_generators) == 2
+
+
+# -- tensors --------------------------------------------------------------------------------------------
+def test_factories_make_standins_on_the_named_device(two_gpus):
+    torch.cuda.set_device(1)
+    cases = {
+        "cuda": torch.randn(2, 3, device="cuda"), "cuda:0": torch.zeros(2, device=torch.device("cuda", 0)),
+        "int": torch.empty(2, device=0), "tensor": torch.tensor([1.0, 2.0], device="cuda"),
+        "arange": torch.arange(4, device="cuda:0"), "full": torch.full((2,), 3.0, device="cuda"),
+    }
+    want = {"cuda": 1, "cuda:0": 0, "int": 0, "tensor": 1, "arange": 0, "full": 1}
+    for name, t in cases.items():
+        assert isinstance(t, StandInTensor) and t.is_cuda, name
+        assert t.device.type == "cuda" and t.device.index == want[name], name
+        assert t.get_device() == want[name]
+    x = cases["cuda"]
+    for like in (torch.zeros_like(x), torch.ones_like(x), torch.empty_like(x), x.new_zeros(4), x.new_tensor([1.0])):
+        assert like.device == x.device and isinstance(like, StandInTensor)
+    assert torch.equal(cases["tensor"].cpu(), torch.tensor([1.0, 2.0]))
+    assert torch.zeros_like(x, device="cpu").device.type == "cpu"
+    torch.cuda.set_device(0)
+
+
+def test_operators_compute_the_cpu_results(two_gpus):
+    torch.manual_seed(0)
+    a, b, i = torch.randn(4, 5), torch.randn(5, 3), torch.tensor([2, 0])
+    ga, gb = a.cuda(), b.to("cuda")
+    ops = {
+        "matmul": lambda x, y: x @ y, "add": lambda x, y: x[:, :3] + y[:4] * 2,
+        "reduce": lambda x, y: (x.sum(1), x.max(0).values, x.mean()), "softmax": lambda x, y: x.softmax(-1),
+        "index": lambda x, y: x[i.to(x.device)] if x.is_cuda else x[i], "cat": lambda x, y: torch.cat([x, x]),
+        "where": lambda x, y: torch.where(x > 0, x, -x), "sort": lambda x, y: x.sort(1),
+        "inplace": lambda x, y: x.clone().mul_(3).add_(1), "scalar": lambda x, y: x * torch.tensor(2.5),
+    }
+    for name, op in ops.items():
+        got, want = op(ga, gb), op(a, b)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            assert g.device.type == "cuda", name
+            assert torch.equal(g.cpu(), w), name
+    assert ga.tolist() == a.tolist() and ga.sum().item() == a.sum().item()
+    assert "device='cuda:0'" in repr(ga) and ga.type() == "torch.cuda.FloatTensor"
+
+
+def test_device_mixing_raises_torchs_error(two_gpus):
+    x = torch.ones(3, device="cuda")
+    with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):
+        x + torch.ones(3)
+    with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cpu and cuda:0!$"):
+        torch.ones(2, 3) @ torch.ones(3, 2, device="cuda")
+    with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cuda:1!$"):
+        x + torch.ones(3, device="cuda:1")
+    assert torch.equal((x + torch.tensor(1.0)).cpu(), torch.full((3,), 2.0))  # 0-dim CPU: a scalar, as on CUDA
+    x.copy_(torch.arange(3.0))  # copies cross devices
+    assert torch.equal(x.cpu(), torch.arange(3.0))
+    assert torch.equal(x[torch.tensor([2])].cpu(), torch.tensor([2.0]))  # CPU indices are accepted
+    with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+        x.numpy()
+
+
+def test_conversions_copy_between_devices(two_gpus):
+    x = torch.arange(4.0, device="cuda")
+    for cpu in (x.cpu(), x.to("cpu"), x.to(torch.device("cpu"))):
+        assert type(cpu) is torch.Tensor and cpu.device.type == "cpu"
+        cpu.add_(1)
+    assert torch.equal(x.cpu(), torch.arange(4.0))  # the copies did not alias
+    assert x.to("cuda") is x and x.cuda() is x and x.to(0) is x and x.to("cuda:0") is x  # same device: no copy
+    for other in (x.to("cuda:1"), x.cuda(1), x.to(1), x.to(torch.device("cuda", 1))):
+        assert other.device == torch.device("cuda", 1) and other is not x
+        other.add_(1)
+    assert torch.equal(x.cpu(), torch.arange(4.0))
+    assert x.to(torch.float64).dtype == torch.float64 and x.double().device == x.device
+
+
+def test_views_and_inplace_alias(two_gpus):
+    x = torch.zeros(2, 3, device="cuda")
+    v = x.view(6)
+    v.add_(1)
+    assert torch.equal(x.cpu(), torch.ones(2, 3))
+    assert x.t().data_ptr() == x.data_ptr()
+    y = x.mul_(2)
+    assert y is x and torch.equal(x.cpu(), torch.full((2, 3), 2.0))
+    torch.add(x, 1, out=x)
+    assert torch.equal(v.cpu(), torch.full((6,), 3.0))
+    with pytest.raises(StandInError, match="out-of-place form"):
+        x.t_()
+
+
+def test_autograd_gives_standin_gradients(two_gpus):
+    torch.manual_seed(0)
+    w0, x0 = torch.randn(4, 3), torch.randn(5, 4)
+    w = w0.clone().cuda().requires_grad_()
+    wc = w0.clone().requires_grad_()
+    (torch.tanh(x0.cuda() @ w) ** 2).sum().backward()
+    (torch.tanh(x0 @ wc) ** 2).sum().backward()
+    assert isinstance(w.grad, StandInTensor) and w.grad.device == w.device
+    assert torch.equal(w.grad.cpu(), wc.grad)
+    (g,) = torch.autograd.grad((w * 2).sum(), w)
+    assert torch.equal(g.cpu(), torch.full((4, 3), 2.0))
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5))
+
+
+def _train(model: torch.nn.Module, device: str, steps: int = 3) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(20, 10, generator=g).to(device), torch.randn(20, 5, generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def test_training_equals_the_cpu_bit_for_bit(two_gpus):
+    model = _mlp().to(1)
+    for p in model.parameters():
+        assert isinstance(p, torch.nn.Parameter) and isinstance(p, StandInTensor)
+        assert p.device == torch.device("cuda", 1) and p.requires_grad
+    assert all(b.is_cuda for b in _mlp().cuda().parameters())
+    got, want = _train(model, "cuda:1"), _train(_mlp(), "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_adam_dropout_norms_and_clipping_equal_the_cpu(two_gpus):
+    def run(device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.LayerNorm(10), torch.nn.GELU(),
+                                    torch.nn.Dropout(0.1), torch.nn.Linear(10, 5)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):  # dropout draws from the CPU generator on both: the same masks
+            loss = model(torch.randn(8, 10).to(device)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run("cuda"), run("cpu")))
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_module_to_keeps_parameter_identity_and_ties(two_gpus):
+    model = _TiedLM()
+    weight = model.emb.weight
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.cuda(1)
+    assert model.emb.weight is weight and model.head.weight is weight  # as param.data = ... keeps them on a GPU
+    assert weight.device == torch.device("cuda", 1) and isinstance(weight, torch.nn.Parameter)
+    before = weight.detach().cpu().clone()
+    model.head(model.emb(torch.tensor([1, 2], device="cuda:1"))).sum().backward()
+    opt.step()  # the optimizer built before .cuda() updates the moved parameter
+    assert not torch.equal(weight.cpu(), before) and weight.grad.device == weight.device
+
+
+def test_module_copies_and_casts(two_gpus):
+    model = _mlp().cuda()
+    twin = copy.deepcopy(model)
+    assert isinstance(twin[0].weight, StandInTensor) and twin[0].weight.data_ptr() != model[0].weight.data_ptr()
+    assert torch.equal(twin[0].weight.cpu(), model[0].weight.cpu()) and twin[0].weight.requires_grad
+    model.half()
+    assert model[0].weight.dtype == torch.float16 and model[0].weight.is_cuda
+    assert model(torch.randn(2, 10, device="cuda").half()).dtype == torch.float16
+    model.cpu()
+    assert type(model[0].weight) is torch.nn.Parameter and model[0].weight.device.type == "cpu"
+
+
+def test_state_dict_round_trip(two_gpus):
+    model = _mlp().cuda()
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only: saved as the CPU tensors the stand-ins hold
+    fresh = torch.nn.Linear(10, 10).cuda()
+    fresh.load_state_dict({k[2:]: v for k, v in loaded.items() if k.startswith("0.")})
+    assert torch.equal(fresh.weight.cpu(), model[0].weight.cpu()) and fresh.weight.is_cuda
+
+
+def test_autocast_computes_in_bf16_on_the_cpu(two_gpus):
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    ga, gb = a.cuda(), b.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mm, soft, lin = ga @ gb, torch.softmax(ga, -1), torch.nn.functional.linear(ga, gb.t())
+    assert mm.dtype == lin.dtype == torch.bfloat16 and soft.dtype == torch.float32
+    assert torch.equal(mm.cpu(), a.bfloat16() @ b.bfloat16())
+    assert (ga @ gb).dtype == torch.float32  # off again after the region
+    model = torch.nn.Linear(8, 3).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(ga).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert model.weight.grad.dtype == torch.float32 and torch.isfinite(model.weight.cpu()).all()
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+def test_what_cannot_be_faithful_is_refused(two_gpus):
+    model = _mlp().cuda()
+    with pytest.raises(StandInError, match="torch.compile.*Fix: run the model eagerly"):
+        torch.compile(model)
+    compiled = torch.compile(lambda t: t * 2)
+    with pytest.raises(StandInError, match="stand-in tensor was passed"):
+        compiled(torch.ones(2, device="cuda"))
+    for graph_call in (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle):
+        with pytest.raises(StandInError, match="CUDA graph"):
+            graph_call()
+    with torch.library._scoped_library("standin_test", "FRAGMENT") as lib:
+        lib.define("gpu_only(Tensor x) -> Tensor")
+        lib.impl("gpu_only", lambda x: x, "CUDA")
+        with pytest.raises(StandInError, match="GPU kernel only.*standin_test::gpu_only.*Fix: register a CPU"):
+            torch.ops.standin_test.gpu_only(torch.ones(2, device="cuda"))
+    torch.cuda.nvtx.range_push("step")  # profiling annotations are accepted
+    torch.cuda.nvtx.range_pop()
+    assert torch.ones(2).pin_memory().device.type == "cpu"  # pinning is a no-op
+
+
+def _functional_all_reduce():
+    import torch.distributed._functional_collectives as fc
+
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    seen = []
+    pg = tdist.group.WORLD
+    original = type(pg).allreduce
+
+    def spy(self, tensors, opts=None):  # what the process group is handed, as a backend check would see it
+        seen.extend(str(standin.device_of(t)) for t in tensors)
+        return original(self, tensors, opts)
+
+    type(pg).allreduce = spy
+    try:
+        out = fc.all_reduce(torch.full((2,), float(r + 1), device="cuda"), "sum", pg)
+        out = out.wait() if hasattr(out, "wait") else out
+    finally:
+        type(pg).allreduce = original
+    return str(out.device), out.cpu().tolist(), seen
+
+
+def test_device_of_names_the_standin_device_inside_functional_collectives():
+    with standin.enabled(gpus_per_node=2):
+        out = simulator.run(_functional_all_reduce, 2)
+        assert standin.device_of(torch.ones(1, device="cuda:1")) == torch.device("cuda", 1)
+    assert standin.device_of(torch.ones(1)) == torch.device("cpu")
+    assert out == [("cuda:0", [3.0, 3.0], ["cuda:0"]), ("cuda:1", [3.0, 3.0], ["cuda:1"])]
+
+
+# -- simulated ranks ------------------------------------------------------------------------------------
+def _rank_devices():
+    r = simulator.current_rank_state().rank
+    fresh = torch.cuda.is_initialized()  # a new process has not touched CUDA yet
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(r)
+    x = torch.ones(1000, device="cuda")
+    return fresh, torch.cuda.is_initialized(), before, torch.cuda.current_device(), str(x.device), \
+        torch.cuda.memory_allocated(), torch.cuda.memory_allocated(1 - r)
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_each_rank_has_its_own_current_device_and_memory(mode):
+    with standin.enabled(gpus_per_node=2):
+        out = simulator.run(_rank_devices, 2, mode=mode)
+    assert out == [(False, True, 0, 0, "cuda:0", 4096, 0), (False, True, 0, 1, "cuda:1", 4096, 0)]
+
+
+def _ddp_grads(use_cuda: bool, backend: str):
+    tdist.init_process_group(backend)
+    r = tdist.get_rank()
+    model = _mlp()
+    if use_cuda:
+        torch.cuda.set_device(r)
+        ddp = DDP(model.to(r), device_ids=[r])
+    else:
+        ddp = DDP(model)
+    g = torch.Generator().manual_seed(r)
+    x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
+    dev = torch.device("cuda", r) if use_cuda else torch.device("cpu")
+    torch.nn.functional.mse_loss(ddp(x.to(dev)), y.to(dev)).backward()
+    return [(str(p.device), p.grad.cpu()) for p in ddp.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_ddp_on_standins_equals_cpu_ddp(backend):
+    want = simulator.run(_ddp_grads, 2, args=(False, "gloo"))
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_ddp_grads, 2, args=(True, backend))
+    for r in range(2):
+        assert [d for d, _ in got[r]] == [f"cuda:{r}"] * 4
+        assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got[r], want[r]))
+    # DDP averaged the two ranks' gradients: both ranks hold the same values
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[0], got[1]))
+
+
+def test_cuda_checkpoints_load_onto_standins(two_gpus):
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(3.0)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location="cuda:1")
+    assert isinstance(loaded["w"], StandInTensor) and loaded["w"].device == torch.device("cuda", 1)
+    assert torch.equal(loaded["w"].cpu(), torch.arange(3.0))
+    buf.seek(0)
+    assert torch.load(buf)["w"].device.type == "cpu"  # no map_location: where it was saved
+
+
+def test_checkpoints_saved_on_gpus_load_onto_their_devices(two_gpus, monkeypatch):
+    buf = io.BytesIO()
+    with monkeypatch.context() as m:  # what torch.save writes on a GPU: storages tagged "cuda:1"
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+        torch.save({"w": torch.arange(3.0), "step": 5}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded["step"] == 5 and loaded["w"].device == torch.device("cuda", 1)
+    buf.seek(0)
+    moved = torch.load(buf, map_location={"cuda:1": "cuda:0"})
+    assert moved["w"].device == torch.device("cuda", 0) and torch.equal(moved["w"].cpu(), torch.arange(3.0))
+
+
+def _fsdp2_step(use_cuda: bool, move_first: bool = True):
+    from torch.distributed.fsdp import fully_shard
+
+    tdist.init_process_group("nccl" if use_cuda else "gloo")
+    r = tdist.get_rank()
+    if use_cuda:
+        torch.cuda.set_device(r)
+    model = _mlp()
+    if move_first:
+        model = model.to(torch.device("cuda", r) if use_cuda else "cpu")
+    fully_shard(model[0])  # a CPU model is moved to the mesh's device here (param.data = param.to(device))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(4, 10, generator=g).to(model[0].weight.device)
+    model(x).square().mean().backward()
+    opt.step()
+    return [(str(p.device), p.full_tensor().cpu()) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("move_first", [True, False])
+def test_fsdp2_on_standins_equals_fsdp2_on_the_cpu(move_first):
+    want = simulator.run(_fsdp2_step, 2, args=(False,))
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_fsdp2_step, 2, args=(True, move_first))
+    for r in range(2):
+        assert [d for d, _ in got[r]] == [f"cuda:{r}"] * 4
+        assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got[r], want[r]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the world's and the command line's switch: simulator.run(devices="cuda"), python -m simulator --devices cuda
+# ---------------------------------------------------------------------------------------------------------------
+def _per_rank_devices() -> tuple:
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    x = torch.arange(4.0, device="cuda") * (r + 1)
+    return torch.cuda.is_available(), torch.cuda.device_count(), str(x.device), x.cpu().tolist()
+
+
+def test_the_world_switch_gives_each_rank_its_stand_in_devices():
+    got = simulator.run(_per_rank_devices, 3, devices="cuda", gpus_per_node=4)
+    assert got == [(True, 4, f"cuda:{r}", [0.0, r + 1.0, 2 * (r + 1.0), 3 * (r + 1.0)]) for r in range(3)]
+    assert not torch.cuda.is_available()  # restored after the run
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(devices="tpu"), "devices='tpu'"),
+    (dict(devices="cuda", gpus_per_node=0), "gpus_per_node=0"),
+    (dict(devices="cuda", isolation="process"), "isolation='process'"),
+])
+def test_the_world_switch_is_validated_before_anything_runs(kwargs, needle):
+    from tensorplay.distributed.errors import DistValueError
+
+    with pytest.raises(DistValueError, match="Fix:") as info:
+        simulator.World(2, **kwargs)
+    assert needle in str(info.value)
+
+
+GPU_SCRIPT = '''
+import os, torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+local_rank = int(os.environ["LOCAL_RANK"])
+{setup}
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)).to({dev})
+ddp = DDP(model, device_ids={ids})
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+torch.manual_seed(rank)
+x, y = torch.randn(20, 10).to({dev}), torch.randn(20, 5).to({dev})
+for _ in range(3):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    opt.step()
+print(f"rank={{rank}} device={{loss.device.type}} loss={{loss.item():.8f}} w={{model[0].weight.sum().item():.8f}}")
+dist.destroy_process_group()
+'''
+
+
+def _cli(tmp_path, name: str, text: str, *flags: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / name
+    script.write_text(text)
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", *flags, str(script)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
+def test_a_script_written_for_gpus_runs_unmodified_and_matches_its_cpu_edit(tmp_path):
+    """The GPU-written script (set_device, nccl, .to(local_rank), device_ids) under --devices cuda prints what the
+    same script edited for the CPU (gloo, no device) prints on simulated ranks, digit for digit."""
+    gpu = GPU_SCRIPT.format(setup='torch.cuda.set_device(local_rank)\ndist.init_process_group("nccl")',
+                            dev="local_rank", ids="[local_rank]")
+    cpu = GPU_SCRIPT.format(setup='dist.init_process_group("gloo")', dev='"cpu"', ids="None")
+    on_gpu = _cli(tmp_path, "gpu.py", gpu, "--devices", "cuda")
+    on_cpu = _cli(tmp_path, "cpu.py", cpu)
+    assert on_gpu.returncode == 0 and on_cpu.returncode == 0, on_gpu.stderr[-3000:] + on_cpu.stderr[-3000:]
+    lines = lambda out: sorted(ln for ln in out.splitlines() if ln.startswith("rank="))  # noqa: E731
+    assert len(lines(on_gpu.stdout)) == 2
+    assert [ln.replace("device=cuda", "device=cpu") for ln in lines(on_gpu.stdout)] == lines(on_cpu.stdout)
+    assert all("device=cuda" in ln for ln in lines(on_gpu.stdout))
+
+
+def test_without_the_switch_a_gpu_script_fails_with_the_fix(tmp_path):
+    gpu = GPU_SCRIPT.format(setup='torch.cuda.set_device(local_rank)\ndist.init_process_group("nccl")',
+                            dev="local_rank", ids="[local_rank]")
+    proc = _cli(tmp_path, "gpu.py", gpu)
+    assert proc.returncode == 1
+    assert "pass --devices cuda" in proc.stderr, proc.stderr[-3000:]
