@@ -445,6 +445,10 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
         knob = "--devices cuda" if world.bound_names is not PYTHON else "devices='cuda'"
         note += (f"\n[simulator] the program uses CUDA and this machine has no GPU: pass {knob} to give each rank "
                  f"CUDA devices backed by the CPU (the program runs unmodified)")
+    if world.isolation == "thread" and _per_process_state(exc):
+        knob = "--isolation process" if world.bound_names is not PYTHON else "isolation='process'"
+        note += (f"\n[simulator] this looks like state a real process keeps for itself, shared here by rank threads "
+                 f"of one process: run with {knob} (each rank its own interpreter, as under torchrun)")
     if world.trace is not None and not world.trace.deterministic:
         note += (f" (the seed replays the schedule only up to the first wait on the wall clock: "
                  f"{world.trace.nondeterminism})")
@@ -456,6 +460,16 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
 #: what torch raises when a program asks for CUDA on a build or machine without it
 _NO_CUDA = ("torch._C' has no attribute '_cuda_", "Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
             "No CUDA GPUs are available", "Distributed package doesn't have NCCL built in")
+
+
+#: what programs raise when rank threads collide on per-process state (singletons, process-wide trackers)
+_PROCESS_STATE = ("GlobalHydra is already initialized", "Module hierarchy tracking is wrong",
+                  "is already initialized", "already been initialized", "already registered")
+
+
+def _per_process_state(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in _PROCESS_STATE)
 
 
 def _needs_cuda(exc: BaseException) -> bool:

@@ -506,3 +506,28 @@ def test_init_process_group_with_this_ranks_values_returns(isolation):
         return dist.get_world_size()
 
     assert simulator.run(fn, 2, isolation=isolation) == [2, 2]
+
+
+class _Singleton:
+    made = False
+
+
+def _make_singleton_twice() -> None:
+    if _Singleton.made:  # a per-process singleton (Hydra's GlobalHydra): the second rank thread finds it set
+        raise ValueError("GlobalHydra is already initialized, call GlobalHydra.instance().clear() if you want to "
+                         "re-initialize")
+    _Singleton.made = True
+
+
+def _asks_for_cuda() -> None:
+    raise AssertionError("Torch not compiled with CUDA enabled")  # what torch.cuda raises on a CPU build
+
+
+@pytest.mark.parametrize("fn,needle", [(_make_singleton_twice, "isolation='process'"),
+                                       (_asks_for_cuda, "devices='cuda'")], ids=["per-process-state", "cuda"])
+def test_a_failure_with_a_known_cause_names_the_switch_that_fixes_it(fn, needle) -> None:
+    _Singleton.made = False
+    with pytest.raises((ValueError, AssertionError)) as info:
+        simulator.run(fn, 2)
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert needle in notes, notes
