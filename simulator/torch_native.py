@@ -42,6 +42,7 @@ import importlib
 import importlib.abc
 import sys
 import threading
+from datetime import timedelta
 from typing import Any, ContextManager, Iterator
 from urllib.parse import urlparse
 
@@ -57,6 +58,7 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
+from . import torch_groups
 from ._patch import Installation
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -303,8 +305,10 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     @property
     def group_name(self) -> str:
-        # torch records the name it gave the group in the (per-rank) c10d state
-        return c10d._world.pg_names[self]
+        # torch records the name it gave the group in the (per-rank) c10d state; destroy_process_group(group)
+        # drops that record before it unregisters the group by this name, so the record also keeps it here
+        name = c10d._world.pg_names.get(self)
+        return name if name is not None else self.__dict__.get("_tp_name") or c10d._world.pg_names[self]
 
     pg_name = group_name
 
@@ -468,12 +472,18 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
             "init_process_group", "the 'sim' torch backend runs only on simulated ranks",
             values={"backend": "sim"},
             fix="run the code under simulator.run(fn, world_size) or `python -m simulator`"))
-    if not global_ranks:  # init_process_group's default group (torch passes no ranks for it)
+    members = getattr(_tls, "members", None)
+    if not global_ranks and members is None:  # init_process_group's default group (torch passes no ranks for it)
         return st.world
     # any other group is a communicator of its own, even over every rank (torch's new_group() is): its
     # collectives never match the world's. torch calls the creator on member ranks only, so the group is
-    # made without the non-members
-    ranks = tuple(sorted(global_ranks))
+    # made without the non-members. Inside a default group over some simulated ranks, torch's ranks are that
+    # group's: their simulated ranks are kept in torch's order (a group rank is its index)
+    if members is not None:
+        ranks = tuple(members)
+    else:
+        inner = getattr(c10d._world, "sim_members", None)
+        ranks = tuple(sorted(global_ranks)) if inner is None else tuple(inner[r] for r in sorted(global_ranks))
     handle = st.backend.member_group_handle(ranks)
     pg = TpGroup(ranks, st.backend, handle, group_id=len(st.groups) + 1)
     st.groups.append(pg)
@@ -525,6 +535,15 @@ for _alias, _name in _ALIASES.items():
     setattr(SimProcessGroup, _alias, getattr(SimProcessGroup, _name))
 
 
+class _NameTable(dict):
+    """torch's group -> name table; a simulated group also keeps its name, for torch's lookups after removal."""
+
+    def __setitem__(self, pg: Any, name: Any) -> None:
+        if isinstance(pg, SimProcessGroup):
+            pg.__dict__["_tp_name"] = name
+        super().__setitem__(pg, name)
+
+
 class _RankWorld(c10d._World):
     """One simulated rank's c10d bookkeeping.
 
@@ -535,10 +554,11 @@ class _RankWorld(c10d._World):
     def __init__(self) -> None:
         super().__init__()
         self._tables: dict[str, Any] = {
-            "pg_map": {}, "pg_names": {}, "pg_group_ranks": {}, "pg_backend_config": {}, "tags_to_pg": {},
+            "pg_map": {}, "pg_names": _NameTable(), "pg_group_ranks": {}, "pg_backend_config": {}, "tags_to_pg": {},
             "pg_to_tag": {},
         }
         self._count = 0
+        self.sim_members: tuple[int, ...] | None = None  # the default group's simulated ranks, when not the world
 
     pg_map = property(lambda self: self._tables["pg_map"])
     pg_names = property(lambda self: self._tables["pg_names"])
@@ -784,17 +804,26 @@ def _rendezvous_handler(scheme: str) -> Any:
             original = _saved["rdzv"][scheme]
             yield from original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
             return
-        # explicit rank/world_size (init_process_group(rank=..., world_size=...) or the URL) must be this rank's
+        # explicit rank/world_size (init_process_group(rank=..., world_size=...) or the URL) must be this rank's,
+        # or claim a rank of a smaller group over some of the simulated ranks (torch_groups)
         query = tdist_rendezvous._query_to_dict(urlparse(url).query)
-        for what in ("rank", "world_size"):
-            if what in query and int(query[what]) != -1 and int(query[what]) != (
-                    st.rank if what == "rank" else st.world_size):
-                raise _mismatch("init_process_group", what, int(query[what]), st)
-        # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
+        size = int(query.get("world_size", -1))
+        rank = int(query.get("rank", -1))
         key = id(st.backend.world_key())
-        with _lock:
-            store = _stores.setdefault(key, tdist.HashStore())
-        yield store, st.rank, st.world_size
+        if size != -1 and size < st.world_size and rank != -1:
+            where = torch_groups.rendezvous_key(url)
+            _tls.rendezvous = where  # the helper joins the group's members there
+            with _lock:  # one store per rendezvous: two subset groups never see each other's keys
+                store = _stores.setdefault((key, "rendezvous", where), tdist.HashStore())
+            yield store, rank, size
+        else:
+            for what, given in (("rank", rank), ("world_size", size)):
+                if given != -1 and given != (st.rank if what == "rank" else st.world_size):
+                    raise _mismatch("init_process_group", what, given, st)
+            # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
+            with _lock:
+                store = _stores.setdefault(key, tdist.HashStore())
+            yield store, st.rank, st.world_size
         raise DistRuntimeError(format_message(
             "init_process_group", "a simulated rank cannot re-rendezvous", values={"init_method": url},
             fix="destroy the process group and call init_process_group again"))
@@ -814,7 +843,7 @@ class _StoreClassMeta(type):
 
 
 def _sim_tcp_stores() -> list[Any]:
-    return [v for k, v in list(_stores.items()) if isinstance(k, tuple)]
+    return [v for k, v in list(_stores.items()) if isinstance(k, tuple) and k[1] != "rendezvous"]
 
 
 class _TCPStore(metaclass=_StoreClassMeta):
@@ -847,15 +876,25 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     if st is None:
         return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
     default = len(global_ranks_in_group) == 0
+    members = None
     if default:
-        if group_size not in (-1, st.world_size):
-            raise _mismatch("init_process_group", "world_size", group_size, st)
-        if group_rank not in (-1, st.rank):
-            raise _mismatch("init_process_group", "rank", group_rank, st)
-        group_size, group_rank = st.world_size, st.rank
+        where, _tls.rendezvous = getattr(_tls, "rendezvous", None), None
+        if group_size != -1 and group_size < st.world_size and group_rank != -1:
+            # a group over some of the simulated ranks: its members are whoever claims its ranks at this rendezvous
+            if where is None:  # init_process_group(store=...): the store is the rendezvous
+                where = ("store", id(getattr(store, "underlying_store", store)))
+            members = torch_groups.join(st.backend.world_key(), where, group_rank, group_size, st.rank,
+                                        st.world_size)
+        else:
+            if group_size not in (-1, st.world_size):
+                raise _mismatch("init_process_group", "world_size", group_size, st)
+            if group_rank not in (-1, st.rank):
+                raise _mismatch("init_process_group", "rank", group_rank, st)
+            group_size, group_rank = st.world_size, st.rank
         # torch wraps sys.excepthook with a "[rank<r>]" prefixer; rank threads would nest them
         _tls.excepthook = sys.excepthook
-    if default or st.rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
+    torch_rank = _torch_rank(st.rank)
+    if default or torch_rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
         # every name becomes the simulator below: first refuse, as torch's helper would, a name torch does not know
         refusal = _backend_name_refusal(f"torch.distributed.{'init_process_group' if default else 'new_group'}",
                                         backend)
@@ -866,11 +905,14 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         args = (None,) + tuple(args[1:])
     kwargs.pop("backend_options", None)
     _tls.named = str(named)
+    _tls.members = members
     try:
         pg, prefix_store = original(group_size, group_rank, global_ranks_in_group, "sim", store, group_name,
                                     *args, **kwargs)
     finally:
-        _tls.named = None
+        _tls.named = _tls.members = None
+    if default:
+        c10d._world.sim_members = members  # torch's ranks -> simulated ranks, for the groups made inside it
     if isinstance(pg, SimProcessGroup):
         # what a real run records: the backend the program named, and its configuration
         world = c10d._world
@@ -880,6 +922,12 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         except Exception:  # noqa: BLE001  a name torch cannot configure: keep torch's record
             pass
     return pg, prefix_store
+
+
+def _torch_rank(sim_rank: int) -> int:
+    """This simulated rank's rank in torch's default group (they differ inside a group over some ranks)."""
+    inner = getattr(c10d._world, "sim_members", None)
+    return sim_rank if inner is None or sim_rank not in inner else inner.index(sim_rank)
 
 
 def _is_barrier_after_init() -> int:
@@ -901,11 +949,19 @@ def _install() -> None:
     _saved["excepthook"] = sys.excepthook
     _saved["TCPStore"] = tdist.TCPStore
     c10d._world = _PerRankWorld(_saved["world"])
+    # the process-wide name table too (process isolation uses torch's own _World): see SimProcessGroup.group_name
+    _saved["pg_names"] = c10d._pg_names
+    c10d._pg_names = _NameTable(c10d._pg_names)
     for s in _saved["rdzv"]:
         tdist_rendezvous._rendezvous_handlers[s] = _rendezvous_handler(s)
     c10d._new_process_group_helper = _new_process_group_helper
     c10d._is_barrier_after_init = _is_barrier_after_init
     tdist.TCPStore = _TCPStore  # type: ignore[misc]
+    # a CPU build of torch has no NCCL default timeout (None), and init_process_group("nccl") warns for it: NCCL's own
+    # default (10 minutes) while the simulator binds "nccl" to its world
+    _saved["nccl_timeout"] = getattr(c10d, "default_pg_nccl_timeout", None)
+    if _saved["nccl_timeout"] is None:
+        c10d.default_pg_nccl_timeout = timedelta(minutes=10)
     _saved["isolated"] = [_when_imported(name, isolate) for name, isolate in _ISOLATED]
     _set_thread_isolation_mode(True)
 
@@ -916,16 +972,23 @@ def _uninstall() -> None:
                       ("_is_barrier_after_init", "barrier_after_init")):
         if key in _saved:
             setattr(c10d, attr, _saved.pop(key))
+    if "pg_names" in _saved:
+        names = c10d._pg_names
+        c10d._pg_names = _saved.pop("pg_names")
+        c10d._pg_names.update(names)  # (groups named while installed, outside simulated ranks, stay named)
     if "rdzv" in _saved:
         tdist_rendezvous._rendezvous_handlers.update(_saved.pop("rdzv"))
     if "excepthook" in _saved:
         sys.excepthook = _saved.pop("excepthook")
     if "TCPStore" in _saved:
         tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
+    if "nccl_timeout" in _saved:
+        c10d.default_pg_nccl_timeout = _saved.pop("nccl_timeout")
     for undo in reversed(_saved.pop("isolated", [])):
         undo()
     _set_thread_isolation_mode(False)
     _stores.clear()
+    torch_groups.reset()
 
 
 _INSTALLATION = Installation(_install, _uninstall)

@@ -44,6 +44,7 @@ from tensorplay.distributed import (
 )
 
 from _support.backends import Ranks, backend_params, on_backends_with
+from _support.torch_refusals import NOT_A_NAME, REFUSED_NAMES, torch_refusal
 from _support.worlds import once_per_world
 
 
@@ -337,25 +338,9 @@ def test_not_initialised_outside_any_world() -> None:
 
 # -- backend names: refused as torch refuses them (torch's class, torch's message first) ----------------------
 #: names torch's init_process_group refuses: misspelt, empty, a bad device:backend string, not a string
-REFUSED_BACKENDS: list[Any] = ["glo", "glooo", "GLO", "", "cpu:glo", "gloo,nccl", "cpu:gloo:x", "cpu:gloo,cpu:gloo", 5]
+REFUSED_BACKENDS: list[Any] = REFUSED_NAMES + NOT_A_NAME
 #: names it accepts (whether the backend is available is another question), and "sim", tensorplay's own
 ACCEPTED_BACKENDS: list[Any] = ["gloo", "GLOO", "nccl", "cpu:gloo,cuda:nccl", "sim", None]
-
-
-def _torch_refusal(backend: Any) -> tuple[type, str]:
-    """What torch's own ``init_process_group`` raises for ``backend`` (one rank on an in-memory store)."""
-    import warnings
-
-    import torch.distributed as tdist
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that an unknown name's devices are unknown, then refuses it
-        try:
-            tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
-        except Exception as e:  # noqa: BLE001
-            return type(e), re.sub(r"\s+", " ", str(e))  # (torch's ValueError spans lines, indented)
-    tdist.destroy_process_group()
-    raise AssertionError(f"torch accepted backend={backend!r}; take it out of REFUSED_BACKENDS")
 
 
 def _init_outcomes(names: list[Any]) -> dict[str, Any]:
@@ -374,7 +359,7 @@ def _init_outcomes(names: list[Any]) -> dict[str, Any]:
 def test_a_backend_name_torch_refuses_is_refused_before_any_rendezvous(backend: Any) -> None:
     """No MASTER_ADDR, no store: the name is checked first (torch checks it after the rendezvous)."""
     assert not dist.is_initialized(), "the test process must not hold a process group"
-    kind, torch_says = _torch_refusal(backend)
+    kind, torch_says = torch_refusal(backend)
     with pytest.raises(kind) as info:
         dist.init_process_group(backend)
     message = re.sub(r"\s+", " ", str(info.value))
@@ -413,7 +398,7 @@ def test_init_process_group_in_a_running_world_refuses_what_torch_refuses(ranks:
             elif b in ACCEPTED_BACKENDS:
                 assert outcome is None, (where, b, outcome)
             else:
-                kind, torch_says = _torch_refusal(b)
+                kind, torch_says = torch_refusal(b)
                 name, is_assertion, is_dist, message = outcome
                 assert is_dist and is_assertion == issubclass(kind, AssertionError), (where, b, outcome)
                 assert re.sub(r"\s+", " ", message).startswith(torch_says + "; "), (where, b, torch_says, message)

@@ -121,6 +121,50 @@ def _write(tmp_path, name, text, port=None):
     return path
 
 
+# the shape of pytorch/examples' ddp_rpc: every process joins RPC (world of 4), two of them also make a default
+# process group of their own (world_size=2, its own address) and train with DDP over it; the other two make a
+# second 2-rank group at another address, so the two rendezvous must not meet
+SUBSET = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+    import torch.multiprocessing as mp
+
+    def ping(x):
+        return x + 1
+
+    def worker(rank, n, rpc_port, pg_port, other_port):
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{{rpc_port}}")
+        if rank < 2:
+            dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{{pg_port}}")
+            torch.manual_seed(0)
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(2):
+                opt.zero_grad()
+                model(torch.full((4, 3), float(rank + step + 1))).sum().backward()
+                opt.step()
+            w = [round(v, 5) for v in model.module.weight.flatten().tolist()]
+            print(f"rank {{rank}} group {{dist.get_rank()}}/{{dist.get_world_size()}} weight={{w}}", flush=True)
+        else:
+            # claimed ranks in reverse: launched rank 3 is rank 0 of this group
+            dist.init_process_group("gloo", rank=3 - rank, world_size=2,
+                                    init_method=f"tcp://127.0.0.1:{{other_port}}")
+            x = torch.tensor([10.0 * (dist.get_rank() + 1)])
+            dist.all_reduce(x)
+            print(f"rank {{rank}} group {{dist.get_rank()}}/{{dist.get_world_size()}} sum={{x.item()}}", flush=True)
+        rpc.init_rpc(f"w{{rank}}", rank=rank, world_size=n, rpc_backend_options=opts)
+        if rank == 2:
+            print(f"rank 2 rpc={{[rpc.rpc_sync(f'w{{r}}', ping, args=(r,)) for r in range(n)]}}", flush=True)
+        rpc.shutdown()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(4, {rpc_port}, {pg_port}, {other_port}), nprocs=4, join=True)
+""")
+
+
 def _env():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -345,3 +389,30 @@ def test_launch_api_passes_both_bounds():
         launch(_stuck_launcher, timeout=0.5)
     assert "the run did not finish within 0.5 s (timeout=0.5)" in str(ei.value)
     time.sleep(3.0)  # let the sleeping rank thread end before the next test
+
+
+def _subset_text():
+    text = SUBSET.format(rpc_port=free_port(), pg_port=free_port(), other_port=free_port())
+    return text.replace("{", "{{").replace("}", "}}")  # (_write formats it once more)
+
+
+def test_default_groups_over_part_of_the_spawned_ranks_run_ddp_beside_rpc(tmp_path):
+    script = _write(tmp_path, "subset_demo.py", _subset_text())
+    p = _sim(tmp_path, script)
+    assert p.returncode == 0, p.stderr
+    lines = _lines(p.stdout)
+    assert "rank 2 rpc=[1, 2, 3, 4]" in lines, p.stdout
+    assert "rank 2 group 1/2 sum=30.0" in lines and "rank 3 group 0/2 sum=30.0" in lines, p.stdout
+    trained = [line for line in lines if "weight=" in line]
+    assert [t.split(" weight=")[0] for t in trained] == ["rank 0 group 0/2", "rank 1 group 1/2"], p.stdout
+    assert trained[0].split("weight=")[1] == trained[1].split("weight=")[1], p.stdout  # DDP kept them equal
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W4")
+def test_default_groups_over_part_of_the_spawned_ranks_match_a_real_gloo_run(tmp_path):
+    script, real = _real_run(tmp_path, "subset_demo.py", _subset_text(), lambda p: p.returncode == 0)
+    assert real.returncode == 0, real.stderr
+    sim = _sim(tmp_path, script)
+    assert sim.returncode == 0, sim.stderr
+    assert _lines(sim.stdout) == _lines(real.stdout), real.stderr

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as tdist
 
 import simulator
+
+from _support.torch_refusals import REFUSED_NAMES, torch_refusal
 import tensorplay.distributed.errors as tdist_errors
 from simulator import torch_native
 from simulator.isolation import ISOLATIONS
@@ -531,21 +533,7 @@ def test_dtensor_op_handlers_are_per_rank_while_a_world_runs_and_restored_after(
 # backend names: a name torch refuses is refused on simulated ranks too (the simulator runs every name it knows)
 # ---------------------------------------------------------------------------
 #: names torch 2.13's init_process_group refuses: misspelt, empty, bad device:backend strings
-REFUSED_BACKENDS = ["glo", "glooo", "GLO", "", "cpu:glo", "gloo,nccl", "cpu:gloo:x", "cpu:gloo,cpu:gloo"]
-
-
-def _torch_refusal(backend: object) -> tuple[type, str]:
-    """What real torch raises for ``init_process_group(backend)`` here (one rank on an in-memory store)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that an unknown name's devices are unknown, then refuses it
-        try:
-            tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
-        except Exception as e:  # noqa: BLE001
-            return type(e), re.sub(r"\s+", " ", str(e))  # (torch's ValueError spans indented lines)
-    tdist.destroy_process_group()
-    raise AssertionError(f"torch accepted backend={backend!r}; take it out of REFUSED_BACKENDS")
+REFUSED_BACKENDS = REFUSED_NAMES
 
 
 def _init_named(backend: object) -> str:
@@ -554,7 +542,7 @@ def _init_named(backend: object) -> str:
 
 
 def _assert_refused_as_torch_does(backend: object, errors: list, ranks: list[int]) -> None:
-    kind, torch_says = _torch_refusal(backend)
+    kind, torch_says = torch_refusal(backend)
     for r in ranks:
         e = errors[r]
         assert isinstance(e, kind) and isinstance(e, tdist_errors.DistError), (backend, r, repr(e))
@@ -621,3 +609,57 @@ def test_every_name_torch_accepts_runs_on_simulated_ranks(custom_backend: str) -
         warnings.simplefilter("ignore")  # torch warns that this build has no NCCL to take a default timeout from
         for name in names:
             assert simulator.run(_init_named, 2, args=(name,)) == [reported.get(name, name)] * 2, name
+
+
+def _destroy_a_subgroup_then_make_another() -> list[float]:
+    tdist.init_process_group("gloo")
+    sub = tdist.new_group([0, 1])
+    t = torch.ones(1)
+    tdist.all_reduce(t, group=sub)
+    tdist.destroy_process_group(sub)  # torch drops the group's name, then unregisters it by that name
+    again = tdist.new_group([0, 1])
+    tdist.all_reduce(t, group=again)
+    return [t.item(), float(again.size())]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_destroying_a_subgroup_then_making_another_works(isolation) -> None:
+    assert simulator.run(_destroy_a_subgroup_then_make_another, 2, isolation=isolation, timeout=120) == [[4.0, 2.0]] * 2
+
+
+def _subset_groups(kind: str) -> object:
+    r = int(__import__("os").environ["RANK"])
+    if kind == "two_groups":  # ranks 0, 1 at one address, ranks 3, 2 (claiming 0, 1) at another
+        port, claim = (29500, r) if r < 2 else (29600, 3 - r)
+        tdist.init_process_group("gloo", rank=claim, world_size=2, init_method=f"tcp://localhost:{port}")
+        x = torch.tensor([float(r)])
+        tdist.all_reduce(x)
+        pair = tdist.new_group([0, 1])  # torch's ranks of the 2-rank group, not the launched ones
+        y = torch.tensor([float(tdist.get_rank())])
+        tdist.broadcast(y, group_src=1, group=pair)
+        return (tdist.get_rank(), tdist.get_world_size(), x.item(), y.item())
+    if kind == "same_rank" and r < 2:
+        tdist.init_process_group("gloo", rank=0, world_size=2, init_method="tcp://localhost:29500")
+    if kind == "rank_too_big" and r == 1:
+        tdist.init_process_group("gloo", rank=2, world_size=2, init_method="tcp://localhost:29500")
+    if kind == "one_missing" and r == 0:
+        tdist.init_process_group("gloo", rank=0, world_size=2, init_method="tcp://localhost:29500")
+    return None
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_default_groups_over_part_of_the_simulated_ranks(mode: str) -> None:
+    got = simulator.World(4, torchrun_env=True, mode=mode, timeout=120).run(_subset_groups, ("two_groups",))
+    assert got == [(0, 2, 1.0, 1.0), (1, 2, 1.0, 1.0), (1, 2, 5.0, 1.0), (0, 2, 5.0, 1.0)], got
+    for kind, pattern in (("same_rank", r"simulated ranks (0 and 1|1 and 0) both claim rank 0 of the rendezvous at "
+                                        r"localhost:29500.*Fix: give each process"),
+                          ("rank_too_big", r"rank 2 is outside the rendezvous at localhost:29500's world_size: "
+                                           r"rank=2, world_size=2")):
+        w = simulator.World(4, torchrun_env=True, mode=mode, timeout=120)
+        with pytest.raises(BaseException):
+            w.run(_subset_groups, (kind,))
+        assert [isinstance(e, ValueError) for e in w.errors] == [kind == "same_rank", True, False, False], w.errors
+        assert re.search(pattern, str(next(e for e in w.errors if e is not None))), w.errors
+    with pytest.raises(simulator.DeadlockError, match=r"rank 0 waits in init_process_group's rendezvous at "
+                                                      r"localhost:29500 .*no rank has claimed \[1\]"):
+        simulator.World(4, torchrun_env=True, mode=mode, timeout=120).run(_subset_groups, ("one_missing",))
