@@ -511,6 +511,8 @@ def _backend_errors(method: Any) -> Any:
     """
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._named == "nccl":
+            _nccl_devices(args)
         try:
             return method(self, *args, **kwargs)
         except DistError as e:
@@ -519,6 +521,24 @@ def _backend_errors(method: Any) -> Any:
             raise DistBackendError(str(e)) from e
 
     return call
+
+
+def _nccl_devices(args: tuple) -> None:
+    """NCCL's rule on CUDA stand-ins (``devices="cuda"``): a group the program made with "nccl" takes CUDA tensors
+    only, and refuses a CPU tensor with torch's own error (a program that says "nccl" on plain CPU ranks keeps
+    running on the simulated world, as before)."""
+    standin = sys.modules.get("simulator.standin")
+    if standin is None or not standin.is_active():
+        return
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif isinstance(a, torch.Tensor):
+            dev = standin.device_of(a)
+            if dev.type != "cuda":
+                raise RuntimeError(f"No backend type associated with device type {dev.type}")
 
 
 _GROUP_CALLS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "barrier", "allgather",

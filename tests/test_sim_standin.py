@@ -599,3 +599,21 @@ def test_without_the_switch_a_gpu_script_fails_with_the_fix(tmp_path):
     proc = _cli(tmp_path, "gpu.py", gpu)
     assert proc.returncode == 1
     assert "pass --devices cuda" in proc.stderr, proc.stderr[-3000:]
+
+
+def _nccl_with_a_cpu_tensor() -> str:
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    ok = torch.ones(2, device="cuda")
+    tdist.all_reduce(ok)  # CUDA tensors: fine
+    try:
+        tdist.all_reduce(torch.ones(2))  # a CPU tensor on an NCCL group: refused, as NCCL refuses it
+    except RuntimeError as e:
+        return f"{ok.cpu().tolist()} {e}"
+    return "accepted"
+
+
+def test_an_nccl_group_refuses_cpu_tensors_on_stand_in_devices():
+    got = simulator.run(_nccl_with_a_cpu_tensor, 2, devices="cuda")
+    assert got == ["[2.0, 2.0] No backend type associated with device type cpu"] * 2

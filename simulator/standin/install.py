@@ -220,6 +220,10 @@ _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_
            "set_stream", "is_initialized", "is_bf16_supported")
 
 
+#: what ``torch.cuda.nccl.version()`` answers on stand-ins (a release of NCCL's 2.x line; nothing depends on it)
+STANDIN_NCCL_VERSION = (2, 27, 5)
+
+
 def _table() -> list[tuple[Any, str, Any]]:
     """Every (owner, name, replacement) the stand-in installs."""
     cuda, mem, rnd, streams, graphs = torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams, \
@@ -243,7 +247,9 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
-          (torch.cuda.nvtx, "_nvtx", NvtxStub())]
+          (torch.cuda.nvtx, "_nvtx", NvtxStub()),
+          # torch's c10d logger asks for NCCL's version when a collective of an "nccl" group fails
+          (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION)]
     c = torch._C
     # (torch._C._cuda_* stay absent: torch modules import CUDA-only bindings when they see one of them)
     t += [(c, "_get_accelerator", _current_accelerator), (c, "_accelerator_getAccelerator", _current_accelerator),
@@ -275,7 +281,8 @@ def _table() -> list[tuple[Any, str, Any]]:
 PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *_RANDOM)} | {
     "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
-    "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.Tensor.device",
+    "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
+    "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.compile",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
