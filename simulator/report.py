@@ -276,3 +276,25 @@ def fix_text(run: "Run", which: str, computing: bool) -> str:
         return "look at the code shown above, or " + raise_it
     return ("no actor came back into the simulator: look for a wait the simulator cannot see (a lock, a socket, "
             "a child process) in the code of the ranks shown running, or " + raise_it)
+
+
+#: what torch raises when a program asks for CUDA on a build or machine without it
+_NO_CUDA = ("torch._C' has no attribute '_cuda_", "Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
+            "No CUDA GPUs are available", "Distributed package doesn't have NCCL built in")
+
+
+#: what programs raise when rank threads collide on per-process state (singletons, process-wide trackers)
+_PROCESS_STATE = ("GlobalHydra is already initialized", "Module hierarchy tracking is wrong",
+                  "is already initialized", "already been initialized", "already registered")
+
+
+def per_process_state(exc: BaseException) -> bool:
+    """``exc`` looks like rank threads colliding on state a real process keeps for itself (a failure's hint)."""
+    text = str(exc)
+    return any(marker in text for marker in _PROCESS_STATE)
+
+
+def needs_cuda(exc: BaseException) -> bool:
+    """``exc`` is what torch raises for a CUDA call without CUDA (a failure's hint names the stand-in)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in _NO_CUDA)

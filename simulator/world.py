@@ -46,6 +46,7 @@ from tensorplay.distributed.errors import DistTypeError, DistValueError, format_
 from . import _environ
 from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
+from .report import needs_cuda, per_process_state
 from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, poll_interval
 from .sched import DONE
 from .seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
@@ -441,11 +442,11 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     note = (f"[simulator] raised on rank {rank} of {world.world_size} (mode={world.mode!r}, seed={world.seed}"
             f"{torch_seed}); "
             f"replay with {replay}")
-    if world.devices == "cpu" and _needs_cuda(exc) and not torch.cuda.is_available():
+    if world.devices == "cpu" and needs_cuda(exc) and not torch.cuda.is_available():
         knob = "--devices cuda" if world.bound_names is not PYTHON else "devices='cuda'"
         note += (f"\n[simulator] the program uses CUDA and this machine has no GPU: pass {knob} to give each rank "
                  f"CUDA devices backed by the CPU (the program runs unmodified)")
-    if world.isolation == "thread" and _per_process_state(exc):
+    if world.isolation == "thread" and per_process_state(exc):
         knob = "--isolation process" if world.bound_names is not PYTHON else "isolation='process'"
         note += (f"\n[simulator] this looks like state a real process keeps for itself, shared here by rank threads "
                  f"of one process: run with {knob} (each rank its own interpreter, as under torchrun)")
@@ -455,26 +456,6 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
-
-
-#: what torch raises when a program asks for CUDA on a build or machine without it
-_NO_CUDA = ("torch._C' has no attribute '_cuda_", "Torch not compiled with CUDA enabled", "Found no NVIDIA driver",
-            "No CUDA GPUs are available", "Distributed package doesn't have NCCL built in")
-
-
-#: what programs raise when rank threads collide on per-process state (singletons, process-wide trackers)
-_PROCESS_STATE = ("GlobalHydra is already initialized", "Module hierarchy tracking is wrong",
-                  "is already initialized", "already been initialized", "already registered")
-
-
-def _per_process_state(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(marker in text for marker in _PROCESS_STATE)
-
-
-def _needs_cuda(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}"
-    return any(marker in text for marker in _NO_CUDA)
 
 
 def _raise_failures(world: World, ranks: list[RankState]) -> None:
