@@ -64,6 +64,8 @@ import torch
 from tensorplay.distributed.errors import format_message
 
 from .errors import RankFailedError, SimError
+from .isolation import launched
+from .isolation.launched import exit_status as _exit_status
 from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from .world import World, current_rank_state
 
@@ -295,17 +297,7 @@ def _sim_popen(proc: Any) -> _SimPopen | None:
     return popen if isinstance(popen, _SimPopen) else None
 
 
-def _exit_status(code: Any) -> int:
-    """A child's exit status for ``sys.exit(code)``, as ``multiprocessing`` computes it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    sys.stderr.write(str(code) + "\n")  # multiprocessing prints a non-integer exit message
-    return 1
-
-
-def _rank_entry(procs: list[mp_process.BaseProcess]) -> None:
+def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int]) -> None:
     """Body of every rank of a launched world: run the process the launcher started as this rank."""
     rs = current_rank_state()
     proc = procs[rs.rank]  # type: ignore[union-attr]
@@ -315,7 +307,7 @@ def _rank_entry(procs: list[mp_process.BaseProcess]) -> None:
         proc.run()
     except SystemExit as e:
         popen.returncode = _exit_status(e.code)
-        if popen.returncode != 0:
+        if popen.returncode != 0 and popen.returncode not in clean_codes:
             popen.exited = True
             raise  # a non-zero exit is a rank failure, as under torchrun
         return
@@ -366,7 +358,8 @@ class _Launcher:
 
     def __init__(self, *, seed: int, mode: str, timeout: float | None, device: str, replay_hint: str | None,
                  p2p: str = "rendezvous", stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-                 bound_names: BoundNames = PYTHON) -> None:
+                 bound_names: BoundNames = PYTHON, isolation: str = "thread",
+                 clean_exit_codes: frozenset[int] = frozenset()) -> None:
         self.seed = seed
         self.p2p = p2p
         self.mode = mode
@@ -374,6 +367,10 @@ class _Launcher:
         self.stall_timeout = stall_timeout
         self.bound_names = bound_names  # how reports name the bounds (the command line: its flags)
         self.device = device
+        #: "thread": a started process is a thread of this process; "process": a rank process of its own
+        self.isolation = isolation
+        #: exit codes after which the other ranks go on (a launcher's "skipped"; e.g. torch harness's TEST_SKIPS)
+        self.clean_exit_codes = clean_exit_codes
         #: the worlds' CUDA stand-in (World's devices= and gpus_per_node=; the command line sets them)
         self.devices = "cpu"
         self.gpus_per_node: int | None = None
@@ -392,9 +389,10 @@ class _Launcher:
             proc._popen = _SimPopen(self, self.next_pid)  # type: ignore[attr-defined]
             self.next_pid += 1
             proc._sentinel = None  # type: ignore[attr-defined]  # close() deletes it; the property makes one
-            method = _start_method(proc)
-            # a child gets the arguments as they were at start(), in its own copy
-            proc._args, proc._kwargs = _copy_for_rank(proc._args, proc._kwargs, method)  # type: ignore[attr-defined]
+            if self.isolation == "thread":  # (a rank process gets its own copy as a spawned child does: pickled)
+                method = _start_method(proc)
+                # a child gets the arguments as they were at start(), in its own copy
+                proc._args, proc._kwargs = _copy_for_rank(proc._args, proc._kwargs, method)  # type: ignore[attr-defined]
             self.pending.append(proc)
 
     def cancel(self, popen: _SimPopen) -> bool:
@@ -420,7 +418,8 @@ class _Launcher:
                 return
             world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
                           stall_timeout=self.stall_timeout, device=self.device, devices=self.devices,
-                          gpus_per_node=self.gpus_per_node, env=dict(os.environ), p2p=self.p2p)  # each rank: its own copy of the launcher's environment
+                          gpus_per_node=self.gpus_per_node, env=dict(os.environ), p2p=self.p2p,
+                          isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
@@ -430,7 +429,10 @@ class _Launcher:
             self.worlds.append(world)
             hook = sys.excepthook
             try:
-                world.run(_rank_entry, args=(batch,))
+                if self.isolation == "process":
+                    launched.run_batch(world, batch, self.clean_exit_codes)
+                else:
+                    world.run(_rank_entry, args=(batch, self.clean_exit_codes))
             except BaseException as e:  # noqa: BLE001  delivered as exit codes (and by spawn as torch's errors)
                 if isinstance(e, KeyboardInterrupt):
                     raise

@@ -265,31 +265,45 @@ def _caller_package() -> str:
     return name.split(".", 1)[0]
 
 
+def sleep_out(rs: RankState, seconds: Any, site: str) -> bool:
+    """Before a real ``time.sleep(seconds)`` at ``site`` on rank actor ``rs``: in coop mode, step out of the schedule
+    so that the other ranks run meanwhile (True: call :func:`sleep_in` after the sleep).
+
+    Threads mode, an actor outside the schedule, a bad argument and ``sleep(0)`` step out of nothing: a program that
+    only yields keeps its seeded schedule (the same on thread and process ranks).
+    """
+    run = rs.run
+    if not (isinstance(run.sched, CoopScheduler) and rs.state != FREE and not run.over
+            and not getattr(_quiet, "depth", 0) and isinstance(seconds, (int, float)) and seconds > 0):
+        return False
+    if run.deterministic:
+        run.deterministic = False  # the order the ranks come back in depends on the wall clock now
+        run.nondeterminism = f"{rs.label} called time.sleep({seconds:g}) at {site}"
+    run.sched.leave(rs)
+    return True
+
+
+def sleep_in(rs: RankState) -> None:
+    """After the sleep :func:`sleep_out` stepped out for: back in the schedule; a sleep-polling rank whose run has
+    failed (another rank failed, the world deadlocked or timed out) ends like one released from a wait."""
+    run = rs.run
+    run.sched.rejoin(rs)
+    if rs.parent is None and run.fatal is not None:
+        raise run.make_error(run.fatal, rs)
+
+
 def _sleep(seconds: float) -> None:
     """``time.sleep`` while a world runs: on a coop rank, a wait outside the schedule (see the module docstring)."""
     rs = current_rank_state()
     if rs is None or _caller_package() in _OWN:
         return _REAL["sleep"](seconds)
-    run = rs.run
-    sched = run.sched
-    if not (isinstance(sched, CoopScheduler) and rs.state != FREE and not run.over and not getattr(_quiet, "depth", 0)
-            and isinstance(seconds, (int, float)) and seconds > 0):
-        # threads mode, a thread running outside the schedule, a bad argument, or sleep(0): a plain sleep, so a
-        # program that only yields keeps its seeded schedule (and the same schedule as on rank processes)
+    frame = sys._getframe(1)
+    if not sleep_out(rs, seconds, f"{frame.f_code.co_filename}:{frame.f_lineno}"):
         return _REAL["sleep"](seconds)
-    else:
-        if run.deterministic:
-            run.deterministic = False  # the order the ranks come back in depends on the wall clock now
-            frame = sys._getframe(1)
-            run.nondeterminism = (f"{rs.label} called time.sleep({seconds:g}) at "
-                                  f"{frame.f_code.co_filename}:{frame.f_lineno}")
-        sched.leave(rs)
-        try:
-            _REAL["sleep"](seconds)
-        finally:
-            sched.rejoin(rs)
-        if rs.parent is None and run.fatal is not None:  # another rank failed, or the world deadlocked or timed
-            raise run.make_error(run.fatal, rs)  # out: a sleep-polling rank ends like one released from a wait
+    try:
+        _REAL["sleep"](seconds)
+    finally:
+        sleep_in(rs)
 
 
 def _getpid() -> int:

@@ -71,11 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--sim-harness", choices=_CHOICES, default=None,
                     help=f"thread: the processes MultiProcessTestCase tests start are simulated ranks (threads of "
                          f"this process); off: real processes (the default; the environment variable {ENV} sets it "
-                         f"too); process: process-isolated simulated ranks (not available yet)")
+                         f"too); process: simulated ranks with a process each")
 
 
 def switch(config: pytest.Config) -> str:
-    """``off`` or ``thread``: ``--sim-harness``, else ``$TENSORPLAY_SIM_HARNESS``, else off (raises for others)."""
+    """``off``, ``thread`` or ``process``: ``--sim-harness``, else ``$TENSORPLAY_SIM_HARNESS``, else off (raises for others)."""
     given = config.getoption("sim_harness", None)
     source = "--sim-harness"
     if given is None:
@@ -84,24 +84,21 @@ def switch(config: pytest.Config) -> str:
         raise pytest.UsageError(_message(
             "simulator.torch_harness", f"{source} takes one of {', '.join(_CHOICES)}", {source: given},
             f"set {ENV}=thread to run MultiProcessTestCase ranks as simulated threads, or unset it"))
-    if given == "process":
-        raise pytest.UsageError(_message(
-            "simulator.torch_harness", "process-isolated simulated ranks are not available for PyTorch's test "
-            "harness yet", {source: given},
-            "use --sim-harness thread (simulated thread ranks), or leave the switch off (real processes)"))
     return given
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if switch(config) == "thread":
-        config.pluginmanager.register(_ThreadHarness(config), "simulator-torch-harness-thread")
+    isolation = switch(config)
+    if isolation != "off":
+        config.pluginmanager.register(_Harness(config, isolation), "simulator-torch-harness")
 
 
-class _ThreadHarness:
+class _Harness:
     """The switch, on: tests of MultiProcessTestCase run their ranks on a simulated world."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, isolation: str) -> None:
         self.config = config
+        self.isolation = isolation
         seed = config.getoption("sim_seed", None)
         self.settings = Settings(
             seed=0 if seed is None else seed, mode=config.getoption("sim_mode", None) or "coop",
@@ -110,14 +107,15 @@ class _ThreadHarness:
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         s = self.settings
-        return (f"simulator.torch_harness: MultiProcessTestCase ranks are simulated threads (--sim-harness thread, "
-                f"seed={s.seed}, mode={s.mode})")
+        what = "threads of this process" if self.isolation == "thread" else "processes"
+        return (f"simulator.torch_harness: MultiProcessTestCase ranks are simulated {what} (--sim-harness "
+                f"{self.isolation}, seed={s.seed}, mode={s.mode})")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
         if not _is_harness_test(item):
             return (yield)
-        with _simulated(item, self.settings, self.replay(item)):
+        with _simulated(item, self.settings, self.replay(item), self.isolation):
             return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -130,20 +128,20 @@ class _ThreadHarness:
     def replay(self, item: pytest.Item) -> str:
         s = self.settings
         load = "" if self.config.pluginmanager.get_plugin(__name__) is None else f" -p {__name__}"
-        return (f"python -m pytest '{item.nodeid}'{load} --sim-harness thread --sim-seed {s.seed} "
+        return (f"python -m pytest '{item.nodeid}'{load} --sim-harness {self.isolation} --sim-seed {s.seed} "
                 f"--sim-mode {s.mode}")
 
     def explain(self, item: pytest.Item, report: pytest.TestReport) -> str:
         s = self.settings
-        lines = [f"The ranks of this test ran as simulated threads of this process (seed={s.seed}, mode={s.mode}).",
+        what = "threads of this process" if self.isolation == "thread" else "processes"
+        lines = [f"The ranks of this test ran as simulated {what} (seed={s.seed}, mode={s.mode}).",
                  f"Replay: {self.replay(item)}",
                  f"On real processes: python -m pytest '{item.nodeid}' --sim-harness off"]
         text = report.longreprtext
         for signs, why in _SHARED_PROCESS_SIGNS:
-            if any(sign in text for sign in signs):
+            if self.isolation == "thread" and any(sign in text for sign in signs):
                 lines.append(f"This failure is a known effect of thread ranks sharing one process: {why}. Fix: run "
-                             f"it on real processes (--sim-harness off); --sim-harness process (simulated ranks with "
-                             f"a process each) is not available for this harness yet")
+                             f"it with --sim-harness process (simulated ranks with a process each)")
         return "\n".join(lines)
 
 
@@ -155,7 +153,7 @@ def _is_harness_test(item: pytest.Item) -> bool:
 
 
 @contextlib.contextmanager
-def _simulated(item: pytest.Item, settings: Settings, replay: str) -> Iterator[None]:
+def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: str) -> Iterator[None]:
     """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
     import multiprocessing
 
@@ -167,44 +165,22 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str) -> Iterator[N
     if timeout is None:  # the harness's own bound on the test (300 s, or its TIMEOUT_OVERRIDE entry)
         timeout = float(harness.get_timeout(item.name))
 
-    class HarnessLauncher(_Launcher):
-        """A rank that exits with one of the harness's skip codes ends cleanly, as a process that exits does: the
-        other ranks go on (the simulator would release them with RankFailedError, as for a failed rank); the
-        harness still reads the code from ``Process.exitcode``."""
-
-        skip_codes = frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values())
-
-        def add(self, proc: Any) -> None:
-            super().add(proc)
-            target = proc._target
-
-            def rank_body(*args: Any, **kwargs: Any) -> None:
-                try:
-                    target(*args, **kwargs)
-                except SystemExit as e:
-                    if e.code not in self.skip_codes:
-                        raise
-                    proc._tp_skip_code = e.code  # set as its exit code once its world ran (run_pending)
-
-            proc._target = rank_body
-
-        def run_pending(self, popen: Any = None) -> None:
-            batch = list(self.pending)
-            super().run_pending(popen)
-            for p in batch:
-                code = getattr(p, "_tp_skip_code", None)
-                if code is not None and p._popen.returncode == 0:
-                    p._popen.returncode = code
-
-    launcher = HarnessLauncher(seed=settings.seed, mode=settings.mode, timeout=timeout,
-                               stall_timeout=settings.stall_timeout, device="cpu", replay_hint=replay,
-                               bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "))
+    # a rank that exits with one of the harness's skip codes ends cleanly, as a process that exits does: the other
+    # ranks go on (the simulator would release them with RankFailedError, as for a failed rank); the harness still
+    # reads the code from Process.exitcode
+    launcher = _Launcher(seed=settings.seed, mode=settings.mode, timeout=timeout,
+                         stall_timeout=settings.stall_timeout, device="cpu", replay_hint=replay,
+                         bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "), isolation=isolation,
+                         clean_exit_codes=frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values()))
     default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
-        with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), _own_class_state(), \
-                _one_profiler_per_process(item.nodeid):
+        per_process = (_own_class_state(), _one_profiler_per_process(item.nodeid)) if isolation == "thread" else ()
+        with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
+                contextlib.ExitStack() as stack:
+            for cm in per_process:  # (rank processes have these of their own)
+                stack.enter_context(cm)
             try:
                 yield
             finally:
@@ -299,8 +275,8 @@ def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
                 "is one per process, and thread ranks share this process (each rank would record the others' "
                 "operations, and a second rank's start or stop crashes the process)", rank=rs.rank,
                 values={"test": nodeid},
-                fix=f"run this test on real processes: python -m pytest '{nodeid}' --sim-harness off "
-                    f"(--sim-harness process, simulated ranks with a process each, is not available yet)"))
+                fix=f"run it on simulated ranks with a process each: python -m pytest '{nodeid}' --sim-harness "
+                    f"process"))
         return original(self)
 
     cls._prepare_trace = _prepare_trace

@@ -58,7 +58,7 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
-from . import torch_groups
+from . import torch_groups, torch_profiling
 from ._patch import Installation
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -113,6 +113,7 @@ class SimWork(tdist.Work):
         self._done = False
         self._exc: BaseException | None = None
         self._fut: torch.futures.Future | None = None
+        self._event: Any = None  # the profiler's event of this operation, closed when it is waited for
 
     def wait(self, timeout: Any = None) -> bool:
         """Block (visibly to the simulator) until the operation finished; raise its error if it failed."""
@@ -127,6 +128,9 @@ class SimWork(tdist.Work):
                 raise
             finally:
                 self._done = True
+                if self._event is not None:
+                    event, self._event = self._event, None
+                    torch_profiling.completed(event)
         elif self._exc is not None:
             raise self._exc
         return True
@@ -258,7 +262,10 @@ def _device_types_for(named: str) -> list[torch.device]:
     except Exception:  # noqa: BLE001  an unknown name: fall back to the rank's device below
         types = []
     own = rank_device().type
-    if own not in types:
+    standin = sys.modules.get("simulator.standin")
+    # on CUDA stand-ins an "nccl" group is NCCL's: CUDA only (see _nccl_devices), so checkpointing's device query
+    # (_get_pg_default_device) answers cuda, as on GPUs
+    if own not in types and not (named == "nccl" and standin is not None and standin.is_active()):
         types.append(own)
     # c10d lists accelerators before cpu (gloo's group reports [cuda, cpu])
     return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
@@ -509,16 +516,26 @@ def _backend_errors(method: Any) -> Any:
     gloo refuses in C++, which torch raises as ``RuntimeError``
     (``DistBackendError``).  The message and the original error are kept.
     """
+    name = method.__name__
+
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
+        event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:
-            return method(self, *args, **kwargs)
+            work = method(self, *args, **kwargs)
         except DistError as e:
+            torch_profiling.completed(event)
             if isinstance(e, RuntimeError):
                 raise
             raise DistBackendError(str(e)) from e
+        except BaseException:
+            torch_profiling.completed(event)
+            raise
+        if event is not None:
+            work._event = event
+        return work
 
     return call
 

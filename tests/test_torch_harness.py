@@ -164,8 +164,8 @@ def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
     assert pids and min(pids) > _pid_max(), out.output[-4000:]
 
 
-@pytest.mark.parametrize("value, text", [("process", "not available for PyTorch's test harness yet"),
-                                         ("threads", "takes one of off, thread, process")])
+@pytest.mark.parametrize("value, text", [("threads", "takes one of off, thread, process"),
+                                         ("proc", "takes one of off, thread, process")])
 def test_a_switch_value_that_cannot_run_is_a_usage_error(tmp_path: Path, value: str, text: str) -> None:
     work = tmp_path / "w"
     work.mkdir()

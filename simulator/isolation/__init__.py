@@ -43,8 +43,13 @@ def check_isolation(isolation: Any, call: str = "simulator.run") -> str:
     return isolation
 
 
-def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
-    """``world.run(fn, ...)`` with each rank in its own process (``world.isolation == "process"``)."""
+def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None,
+                  rank_args: Sequence[Sequence[Any]] | None = None) -> list[Any]:
+    """``world.run(fn, ...)`` with each rank in its own process (``world.isolation == "process"``).
+
+    ``rank_args``: rank ``r`` calls ``fn(*rank_args[r], **kwargs)``, its arguments inherited as by a spawned child
+    (the processes a launcher starts; see :mod:`simulator.launch`).
+    """
     global last_pids
     if _in_rank_process:
         raise DistRuntimeError(format_message(
@@ -52,7 +57,7 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
             "the calling script as __mp_main__, as multiprocessing's spawn does, so unguarded top-level code runs "
             "again there)", values={"isolation": "process"},
             fix="put the script's top-level code under `if __name__ == \"__main__\":`"))
-    ranks = ProcessRanks(world, fn, args, dict(kwargs or {}))
+    ranks = ProcessRanks(world, fn, args, dict(kwargs or {}), rank_args)
     last_pids = ranks.pids
     world.hash_seeds = list(ranks.hash_seeds)
     world.isolation = "thread"  # the coordinator's rank threads are the proxies

@@ -24,7 +24,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from tensorplay.distributed.group import ProcessGroup
 
 from ..backend import SimBackend
 from ..callsite import call_site
-from . import _wire, warm
+from . import _wire, pickling, warm
 from ._wire import OUTPUTS, SHARED_BASE, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
 from .staging import ClientWork, Completions, Staged, Staging
 
@@ -75,6 +75,7 @@ class ClientBackend(SimBackend):
         self._main_ident = threading.get_ident()
         self._pid = os.getpid()  # a process forked from this one (a DataLoader worker) is not the rank
         self._tl = threading.local()  # .chan: the calling thread's own channel
+        self.exchanges = 0  # requests sent so far (a sleep-polling loop is two sleeps with none between)
         self._cpu = threading.local()
         self._world_key = object()
         #: the program's shared-memory storages the proxy has mapped: address -> (id, weak ref, bytes)
@@ -120,6 +121,7 @@ class ClientBackend(SimBackend):
 
     def _exchange(self, msg: tuple, fds: Sequence[int] = ()) -> Any:
         """:meth:`_request` from a caller that has checked it runs in the rank process."""
+        self.exchanges += 1
         chan = getattr(self._tl, "chan", None)
         if chan is not None:
             reply = _exchange(chan, msg, fds)
@@ -494,6 +496,8 @@ def main(fd: int | None = None) -> None:
     setup = _wire.recv(conn)
     with socket.socket(fileno=os.dup(conn.fileno())) as raw:
         _, fds, _, _ = socket.recv_fds(raw, 1, 1)  # the socket on which the proxy asks where this rank is
+        if setup.get("passed"):  # the descriptors its arguments inherit (pipes, queues, shared tensors)
+            _, pickling.received_fds[:], _, _ = socket.recv_fds(raw, 1, setup["passed"])
     _answer_where(Connection(fds[0]), threading.get_ident())
     from multiprocessing import spawn
 
@@ -522,7 +526,7 @@ def main(fd: int | None = None) -> None:
     _install_backend(backend, timedelta(seconds=setup["timeout"]))
     from . import rank_threads
 
-    rank_threads.install(backend)  # (after this module's own threads: those are not the program's)
+    rank_threads.install(backend, coop=setup["mode"] == "coop")  # (after this module's own threads: those are not the program's)
     with torch_native.enabled():
         # one rank per process: torch's process-wide c10d state is this rank's (threads the program starts see it)
         import torch.distributed.distributed_c10d as c10d
@@ -603,13 +607,13 @@ def serve(fd: int) -> None:
                     pass
             os._exit(0)
         env, preload = pickle.loads(data)
-        _preload(preload)
-        now = _thread_count()
-        threads = min(threads, now)  # (a thread torch starts at import may end later)
-        if now > threads:  # an import started a thread: forking now could copy a lock it holds
+        threads = min(threads, _thread_count())  # (a thread torch starts at import may end later)
+        culprit = _preload(preload, threads, lambda: [ctrl.send(warm.MSG.pack(b"X", pid, code))
+                                                     for pid, code in _reap(children)])
+        if culprit is not None:  # an import started a thread: forking now could copy a lock it holds
             for f in fds:
                 os.close(f)
-            ctrl.send(warm.MSG.pack(b"T", 0, _thread_count()))
+            ctrl.send(warm.MSG.pack(b"T", culprit, _thread_count()))  # (which one: never imported ahead again)
             os._exit(3)
         if env is None:  # import ahead only (between two runs)
             ctrl.send(warm.MSG.pack(b"L", 0, 0))
@@ -630,16 +634,25 @@ def _thread_count() -> int:
         return threading.active_count()
 
 
-def _preload(names: list[str]) -> None:
-    """Import, once in the warm interpreter, the libraries earlier rank processes imported (see :func:`library_modules`)."""
+def _preload(names: list[str], threads: int, reap: Callable[[], Any]) -> int | None:
+    """Import, once in the warm interpreter, the libraries earlier rank processes imported (see :func:`library_modules`).
+
+    Returns the index in ``names`` of the first whose import left more than ``threads`` threads running (the
+    interpreter must not fork any more), else None.  ``reap`` reports the rank processes that ended meanwhile (a
+    long import ahead must not hold up the coordinator, which waits for their exit status).
+    """
     import importlib
 
-    for name in names:
+    for i, name in enumerate(names):
+        reap()
         if name not in sys.modules:
             try:
                 importlib.import_module(name)
             except BaseException:  # noqa: BLE001  a rank process that needs it imports it itself (and sees why not)
                 pass
+            if _thread_count() > threads:
+                return i
+    return None
 
 
 def library_modules(names: set[str] | list[str]) -> list[str]:
@@ -660,9 +673,23 @@ def library_modules(names: set[str] | list[str]) -> list[str]:
             continue
         mod = sys.modules.get(name)
         path = getattr(mod, "__file__", None)
-        if name.split(".")[0] in ours or (path and os.path.realpath(path).startswith(roots)):
+        if (name.split(".")[0] in ours or (path and os.path.realpath(path).startswith(roots))) and \
+                not _mentions_per_run_env(path):
             out.append(name)
     return out
+
+
+def _mentions_per_run_env(path: str | None) -> bool:
+    """Whether the module's source names a variable that is set afresh for every run (:data:`.warm.PER_RUN_ENV`):
+    imported ahead, it would keep the value of an earlier run."""
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError:
+        return True
+    return any(var.encode() in text for var in warm.PER_RUN_ENV)
 
 
 def _reap(children: set[int]) -> list[tuple[int, int]]:

@@ -118,3 +118,63 @@ def dumps(obj: Any, what: str = "") -> bytes:
     buf = io.BytesIO()
     pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a spawned child inherits: pipes, queues, shared tensors (the launcher's processes as rank processes)
+# ---------------------------------------------------------------------------------------------------------------
+#: in a rank process: the descriptors the coordinator passed with its payload, by index (see :class:`_PassedFd`)
+received_fds: list[int] = []
+
+
+class _PassedFd:
+    """A descriptor of the coordinator, as a spawned child gets one: by its index among the passed descriptors."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        return received_fds[self.index]
+
+
+class _Spawning:
+    """What multiprocessing's reducers ask while a child is being spawned (``context.get_spawning_popen()``):
+    each descriptor they reduce is collected here and passed to the rank process beside the payload."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return len(self.fds) - 1
+
+    def DupFd(self, index: int) -> _PassedFd:  # noqa: N802  (multiprocessing's name)
+        return _PassedFd(index)
+
+
+def dumps_inherited(obj: Any, what: str = "") -> tuple[bytes, list[int]]:
+    """Pickle ``obj`` as multiprocessing's spawn pickles a child's process object: pipes and ``Connection``s, queues,
+    locks and events of a spawn context, and tensors (torch's reducers: shared memory) reach the rank process as the
+    same objects, not copies; returns the payload and the descriptors to pass with it (:data:`received_fds` on the
+    other side).  What multiprocessing's pickler refuses (closures) travels by :func:`dumps` instead."""
+    from multiprocessing import context
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
+
+    spawning = _Spawning()
+    context.set_spawning_popen(spawning)
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buf.getvalue(), spawning.fds
+    except Exception as e:  # noqa: BLE001
+        first = e
+    finally:
+        context.set_spawning_popen(None)
+    try:
+        return dumps(obj, what), []
+    except Exception:  # noqa: BLE001  (multiprocessing's reason is the one that teaches the fix)
+        raise first from None

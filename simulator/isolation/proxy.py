@@ -161,7 +161,10 @@ class _Rank:
 class ProcessRanks:
     """The rank processes of one run of a world and the proxy loop that serves them."""
 
-    def __init__(self, world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def __init__(self, world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                 rank_args: Sequence[Sequence[Any]] | None = None) -> None:
+        """``rank_args``: rank ``r`` calls ``fn(*rank_args[r], **kwargs)`` instead, its arguments passed as a spawned
+        child inherits them (pipes, queues and shared tensors stay shared; see :func:`.pickling.dumps_inherited`)."""
         from ..seeds import _initial_rng_states
 
         if world.device.type != "cpu":
@@ -169,8 +172,12 @@ class ProcessRanks:
                 "simulator.run", "process-isolated ranks run on the CPU only", values={"device": str(world.device),
                                                                                       "isolation": "process"},
                 fix="pass device='cpu', or isolation='thread' for CUDA ranks"))
+        what = getattr(fn, "__qualname__", repr(fn))
         try:
-            payload = _dumps((fn, tuple(args), dict(kwargs)), getattr(fn, "__qualname__", repr(fn)))
+            if rank_args is None:
+                payloads = [(_dumps((fn, tuple(args), dict(kwargs)), what), [])] * world.world_size
+            else:
+                payloads = [pickling.dumps_inherited((fn, tuple(a), dict(kwargs)), what) for a in rank_args]
         except DistTypeError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -223,13 +230,17 @@ class ProcessRanks:
                 self.ranks.append(_Rank(r, proc, conn, self.hash_seeds[r]))
                 if isinstance(proc, warm.Forked):
                     self.ranks[-1].server = servers[r]
+                payload, passed = payloads[r]
                 _wire.send(conn, {"rank": r, "world_size": self.n, "seed": world.seed, "prep": prep, "payload": payload,
+                           "passed": len(passed),
                            "torch_rng": rng_states[r], "arena_dir": self.arena_dir, "timeout": world.pg_timeout,
                            "store": ("127.0.0.1", self.store.port), "learn": isinstance(proc, warm.Forked),
                            "rpc_port": rpc_port, "mode": world.mode, "rpc_secret": rpc_secret})
                 ask, answer = socket.socketpair()
                 with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
                     socket.send_fds(raw, [b"w"], [answer.fileno()])
+                    if passed:  # what the rank inherits (its pipes, queues, shared tensors; see pickling)
+                        socket.send_fds(raw, [b"p"], passed)
                 self.ranks[-1].where = Connection(ask.detach())
             self._await_ready()
         except BaseException:
@@ -382,10 +393,13 @@ class ProcessRanks:
             if actor is not None:  # (gone: its thread has ended and its actor exited)
                 threads.join_actor(rs, actor)
             return None
-        if kind == "leave":  # around a wait the scheduler cannot see (an Event, a Queue, a Future)
-            return threads.step_out(rs)
+        if kind == "leave":  # around a wait the scheduler cannot see (an Event, a Queue, a Future; a time.sleep)
+            return threads.step_out(rs) if len(msg) == 1 else threads.sleep_out(rs, msg[1], msg[2])
         if kind == "rejoin":
-            threads.step_in(rs)
+            if len(msg) == 1:
+                threads.step_in(rs)
+            else:
+                threads.sleep_in(rs)
             return None
         # "free": the process started an RPC agent, whose waits the scheduler cannot see (see .rpc_process)
         me.free_running = isinstance(rs.run.sched, CoopScheduler)

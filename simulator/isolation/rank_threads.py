@@ -19,11 +19,21 @@ process boundary, so one program behaves the same in both isolations:
 
 Threads the process did not start during the run (an RPC agent's native
 threads) share the main thread's channel, one request at a time.
+
+A sleep-polling loop of the main thread in ``coop`` mode steps out of the
+schedule too (``"leave"``/``"rejoin"`` with the sleep's length and place; see
+:func:`simulator.threads.sleep_out`), so a rank that polls a file or a store
+between sleeps lets the rank it waits for run.  A rank process computes at once
+with the others, so a single sleep between two calls (a stand-in for compute)
+keeps the seeded schedule; the second sleep with no call into the simulator
+since the first is a poll, and steps out.
 """
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,10 +48,14 @@ _quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait i
 _live: set[threading.Thread] = set()  # threads started by the program that have not ended
 
 
-def install(backend: Any) -> None:
-    """Make the threads the program starts from now on actors of the rank (for the rest of this process)."""
+def install(backend: Any, coop: bool) -> None:
+    """Make the threads the program starts from now on actors of the rank (for the rest of this process); in coop
+    mode (``coop``), the main thread's ``time.sleep`` steps out of the schedule."""
     global _backend
     _backend = backend
+    if coop:
+        _ORIGINAL["sleep"] = time.sleep
+        time.sleep = _sleep
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread.join = _join  # type: ignore[method-assign]
@@ -145,3 +159,27 @@ def _stepped_out(wait: Any) -> Any:
     finally:
         if left:
             b._request(("rejoin",))
+
+
+#: the simulator's own modules: their sleeps (a Delay fault, a retry inside an operation) stay in the schedule
+_OWN = ("simulator", "tensorplay")
+_last_sleep = -1  # the backend's request count at the main thread's last sleep
+
+
+def _sleep(seconds: float) -> None:
+    b = _backend
+    frame = sys._getframe(1)
+    if (b is None or not isinstance(seconds, (int, float)) or seconds <= 0 or not b.on_main_thread()
+            or (frame.f_globals.get("__name__") or "").split(".", 1)[0] in _OWN):
+        return _ORIGINAL["sleep"](seconds)
+    global _last_sleep
+    polling, _last_sleep = _last_sleep == b.exchanges, b.exchanges
+    if not polling:  # one sleep between two calls: compute, at once with the other rank processes
+        return _ORIGINAL["sleep"](seconds)
+    left = b._request(("leave", seconds, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
+    try:
+        _ORIGINAL["sleep"](seconds)
+    finally:
+        if left:
+            b._request(("rejoin", "sleep"))
+        _last_sleep = b.exchanges  # (its own two requests are no call of the program's)

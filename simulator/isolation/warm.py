@@ -55,6 +55,11 @@ PER_RANK_ENV = frozenset({"PYTEST_CURRENT_TEST",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 
+#: variables PyTorch's distributed test harness sets afresh for every test (distributed_test.py's temporary folder
+#: and rendezvous file): not part of a warm interpreter's key either, so consecutive tests share warm interpreters;
+#: a library that mentions one of them is never imported ahead (it may read it at import: see child.library_modules)
+PER_RUN_ENV = frozenset({"TEMP_DIR", "INIT_METHOD"})
+
 _MAX_WARM = 16  # warm interpreters kept (each about the memory of an interpreter with torch imported)
 _START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and ``import torch``)
 _REPLY_S = 30.0  # bound on the answer to a fork request
@@ -157,6 +162,7 @@ class _Server:
         self.sent = 0  # how many of them it was asked to import
         self.batch: list[str] = []  # the ones of the last request
         self.tainted = False  # an import ahead started a thread: it refused to fork and ended
+        self.culprit = -1  # which of its last batch started a thread (-1: not known)
         self.loading = False  # it is importing ahead (between two runs): a fork request waits for that
 
     def _read(self, timeout: float) -> tuple[bytes, int, int] | None:
@@ -176,6 +182,7 @@ class _Server:
             self.loading = False
         elif kind == b"T":
             self.tainted = True
+            self.culprit = pid  # the index in its last batch of the import that started a thread
         return kind, pid, status
 
     def await_ready(self, deadline: float) -> bool:
@@ -304,7 +311,8 @@ class WarmPool:
 
     def servers(self, envs: list[dict[str, str]]) -> list[_Server | None]:
         """A ready warm interpreter for each start environment (None where one could not be started)."""
-        keys = [tuple(sorted((k, v) for k, v in env.items() if k not in PER_RANK_ENV)) for env in envs]
+        keys = [tuple(sorted((k, v) for k, v in env.items() if k not in PER_RANK_ENV and k not in PER_RUN_ENV))
+                for env in envs]
         out: list[_Server] = []
         with self._lock:
             for key in keys:
@@ -315,8 +323,10 @@ class WarmPool:
                 if s is None or not s.alive():
                     carry: list[str] = []
                     if s is not None:
-                        if s.tainted:  # importing its last batch ahead started a thread: never again
-                            self._refused.update(s.batch)
+                        if s.tainted:  # importing a module of its last batch ahead started a thread: never again
+                            culprit = s.culprit
+                            self._refused.update(s.batch[culprit:culprit + 1] if 0 <= culprit < len(s.batch)
+                                                 else s.batch)
                         carry = [n for n in s.preload if n not in self._refused]
                         s.close()
                     s = self._spawn(dict(key))
