@@ -39,7 +39,7 @@ from tensorplay.distributed.spec import CallKey
 from . import kernels
 from .callsite import call_site
 from .cost import OVERLAP_S, charge_compute, links_reserve, links_start, reach
-from .errors import CollectiveMismatchError, InjectedFault
+from .errors import CollectiveMismatchError, InjectedFault, SimError
 from .faults import Crash, Delay
 from .report import mismatch_message
 from .trace import Event
@@ -57,6 +57,29 @@ _perf = time.perf_counter
 # ---------------------------------------------------------------------------
 # which actor calls: a rank, or a thread the rank started (see simulator/threads.py)
 # ---------------------------------------------------------------------------
+class OperationTimeoutError(SimError, DistBackendError, torch.distributed.DistBackendError):
+    """An operation waited past its own timeout (its process group's, or ``Work.wait(timeout)``), as gloo's
+    ``Timed out waiting ...``; also a ``torch.distributed.DistBackendError``, which torch programs catch."""
+
+
+def _block(rs: RankState, w: Any, timeout: Optional[timedelta], name: str) -> None:
+    """Wait for ``w``; with a ``timeout`` (the torch adapter passes its group's), fail the wait once it ran out."""
+    if timeout is None:
+        return rs.run.sched.block(rs, w)
+    seconds = timeout.total_seconds()
+
+    def timed_out() -> Incident:
+        return Incident(OperationTimeoutError, format_message(
+            f"torch.distributed.{name}", f"Timed out waiting {seconds * 1000:.0f}ms for the other ranks of the "
+            f"group to join {name} (the operation's timeout: its process group's, or Work.wait's)", rank=rs.rank,
+            values={"timeout": timeout}, fix="make every rank of the group call the operation, or pass a longer "
+                                             "timeout= to init_process_group / new_group"))
+
+    if seconds <= 0:  # (a process rank whose turn came after its operation's timeout ran out)
+        raise timed_out().make(rs.rank)
+    rs.run.sched.block_until(rs, w, seconds, timed_out)
+
+
 def _caller(rs: RankState) -> RankState:
     """The calling thread's actor when it is one of ``rs``'s rank (a rank's threads share its backend and works)."""
     me = _local.__dict__.get("rs")
@@ -79,6 +102,15 @@ def _done_with(rs: RankState) -> None:
 # ---------------------------------------------------------------------------
 # work objects
 # ---------------------------------------------------------------------------
+def _forget(rs: RankState, work: Work) -> None:
+    """A waited async operation leaves its rank's unflushed list (which otherwise keeps every async operation's
+    tensors alive until the rank ends: DTensor's functional collectives, one per layer and step)."""
+    try:
+        rs.unflushed.remove(work)
+    except ValueError:
+        pass
+
+
 class _CollWork(Work):
     __slots__ = ("_rs", "_slot", "_call")
 
@@ -93,8 +125,9 @@ class _CollWork(Work):
             if self._call.async_op and not self._call.observed:
                 charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not slot.done:
-                rs.run.sched.block(rs, slot)
+                _block(rs, slot, timeout, slot.name)
             _observe_coll(rs, slot, self._call)
+            _forget(self._rs, self)
         finally:
             _done_with(rs)
         if slot.error is not None:
@@ -124,8 +157,9 @@ class _P2PWork(Work):
             if rec.async_op and not rec.observed:
                 charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not rec.done:
-                rs.run.sched.block(rs, rec)
+                _block(rs, rec, timeout, rec.kind)
             _observe_p2p(rs, rec)
+            _forget(rec.rs, self)
         finally:
             _done_with(rs)
         if rec.error is not None:

@@ -58,8 +58,9 @@ _EPILOG = """subcommands:
   calibrate   measure collectives on real processes (gloo) and write a cost profile for --cost;
               python -m simulator calibrate --help lists its options
   pytest      run pytest with PyTorch's own distributed test harness (MultiProcessTestCase, DTensorTestBase,
-              distributed_test.py) on simulated ranks: the same as
-              python -m pytest -p simulator.torch_harness --sim-harness thread [pytest args ...]
+              distributed_test.py) on simulated ranks with a process each: the same as
+              python -m pytest -p simulator.torch_harness --sim-harness process [pytest args ...]
+              (--sim-harness thread: thread ranks, faster, for suites without per-process state)
 
 examples:
   python -m simulator --nproc-per-node 4 --seed 3 train.py --epochs 1
@@ -295,12 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_pytest(args: list[str]) -> int:
-    """``python -m simulator pytest ARGS``: pytest with torch's test harness on simulated ranks (thread ranks unless
-    ARGS choose with ``--sim-harness``)."""
+    """``python -m simulator pytest ARGS``: pytest with torch's test harness on simulated ranks (rank processes unless
+    ARGS choose with ``--sim-harness``: a test written for processes gets a process per rank)."""
     import pytest
 
     chosen = any(a == "--sim-harness" or a.startswith("--sim-harness=") for a in args)
-    return int(pytest.main(["-p", "simulator.torch_harness", *([] if chosen else ["--sim-harness", "thread"]),
+    return int(pytest.main(["-p", "simulator.torch_harness", *([] if chosen else ["--sim-harness", "process"]),
                             *args]))
 
 

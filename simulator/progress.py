@@ -100,6 +100,19 @@ def poll_interval(run: "Run") -> float:
     return max(0.01, min(run.stall / 8, 1.0))
 
 
+def expire(run: "Run", now: float) -> float:
+    """Main thread: fail the waits whose operation ran past its own timeout (``sched.block_until``); returns how
+    long until the next such deadline (inf: none)."""
+    nearest = math.inf
+    for actor, (deadline, timed_out) in run.deadlines.copy().items():
+        if now >= deadline:
+            run.deadlines.pop(actor, None)
+            run.sched.time_out(actor, timed_out())
+        else:
+            nearest = min(nearest, deadline - now)
+    return nearest
+
+
 def is_waiting(run: "Run", a: "RankState") -> bool:
     """``a`` waits inside an operation: blocked in one (not in ``Thread.join``, which torch does not bound), or,
     in coop mode, at a scheduling point for its turn while another actor computes."""

@@ -35,7 +35,7 @@ import os
 import random
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -215,6 +215,17 @@ class _SchedulerBase:
             while not rs.wake.acquire(timeout=run.wait_slice(rs)):  # raises once a bound ran out
                 pass
 
+    def block_until(self, rs: "RankState", w: Any, seconds: float, timed_out: Callable[[], Any]) -> None:
+        """:meth:`block`, bounded by ``seconds`` of the run's clock: past them the wait fails with the incident
+        ``timed_out()`` makes (an operation's own timeout, as torch's process groups bound each operation; the
+        main thread watches the deadline, see :func:`simulator.progress.expire`)."""
+        deadlines = self.run.deadlines
+        deadlines[rs] = (self.clock() + seconds, timed_out)
+        try:
+            self.block(rs, w)
+        finally:
+            deadlines.pop(rs, None)
+
     def check(self, rs: "RankState") -> None:
         """Raise the incident pending for ``rs`` or the world's failure, if any."""
         inc = rs.pending
@@ -242,6 +253,7 @@ class CoopScheduler(_SchedulerBase):
         # threads a rank started run FREE; they join the schedule for their operations only
         self.free = 0
         self.requests: list["RankState"] = []  # FREE threads asking for the baton
+        self.timeouts: list["RankState"] = []  # blocked actors whose operation timed out (see time_out)
         self.parked = False  # nobody holds the baton: every actor is blocked or done, some FREE thread may act
         self.flock = threading.Lock()  # guards free/requests/parked (FREE threads touch them without the baton)
         _STEER.refresh()
@@ -331,6 +343,23 @@ class CoopScheduler(_SchedulerBase):
                 self.free -= 1
                 self._add(r)
             self.requests.clear()
+            for r in self.timeouts:
+                self.wake(r)
+            self.timeouts.clear()
+
+    def time_out(self, rs: "RankState", inc: Any) -> None:
+        """Main thread: ``rs``'s operation ran past its deadline: fail its wait with ``inc``.  The baton holder
+        wakes it at its next scheduling point; a parked baton is handed to it at once."""
+        with self.flock:
+            if rs.state != BLOCKED or rs.pending is not None or self.run.aborted:
+                return
+            rs.pending = inc
+            if self.parked:  # nobody holds the baton: rs takes it
+                self.parked = False
+                self.wake(rs)
+                rs.wake.release()
+            else:
+                self.timeouts.append(rs)
 
     def _join(self, rs: "RankState") -> None:
         """A FREE actor enters the schedule: wait for the baton (or take it when parked)."""
@@ -354,12 +383,12 @@ class CoopScheduler(_SchedulerBase):
         if self.runnable:
             return True
         with self.flock:
-            if self.requests:
+            if self.requests or self.timeouts:
                 pass  # raced in after the drain: handled by the caller's next pick
             elif self.free > 0:
                 self.parked = True
                 return True
-        if self.requests:
+        if self.requests or self.timeouts:
             self._drain()
             return True
         return False
@@ -380,7 +409,7 @@ class CoopScheduler(_SchedulerBase):
     def _pass_on(self) -> None:
         """The caller gives the baton up: wake the next runnable actor, or park the baton for a FREE one."""
         while True:
-            if self.requests:
+            if self.requests or self.timeouts:
                 self._drain()
             if self.runnable:
                 nxt = self._pick()
@@ -402,7 +431,7 @@ class CoopScheduler(_SchedulerBase):
         rs.stamp = self.clock()
         if rs.state == FREE:
             self._join(rs)
-        if self.requests:
+        if self.requests or self.timeouts:
             self._drain()
         if len(self.runnable) > 1:
             nxt = self._pick()
@@ -571,6 +600,13 @@ class ThreadScheduler(_SchedulerBase):
     def wake_all_blocked(self, ranks: list["RankState"]) -> None:
         for rs in ranks:
             self.wake(rs)
+
+    def time_out(self, rs: "RankState", inc: Any) -> None:
+        """Main thread: ``rs``'s operation ran past its deadline: fail its wait with ``inc``."""
+        with self.lock:
+            if rs.state == BLOCKED and rs.pending is None and not self.run.aborted:
+                rs.pending = inc
+                self.wake(rs)
 
     def exit(self, rs: "RankState") -> None:
         run = self.run

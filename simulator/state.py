@@ -160,6 +160,8 @@ class Run:
         self.started = self.clock()
         self.deadline = self.started + (math.inf if world.timeout is None else world.timeout)
         self.stall = world.stall_timeout
+        #: actors waiting in an operation that has a timeout of its own: actor -> (deadline, its incident's maker)
+        self.deadlines: dict[RankState, tuple[float, Callable[[], Incident]]] = {}
         #: the latest stamp the main thread has seen (taken lazily: see progress.check_stall)
         self.progress_seen = self.started
         #: when the main thread started the offloaded kernel it runs now (None: none; it is progress)

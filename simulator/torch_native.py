@@ -42,6 +42,7 @@ import importlib
 import importlib.abc
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, ContextManager, Iterator
 from urllib.parse import urlparse
@@ -87,6 +88,8 @@ check_torch_version()
 # ---------------------------------------------------------------------------
 # the torch Work and ProcessGroup that forward to tensorplay.distributed
 # ---------------------------------------------------------------------------
+#: the tag of monitored_barrier's messages (a program's own tags are small; gloo keeps these apart likewise)
+_MONITORED_TAG = -(2 ** 31) + 7
 def _op(opts: Any) -> Any:
     op = opts.reduceOp
     return getattr(op, "op", op)  # torch's ReduceOp wraps a RedOpType; ours understands the latter
@@ -114,13 +117,16 @@ class SimWork(tdist.Work):
         self._exc: BaseException | None = None
         self._fut: torch.futures.Future | None = None
         self._event: Any = None  # the profiler's event of this operation, closed when it is waited for
+        self._timeout: timedelta | None = None  # its group's bound on the operation
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block (visibly to the simulator) until the operation finished; raise its error if it failed."""
+        """Block (visibly to the simulator) until the operation finished, at most ``timeout`` (default: its group's
+        timeout; torch's ``timedelta(0)`` means the same); raise its error if it failed."""
         if not self._done:
+            bound = timeout if isinstance(timeout, timedelta) and timeout else self._timeout
             try:
                 for w in self._works:
-                    w.wait()
+                    w.wait(bound)
                 if self._refuse is not None:
                     raise DistBackendError(self._refuse)
             except BaseException as e:  # noqa: BLE001  kept for exception(), then re-raised as is
@@ -283,11 +289,13 @@ class SimProcessGroup(tdist.ProcessGroup):
     take on a real run; torch's C++ side sees backend ``"sim"``.
     """
 
-    def __init__(self, group: TpGroup, named: str = "sim") -> None:
+    def __init__(self, group: TpGroup, named: str = "sim", timeout: timedelta | None = None) -> None:
         super().__init__(group.rank(), group.size())
         self._g = group
         self._named = str(named)
         self._types = _device_types_for(self._named)
+        #: the bound on each of its operations (init_process_group / new_group's timeout=), as gloo's
+        self._timeout = timeout if timeout else None
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         # what torch's C++ side reads (DDP's logger, ...): "gloo" there would send it looking for a
@@ -354,8 +362,42 @@ class SimProcessGroup(tdist.ProcessGroup):
         return SimWork([tpd.barrier(group=self._g, async_op=True)], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """gloo's monitored barrier: a barrier; a rank that never arrives is a deadlock the simulator reports."""
-        self.barrier().wait()
+        """gloo's monitored barrier, as ProcessGroupGloo runs it: every other rank sends to the group's rank 0 and
+        waits for its answer; rank 0 receives from each within ``timeout`` (default: the group's) and names the
+        first rank (or, with ``wait_all_ranks``, every rank) that did not arrive; the others, left without an
+        answer, say they reached the barrier and name rank 0.  Its messages are gloo's."""
+        bound = timeout if isinstance(timeout, timedelta) else (
+            timedelta(seconds=float(timeout)) if timeout is not None else self._timeout or timedelta(minutes=30))
+        ms = int(bound.total_seconds() * 1000)
+        g, me = self._g, self._g.rank()
+        token = torch.zeros(1)
+        if me != 0:
+            try:
+                tpd.isend(token, group=g, group_dst=0, tag=_MONITORED_TAG)
+                tpd.irecv(token, group=g, group_src=0, tag=_MONITORED_TAG).wait(bound)
+            except DistError as e:
+                raise DistBackendError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
+                    f"send/recv from rank 0. Please check rank 0 logs for faulty rank.") from e
+            return
+        start = time.monotonic()
+        failed: list[int] = []
+        for peer in range(1, g.size()):
+            # gloo: waiting for every rank gives each its whole timeout; else the ranks share one
+            left = bound.total_seconds() - (0.0 if wait_all_ranks else time.monotonic() - start)
+            if left <= 0:
+                raise DistBackendError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.")
+            try:
+                tpd.irecv(torch.zeros(1), group=g, group_src=peer, tag=_MONITORED_TAG).wait(timedelta(seconds=left))
+            except DistError as e:
+                if not wait_all_ranks:
+                    raise DistBackendError(f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {ms} ms") from e
+                failed.append(peer)
+        if failed:
+            raise DistBackendError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier "
+                                   f"in {ms} ms")
+        for peer in range(1, g.size()):
+            tpd.isend(token, group=g, group_dst=peer, tag=_MONITORED_TAG)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> SimWork:
@@ -502,7 +544,7 @@ _tls = threading.local()  # the backend name the program gave, while torch build
 
 def _create(dist_backend_opts: Any, backend_options: Any) -> SimProcessGroup:
     return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group)),
-                           getattr(_tls, "named", None) or "sim")
+                           getattr(_tls, "named", None) or "sim", getattr(dist_backend_opts, "timeout", None))
 
 
 # ---------------------------------------------------------------------------
@@ -535,6 +577,7 @@ def _backend_errors(method: Any) -> Any:
             raise
         if event is not None:
             work._event = event
+        work._timeout = self._timeout
         return work
 
     return call

@@ -47,7 +47,7 @@ from . import _environ
 from .errors import RankExitError, RankFailedError, SimError
 from .faults import Fault, FaultPlan
 from .report import needs_cuda, per_process_state
-from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, poll_interval
+from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
 from .sched import DONE
 from .seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
 from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
@@ -344,8 +344,9 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
         waiting = check_stall(run, now)
         if waiting is not None:
             return (None, None) if run.all_done.is_set() else ("stall", waiting)
+        nearest = expire(run, now) if run.deadlines else math.inf  # operations' own timeouts
         try:
-            job = run.jobs.get(timeout=min(run.deadline - now, poll))
+            job = run.jobs.get(timeout=max(0.001, min(run.deadline - now, poll, nearest)))
         except queue.Empty:
             continue
         if job is None:

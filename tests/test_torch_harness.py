@@ -1,9 +1,9 @@
-"""PyTorch's own distributed test harness (MultiProcessTestCase and its subclasses) on simulated thread ranks.
+"""PyTorch's own distributed test harness (MultiProcessTestCase and its subclasses) on simulated ranks.
 
 The suites under ``tests/torch_harness_cases/`` are written as users write them on torch's harness.  Each is run
-in a subprocess twice: with ``-p simulator.torch_harness --sim-harness thread`` (its ranks are simulated threads)
-and as it is, on real gloo processes; the verdicts (passed/failed/skipped per test, from a junit file) must be
-the table's, which says so where the two differ.  The rest checks the pieces: which processes become ranks, the
+in a subprocess with ``-p simulator.torch_harness --sim-harness thread`` (its ranks are simulated threads), with
+``--sim-harness process`` (simulated ranks with a process each) and as it is, on real gloo processes; the verdicts
+(passed/failed/skipped per test, from a junit file) must be the table's, which says so where they differ.  The rest checks the pieces: which processes become ranks, the
 switch, ``time.sleep`` and ``os.getpid`` on ranks.
 """
 from __future__ import annotations
@@ -31,11 +31,11 @@ from simulator.world import current_rank_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "torch_harness_cases"
-SIM = ("-p", "simulator.torch_harness", "--sim-harness", "thread")
+ISOLATIONS = ("thread", "process")
 SIM_TIMEOUT_S = 300
 GLOO_TIMEOUT_S = 600
 
-# the verdict of every test of a case file; a dict where simulated thread ranks and gloo processes differ
+# the verdict of every test of a case file; a dict (thread, process, gloo) where the runs differ
 MULTIPROCESS = {
     "test_all_reduce": "passed",
     "test_fails_on_rank_one": "failed",
@@ -49,8 +49,13 @@ DTENSOR = {"test_redistribute_shard_to_replicate": "passed", "test_wrong_expecta
 DISTRIBUTED_TEST = {
     "test_barrier": "passed",
     "test_get_rank": "passed",
-    # call_dist_op runs the collective under torch's autograd profiler, one per process: refused on thread ranks
-    "test_all_reduce_sum": {"sim": "failed", "gloo": "passed"},
+    # a group's timeout fails the waiting rank (" Timed out "), and monitored_barrier names the missing rank
+    "test_barrier_timeout_global": "passed",
+    "test_monitored_barrier_gloo": "passed",
+    "test_monitored_barrier_gloo_rank_0_timeout": "passed",
+    # call_dist_op runs the collective under torch's autograd profiler, one per process: refused on thread ranks;
+    # a rank process records the events gloo records (gloo:all_reduce, asynchronous, with the input's shape)
+    "test_all_reduce_sum": {"thread": "failed", "process": "passed", "gloo": "passed"},
 }
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
                "case_distributed_test.py": DISTRIBUTED_TEST}
@@ -69,16 +74,17 @@ class Outcome:
             self.verdicts[case.get("name", "?")] = verdict
 
 
-def _run_case(tmp_path: Path, case: str, *, sim: bool, tests: tuple[str, ...] = (), extra: tuple[str, ...] = (),
-              env: dict[str, str] | None = None) -> Outcome:
-    """pytest on a copy of ``case`` in a folder of its own (no conftest of ours), bounded, loopback only."""
-    work = tmp_path / ("sim" if sim else "gloo")
+def _run_case(tmp_path: Path, case: str, *, sim: str | None, tests: tuple[str, ...] = (),
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Outcome:
+    """pytest on a copy of ``case`` in a folder of its own (no conftest of ours), bounded, loopback only; ``sim``: the
+    isolation of the simulated ranks (None: real gloo processes)."""
+    work = tmp_path / (sim or "gloo")
     work.mkdir(exist_ok=True)
     shutil.copy(CASES / case, work / case)
     junit = work / "junit.xml"
     nodes = [f"{case}::{t}" for t in tests] or [case]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", f"--junitxml={junit}",
-           *(SIM if sim else ()), *extra, *nodes]
+           *(("-p", "simulator.torch_harness", "--sim-harness", sim) if sim else ()), *extra, *nodes]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TENSORPLAY_SIM_HARNESS"):
@@ -105,12 +111,11 @@ def _distributed_test_env(tmp_path: Path, name: str) -> dict[str, str]:
     return {"BACKEND": "gloo", "WORLD_SIZE": "3", "TEMP_DIR": str(temp), "INIT_METHOD": f"file://{temp}/init"}
 
 
-def _run(tmp_path: Path, case: str, *, sim: bool) -> Outcome:
-    """A whole case file (its selected tests), simulated or on gloo."""
+def _run(tmp_path: Path, case: str, *, sim: str | None) -> Outcome:
+    """A whole case file (its selected tests), simulated (``sim``: the isolation) or on gloo (None)."""
     if case == "case_distributed_test.py":
         tests = tuple(f"TestDistBackendWithSpawn::{t}" for t in DISTRIBUTED_TEST)
-        return _run_case(tmp_path, case, sim=sim, tests=tests,
-                         env=_distributed_test_env(tmp_path, "sim" if sim else "gloo"))
+        return _run_case(tmp_path, case, sim=sim, tests=tests, env=_distributed_test_env(tmp_path, sim or "gloo"))
     if case == "case_multiprocess.py":
         return _run_case(tmp_path, case, sim=sim, tests=tuple(f"HarnessCases::{t}" for t in MULTIPROCESS))
     return _run_case(tmp_path, case, sim=sim)
@@ -127,10 +132,13 @@ def _pid_max() -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the suites, simulated
 # ---------------------------------------------------------------------------------------------------------------
-def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protocol(tmp_path: Path) -> None:
-    out = _run(tmp_path, "case_multiprocess.py", sim=True)
-    assert out.verdicts == _want(MULTIPROCESS, "sim"), out.output[-8000:]
-    assert "simulator.torch_harness: MultiProcessTestCase ranks are simulated threads" in out.output
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protocol(tmp_path: Path,
+                                                                                   isolation: str) -> None:
+    out = _run(tmp_path, "case_multiprocess.py", sim=isolation)
+    assert out.verdicts == _want(MULTIPROCESS, isolation), out.output[-8000:]
+    what = {"thread": "threads of this process", "process": "processes"}[isolation]
+    assert f"simulator.torch_harness: MultiProcessTestCase ranks are simulated {what}" in out.output
     # the failing rank's traceback came back through the harness's pipe, and only that rank failed
     assert "Process 1 exited with error code 10 and exception" in out.output
     assert "AssertionError: rank one disagrees: pid-check-1-marker" in out.output
@@ -141,23 +149,27 @@ def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protoco
     assert pids and min(pids) > _pid_max(), pids  # the launcher's pids: no real process was started
 
 
-def test_dtensor_test_base_with_comms_redistributes_on_simulated_ranks(tmp_path: Path) -> None:
-    out = _run(tmp_path, "case_dtensor.py", sim=True)
-    assert out.verdicts == _want(DTENSOR, "sim"), out.output[-8000:]
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_dtensor_test_base_with_comms_redistributes_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_dtensor.py", sim=isolation)
+    assert out.verdicts == _want(DTENSOR, isolation), out.output[-8000:]
     assert "dtensor-sum-marker" in out.output and "Expected 9.0 but got 8.0" in out.output
 
 
-def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path) -> None:
-    out = _run(tmp_path, "case_distributed_test.py", sim=True)
-    assert out.verdicts == _want(DISTRIBUTED_TEST, "sim"), out.output[-8000:]
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_distributed_test.py", sim=isolation)
+    assert out.verdicts == _want(DISTRIBUTED_TEST, isolation), out.output[-8000:]
     # test_barrier and test_get_rank pass through distributed_test's file barrier: per-rank pids and barrier
     # counts, and ranks that sleep-poll the barrier files while the others run; the profiler is refused by name
-    assert "torch's profiler was started on a simulated thread rank" in out.output
-    assert "--sim-harness off" in out.output
+    # on thread ranks (one per process), with the fix
+    if isolation == "thread":
+        assert "torch's profiler was started on a simulated thread rank" in out.output
+        assert "--sim-harness process" in out.output
 
 
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
-    out = _run_case(tmp_path, "case_multiprocess.py", sim=False, tests=("HarnessCases::test_all_reduce",),
+    out = _run_case(tmp_path, "case_multiprocess.py", sim=None, tests=("HarnessCases::test_all_reduce",),
                     extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
     assert out.verdicts == {"test_all_reduce": "passed"}, out.output[-4000:]
     pids = {int(p) for p in _PIDS.findall(out.output)}
@@ -191,14 +203,16 @@ def test_loading_the_plugin_with_the_switch_off_imports_no_torch_and_warns_nothi
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "case_distributed_test.py" else [])
                                   for c in sorted(CASE_TABLES)])  # distributed_test: ~1 min of gloo start-ups
 def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Path, case: str) -> None:
-    real = _run(tmp_path, case, sim=False)
+    real = _run(tmp_path, case, sim=None)
     assert real.verdicts == _want(CASE_TABLES[case], "gloo"), real.output[-8000:]
     pids = {int(p) for p in _PIDS.findall(real.output)}
     assert pids and max(pids) <= _pid_max(), pids  # real processes, this time
-    simulated = _run(tmp_path, case, sim=True)
-    assert simulated.verdicts == _want(CASE_TABLES[case], "sim"), simulated.output[-8000:]
-    print(f"{case}: wall time on gloo processes {real.wall_s:.1f} s, on simulated thread ranks "
-          f"{simulated.wall_s:.1f} s")  # shown with -rA or -s: the speed-up
+    walls = []
+    for isolation in ISOLATIONS:
+        simulated = _run(tmp_path, case, sim=isolation)
+        assert simulated.verdicts == _want(CASE_TABLES[case], isolation), simulated.output[-8000:]
+        walls.append(f"simulated {isolation} ranks {simulated.wall_s:.1f} s")
+    print(f"{case}: wall time on gloo processes {real.wall_s:.1f} s, {', '.join(walls)}")  # -rA / -s: speed-ups
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,7 +303,7 @@ def test_os_getpid_on_a_launched_rank_is_its_process_pid_and_elsewhere_the_real_
 
 
 def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) -> None:
-    """``python -m simulator pytest FILE`` is the same switch as ``-p simulator.torch_harness --sim-harness thread``."""
+    """``python -m simulator pytest FILE`` is the same switch as ``-p simulator.torch_harness --sim-harness process``."""
     shutil.copy(CASES / "case_multiprocess.py", tmp_path / "case_multiprocess.py")
     junit = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -299,7 +313,8 @@ def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) ->
                            f"--junitxml={junit}", "case_multiprocess.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
     got = Outcome(proc, junit, time.perf_counter() - start)
-    assert got.verdicts == _want(MULTIPROCESS, "sim"), got.output[-6000:]
+    assert got.verdicts == _want(MULTIPROCESS, "process"), got.output[-6000:]
+    assert "MultiProcessTestCase ranks are simulated processes" in got.output
     assert proc.returncode == 1, got.output[-3000:]  # one test of the file fails, on purpose
     pids = {int(p) for p in _PIDS.findall(got.output)}
     assert pids and min(pids) > _pid_max(), pids  # the ranks were simulated (their pids are the launcher's)

@@ -367,7 +367,10 @@ class ProcessRanks:
             work = me.works[msg[1]]
             if kind == "wait":
                 rs.cpu_mark = time.thread_time() - msg[2]  # computed while the operation ran
-                return self._answering_early(rs, chan, lambda src: True, work.wait)
+                bound = msg[3] if len(msg) > 3 else None
+                if bound is not None:  # what is left of it: it started when the process asked
+                    bound -= timedelta(seconds=time.time() - msg[4])
+                return self._answering_early(rs, chan, lambda src: True, lambda: work.wait(bound))
             if kind == "completed":
                 return work.is_completed()
             if kind == "success":

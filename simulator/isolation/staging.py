@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -169,7 +170,8 @@ class ClientWork(Work):
         if not self._waited:  # the wait itself goes to the coordinator (a scheduling point, as on thread ranks)
             self._waited = True
             try:
-                self._b._request(("wait", self._wid, self._b._cpu_delta()))
+                # (timeout: its group's, counted from now: the proxy may get its turn later, in coop mode)
+                self._b._request(("wait", self._wid, self._b._cpu_delta(), timeout, time.time()))
                 self._b.start_clock()
             except BaseException as e:
                 self._error = e
