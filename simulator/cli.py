@@ -268,10 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc is not None and ns.nproc < 1:
         _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
-    if ns.isolation == "process" and ns.nproc is None:
-        _err("--isolation process runs torchrun-style scripts: pass --nproc-per-node N (a script that starts its "
-             "own ranks with mp.spawn / multiprocessing.Process runs with --isolation thread)")
-        return 2
     try:
         World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,  # checked first
               isolation=ns.isolation, devices=ns.devices, gpus_per_node=ns.gpus_per_node)
@@ -311,7 +307,8 @@ _LAUNCHER_GPUS = 2
 
 def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
-                                 device="cpu", replay_hint=_command(ns, None), p2p=ns.p2p, bound_names=CLI)
+                                 device="cpu", replay_hint=_command(ns, None), p2p=ns.p2p, bound_names=CLI,
+                                 isolation=ns.isolation)
     launcher.devices, launcher.gpus_per_node = ns.devices, ns.gpus_per_node
     stand_in = contextlib.nullcontext()
     if ns.devices == "cuda":  # the launcher is a process of the machine too: it counts the GPUs to start its ranks

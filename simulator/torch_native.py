@@ -40,6 +40,7 @@ import contextlib
 import functools
 import importlib
 import importlib.abc
+import os
 import sys
 import threading
 import time
@@ -564,7 +565,9 @@ def _backend_errors(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
-        event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
+        # (None unless a profiler is on; a call made inside another, allreduce_coalesced's, is not another event)
+        event = None if getattr(_tls, "in_call", False) else torch_profiling.issued(self._named, name, args)
+        _tls.in_call = True
         try:
             work = method(self, *args, **kwargs)
         except DistError as e:
@@ -575,6 +578,8 @@ def _backend_errors(method: Any) -> Any:
         except BaseException:
             torch_profiling.completed(event)
             raise
+        finally:
+            _tls.in_call = False
         if event is not None:
             work._event = event
         work._timeout = self._timeout
@@ -846,9 +851,37 @@ def _when_imported(name: str, apply: Any) -> Any:
     return undo
 
 
-#: torch's process-wide tables that code changes around collectives: (module, isolate(module) -> undo)
+def _ddp_logging_names_the_backend(module: Any) -> Any:
+    """DDP's logging data reports the backend the program named (``"gloo"``), as on a real run: its C++ logger
+    reads the group's ``getBackendName()``, which is ``"sim"`` for torch's C++ side (see SimProcessGroup)."""
+    cls = module.DistributedDataParallel
+    original = cls.__dict__["_get_ddp_logging_data"]
+
+    @functools.wraps(original)
+    def _get_ddp_logging_data(self: Any) -> Any:
+        data = original(self)
+        pg = getattr(self, "process_group", None)
+        if isinstance(pg, SimProcessGroup) and data.get("backend_name") == "sim":
+            data["backend_name"] = named = pg._get_backend_name()
+            if named == "gloo":  # what DDP's logger adds for a gloo group (its environment, its thread count)
+                env = os.environ
+                data.update(gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME", "N/A"),
+                            gloo_device_transport=env.get("GLOO_DEVICE_TRANSPORT", "N/A"), gloo_num_threads=2)
+        return data
+
+    cls._get_ddp_logging_data = _get_ddp_logging_data
+
+    def undo() -> None:
+        cls._get_ddp_logging_data = original
+
+    return undo
+
+
+#: torch's process-wide tables that code changes around collectives, and what it reports of the backend:
+#: (module, isolate(module) -> undo)
 _ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
-             ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers))
+             ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers),
+             ("torch.nn.parallel.distributed", _ddp_logging_names_the_backend))
 
 
 _lock = threading.Lock()

@@ -199,9 +199,10 @@ def _lines(out):
     return sorted(line for line in out.splitlines() if line.strip())
 
 
-def test_spawn_script_runs_unmodified_with_the_expected_values(tmp_path):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_spawn_script_runs_unmodified_with_the_expected_values(tmp_path, isolation):
     script = _write(tmp_path, "spawn_demo.py", SPAWN)
-    p = _sim(tmp_path, "--seed", "2", script)
+    p = _sim(tmp_path, "--seed", "2", "--isolation", isolation, script)
     assert p.returncode == 0, p.stderr
     # all_reduce of arange(3) * (r + 1) over 3 ranks: arange(3) * 6; all_gather of r^2
     expect = [f"rank {r}/3 sum=[0.0, 6.0, 12.0] squares=[0.0, 1.0, 4.0]" for r in range(3)]
@@ -224,25 +225,28 @@ def test_process_script_output_matches_a_real_gloo_run(tmp_path):
     # the launcher exits 0 whatever its children did: a lost port race shows in the exit codes it prints
     script, real = _real_run(tmp_path, "process_demo.py", PROCESS, lambda p: "exitcodes=[0, 0, 0]" in p.stdout)
     assert real.returncode == 0 and "exitcodes=[0, 0, 0]" in real.stdout, real.stderr
-    sim = _sim(tmp_path, "--mode", "threads", script)
-    assert sim.returncode == 0, sim.stderr
-    assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
-    # what both runs agree on, spelled out: ranks 0/1 exchanged, every rank added to the shared tensor,
-    # the launcher's dict was copied into each rank
-    assert "Rank 1 has data 1.0" in sim.stdout and "Rank 2 has data 0.0" in sim.stdout
-    assert "exitcodes=[0, 0, 0] alive=[False, False, False]" in sim.stdout
-    assert "shared=6.0 plain={}" in sim.stdout
+    for isolation in ("thread", "process"):  # rank processes get the shared tensor as a spawned child does
+        sim = _sim(tmp_path, "--mode", "threads", "--isolation", isolation, script)
+        assert sim.returncode == 0, sim.stderr
+        assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
+        # what both runs agree on, spelled out: ranks 0/1 exchanged, every rank added to the shared tensor,
+        # the launcher's dict was copied into each rank
+        assert "Rank 1 has data 1.0" in sim.stdout and "Rank 2 has data 0.0" in sim.stdout
+        assert "exitcodes=[0, 0, 0] alive=[False, False, False]" in sim.stdout
+        assert "shared=6.0 plain={}" in sim.stdout
 
 
-def test_failing_spawned_rank_reaches_the_launcher_as_torchs_exception(tmp_path):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_failing_spawned_rank_reaches_the_launcher_as_torchs_exception(tmp_path, isolation):
     script = _write(tmp_path, "spawn_demo.py", SPAWN)
-    p = _sim(tmp_path, "--seed", "5", script, "fail")
+    p = _sim(tmp_path, "--seed", "5", "--isolation", isolation, script, "fail")
     assert p.returncode == 1
     assert "launcher: ProcessRaisedException index=1" in p.stdout
     assert "rank 1 (process 1 of torch.multiprocessing.spawn) failed (ValueError)" in p.stderr
     assert "-- Process 1 terminated with the following error:" in p.stderr
     assert p.stderr.count("ValueError: rank one fails on purpose") == 1  # the rank's traceback, once
-    assert f"replay with python -m simulator --seed 5 --mode coop {script} fail" in p.stderr
+    iso = "" if isolation == "thread" else " --isolation process"
+    assert f"replay with python -m simulator --seed 5 --mode coop{iso} {script} fail" in p.stderr
     assert "[rank" not in p.stderr  # no excepthook prefixes
 
 
@@ -257,9 +261,10 @@ def test_sys_exit_in_a_spawned_rank_is_a_failure_with_its_code(tmp_path):
     assert "launcher: done" in ok.stdout
 
 
-def test_sys_exit_in_a_process_rank_sets_its_exitcode_and_fails_the_cli(tmp_path):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_sys_exit_in_a_process_rank_sets_its_exitcode_and_fails_the_cli(tmp_path, isolation):
     script = _write(tmp_path, "process_demo.py", PROCESS)
-    p = _sim(tmp_path, script, "--exit")
+    p = _sim(tmp_path, "--isolation", isolation, script, "--exit")
     assert p.returncode == 1
     # the launcher itself carries on, as on a real run, and sees rank 1's status; the others were released
     assert "exitcodes=[1, 3, 1]" in p.stdout
