@@ -57,7 +57,7 @@ from .trace import DEFAULT_TRACE_LIMIT, CostModel, EventLog, Trace
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
 #: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
-_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc", "cost")
+_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc", "cost", "per_rank_state")
 _last_trace: Trace | None = None
 
 

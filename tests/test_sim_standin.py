@@ -143,20 +143,6 @@ def test_out_of_memory_names_the_limit():
         del keep
 
 
-def test_rng_is_the_cpu_generator(two_gpus):
-    torch.cuda.manual_seed(7)
-    a = torch.randn(5, device="cuda")
-    torch.manual_seed(7)
-    assert torch.equal(a.cpu(), torch.randn(5))
-    state = torch.cuda.get_rng_state()
-    b = torch.rand(3, device="cuda")
-    torch.cuda.set_rng_state(state)
-    assert torch.equal(torch.rand(3, device="cuda").cpu(), b.cpu())
-    torch.cuda.manual_seed_all(3)
-    assert torch.cuda.initial_seed() == 3 and len(torch.cuda.get_rng_state_all()) == 2
-    assert len(torch.cuda.default_generators) == 2
-
-
 # -- tensors --------------------------------------------------------------------------------------------
 def test_factories_make_standins_on_the_named_device(two_gpus):
     torch.cuda.set_device(1)
@@ -282,13 +268,13 @@ def test_training_equals_the_cpu_bit_for_bit(two_gpus):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_adam_dropout_norms_and_clipping_equal_the_cpu(two_gpus):
+def test_adam_norms_and_clipping_equal_the_cpu(two_gpus):
     def run(device: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.LayerNorm(10), torch.nn.GELU(),
-                                    torch.nn.Dropout(0.1), torch.nn.Linear(10, 5)).to(device)
+                                    torch.nn.Linear(10, 5)).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        for _ in range(3):  # dropout draws from the CPU generator on both: the same masks
+        for _ in range(3):  # (dropout on a device draws from its generator: tests/test_sim_standin_programs.py)
             loss = model(torch.randn(8, 10).to(device)).square().mean()
             opt.zero_grad()
             loss.backward()
@@ -599,21 +585,3 @@ def test_without_the_switch_a_gpu_script_fails_with_the_fix(tmp_path):
     proc = _cli(tmp_path, "gpu.py", gpu)
     assert proc.returncode == 1
     assert "pass --devices cuda" in proc.stderr, proc.stderr[-3000:]
-
-
-def _nccl_with_a_cpu_tensor() -> str:
-    tdist.init_process_group("nccl")
-    r = tdist.get_rank()
-    torch.cuda.set_device(r)
-    ok = torch.ones(2, device="cuda")
-    tdist.all_reduce(ok)  # CUDA tensors: fine
-    try:
-        tdist.all_reduce(torch.ones(2))  # a CPU tensor on an NCCL group: refused, as NCCL refuses it
-    except RuntimeError as e:
-        return f"{ok.cpu().tolist()} {e}"
-    return "accepted"
-
-
-def test_an_nccl_group_refuses_cpu_tensors_on_stand_in_devices():
-    got = simulator.run(_nccl_with_a_cpu_tensor, 2, devices="cuda")
-    assert got == ["[2.0, 2.0] No backend type associated with device type cpu"] * 2

@@ -23,6 +23,10 @@ Example (2 simulated ranks, a GPU program)::
     with standin.enabled(gpus_per_node=2):
         simulator.run(body, 2)      # [('cuda:0', 512), ('cuda:1', 512)]
 
+Each device has CUDA's generator state (a seed and an offset, see ``rng``), so DTensor's
+sharded random initialisation (FSDP2) draws per shard as on GPUs; ``scaled_dot_product_attention``
+takes CUDA's fused operators (``attention``), for which DTensor has sharding rules.
+
 What cannot be faithful is refused with the fix named (:class:`StandInError`):
 ``torch.compile`` on stand-ins, CUDA graphs, operators that only have a GPU
 kernel (custom CUDA extensions, Triton kernels registered as operators).
@@ -74,6 +78,13 @@ PRIVATE_TORCH_NAMES = (
     "torch.utils._device._device_constructors",
     # torch.load restores cuda-tagged storages through this registry's cuda entry (see serialization)
     "torch.serialization._package_registry",
+    # the fake-tensor dispatch cache, one per process: keyed by the current device while enabled (see fakecache)
+    "torch._subclasses.fake_tensor.FakeTensorMode.cache",
+    # SDPA on stand-ins: CUDA's fused operators, computed by the CPU's fused kernel (see attention)
+    "torch.ops.aten._scaled_dot_product_flash_attention", "torch.ops.aten._scaled_dot_product_efficient_attention",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten._scaled_dot_product_attention_math",
+    # the devices' generators draw through the CPU generator (see rng)
+    "torch._C.default_generator",
 )
 
 #: the public torch names replaced while a stand-in is enabled

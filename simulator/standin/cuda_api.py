@@ -7,9 +7,9 @@ per device, the bytes its live stand-in tensors hold.
 
 CPU work is synchronous, so streams never run ahead: ``synchronize()`` returns
 at once, every event is complete as soon as it is recorded, and
-``elapsed_time`` measures the wall time between two records.  The stand-in's
-random numbers come from the rank's CPU generator: ``torch.cuda.manual_seed(s)``
-seeds it, so a program's numbers differ from the ones a GPU would draw.
+``elapsed_time`` measures the wall time between two records.  Each device of
+each rank has a ``(seed, offset)`` generator, as CUDA's Philox (see ``rng``):
+its numbers differ from the ones a GPU would draw.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from . import ranks
+from . import ranks, rng
 from .errors import StandInError
 from .ranks import resolve_index, state
 from .streams import Event, Stream, current_stream, default_stream, set_stream
@@ -30,7 +30,8 @@ __all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available",
            "get_device_properties", "synchronize", "current_stream", "default_stream", "set_stream",
            "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
            "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "mem_get_info",
-           "empty_cache", "set_per_process_memory_fraction", "manual_seed", "seed", "initial_seed",
+           "empty_cache", "set_per_process_memory_fraction", "manual_seed", "manual_seed_all", "seed", "seed_all",
+           "initial_seed",
            "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "DefaultGenerators",
            "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "CUDAGraph"]
 
@@ -234,60 +235,68 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
     state().fraction[resolve_index(device, "torch.cuda.set_per_process_memory_fraction")] = fraction
 
 
-# -- random numbers: the rank's CPU generator ---------------------------------------------------------
+# -- random numbers: a (seed, offset) generator per rank and device, as CUDA's Philox (see rng) ----------
 def manual_seed(seed: int) -> None:
-    """Seed the stand-in devices' generator: the calling rank's CPU generator."""
-    torch._C.default_generator.manual_seed(int(seed))
+    """Seed the calling rank's current device (its generator restarts at offset 0; the CPU's is untouched)."""
+    rng.seed_devices(seed, [resolve_index(None, "torch.cuda.manual_seed")])
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed every device of the calling rank (``torch.manual_seed`` calls this too)."""
+    rng.seed_devices(seed, rng.all_devices())
 
 
 def seed() -> None:
-    """Seed the stand-in generator (the rank's CPU generator) from a random number."""
-    torch._C.default_generator.seed()
+    """Seed the calling rank's current device from a random number."""
+    rng.StandInGenerator(resolve_index(None, "torch.cuda.seed")).seed()
+
+
+def seed_all() -> None:
+    """Seed every device of the calling rank from one random number."""
+    rng.seed_devices(torch.Generator().seed(), rng.all_devices())
 
 
 def initial_seed() -> int:
-    """The stand-in generator's (the rank's CPU generator's) initial seed."""
-    return torch._C.default_generator.initial_seed()
+    """The current device's seed."""
+    return rng.generator(state(), resolve_index(None, "torch.cuda.initial_seed"))[0]
 
 
 def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    """The stand-in generator's state: the rank's CPU generator state (not a GPU's Philox state)."""
-    resolve_index(device, "torch.cuda.get_rng_state")
-    return torch.get_rng_state()
+    """``device``'s generator state: 16 bytes (seed, offset), laid out as CUDA's Philox state."""
+    return rng.get_state(resolve_index(device, "torch.cuda.get_rng_state"))
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    """Restore a state from :func:`get_rng_state` (the rank's CPU generator)."""
-    resolve_index(device, "torch.cuda.set_rng_state")
-    torch.set_rng_state(new_state)
+    """Restore a state from :func:`get_rng_state`."""
+    rng.set_state(resolve_index(device, "torch.cuda.set_rng_state"), new_state, "torch.cuda.set_rng_state")
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    """One state per device; every stand-in device shares the rank's CPU generator."""
-    return [torch.get_rng_state() for _ in range(device_count())]
+    """One state per device."""
+    return [rng.get_state(i) for i in rng.all_devices()]
 
 
 def set_rng_state_all(new_states: Sequence[torch.Tensor]) -> None:
-    """Restore per-device states: they are one generator, so the last state wins."""
-    for s in new_states:
-        torch.set_rng_state(s)
+    """Restore one state per device."""
+    for i, s in enumerate(new_states):
+        rng.set_state(resolve_index(i, "torch.cuda.set_rng_state_all"), s, "torch.cuda.set_rng_state_all")
 
 
 class DefaultGenerators(Sequence):
-    """``torch.cuda.default_generators``: the rank's CPU generator, once per device."""
+    """``torch.cuda.default_generators``: one generator per device, each the calling rank's."""
 
     def __len__(self) -> int:
         return device_count()
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [torch._C.default_generator for _ in range(len(self))[i]]
+            return [rng.StandInGenerator(j) for j in range(len(self))[i]]
         if not -len(self) <= i < len(self):
             raise IndexError("tuple index out of range")
-        return torch._C.default_generator
+        return rng.StandInGenerator(i % len(self))
 
     def __iter__(self) -> Iterator[Any]:
-        return (torch._C.default_generator for _ in range(len(self)))
+        return (rng.StandInGenerator(j) for j in range(len(self)))
 
 
 # -- CUDA graphs: refused ---------------------------------------------------------------------------------

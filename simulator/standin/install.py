@@ -34,12 +34,14 @@ import torch.cuda.streams
 import torch.overrides
 import torch.serialization
 import torch.utils._device
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .._patch import Installation
-from . import _native, amp, cuda_api as api, ranks
+from . import _native, amp, attention, cuda_api as api, ranks
+from .fakecache import DeviceKeyedCache
 from .refuse import NvtxStub, compile_guard
 from .serialization import deserialize_cuda, patched_load, registry_entry
-from .ops import copy_from, factory
+from .ops import COMPOSITE_FACTORIES, copy_from, factory
 from .tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
 __all__ = ["INSTALLATION", "active", "configured", "PATCHED_PUBLIC"]
@@ -71,6 +73,19 @@ def _copy_from_kernel(op: Any) -> Callable[..., Any]:
     return kernel
 
 
+def _factory_kernel(op: Any) -> Callable[..., Any]:
+    # a composite factory computed in one CPU call (see ops.COMPOSITE_FACTORIES)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+def _overload(name: str) -> Any:
+    base, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
 def _register_once() -> None:
     if _libraries:
         return
@@ -81,7 +96,11 @@ def _register_once() -> None:
     for op in (torch.ops.aten._copy_from.default, torch.ops.aten._copy_from_and_resize.default):
         for key in ("CUDA", "PrivateUse1"):
             lib.impl(op, _copy_from_kernel(op), key)
-    _libraries.extend([fallback, lib, *amp.register()])
+    for name in COMPOSITE_FACTORIES:
+        op = _overload(name)
+        for key in ("CUDA", "PrivateUse1"):
+            lib.impl(op, _factory_kernel(op), key)
+    _libraries.extend([fallback, lib, *amp.register(), *attention.register()])
 
 
 # -- Python-level replacements -------------------------------------------------------------------------
@@ -232,8 +251,7 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(cuda, n, getattr(api, n)) for n in _DEVICE]
     t += [(m, n, getattr(api, n)) for n in _MEMORY for m in (cuda, mem)]
     t += [(m, n, getattr(api, n)) for n in _RANDOM for m in (cuda, rnd)]
-    t += [(m, alias, getattr(api, n)) for m in (cuda, rnd) for alias, n in
-          (("manual_seed_all", "manual_seed"), ("seed_all", "seed"))]
+    t += [(m, n, getattr(api, n)) for m in (cuda, rnd) for n in ("manual_seed_all", "seed_all")]
     t += [(m, alias, getattr(api, n)) for m in (cuda, mem) for alias, n in
           (("memory_cached", "memory_reserved"), ("max_memory_cached", "max_memory_reserved"),
            ("reset_max_memory_allocated", "reset_peak_memory_stats"),
@@ -272,6 +290,8 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
     t += [(torch, "load", patched_load(torch.load))]
+    # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
+    t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
     t += [(torch.autograd, "_engine_run_backward", backward), (torch.autograd.graph, "_engine_run_backward", backward)]
     return t

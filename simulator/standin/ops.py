@@ -7,10 +7,27 @@ from typing import Any
 
 import torch
 
-from . import ranks
-from .tensor import _SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, rewrap, spec, target
+from . import ranks, rng
+from .tensor import (_SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, passes_generator, rewrap,
+                     spec, target)
 
-__all__ = ["copy_from", "factory", "device_of"]
+__all__ = ["copy_from", "factory", "device_of", "COMPOSITE_FACTORIES"]
+
+#: aten's factories (no tensor argument, a ``device=``) whose kernel is composite: registered for every device,
+#: they would build a stand-in through several operators, and some (``arange``, ``eye``, ``range``) allocate an
+#: empty tensor and resize it through an ``out=`` overload, which a wrapper's fixed shape cannot follow.  The
+#: stand-in registers :func:`factory` for them on the ``CUDA`` and ``PrivateUse1`` keys: one CPU call, then wrapped.
+#: (tests/test_sim_standin_programs.py checks that this list holds every such aten factory.)
+COMPOSITE_FACTORIES = (
+    "arange", "arange.start", "arange.start_step", "range", "range.step", "eye", "eye.m", "linspace", "logspace",
+    "full", "ones", "zeros", "scalar_tensor", "empty_permuted", "normal.float_float",
+    "rand", "rand.generator", "randn", "randn.generator", "randint", "randint.generator", "randint.low",
+    "randint.low_generator", "randperm", "randperm.generator", "fft_fftfreq", "fft_rfftfreq",
+    "bartlett_window", "bartlett_window.periodic", "blackman_window", "blackman_window.periodic",
+    "hamming_window", "hamming_window.periodic", "hamming_window.periodic_alpha",
+    "hamming_window.periodic_alpha_beta", "hann_window", "hann_window.periodic", "kaiser_window",
+    "kaiser_window.beta", "kaiser_window.periodic",
+)
 
 
 def _inner_of(t: Any) -> Any:
@@ -69,7 +86,14 @@ def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     kwargs["device"] = CPU
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False
-    return rewrap(func(*args, **kwargs), idx, (), spec(func), 0)
+    sp = spec(func)
+    if sp.random and not passes_generator(sp, args, kwargs):  # torch.randn(..., device="cuda"): the device draws
+        out = rng.draw(idx, lambda: func(*args, **kwargs))
+    else:
+        out = func(*args, **kwargs)
+        if sp.uninitialized:
+            out.zero_()
+    return rewrap(out, idx, (), sp, 0)
 
 
 def device_of(t: torch.Tensor) -> torch.device:

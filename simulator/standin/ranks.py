@@ -62,7 +62,7 @@ def config() -> Config:
 class DeviceState:
     """One rank's (or the process's) CUDA state."""
 
-    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "lock", "__weakref__")
+    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "rng", "lock", "__weakref__")
 
     def __init__(self) -> None:
         self.current = 0
@@ -71,6 +71,7 @@ class DeviceState:
         self.mem: dict[int, list[int]] = {}
         self.streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
         self.fraction: dict[int, float] = {}
+        self.rng: dict[int, list[int]] = {}  # device -> [seed, offset] of its generator (see rng)
         self.lock = threading.Lock()  # rank threads run at once in threads mode; finalizers on any thread
 
     def counters(self, dev: int) -> list[int]:

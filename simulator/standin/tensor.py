@@ -31,7 +31,7 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from . import ranks
+from . import ranks, rng
 from .errors import StandInError
 
 __all__ = ["StandInTensor", "wrap", "fresh", "is_standin", "dispatch", "rewrap", "spec", "target",
@@ -51,6 +51,8 @@ _CROSS_DEVICE = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "in
 #: in-place operators that may change the tensor's shape (a wrapper's shape is fixed at creation)
 _RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
               "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
+#: allocators whose memory is uninitialised (see _Spec.uninitialized)
+_UNINITIALIZED = {"empty", "empty_strided", "empty_permuted", "empty_like", "new_empty", "new_empty_strided"}
 #: namespaces of c10d's operators: they hand the process group the CPU tensors inside the stand-ins
 _COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
 #: namespaces whose operators are torch's own and always have a CPU implementation or decomposition
@@ -226,7 +228,8 @@ def fresh(inner: torch.Tensor, idx: int) -> StandInTensor:
 
 # -- per-operator facts, computed once -------------------------------------------------------------------
 class _Spec:
-    __slots__ = ("special", "cross", "reshaping", "fresh", "name", "mutates", "call", "collective")
+    __slots__ = ("special", "cross", "reshaping", "fresh", "name", "mutates", "call", "collective", "random",
+                 "generator_at", "uninitialized")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -234,7 +237,8 @@ class _Spec:
         self.name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
         self.special: Callable[..., Any] | None = _SPECIAL.get(base)
         self.cross = base in _CROSS_DEVICE
-        self.reshaping = base in _RESHAPING or schema.overload_name.startswith("out")
+        # an out= overload (``out``, ``start_out``, ``Scalar_out``...) may resize its output
+        self.reshaping = base in _RESHAPING or any(a.is_out for a in schema.arguments)
         # results without alias annotation are new allocations; views and in-place results are not
         self.fresh = [r.alias_info is None for r in schema.returns] or [True]
         # only an operator that writes an argument can return one of its inputs
@@ -242,6 +246,11 @@ class _Spec:
         self.call = func._op  # the operator itself, without OpOverload.__call__'s Python frame
         ns = schema.name.split("::")[0]
         self.collective = ns in _COLLECTIVE_NAMESPACES
+        # a random operator draws from its device's generator unless the caller passed one (see rng)
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.generator_at = next((i for i, a in enumerate(schema.arguments) if a.name == "generator"), None)
+        # memory a GPU hands out uninitialised: zero on a stand-in, so a program that reads it reproduces
+        self.uninitialized = base in _UNINITIALIZED
         # the CPU entry of the computed table includes composite kernels and fallbacks
         if ns not in _TORCH_NAMESPACES and self.special is None and \
                 not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "CPU"):
@@ -306,7 +315,10 @@ def _unwrap(a: Any, seen: list) -> Any:
     if t is list or t is tuple:
         return t([_unwrap(x, seen) for x in a])
     if isinstance(a, torch.Tensor) and (a.dim() != 0 or a.device.type != "cpu"):
-        _note(seen, a.device)  # CUDA accepts 0-dim CPU tensors as scalars; any other tensor is a device
+        # CUDA accepts 0-dim CPU tensors as scalars; any other tensor is a device (a wrapper over a stand-in,
+        # such as a DTensor, reports cuda:i: the stand-ins' device i)
+        d = a.device
+        _note(seen, d.index if d.type == "cuda" and d.index is not None else d)
     return a
 
 
@@ -353,16 +365,30 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         ukw = kwargs
     if seen[1] is not None and not sp.cross and not _from_collective_code():
         raise RuntimeError(_SAME_DEVICE.format(*seen[1]))
+    idx = seen[2]
     if sp.collective:
-        out = _collective(sp, seen[2], uargs, ukw)
+        out = _collective(sp, idx, uargs, ukw)
+    elif sp.random and idx is not None and not passes_generator(sp, uargs, ukw):
+        out = rng.draw(idx, lambda: sp.call(*uargs, **ukw))
     else:
         out = sp.call(*uargs, **ukw)
-    idx = seen[2]
+        if sp.uninitialized and idx is not None:
+            out.zero_()
     if idx is None:
         return out
     if type(out) is torch.Tensor and seen[3] is None:  # the common case: one new tensor or view
         return fresh(out, idx) if sp.fresh[0] else wrap(out, idx)
     return rewrap(out, idx, seen[3] or (), sp, 0)
+
+
+def passes_generator(sp: _Spec, args: Any, kwargs: dict) -> bool:
+    """Whether a random operator's caller named its own generator (then the stand-in's is not used)."""
+    at = sp.generator_at
+    if at is None:
+        return False
+    if kwargs.get("generator") is not None:
+        return True
+    return len(args) > at and args[at] is not None
 
 
 _collective_device = threading.local()
@@ -395,8 +421,14 @@ def rewrap(out: Any, idx: int, owners: Any, sp: _Spec, pos: int) -> Any:
 
 
 def _reshaped(spec: _Spec, w: StandInTensor, out: torch.Tensor) -> StandInError:
+    fix = ("use the out-of-place form (y = x.t() instead of x.t_(); a correctly sized out= tensor; "
+           "torch.empty(new_shape, device=x.device) instead of x.resize_(...))")
+    if spec.name.startswith("aten::set_"):
+        # FullyShardedDataParallel (FSDP1) shards and gathers its flat parameter with set_
+        fix = ("if this is FullyShardedDataParallel (FSDP1, which swaps its flat parameter's data with set_), use "
+               "FSDP2 (torch.distributed.fsdp.fully_shard), which runs on stand-ins, or run this program on plain "
+               "CPU ranks (--devices cpu, with the program's devices and backend edited for the CPU); otherwise " + fix)
     return StandInError(format_message(
         "simulator.standin", "an in-place operator changed a stand-in tensor's shape or strides, which a "
         "stand-in cannot follow", values={"operator": spec.name, "shape": list(w.shape), "new_shape": list(out.shape)},
-        fix="use the out-of-place form (y = x.t() instead of x.t_(); a correctly sized out= tensor; "
-            "torch.empty(new_shape, device=x.device) instead of x.resize_(...))"))
+        fix=fix))

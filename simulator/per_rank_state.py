@@ -1,0 +1,157 @@
+"""Libraries' process-wide singletons, one per rank on thread ranks (an adapter of :class:`simulator.World`).
+
+A real process has its own copy of every module-level singleton; thread ranks share one interpreter, so a
+library that keeps one registry per process sees every rank's entries.  The common case in training scripts is
+Hydra (``@hydra.main``, pytorch/examples' minGPT): its ``GlobalHydra`` and its other singletons live in
+``hydra.core.singleton.Singleton._instances``, and the second rank to enter ``@hydra.main`` fails with
+``GlobalHydra is already initialized``.  While a world runs, that table is one per rank (a rank's threads share
+its table, as a process's threads do); outside a rank, the original table.
+
+What cannot be made per rank this way (a C extension's globals, torch's module trackers) is named by the
+failure's report, which points to ``isolation="process"`` (see :mod:`simulator.report`).
+
+Example (two thread ranks, each with its own Hydra)::
+
+    python -m simulator --nproc-per-node 2 main.py      # main.py decorated with @hydra.main
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, ContextManager, Iterator
+
+from ._patch import Installation
+from .state import current_rank_state
+from .torch_native import _when_imported
+
+__all__ = ["PerRankTable", "enabled", "TABLES"]
+
+
+class PerRankTable(dict):  # type: ignore[type-arg]
+    """Stands in for a library's process-wide dict of singletons: the entries of the keys in ``per_rank`` are each
+    rank's own (a rank's threads share them, as a process's threads do); the others (registries filled as modules
+    are imported, read by every rank) stay shared, in the original dict.
+
+    A ``dict`` subclass, so ``isinstance`` and ``copy.deepcopy`` (Hydra's ``Singleton.get_state``) see a dict: the
+    calling rank's view, copied as a plain dict.
+    """
+
+    def __init__(self, original: dict, per_rank: Any) -> None:  # type: ignore[type-arg]
+        super().__init__()
+        self._original = original
+        self._per_rank = per_rank  # key -> whether its entry is the rank's own
+        self._tables: dict[Any, dict] = {}  # type: ignore[type-arg]
+
+    def _table(self, key: Any) -> dict:  # type: ignore[type-arg]
+        rs = current_rank_state()
+        if rs is None or not self._per_rank(key):
+            return self._original
+        root = rs.parent or rs
+        table = self._tables.get(root)
+        if table is None:
+            table = self._tables[root] = {}
+        return table
+
+    def view(self) -> dict:  # type: ignore[type-arg]
+        """The calling rank's entries: the shared ones and its own."""
+        rs = current_rank_state()
+        shared = {k: v for k, v in self._original.items() if rs is None or not self._per_rank(k)}
+        if rs is not None:
+            shared.update(self._tables.get(rs.parent or rs, {}))
+        return shared
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._table(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._table(key)[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._table(key)[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._table(key)[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._table(key).get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self._table(key).pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return self._table(key).setdefault(key, default)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.view())
+
+    def __len__(self) -> int:
+        return len(self.view())
+
+    def __bool__(self) -> bool:
+        return bool(self.view())
+
+    def __repr__(self) -> str:
+        return repr(self.view())
+
+    def __eq__(self, other: object) -> bool:
+        return self.view() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def keys(self) -> Any:
+        return self.view().keys()
+
+    def values(self) -> Any:
+        return self.view().values()
+
+    def items(self) -> Any:
+        return self.view().items()
+
+    def copy(self) -> dict:  # type: ignore[type-arg]
+        return self.view()
+
+    def __deepcopy__(self, memo: dict) -> dict:  # type: ignore[type-arg]
+        return copy.deepcopy(self.view(), memo)
+
+    def __reduce__(self) -> Any:
+        return dict, (self.view(),)
+
+
+#: Hydra's singletons that hold one run's state (initialised by each @hydra.main), as opposed to its registries
+#: (ConfigStore, Plugins), which modules fill as they are imported
+_HYDRA_RUN_STATE = frozenset({"GlobalHydra", "HydraConfig", "JobRuntime"})
+
+
+def _hydra_singletons(module: Any) -> Any:
+    owner = module.Singleton
+    original = owner.__dict__["_instances"]
+    if isinstance(original, PerRankTable):  # (installed already: nested worlds)
+        return lambda: None
+    owner._instances = PerRankTable(original, lambda cls: getattr(cls, "__name__", "") in _HYDRA_RUN_STATE)
+
+    def undo() -> None:
+        owner._instances = original
+
+    return undo
+
+
+#: (module, make its table per rank -> undo), each applied when the module is imported
+TABLES = (("hydra.core.singleton", _hydra_singletons),)
+
+_undos: list[Any] = []
+
+
+def _install() -> None:
+    _undos.extend(_when_imported(name, apply) for name, apply in TABLES)
+
+
+def _uninstall() -> None:
+    while _undos:
+        _undos.pop()()
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
+    """While a world runs: the tables of :data:`TABLES` are one per rank."""
+    return _INSTALLATION.enabled()

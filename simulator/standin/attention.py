@@ -1,0 +1,150 @@
+"""``scaled_dot_product_attention`` on stand-ins takes a GPU's path: CUDA's fused kernels, computed on the CPU.
+
+On a GPU, ``F.scaled_dot_product_attention`` picks a fused kernel (flash attention for fp16/bf16,
+memory-efficient attention otherwise) and calls ``aten::_scaled_dot_product_flash_attention`` or
+``aten::_scaled_dot_product_efficient_attention``, whose backward is its own operator.  Programs and
+libraries depend on that path: DTensor shards attention by heads through the sharding rules of exactly
+these operators (tensor parallel Llama: ``PrepareModuleInput`` then SDPA on DTensors) and has none for the
+CPU's ``_scaled_dot_product_flash_attention_for_cpu``, and the math fallback mixes a plain mask tensor with
+DTensors.  A stand-in is a ``privateuseone`` tensor to torch's C++ side, for which SDPA would take the
+math fallback; so the stand-in registers the choice for ``AutogradPrivateUse1``:
+
+* flash when the inputs are fp16/bf16, there is no mask, no dropout and the head size is at most 256
+  and a multiple of 8 (and ``torch.backends.cuda.flash_sdp_enabled()``);
+* memory-efficient when the head size is a multiple of 8 (4 for float32), there is no dropout and the
+  mask does not require grad (and ``mem_efficient_sdp_enabled()``);
+* the math composite otherwise (dropout draws from the device's generator there).
+
+The fused operators then run the CPU's fused kernel (``_scaled_dot_product_flash_attention_for_cpu``
+and its backward) on the data inside the stand-ins, returning what the CUDA kernels return (shapes as
+torch's meta kernels give them; ``philox_seed``/``philox_offset`` as CPU scalars, as CUDA returns them
+outside graph capture).  The CPU kernels round differently from the GPU's (see docs/deviations.md).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .tensor import _SAME_DEVICE, _SPECIAL, StandInTensor, fresh
+
+__all__ = ["register", "choose"]
+
+
+def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+           enable_gqa: bool) -> str:
+    """The kernel CUDA's SDPA would pick for these inputs: "flash", "efficient" or "math"."""
+    d = query.size(-1)
+    plain = query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and dropout_p == 0.0 and \
+        value.size(-1) == d and key.size(1) == query.size(1) and not enable_gqa
+    if plain and attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0 \
+            and torch.backends.cuda.flash_sdp_enabled():
+        return "flash"
+    align = 4 if query.dtype == torch.float32 else 8
+    if plain and d % align == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and (attn_mask is None or not attn_mask.requires_grad) and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return "efficient"
+    return "math"
+
+
+def _sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+          *, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+    kind = choose(query, key, value, attn_mask, dropout_p, enable_gqa)
+    aten = torch.ops.aten
+    if kind == "flash":
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if kind == "efficient":
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, grads, dropout_p, is_causal,
+                                                            scale=scale)[0]
+    return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+                                                   scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    params = func._schema.arguments
+    vals = {a.name: a.default_value for a in params if a.has_default_value()}
+    vals.update(zip((a.name for a in params), args))
+    vals.update(kwargs)
+    return vals
+
+
+def _inners(func: Any, tensors: list[Any]) -> tuple[int, list[Any]]:
+    """The stand-ins' CPU tensors and their device (CUDA's rule: one device)."""
+    idx = None
+    out = []
+    for t in tensors:
+        if isinstance(t, StandInTensor):
+            if idx is None:
+                idx = t._idx
+            elif t._idx != idx:
+                raise RuntimeError(_SAME_DEVICE.format(f"cuda:{idx}", f"cuda:{t._idx}"))
+            out.append(t._inner)
+        elif isinstance(t, torch.Tensor) and t.dim() > 0:
+            raise RuntimeError(_SAME_DEVICE.format(f"cuda:{idx if idx is not None else 0}", t.device))
+        else:
+            out.append(t)
+    assert idx is not None, func  # reached through a stand-in's dispatch: at least one stand-in
+    return idx, out
+
+
+def _scalar(dtype: torch.dtype, shape: tuple = ()) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _flash(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = _bind(func, args, kwargs)
+    idx, (q, k, v) = _inners(func, [a["query"], a["key"], a["value"]])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, a["dropout_p"], a["is_causal"], attn_mask=None, scale=a["scale"])
+    debug = torch.empty(0, dtype=q.dtype)
+    return (fresh(out, idx), fresh(lse, idx), None, None, q.size(2), k.size(2), _scalar(torch.uint64, (2,)),
+            _scalar(torch.uint64), fresh(debug, idx))
+
+
+def _flash_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = _bind(func, args, kwargs)
+    idx, (g, q, k, v, o, lse) = _inners(func, [a[n] for n in ("grad_out", "query", "key", "value", "out",
+                                                              "logsumexp")])
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, o, lse, a["dropout_p"], a["is_causal"], attn_mask=None, scale=a["scale"])
+    return tuple(fresh(t, idx) for t in grads)
+
+
+def _efficient(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = _bind(func, args, kwargs)
+    idx, (q, k, v, bias) = _inners(func, [a["query"], a["key"], a["value"], a["attn_bias"]])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, a["dropout_p"], a["is_causal"], attn_mask=bias, scale=a["scale"])
+    length = q.size(2)
+    if a["compute_log_sumexp"]:  # CUDA's kernel pads the row to a multiple of 32 (see the meta kernel)
+        lse = torch.nn.functional.pad(lse, (0, math.ceil(length / 32) * 32 - length), value=float("inf"))
+    else:
+        lse = lse.new_empty((lse.size(0), lse.size(1), 0))
+    return fresh(out, idx), fresh(lse, idx), _scalar(torch.int64), _scalar(torch.int64)
+
+
+def _efficient_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = _bind(func, args, kwargs)
+    names = ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp")
+    idx, (g, q, k, v, bias, o, lse) = _inners(func, [a[n] for n in names])
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, o, lse[..., :q.size(2)].contiguous(), a["dropout_p"], a["is_causal"], attn_mask=bias,
+        scale=a["scale"])
+    return fresh(gq, idx), fresh(gk, idx), fresh(gv, idx), None
+
+
+_SPECIAL.update({
+    "_scaled_dot_product_flash_attention": _flash, "_scaled_dot_product_flash_attention_backward": _flash_backward,
+    "_scaled_dot_product_efficient_attention": _efficient,
+    "_scaled_dot_product_efficient_attention_backward": _efficient_backward,
+})
+
+
+def register() -> list[Any]:
+    """SDPA's choice for stand-ins, registered for ``AutogradPrivateUse1`` (kept for the process's life; a stand-in
+    exists only while one is enabled)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    return [lib]

@@ -1,0 +1,145 @@
+"""The stand-in devices' random number generators: one ``(seed, offset)`` generator per rank and device.
+
+A CUDA device draws from a counter-based Philox generator whose whole state is a 64-bit seed and a
+64-bit offset; ``torch.cuda.get_rng_state()`` returns them as 16 bytes, and every random operator
+advances the offset.  DTensor builds on exactly that: to give each shard of a random tensor its own
+numbers, it moves the offset to ``shard index * shard size`` before the local draw and to
+``old offset + whole numel`` after it, so replicas draw alike and every rank leaves in step.
+
+The stand-in keeps the same state per rank and device, and computes a random operator on the CPU
+with the CPU generator seeded from ``(seed, offset)`` (mixed through BLAKE2b), restoring the CPU
+generator afterwards; the offset then advances by the operator's element count rounded up to 4
+(DTensor's own arithmetic).  So: two draws at one ``(seed, offset)`` are equal, draws at different
+offsets are independent, ``get_rng_state``/``set_rng_state`` replay, ``torch.cuda.manual_seed`` seeds
+the device and not the CPU, and ``torch.manual_seed`` seeds both, as on a GPU.  The numbers differ
+from a GPU's (see docs/deviations.md).
+
+Example (2 simulated ranks)::
+
+    torch.cuda.manual_seed(7)
+    state = torch.cuda.get_rng_state()          # 16 bytes: seed 7, offset 0
+    a = torch.randn(5, device="cuda")           # offset -> 8
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.randn(5, device="cuda").cpu(), a.cpu())
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import torch
+
+from .ranks import DeviceState, device_count, state
+
+__all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator"]
+
+_MASK = (1 << 64) - 1
+
+
+def generator(st: DeviceState, idx: int) -> list[int]:
+    """``[seed, offset]`` of the rank's device ``idx``; a device never seeded starts from the rank's CPU seed
+    (what a process that was seeded before the run, or a fresh one, gives every device)."""
+    g = st.rng.get(idx)
+    if g is None:
+        g = st.rng.setdefault(idx, [torch.initial_seed() & _MASK, 0])
+    return g
+
+
+def _mix(seed: int, offset: int) -> int:
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + offset.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _numel(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel()
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o.numel()
+    return 0
+
+
+def draw(idx: int, call: Callable[[], Any]) -> Any:
+    """Run ``call`` (a random operator on CPU tensors) as a draw from device ``idx``'s generator."""
+    g = generator(state(), idx)
+    cpu = torch._C.default_generator
+    saved = cpu.get_state()
+    cpu.manual_seed(_mix(g[0], g[1]))
+    try:
+        out = call()
+    finally:
+        cpu.set_state(saved)
+    g[1] = (g[1] + max(4, -(-_numel(out) // 4) * 4)) & _MASK
+    return out
+
+
+def get_state(idx: int) -> torch.Tensor:
+    """The 16-byte state of the rank's device ``idx``: seed then offset, little-endian (CUDA's layout)."""
+    seed, offset = generator(state(), idx)
+    return torch.frombuffer(bytearray(seed.to_bytes(8, "little") + offset.to_bytes(8, "little")),
+                            dtype=torch.uint8)
+
+
+def set_state(idx: int, new_state: torch.Tensor, call: str) -> None:
+    """Restore a state from :func:`get_state` (CUDA's 16 bytes)."""
+    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8 or new_state.numel() != 16:
+        got = new_state if not isinstance(new_state, torch.Tensor) else \
+            f"tensor(dtype={new_state.dtype}, numel={new_state.numel()})"
+        raise RuntimeError(f"{call}: a CUDA generator state is 16 bytes (torch.uint8: seed, offset); "
+                           f"new_state={got}. Fix: pass a state from torch.cuda.get_rng_state() (a CPU generator's "
+                           "state from torch.get_rng_state() belongs to torch.set_rng_state)")
+    raw = bytes(new_state.detach().cpu().contiguous().tolist())
+    state().rng[idx] = [int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")]
+
+
+def seed_devices(seed: int, devices: Any) -> None:
+    """Seed ``devices`` of the calling rank (offset 0)."""
+    st = state()
+    for idx in devices:
+        st.rng[idx] = [int(seed) & _MASK, 0]
+
+
+class StandInGenerator:
+    """``torch.cuda.default_generators[i]`` on the stand-in: device ``i``'s generator of the calling rank."""
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.idx)
+
+    def manual_seed(self, seed: int) -> "StandInGenerator":
+        seed_devices(seed, [self.idx])
+        return self
+
+    def seed(self) -> int:
+        s = torch.Generator().seed()
+        seed_devices(s, [self.idx])
+        return s
+
+    def initial_seed(self) -> int:
+        return generator(state(), self.idx)[0]
+
+    def get_state(self) -> torch.Tensor:
+        return get_state(self.idx)
+
+    def set_state(self, new_state: torch.Tensor) -> "StandInGenerator":
+        set_state(self.idx, new_state, "torch.cuda.default_generators[i].set_state")
+        return self
+
+    def get_offset(self) -> int:
+        return generator(state(), self.idx)[1]
+
+    def set_offset(self, offset: int) -> "StandInGenerator":
+        generator(state(), self.idx)[1] = int(offset) & _MASK
+        return self
+
+    def __repr__(self) -> str:
+        return f"<stand-in CUDA generator of cuda:{self.idx}>"
+
+
+def all_devices() -> range:
+    """Every device index of a node."""
+    return range(device_count())

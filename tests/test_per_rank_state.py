@@ -1,0 +1,101 @@
+"""Libraries' process-wide singletons are one per rank on thread ranks (simulator/per_rank_state.py).
+
+The Hydra program below is the shape of pytorch/examples' minGPT entry point (``@hydra.main`` around a torchrun
+program); it runs on real gloo processes under torchrun and, with default options, on simulated thread ranks, and
+the two print the same.  The rest checks the table itself: a rank's own entries, shared registries, a copy.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import simulator
+from simulator.per_rank_state import PerRankTable
+from tensorplay.testing import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HYDRA_PROGRAM = textwrap.dedent("""
+    import hydra
+    import torch, torch.distributed as dist
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base=None, config_path=None, config_name=None)
+    def main(cfg) -> None:
+        dist.init_process_group("gloo")
+        x = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(x)
+        print(f"rank {dist.get_rank()} sum={x.item()} hydra={GlobalHydra.instance().is_initialized()} "
+              f"job={HydraConfig.get().job.name}", flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _rank_lines(out: str) -> list[str]:
+    # real processes share the pipe: one rank's line can start where another's newline has not come yet
+    out = re.sub(r"(?<=[^\n])(?=rank \d)", "\n", out)
+    return sorted(line for line in out.splitlines() if line.startswith("rank "))
+
+
+def test_a_hydra_program_runs_on_thread_ranks_with_default_options(tmp_path: Path) -> None:
+    pytest.importorskip("hydra")
+    (tmp_path / "main.py").write_text(HYDRA_PROGRAM)
+    overrides = [f"hydra.run.dir={tmp_path / 'out'}", "hydra.output_subdir=null"]
+    sim = _run([sys.executable, "-m", "simulator", "--nproc-per-node", "3", "main.py", *overrides], tmp_path)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    assert _rank_lines(sim.stdout) == [f"rank {r} sum=6.0 hydra=True job=main" for r in range(3)], sim.stdout
+
+
+@pytest.mark.gloo
+def test_the_hydra_program_prints_the_same_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("hydra")
+    (tmp_path / "main.py").write_text(HYDRA_PROGRAM)
+    overrides = [f"hydra.run.dir={tmp_path / 'out'}", "hydra.output_subdir=null"]
+    real = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
+                 "127.0.0.1", "--master-port", str(free_port()), "main.py", *overrides], tmp_path)
+    assert real.returncode == 0, real.stderr[-3000:]
+    sim = _run([sys.executable, "-m", "simulator", "--nproc-per-node", "3", "main.py", *overrides], tmp_path)
+    assert _rank_lines(sim.stdout) == _rank_lines(real.stdout), (sim.stdout, real.stdout)
+
+
+class _Own:
+    pass
+
+
+class _Registry:
+    pass
+
+
+_TABLE = PerRankTable({_Registry: "filled at import"}, lambda key: key is _Own)
+
+
+def _use_table() -> tuple:
+    rs = simulator.current_rank_state()
+    first = _Own in _TABLE
+    _TABLE[_Own] = f"rank {rs.rank}"  # type: ignore[union-attr]
+    return first, _TABLE[_Own], _TABLE[_Registry], dict(copy.deepcopy(_TABLE)) == {_Own: _TABLE[_Own],
+                                                                                    _Registry: "filled at import"}
+
+
+def test_each_rank_has_its_own_entries_and_shares_the_registries() -> None:
+    out = simulator.run(_use_table, 3)
+    assert out == [(False, f"rank {r}", "filled at import", True) for r in range(3)]
+    assert _Own not in _TABLE and _TABLE[_Registry] == "filled at import"  # outside a rank: the original

@@ -1,0 +1,356 @@
+"""The CUDA stand-in on the paths that GPU-written programs from outside the project take (issue 22).
+
+Each test is a small program of our own, in the GPU style, that exercises a path one of pytorch/examples'
+programs failed on: composite factories (``torch.arange``/``torch.eye`` on ``cuda``), DTensor's fake-tensor
+shape propagation on several ranks at once (sequence parallelism), DTensor's random operators on a
+sharded parameter (FSDP2's meta-device initialisation), uninitialised device memory, and the device an
+``nccl`` group reports to checkpointing.  Results are compared with the same computation on plain CPU
+tensors; every rank holds distinct values; every run is bounded by ``simulator.run``'s timeout.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import simulator
+from simulator import standin
+from simulator.standin import StandInTensor
+
+TIMEOUT = 120  # seconds, per simulated world
+
+
+@pytest.fixture
+def two_gpus():
+    with standin.enabled(gpus_per_node=2):
+        yield
+
+
+# -- composite factories ----------------------------------------------------------------------------------
+FACTORIES = [
+    ("arange", lambda d: torch.arange(7, device=d)), ("arange.start_step", lambda d: torch.arange(1, 10, 3, device=d)),
+    ("arange.float", lambda d: torch.arange(0.5, 3.0, 0.5, dtype=torch.float64, device=d)),
+    ("eye", lambda d: torch.eye(3, device=d)),
+    ("eye.m", lambda d: torch.eye(2, 4, device=d)), ("linspace", lambda d: torch.linspace(0, 1, 5, device=d)),
+    ("fftfreq", lambda d: torch.fft.fftfreq(6, device=d)), ("hann", lambda d: torch.hann_window(5, device=d)),
+    ("full", lambda d: torch.full((2, 3), 1.5, device=d)), ("zeros", lambda d: torch.zeros(2, 2, device=d)),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in FACTORIES], ids=[n for n, _ in FACTORIES])
+def test_composite_factories_give_the_cpu_values_on_the_device(two_gpus, make):
+    torch.cuda.set_device(1)
+    got, want = make("cuda"), make("cpu")
+    assert isinstance(got, StandInTensor) and got.device == torch.device("cuda", 1)
+    assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    assert torch.equal(torch.outer(got.flatten(), got.flatten()).cpu(), torch.outer(want.flatten(), want.flatten()))
+
+
+def test_every_composite_aten_factory_is_registered():
+    """A new torch release may add a composite factory: it must join ops.COMPOSITE_FACTORIES."""
+    from simulator.standin.ops import COMPOSITE_FACTORIES
+
+    found = set()
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        base, _, overload = name[6:].partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None:
+            continue
+        args = op._schema.arguments
+        if any(a.name == "device" for a in args) and not any("Tensor" in str(a.type) for a in args) \
+                and torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd") \
+                and "sparse" not in name:
+            found.add(name[6:])
+    assert found <= set(COMPOSITE_FACTORIES), sorted(found - set(COMPOSITE_FACTORIES))
+
+
+def test_an_out_overload_that_would_resize_a_stand_in_is_refused(two_gpus):
+    out = torch.empty(0, device="cuda")
+    with pytest.raises(standin.StandInError, match="arange.start_out.*new_shape=\\[5\\].*Fix:"):
+        torch.arange(0, 5, 1, out=out)
+    right = torch.empty(5, device="cuda")
+    assert torch.equal(torch.arange(5.0, out=right).cpu(), torch.arange(5.0))  # the right size: fine
+
+
+# -- uninitialised memory ---------------------------------------------------------------------------------
+def test_uninitialised_device_memory_reads_as_zeros(two_gpus):
+    junk = torch.full((4096,), float("nan"))  # freed CPU memory a fresh CPU allocation may reuse
+    del junk
+    base = torch.ones(3, device="cuda")
+    for t in (torch.empty(4096, device="cuda"), torch.empty_strided((64, 64), (1, 64), device="cuda"),
+              torch.empty_like(base), base.new_empty(4096), torch.empty_like(torch.ones(5, device="meta"),
+                                                                              device="cuda")):
+        assert isinstance(t, StandInTensor) and torch.equal(t.cpu(), torch.zeros(t.shape))
+    with torch.device("meta"):
+        lin = torch.nn.Linear(50, 40)
+    lin.to_empty(device="cuda")
+    assert lin.weight.device.type == "cuda" and not lin.weight.cpu().any()
+
+
+# -- the devices' generators -------------------------------------------------------------------------------
+def test_each_device_has_a_seed_and_offset_generator(two_gpus):
+    from simulator.standin import rng
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(11)  # seeds the CPU and every device
+    cpu_next = torch.randn(3)
+    torch.manual_seed(11)
+    torch.cuda.manual_seed(5)  # the current device only; the CPU stream is untouched
+    assert torch.equal(torch.randn(3), cpu_next)
+    state = torch.cuda.get_rng_state()
+    assert state.dtype == torch.uint8 and state.tolist() == [5] + [0] * 15  # CUDA's layout: seed, offset
+    a = torch.randn(10, device="cuda")
+    assert torch.cuda.get_rng_state()[8:].tolist() == [12] + [0] * 7  # 10 numbers: the offset moves by 12
+    g = torch.Generator().manual_seed(rng._mix(5, 0))  # the reference: the CPU kernel at (seed 5, offset 0)
+    assert torch.equal(a.cpu(), torch.randn(10, generator=g))
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.empty(10, device="cuda").normal_().cpu(), a.cpu())
+    assert torch.cuda.get_rng_state(1).tolist()[:8] == list((11).to_bytes(8, "little"))  # cuda:1 kept 11
+    assert not torch.equal(torch.randn(10, device="cuda:1").cpu(), a.cpu())
+    torch.cuda.default_generators[1].manual_seed(5)
+    assert torch.equal(torch.randn(10, device="cuda:1").cpu(), a.cpu())
+    assert torch.cuda.initial_seed() == 5 and len(torch.cuda.get_rng_state_all()) == 2
+    with pytest.raises(RuntimeError, match="16 bytes.*new_state=.*Fix:"):
+        torch.cuda.set_rng_state(torch.get_rng_state())
+
+
+def test_dropout_draws_its_mask_from_the_device_generator(two_gpus):
+    from simulator.standin import rng
+
+    torch.cuda.set_device(0)
+    torch.cuda.manual_seed(9)
+    x = torch.arange(1.0, 41.0)
+    got = torch.nn.functional.dropout(x.to("cuda"), 0.5)
+    with torch.random.fork_rng(devices=[]):  # the reference: CPU dropout with the CPU generator at (9, 0)
+        torch.manual_seed(rng._mix(9, 0))
+        want = torch.nn.functional.dropout(x, 0.5)
+    assert torch.equal(got.cpu(), want) and 0 < int((got == 0).sum()) < 40
+
+
+def _sharded_random_init():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.cuda.set_device(simulator.current_rank_state().rank)
+    mesh = init_device_mesh("cuda", (2,))
+    torch.manual_seed(0)
+    w = distribute_tensor(torch.zeros(8, 6, device="cuda"), mesh, [Shard(0)])
+    torch.nn.init.normal_(w)
+    rep = distribute_tensor(torch.zeros(3, device="cuda"), mesh, [Replicate()])
+    torch.nn.init.uniform_(rep)
+    return w.to_local().cpu(), rep.to_local().cpu(), torch.cuda.get_rng_state().tolist()
+
+
+def test_dtensor_random_ops_give_each_shard_its_own_numbers():
+    """FSDP2 initialises sharded parameters through DTensor's offset arithmetic on the devices' generators."""
+    from simulator.standin import rng
+
+    got = simulator.run(_sharded_random_init, 2, devices="cuda", timeout=TIMEOUT)
+    (w0, rep0, st0), (w1, rep1, st1) = got
+    # the reference on the CPU: shard k is drawn at offset k * 24 (its numel), the replicated tensor at 48
+    for k, w in enumerate((w0, w1)):
+        assert torch.equal(w, torch.empty(4, 6).normal_(generator=torch.Generator().manual_seed(rng._mix(0, 24 * k))))
+    assert torch.equal(rep0, rep1) and torch.equal(
+        rep0, torch.empty(3).uniform_(generator=torch.Generator().manual_seed(rng._mix(0, 48))))
+    assert st0 == st1 and st0[8:] == list((48 + 4).to_bytes(8, "little"))  # the ranks leave in step
+    assert simulator.run(_sharded_random_init, 2, devices="cuda", timeout=TIMEOUT)[0][0].equal(w0)
+
+
+def _meta_fsdp2_steps():
+    from torch.distributed.fsdp import fully_shard
+
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    model.to_empty(device="cuda")
+    model[0].reset_parameters()  # model[2] is left as to_empty made it, as pytorch/examples' FSDP2 model leaves layers
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.arange(12.0, device="cuda").view(2, 6) * (r + 1)
+    losses = []
+    for _ in range(2):
+        loss = (model(x) - 1).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor().cpu() for p in model.parameters()]
+
+
+def test_fsdp2_meta_initialisation_is_finite_and_reproducible():
+    first = simulator.run(_meta_fsdp2_steps, 2, devices="cuda", timeout=TIMEOUT)
+    again = simulator.run(_meta_fsdp2_steps, 2, devices="cuda", timeout=TIMEOUT)
+    for (l1, p1), (l2, p2) in zip(first, again):
+        assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(p1, p2))
+        assert all(torch.isfinite(p).all() for p in p1)
+    assert first[0][0][1] != first[1][0][1]  # distinct inputs per rank
+    w = first[0][1][0]
+    assert not torch.equal(w[:4], w[4:])  # the two shards drew different numbers, as on GPUs
+
+
+# -- DTensor's fake-tensor propagation on several ranks ------------------------------------------------------
+def _sequence_parallel(x_full: torch.Tensor, w1, b1, w2, b2):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    mesh = init_device_mesh("cuda", (2,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), (w1, b1, w2, b2)):
+            p.copy_(v)
+    model = parallelize_module(model.to("cuda"), mesh, {"0": ColwiseParallel(input_layouts=Shard(0)),
+                                                        "2": RowwiseParallel(output_layouts=Shard(0))})
+    out = model(x_full.chunk(2)[r].to("cuda"))  # each rank its own rows (sequence shard)
+    return str(out.device), out.detach().cpu()
+
+
+def test_sequence_parallel_shards_on_each_rank_s_own_device():
+    """DTensor makes its fake tensors with a bare "cuda": each rank's propagation must see its own device."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 4, generator=g)
+    w1, b1, w2, b2 = (torch.randn(*s, generator=g) for s in ((6, 4), (6,), (3, 6), (3,)))
+    got = simulator.run(_sequence_parallel, 2, args=(x, w1, b1, w2, b2), devices="cuda", timeout=TIMEOUT)
+    want = torch.relu(x @ w1.T + b1) @ w2.T + b2  # the whole computation on plain CPU tensors
+    for r, (dev, out) in enumerate(got):
+        assert dev == f"cuda:{r}"
+        torch.testing.assert_close(out, want.chunk(2)[r], rtol=1e-6, atol=1e-6)
+
+
+# -- NCCL's rules ----------------------------------------------------------------------------------------------
+def _nccl_group_devices() -> tuple:
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    group = tdist.distributed_c10d._get_default_group()
+    ok = torch.full((2,), float(r + 1), device="cuda")
+    tdist.all_reduce(ok)  # CUDA tensors: fine
+    try:
+        tdist.all_reduce(torch.ones(2))  # a CPU tensor on an NCCL group: refused, as NCCL refuses it
+        refused = "accepted"
+    except RuntimeError as e:
+        refused = str(e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "_get_pg_default_device will be deprecated"
+        default = tdist.distributed_c10d._get_pg_default_device()
+    return [str(d) for d in group._device_types], str(default), ok.cpu().tolist(), refused
+
+
+def test_an_nccl_group_is_a_cuda_group_on_stand_ins():
+    """NCCL registers CUDA only: checkpointing (set_model_state_dict(broadcast_from_rank0=True) into a meta model)
+    asks the group for its device and must hear cuda."""
+    got = simulator.run(_nccl_group_devices, 2, devices="cuda", timeout=TIMEOUT)
+    assert got == [(["cuda"], "cuda", [3.0, 3.0], "No backend type associated with device type cpu")] * 2
+
+
+# -- attention: CUDA's fused operators ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "Efficient"), (torch.bfloat16, "Flash")])
+def test_sdpa_takes_the_fused_cuda_operator_and_gives_the_cpu_result(two_gpus, dtype, kernel):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.square().sum().backward()
+    qc, kc, vc = (t.detach().to("cuda:1").requires_grad_() for t in (q, k, v))
+    got = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+    assert got.device == torch.device("cuda", 1) and f"ScaledDotProduct{kernel}AttentionBackward" in str(got.grad_fn)
+    got.square().sum().backward()
+    assert torch.equal(got.detach().cpu(), want.detach())
+    for a, b in ((qc, q), (kc, k), (vc, v)):
+        assert a.grad.device == torch.device("cuda", 1) and torch.equal(a.grad.cpu(), b.grad)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.nn.functional.scaled_dot_product_attention(qc, kc.detach().to("cuda:0"), vc)
+
+
+def test_sdpa_with_dropout_takes_the_math_path(two_gpus):
+    q = torch.randn(1, 2, 4, 8, device="cuda", requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert "Fused" not in str(out.grad_fn) and "Efficient" not in str(out.grad_fn) and out.shape == q.shape
+
+
+def _head_sharded_attention(q, k, v):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.cuda.set_device(simulator.current_rank_state().rank)
+    mesh = init_device_mesh("cuda", (2,))
+    dq, dk, dv = (distribute_tensor(t.to("cuda"), mesh, [Shard(1)]).requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    out.square().sum().backward()
+    return [t.full_tensor().cpu() for t in (out.detach(), dq.grad, dk.grad, dv.grad)]
+
+
+def test_tensor_parallel_attention_shards_by_heads():
+    """Tensor-parallel Llama runs SDPA on head-sharded DTensors: DTensor has rules for CUDA's fused operators only."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    got = simulator.run(_head_sharded_attention, 2, args=(q, k, v), devices="cuda", timeout=TIMEOUT)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    out.square().sum().backward()
+    for rank_result in got:
+        for a, b in zip(rank_result, (out.detach(), qr.grad, kr.grad, vr.grad)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _fsdp1_wrap():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    FullyShardedDataParallel(torch.nn.Linear(4, 4).to(r))
+
+
+def test_fsdp1_is_refused_with_fsdp2_as_the_fix():
+    """FSDP1 swaps its flat parameter's data with set_, which a stand-in's fixed shape cannot follow."""
+    with pytest.raises(Exception) as info:
+        simulator.run(_fsdp1_wrap, 2, devices="cuda", timeout=TIMEOUT)
+    text = str(info.value)
+    assert "aten::set_" in text and "shape=[20]" in text and "new_shape=[10]" in text, text
+    assert "use FSDP2 (torch.distributed.fsdp.fully_shard)" in text, text
+
+
+# -- long runs: DTensor's functional collectives, step after step ----------------------------------------------
+def _tensor_parallel_steps(steps: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    mesh = init_device_mesh("cuda", (2,))
+    torch.manual_seed(0)
+    model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(16, 64)).to("cuda"), mesh,
+                               {"0": ColwiseParallel(output_layouts=Replicate())})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    held = []
+    for _ in range(steps):
+        model(torch.ones(32, 16, device="cuda") * (r + 1)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        held.append(torch.cuda.memory_allocated())
+    try:  # a DTensor and a plain tensor in one foreach call: DTensor's own refusal, as on GPUs
+        with torch.no_grad():
+            torch._foreach_add_([torch.ones(2, device="cuda"), next(model.parameters())], 1)
+        mixed = "accepted"
+    except RuntimeError as e:
+        mixed = str(e)
+    return held, mixed
+
+
+def test_waited_collectives_release_their_tensors_step_after_step():
+    """A waited async collective's buffers are freed (the simulator once kept every one until the rank ended)."""
+    for held, mixed in simulator.run(_tensor_parallel_steps, 2, args=(6,), devices="cuda", timeout=TIMEOUT):
+        assert max(held[4:]) <= max(held[:4]), held  # no growth (it grew by every step's buffers)
+        assert "mixed torch.Tensor and DTensor" in mixed, mixed
