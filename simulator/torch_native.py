@@ -344,7 +344,38 @@ class SimProcessGroup(tdist.ProcessGroup):
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         op = _op(opts) if opts is not None else tpd.ReduceOp.SUM
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         return SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> SimWork:
+        """gloo's sparse all_reduce: each rank's (indices, values) gathered, summed, coalesced, written back in
+        place.  gloo reduces sparse tensors with SUM only; NCCL none."""
+        if self._named == "nccl" or getattr(op, "name", op) not in ("SUM", tpd.ReduceOp.SUM):
+            raise DistBackendError(format_message(
+                "torch.distributed.all_reduce", f"backend {self._named} does not reduce sparse tensors with this op",
+                rank=self._g.rank(), values={"op": op, "backend": self._named},
+                fix="use ReduceOp.SUM on a gloo group, or reduce the dense tensor (t.to_dense())"))
+        g, w = self._g, self._g.size()
+        for t in tensors:
+            c = t.coalesce()
+            idx, val = c.indices(), c.values()
+            counts = [torch.zeros(1, dtype=torch.long) for _ in range(w)]
+            tpd.all_gather(counts, torch.tensor([idx.shape[1]]), group=g)
+            m = int(max(int(n) for n in counts))
+            pad_idx = idx.new_zeros((idx.shape[0], m))
+            pad_idx[:, :idx.shape[1]] = idx
+            pad_val = val.new_zeros((m, *val.shape[1:]))
+            pad_val[:val.shape[0]] = val
+            all_idx = [torch.empty_like(pad_idx) for _ in range(w)]
+            all_val = [torch.empty_like(pad_val) for _ in range(w)]
+            tpd.all_gather(all_idx, pad_idx, group=g)
+            tpd.all_gather(all_val, pad_val, group=g)
+            n = [int(k) for k in counts]
+            total = torch.sparse_coo_tensor(torch.cat([a[:, :k] for a, k in zip(all_idx, n)], dim=1),
+                                            torch.cat([v[:k] for v, k in zip(all_val, n)]), t.shape).coalesce()
+            t.copy_(total)
+        return SimWork([], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         work = self.allreduce(tensors, opts)

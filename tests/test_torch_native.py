@@ -663,3 +663,24 @@ def test_default_groups_over_part_of_the_simulated_ranks(mode: str) -> None:
     with pytest.raises(simulator.DeadlockError, match=r"rank 0 waits in init_process_group's rendezvous at "
                                                       r"localhost:29500 .*no rank has claimed \[1\]"):
         simulator.World(4, torchrun_env=True, mode=mode, timeout=120).run(_subset_groups, ("one_missing",))
+
+
+def _sparse_sum() -> torch.Tensor:
+    tdist.init_process_group("gloo")
+    r = tdist.get_rank()
+    # rank r holds r + 1 entries at distinct and shared places, values distinct per rank
+    idx = torch.tensor([[i % 4 for i in range(r, 2 * r + 1)], [(3 * i + r) % 5 for i in range(r + 1)]])
+    t = torch.sparse_coo_tensor(idx, torch.arange(r + 1, dtype=torch.float32) + 10 * r, (4, 5))
+    tdist.all_reduce(t)
+    return t.to_dense()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_sparse_all_reduce_sums_every_ranks_entries_as_gloo_does(isolation) -> None:
+    w = 3
+    want = torch.zeros(4, 5)
+    for r in range(w):  # the dense sum of what each rank built: an independent reference
+        idx = torch.tensor([[i % 4 for i in range(r, 2 * r + 1)], [(3 * i + r) % 5 for i in range(r + 1)]])
+        want += torch.sparse_coo_tensor(idx, torch.arange(r + 1, dtype=torch.float32) + 10 * r, (4, 5)).to_dense()
+    for got in simulator.run(_sparse_sum, w, isolation=isolation):
+        assert torch.equal(got, want)
