@@ -241,17 +241,24 @@ def _stage(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch
     return srcs
 
 
+_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+
+
 def _no_grad(kernel: Callable[[list["RankCall"]], Any], calls: list["RankCall"]) -> Any:
     """Run a kernel as c10d does: on the tensors' memory, invisible to autograd.
 
     gloo and NCCL write results into the buffers without looking at
     ``requires_grad``, so an in-place collective on a leaf that requires grad
-    succeeds there; without this, torch would refuse the in-place write.
+    succeeds there; without this, torch would refuse the in-place write.  The
+    writes also run below autograd's in-place/view bookkeeping, as c10d's C++
+    kernels do: a collective on a view that a backward hook returned (module
+    hooks under ``CommDebugMode``) is no "in-place modification of a view".
     """
     prev = _grad_enabled()
     _set_grad_enabled(False)  # torch.no_grad() costs about 4x more, once per collective
     try:
-        return kernel(calls)
+        with _below_autograd():
+            return kernel(calls)
     finally:
         _set_grad_enabled(prev)
 

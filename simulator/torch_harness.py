@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from typing import Any, Iterator, NamedTuple
 
 import pytest
@@ -46,7 +47,7 @@ _DIST_TEST_MODULE = "torch.testing._internal.distributed.distributed_test"
 DEFAULT_STALL_TIMEOUT = 300.0
 #: failures that come from ranks sharing one process, and why (the report names the fix)
 _SHARED_PROCESS_SIGNS = (
-    (("Module hierarchy tracking", "module hierarchy tracking"),
+    (("Module hierarchy tracking", "module hierarchy tracking", "comm_module_operation_counts"),
      "torch's module trackers (ModTracker, CommDebugMode's tracker, torch.utils.module_tracker) register their "
      "hooks for every module of the process; on thread ranks each rank's tracker sees the other ranks' modules"),
 )
@@ -233,10 +234,30 @@ class _PerRankClass:
 
 #: (module, class) pairs whose class state each rank process has of its own
 _PER_RANK_CLASSES = ((_DIST_TEST_MODULE, "Barrier"),)
+#: torch.nn's process-wide module hooks (register_module_forward_hook & co, which ModTracker and CommDebugMode use)
+_MODULE_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                       "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _device_type_tls() -> Any:
+    """``DeviceTypeTestBase._tls`` as each process makes it at import: a thread-local whose importing thread holds
+    the default precision (instantiate_device_type_tests' classes read it on the thread that runs the test)."""
+    from torch.testing._internal.common_utils import TestCase
+
+    class _ImportedTls(threading.local):
+        def __init__(self) -> None:
+            self.precision = TestCase._precision
+            self.rel_tol = TestCase._rel_tol
+
+    return _ImportedTls()
 
 
 @contextlib.contextmanager
 def _own_class_state() -> Iterator[None]:
+    """What each rank process has of its own, per thread rank: the classes above, the module hooks, the device-type
+    tests' thread-local precision."""
+    from .per_rank_state import PerRankTable
+
     saved: list[tuple[Any, str, Any]] = []
     for mod_name, name in _PER_RANK_CLASSES:
         mod = sys.modules.get(mod_name)
@@ -244,11 +265,22 @@ def _own_class_state() -> Iterator[None]:
         if isinstance(cls, type):
             saved.append((mod, name, cls))
             setattr(mod, name, _PerRankClass(cls))
+    nn_module = sys.modules["torch.nn.modules.module"]
+    for name in _MODULE_HOOK_TABLES:
+        table = getattr(nn_module, name, None)
+        if isinstance(table, dict):
+            saved.append((nn_module, name, table))
+            setattr(nn_module, name, PerRankTable(table, lambda key: True))
+    device_type = sys.modules.get("torch.testing._internal.common_device_type")
+    if device_type is not None:
+        base = device_type.DeviceTypeTestBase
+        saved.append((base, "_tls", base.__dict__["_tls"]))
+        base._tls = _device_type_tls()
     try:
         yield
     finally:
-        for mod, name, cls in reversed(saved):
-            setattr(mod, name, cls)
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager

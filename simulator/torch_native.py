@@ -1017,7 +1017,9 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     """
     original = _saved["helper"]
     st = _sim_state()
-    if st is None:
+    if st is None or str(backend).lower() == "fake":
+        # ("fake": torch's process-local group for tracing, every process its own world over a FakeStore, nothing
+        # communicated: torch's own, on a simulated rank too)
         return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
     default = len(global_ranks_in_group) == 0
     members = None

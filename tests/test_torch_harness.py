@@ -57,8 +57,11 @@ DISTRIBUTED_TEST = {
     # a rank process records the events gloo records (gloo:all_reduce, asynchronous, with the input's shape)
     "test_all_reduce_sum": {"thread": "failed", "process": "passed", "gloo": "passed"},
 }
+# instantiate_device_type_tests' thread-local precision, and torch.nn's global module hooks (CommDebugMode) around a
+# collective that writes into a module's output: per rank on thread ranks, a process's own on rank processes
+DEVICE_TYPE = {"test_all_reduce_cpu": "passed", "test_comm_debug_mode_around_a_module_collective_cpu": "passed"}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
-               "case_distributed_test.py": DISTRIBUTED_TEST}
+               "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE}
 
 
 class Outcome:
@@ -154,6 +157,12 @@ def test_dtensor_test_base_with_comms_redistributes_on_simulated_ranks(tmp_path:
     out = _run(tmp_path, "case_dtensor.py", sim=isolation)
     assert out.verdicts == _want(DTENSOR, isolation), out.output[-8000:]
     assert "dtensor-sum-marker" in out.output and "Expected 9.0 but got 8.0" in out.output
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_device_type_suites_and_module_trackers_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_device_type.py", sim=isolation)
+    assert out.verdicts == _want(DEVICE_TYPE, isolation), out.output[-8000:]
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
@@ -318,3 +327,26 @@ def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) ->
     assert proc.returncode == 1, got.output[-3000:]  # one test of the file fails, on purpose
     pids = {int(p) for p in _PIDS.findall(got.output)}
     assert pids and min(pids) > _pid_max(), pids  # the ranks were simulated (their pids are the launcher's)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the differential runner (python -m simulator.harness_diff)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_the_differential_runner_compares_a_suite_on_gloo_and_both_isolations(tmp_path: Path) -> None:
+    shutil.copy(CASES / "case_dtensor.py", tmp_path / "test_dtensor_case.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "simulator.harness_diff", str(tmp_path / "test_dtensor_case.py")],
+                          env=env, capture_output=True, text=True, timeout=GLOO_TIMEOUT_S)
+    # the suite's failing test fails on every side, so nothing is lost: exit 0, and each side counted
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for side in ("gloo", "thread", "process"):
+        assert re.search(rf"^\s+{side}\s+1 passed, 1 failed, 0 skipped", proc.stdout, re.M), proc.stdout
+    assert "0 test(s) pass on gloo and not on simulated ranks" in proc.stdout
+
+
+def test_the_differential_runner_needs_something_to_run() -> None:
+    proc = subprocess.run([sys.executable, "-m", "simulator.harness_diff"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "name test files or folders, or --distributed-test" in proc.stderr

@@ -684,3 +684,21 @@ def test_sparse_all_reduce_sums_every_ranks_entries_as_gloo_does(isolation) -> N
         want += torch.sparse_coo_tensor(idx, torch.arange(r + 1, dtype=torch.float32) + 10 * r, (4, 5)).to_dense()
     for got in simulator.run(_sparse_sum, w, isolation=isolation):
         assert torch.equal(got, want)
+
+
+def _fake_group() -> tuple[int, int, float]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # torch's process-local fake group (tracing, memory estimates): every process its own rank 0 of 4, nothing sent
+    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    x = torch.full((2,), 5.0)
+    tdist.all_reduce(x)
+    out = (tdist.get_rank(), tdist.get_world_size(), x.sum().item())
+    tdist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_torchs_fake_group_is_torchs_own_on_simulated_ranks(isolation) -> None:
+    # the values torch's fake backend gives in a plain process: rank 0 of 4, the tensor untouched
+    assert simulator.run(_fake_group, 2, isolation=isolation) == [(0, 4, 10.0)] * 2

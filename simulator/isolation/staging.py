@@ -132,7 +132,8 @@ class Staged:
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (program's tensor, its arena view)
 
     def copy_out(self) -> None:
-        with torch.no_grad():  # c10d writes the buffers as memory: autograd never sees it
+        # c10d writes the buffers as memory: autograd never sees it (nor its view bookkeeping; see backend._no_grad)
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
             for t, v in self.outputs:
                 t.copy_(v)
 
