@@ -83,11 +83,19 @@ class PerRankTable(dict):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:
         return iter(self.view())
 
+    # (counted without building the view: torch.nn asks its hook tables for truth on every module call)
     def __len__(self) -> int:
-        return len(self.view())
+        rs = current_rank_state()
+        if rs is None:
+            return len(self._original)
+        mine = self._tables.get(rs.parent or rs)
+        return sum(1 for k in self._original if not self._per_rank(k)) + (len(mine) if mine else 0)
 
     def __bool__(self) -> bool:
-        return bool(self.view())
+        rs = current_rank_state()
+        if rs is None:
+            return bool(self._original)
+        return bool(self._tables.get(rs.parent or rs)) or any(not self._per_rank(k) for k in self._original)
 
     def __repr__(self) -> str:
         return repr(self.view())

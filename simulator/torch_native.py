@@ -351,10 +351,10 @@ class SimProcessGroup(tdist.ProcessGroup):
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> SimWork:
         """gloo's sparse all_reduce: each rank's (indices, values) gathered, summed, coalesced, written back in
         place.  gloo reduces sparse tensors with SUM only; NCCL none."""
-        if self._named == "nccl" or getattr(op, "name", op) not in ("SUM", tpd.ReduceOp.SUM):
+        if self._named == "nccl" or getattr(op, "name", None) != "SUM":
             raise DistBackendError(format_message(
                 "torch.distributed.all_reduce", f"backend {self._named} does not reduce sparse tensors with this op",
-                rank=self._g.rank(), values={"op": op, "backend": self._named},
+                rank=self._g.rank(), values={"op": op, "backend": self._named, "group": list(self._g.ranks)},
                 fix="use ReduceOp.SUM on a gloo group, or reduce the dense tensor (t.to_dense())"))
         g, w = self._g, self._g.size()
         for t in tensors:
@@ -378,7 +378,8 @@ class SimProcessGroup(tdist.ProcessGroup):
         return SimWork([], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        work = self.allreduce(tensors, opts)
+        # the implementation itself, not the wrapped call: one operation, one profiler event (as gloo records it)
+        work = SimProcessGroup.allreduce.__wrapped__(self, tensors, opts)
         work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
         return work
 
@@ -596,9 +597,7 @@ def _backend_errors(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
-        # (None unless a profiler is on; a call made inside another, allreduce_coalesced's, is not another event)
-        event = None if getattr(_tls, "in_call", False) else torch_profiling.issued(self._named, name, args)
-        _tls.in_call = True
+        event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:
             work = method(self, *args, **kwargs)
         except DistError as e:
@@ -609,8 +608,6 @@ def _backend_errors(method: Any) -> Any:
         except BaseException:
             torch_profiling.completed(event)
             raise
-        finally:
-            _tls.in_call = False
         if event is not None:
             work._event = event
         work._timeout = self._timeout

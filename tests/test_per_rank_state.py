@@ -99,3 +99,16 @@ def test_each_rank_has_its_own_entries_and_shares_the_registries() -> None:
     out = simulator.run(_use_table, 3)
     assert out == [(False, f"rank {r}", "filled at import", True) for r in range(3)]
     assert _Own not in _TABLE and _TABLE[_Registry] == "filled at import"  # outside a rank: the original
+
+
+def _counts() -> tuple[int, bool, int, bool]:
+    before = (len(_TABLE), bool(_TABLE))
+    _TABLE[_Own] = "mine"
+    return (*before, len(_TABLE), bool(_TABLE))
+
+
+def test_a_ranks_size_and_truth_count_the_shared_entries_and_its_own() -> None:
+    # the shared registry (1 entry) from the start, then the rank's own entry too: what len(view) would give
+    assert simulator.run(_counts, 2) == [(1, True, 2, True)] * 2
+    empty = PerRankTable({}, lambda key: True)
+    assert simulator.run(lambda: (len(empty), bool(empty)), 2) == [(0, False)] * 2
