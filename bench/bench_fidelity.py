@@ -41,8 +41,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import simulator  # noqa: E402
-from simulator.calibrate import DEFAULT_SIZES, calibrate, class_nbytes, measure  # noqa: E402
-from simulator.cost import CLASSES, CostModel  # noqa: E402
+from simulator.timing.calibrate import DEFAULT_SIZES, calibrate, class_nbytes, measure  # noqa: E402
+from simulator.timing.cost import CLASSES, CostModel  # noqa: E402
 
 VALIDATION_SIZES = (1_000, 10_000, 100_000, 1_000_000, 10_000_000)
 

@@ -32,8 +32,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what static tools (type checkers, the docs' API reference) read; loaded on first use below
-    from .backend import SimBackend
-    from .errors import (
+    from simulator.core.backend import SimBackend
+    from simulator.core.errors import (
         CollectiveMismatchError,
         DeadlockError,
         ExploreError,
@@ -44,10 +44,11 @@ if TYPE_CHECKING:  # what static tools (type checkers, the docs' API reference) 
         SimError,
         SimTimeoutError,
     )
-    from .exploring import ExploreReport, check_reproducible, explore
-    from .faults import Crash, Delay, Fault, random_faults
-    from .trace import CostModel, Event, Trace
-    from .world import World, current_rank_state, last_trace, rank_device, run
+    from simulator.exploring import ExploreReport, check_reproducible, explore
+    from simulator.core.faults import Crash, Delay, Fault, random_faults
+    from simulator.core.trace import Event, Trace
+    from simulator.timing.cost import CostModel
+    from simulator.world import World, current_rank_state, last_trace, rank_device, run
 
 __all__ = [
     "run", "World", "explore", "check_reproducible", "ExploreReport", "last_trace", "rank_device",
@@ -64,11 +65,12 @@ __all__ = [
 # imports all of them, in this order (``backend`` registers the "sim" backend).
 _WHERE = {
     **dict.fromkeys(("SimError", "CollectiveMismatchError", "DeadlockError", "RankFailedError", "RankExitError",
-                     "InjectedFault", "SimTimeoutError", "ExploreError", "NotReproducibleError"), "errors"),
-    **dict.fromkeys(("Crash", "Delay", "Fault", "random_faults"), "faults"),
-    **dict.fromkeys(("CostModel", "Event", "Trace"), "trace"),
+                     "InjectedFault", "SimTimeoutError", "ExploreError", "NotReproducibleError"), "core.errors"),
+    **dict.fromkeys(("Crash", "Delay", "Fault", "random_faults"), "core.faults"),
+    **dict.fromkeys(("Event", "Trace"), "core.trace"),
+    "CostModel": "timing.cost",
     **dict.fromkeys(("World", "current_rank_state", "last_trace", "rank_device", "run"), "world"),
-    "SimBackend": "backend",
+    "SimBackend": "core.backend",
     **dict.fromkeys(("ExploreReport", "check_reproducible", "explore"), "exploring"),
 }
 

@@ -5,6 +5,6 @@ With ``--nproc-per-node N`` the script runs torchrun-style on N ranks; without i
 """
 import sys
 
-from .cli import main
+from simulator.cli import main
 
 sys.exit(main())

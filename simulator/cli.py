@@ -26,7 +26,7 @@ Example::
     python -m simulator --nproc-per-node 4 --cost profile.json --summary train.py
 
 ``calibrate`` (first argument) measures collectives on real processes and writes a cost profile (see
-:mod:`simulator.calibrate`); ``--cost`` makes virtual time (``--summary``, ``--trace``) use it.
+:mod:`simulator.timing.calibrate`); ``--cost`` makes virtual time (``--summary``, ``--trace``) use it.
 
 A run is bounded as torch bounds it, by operation: it fails when ranks wait and nothing progressed for
 ``--stall-timeout`` seconds (default 1800, torch's default process-group timeout); ``--timeout`` (default
@@ -42,12 +42,12 @@ import shlex
 import sys
 from typing import Any, Sequence
 
-from . import launch as _launch
-from .cost import default_cost, resolve_cost
-from .isolation import ISOLATIONS
-from .isolation.child import ScriptMain
-from .progress import CLI, DEFAULT_STALL_TIMEOUT, check_seconds
-from .world import World
+from simulator import launch as _launch
+from simulator.timing.cost import default_cost, resolve_cost
+from simulator.isolation import ISOLATIONS
+from simulator.isolation.child import ScriptMain
+from simulator.core.progress import CLI, DEFAULT_STALL_TIMEOUT, check_seconds
+from simulator.world import World
 
 __all__ = ["main"]
 
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["calibrate"] and not os.path.isfile("calibrate"):  # a script named 'calibrate' still runs
-        from .calibrate import main as calibrate_main
+        from simulator.timing.calibrate import main as calibrate_main
 
         return calibrate_main(args[1:])
     if args[:1] == ["pytest"] and not os.path.isfile("pytest"):
@@ -312,7 +312,7 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
     launcher.devices, launcher.gpus_per_node = ns.devices, ns.gpus_per_node
     stand_in = contextlib.nullcontext()
     if ns.devices == "cuda":  # the launcher is a process of the machine too: it counts the GPUs to start its ranks
-        from . import standin
+        from simulator import standin
 
         if ns.gpus_per_node is None:
             launcher.gpus_per_node = _LAUNCHER_GPUS

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .errors import ExploreError, NotReproducibleError
-from .trace import Trace
-from .world import World
+from simulator.core.errors import ExploreError, NotReproducibleError
+from simulator.core.trace import Trace
+from simulator.world import World
 
 __all__ = ["explore", "check_reproducible", "ExploreReport"]
 

@@ -63,11 +63,11 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from .errors import RankFailedError, SimError
-from .isolation import launched
-from .isolation.launched import exit_status as _exit_status
-from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
-from .world import World, current_rank_state
+from simulator.core.errors import RankFailedError, SimError
+from simulator.isolation import launched
+from simulator.isolation.launched import exit_status as _exit_status
+from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
+from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]
 
@@ -425,7 +425,7 @@ class _Launcher:
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
             for r, p in enumerate(batch):
                 p._popen.rank, p._popen.world = r, world  # type: ignore[attr-defined]
-            world.rank_pids = [p.pid for p in batch]  # os.getpid() on rank r (simulator/threads.py)
+            world.rank_pids = [p.pid for p in batch]  # os.getpid() on rank r (simulator/adapters/threads.py)
             self.worlds.append(world)
             hook = sys.excepthook
             try:

@@ -18,7 +18,7 @@ skips), the pipe that carries a failing rank's traceback to the parent, ``world_
 ``FileStore`` on it bind to the simulated world), ``destroy_pg_upon_exit``.  What a process has of
 its own, a rank has too, as far as these suites need: ``os.getpid()`` (the ``Process`` object's pid),
 its own test-case object (``_run`` builds it on the rank), and ``distributed_test.Barrier``'s class
-state; ``time.sleep`` on a rank lets the other ranks run (see :mod:`simulator.threads`).
+state; ``time.sleep`` on a rank lets the other ranks run (see :mod:`simulator.adapters.threads`).
 
 The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin`): ``--sim-seed``,
 ``--sim-mode``, ``--sim-timeout`` (default: torch's per-test timeout, ``get_timeout``) and
@@ -158,8 +158,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
     import multiprocessing
 
-    from .launch import _Launcher, patched
-    from .progress import BoundNames
+    from simulator.launch import _Launcher, patched
+    from simulator.core.progress import BoundNames
 
     harness = sys.modules[_HARNESS_MODULE]
     timeout = settings.timeout
@@ -208,7 +208,7 @@ class _PerRankClass:
         object.__setattr__(self, "_tp_copies", {})
 
     def _tp_mine(self) -> type:
-        from .world import current_rank_state
+        from simulator.world import current_rank_state
 
         rs = current_rank_state()
         cls: type = object.__getattribute__(self, "_tp_cls")
@@ -256,7 +256,7 @@ def _device_type_tls() -> Any:
 def _own_class_state() -> Iterator[None]:
     """What each rank process has of its own, per thread rank: the classes above, the module hooks, the device-type
     tests' thread-local precision."""
-    from .per_rank_state import PerRankTable
+    from simulator.adapters.per_rank_state import PerRankTable
 
     saved: list[tuple[Any, str, Any]] = []
     for mod_name, name in _PER_RANK_CLASSES:
@@ -293,8 +293,8 @@ def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
 
     from tensorplay.distributed.errors import format_message
 
-    from .errors import SimError
-    from .world import current_rank_state
+    from simulator.core.errors import SimError
+    from simulator.world import current_rank_state
 
     cls = autograd_profiler.profile
     original = cls.__dict__["_prepare_trace"]

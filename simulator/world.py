@@ -43,21 +43,19 @@ import torch
 from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
-from . import _environ
-from .errors import RankExitError, RankFailedError, SimError
-from .faults import Fault, FaultPlan
-from .report import needs_cuda, per_process_state
-from .progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
-from .sched import DONE
-from .seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
-from .state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
-from .cost import resolve_cost
-from .trace import DEFAULT_TRACE_LIMIT, CostModel, EventLog, Trace
+from simulator.adapters import _environ, installed
+from simulator.core.errors import RankExitError, RankFailedError, SimError
+from simulator.core.faults import Fault, FaultPlan
+from simulator.core.report import needs_cuda, per_process_state
+from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
+from simulator.core.sched import DONE
+from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
+from simulator.core.state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
+from simulator.timing.cost import CostModel, resolve_cost
+from simulator.core.trace import DEFAULT_TRACE_LIMIT, EventLog, Trace
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
-#: modules of this package whose ``enabled()`` context routes one of torch's own APIs to the running world
-_ADAPTERS: tuple[str, ...] = ("threads", "torch_native", "torch_rpc", "cost", "per_rank_state")
 _last_trace: Trace | None = None
 
 
@@ -79,7 +77,7 @@ class World:
             the run fails with :class:`SimTimeoutError` when an actor (a rank or a thread it started) waits inside
             an operation and no operation completed, and no rank entered or left a call into the simulator, for
             that long (``inf``: no bound).  A rank that computes while nobody waits for it is never stopped; in
-            coop mode a rank waiting for its turn counts as waiting (see :mod:`simulator.progress`).
+            coop mode a rank waiting for its turn counts as waiting (see :mod:`simulator.core.progress`).
         device: ``"cpu"`` or ``"cuda"`` (ranks share the GPUs round-robin).
         faults: :class:`Crash` / :class:`Delay` objects.
         cost: the :class:`CostModel` for virtual time, or the path of a profile written by ``python -m simulator
@@ -120,7 +118,7 @@ class World:
                  compute_scale: float | None = None, hash_seed: int | None = None, devices: str = "cpu",
                  gpus_per_node: int | None = None) -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
-        from .isolation import check_isolation
+        from simulator.isolation import check_isolation
 
         self.isolation = check_isolation(isolation)
         #: after a process-isolated run: each rank process's PYTHONHASHSEED
@@ -198,7 +196,7 @@ class World:
         global _last_trace
         _check_arguments(args, kwargs)
         if self.isolation == "process" and current_rank_state() is None and callable(fn):
-            from .isolation import run_processes
+            from simulator.isolation import run_processes
 
             return run_processes(self, fn, args, kwargs)
         if not callable(fn):
@@ -207,10 +205,10 @@ class World:
         if current_rank_state() is not None:
             raise DistValueError(format_message("simulator.run", "cannot start a simulated world inside a rank",
                                                 fix="call simulator.run from the main program, not from a rank"))
-        from .backend import SimBackend, SimGroup
+        from simulator.core.backend import SimBackend, SimGroup
 
         kwargs = dict(kwargs or {})
-        from .report import describe_world
+        from simulator.core.report import describe_world
 
         run = Run(self, describe_world)
         world_group = SimGroup(0, tuple(range(self.world_size)))
@@ -244,11 +242,10 @@ class World:
                 threading.stack_size(old_stack)
         adapters = contextlib.ExitStack()
         if self.devices == "cuda":  # CUDA devices backed by the CPU, before any adapter or rank asks torch.cuda
-            from . import standin
+            from simulator import standin
 
             adapters.enter_context(standin.enabled(gpus_per_node=self.gpus_per_node))
-        for name in _ADAPTERS:  # torch's own APIs in the ranks run on this world too
-            adapters.enter_context(importlib.import_module(f"{__package__}.{name}").enabled())
+        adapters.enter_context(installed.enabled())  # torch's own APIs in the ranks run on this world too
         try:
             for t in threads:
                 t.start()
@@ -314,7 +311,7 @@ class World:
 
 def _warn_still_running(run: Run) -> None:
     """After a bound ran out: name the rank threads that are still executing (a computation that does not end)."""
-    from .report import _where
+    from simulator.core.report import _where
 
     alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
     if alive:
@@ -333,7 +330,7 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
 
     Returns ``(None, None)`` when the world ended, ``("timeout", None)`` when the whole-run bound ran out, or
     ``("stall", waiting)`` when actors wait and nothing progressed for ``stall_timeout`` (see
-    :mod:`simulator.progress`).  Every wait here is a short slice, bound or no bound.
+    :mod:`simulator.core.progress`).  Every wait here is a short slice, bound or no bound.
     """
     poll = poll_interval(run)
     clock = run.clock
@@ -363,7 +360,7 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
                td: timedelta) -> None:
     from tensorplay.distributed.api import _install_backend
 
-    from . import torch_native
+    from simulator.adapters import torch_native
 
     run = rs.run
     sched = run.sched
@@ -575,7 +572,7 @@ def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation:
             raise DistValueError(format_message(
                 "simulator.run", "the CUDA stand-in runs on thread ranks only (for now)",
                 values={"devices": devices, "isolation": isolation}, fix="pass isolation='thread'"))
-        from . import standin  # (light: torch is imported already)
+        from simulator import standin  # (light: torch is imported already)
 
         # inside an enclosing stand-in (a launcher's), torch.cuda.is_available() is the stand-in's answer
         if device.type == "cuda" or (torch.cuda.is_available() and not standin.is_active()):

@@ -70,8 +70,8 @@ def test_both_schedulers_implement_the_scheduler_protocol() -> None:
     """The scheduler contract is one Protocol; each scheduler has every call, with the protocol's parameters."""
     import inspect
 
-    from simulator.protocol import Scheduler
-    from simulator.sched import CoopScheduler, ThreadScheduler
+    from simulator.core.protocol import Scheduler
+    from simulator.core.sched import CoopScheduler, ThreadScheduler
 
     calls = [n for n, v in vars(Scheduler).items() if callable(v) and not n.startswith("_")]
     assert len(calls) >= 10
@@ -86,8 +86,8 @@ def test_both_schedulers_implement_the_scheduler_protocol() -> None:
 
 def test_a_running_world_uses_a_scheduler_that_satisfies_the_protocol() -> None:
     import simulator
-    from simulator.protocol import Scheduler
-    from simulator.state import current_rank_state
+    from simulator.core.protocol import Scheduler
+    from simulator.core.state import current_rank_state
 
     def body():
         return isinstance(current_rank_state().run.sched, Scheduler)
@@ -101,8 +101,8 @@ def test_no_import_circles_in_any_package() -> None:
     from _support.imports import cycles, graph
 
     g = graph(["tensorplay", "simulator", "conformance"])
-    assert {"simulator.state", "simulator.backend", "tensorplay.distributed.api"} <= set(g)
-    assert "simulator.state" in g["simulator.backend"]  # the walk sees imports
+    assert {"simulator.core.state", "simulator.core.backend", "tensorplay.distributed.api"} <= set(g)
+    assert "simulator.core.state" in g["simulator.core.backend"]  # the walk sees imports
     assert not cycles(g), cycles(g)
 
 

@@ -1,4 +1,4 @@
-"""Libraries' process-wide singletons are one per rank on thread ranks (simulator/per_rank_state.py).
+"""Libraries' process-wide singletons are one per rank on thread ranks (simulator/adapters/per_rank_state.py).
 
 The Hydra program below is the shape of pytorch/examples' minGPT entry point (``@hydra.main`` around a torchrun
 program); it runs on real gloo processes under torchrun and, with default options, on simulated thread ranks, and
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import simulator
-from simulator.per_rank_state import PerRankTable
+from simulator.adapters.per_rank_state import PerRankTable
 from tensorplay.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "tensorplay", "simulator.world", "simulator.backend", "conformance.suite", "conformance.cases")
+HEAVY = ("torch", "tensorplay", "simulator.world", "simulator.core.backend", "conformance.suite", "conformance.cases")
 
 CONFTEST = f'''
 import sys
@@ -93,7 +93,7 @@ def test_the_plugins_options_and_marker_are_registered_without_loading_anything(
 @pytest.mark.parametrize("module", ["simulator.pytest_plugin", "conformance.plugin"])
 def test_importing_a_plugin_module_imports_only_pytest(module: str) -> None:
     probe = (f"import sys; import {module}; "
-             f"print(sorted(m for m in {HEAVY!r} + ('simulator.errors', 'conformance.api') if m in sys.modules))")
+             f"print(sorted(m for m in {HEAVY!r} + ('simulator.core.errors', 'conformance.api') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-W", "error", "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 

@@ -13,7 +13,7 @@ from _support.imports import ROOT, cycles as _cycles, files as _files, imports a
 
 PRODUCT = ["tensorplay/distributed/rpc", "tensorplay/distributed/autograd", "tensorplay/distributed/optim",
            "tensorplay/distributed/nn/api", "tensorplay/testing/rpc.py"]
-SIM = ["simulator/rpc.py", "simulator/rpc_autograd.py", "simulator/torch_rpc.py"]
+SIM = ["simulator/rpc/", "simulator/rpc/autograd.py", "simulator/adapters/torch_rpc.py"]
 
 
 def test_no_import_circles_among_the_rpc_modules() -> None:
@@ -55,6 +55,6 @@ def test_the_product_does_not_branch_on_a_transport_name() -> None:
 def test_the_simulators_autograd_engine_lives_in_the_simulator() -> None:
     assert not (ROOT / "tensorplay/distributed/autograd/_sim.py").exists()
     import simulator.rpc as srpc
-    import simulator.rpc_autograd as engine
+    import simulator.rpc.autograd as engine
 
     assert srpc.SimAgent.distributed_autograd(object.__new__(srpc.SimAgent)) is engine

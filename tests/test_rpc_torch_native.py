@@ -6,7 +6,7 @@ as rpc``, ``torch.distributed.autograd``, ``torch.distributed.optim``,
 arguments.  It runs
 
 * on the simulator (``simulator.run``: torch's RPC is routed to the
-  simulator's transport by ``simulator.torch_rpc``), and
+  simulator's transport by ``simulator.adapters.torch_rpc``), and
 * on real processes with torch's TensorPipe agent (the session's gloo
   ``rank_pool``; the rendezvous is ``tensorplay-tcp://127.0.0.1:<free port>``,
   whose store binds loopback only, and TensorPipe/gloo are pinned to ``lo``),
@@ -31,7 +31,7 @@ from torch.distributed.rpc import RRef, rpc_async, rpc_sync  # by name, before a
 
 import simulator
 import tensorplay.distributed as tpd
-from simulator.errors import DeadlockError
+from simulator.core.errors import DeadlockError
 from tensorplay.testing import free_port
 
 

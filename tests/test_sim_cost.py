@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import simulator
-import simulator.backend as sim_backend
+import simulator.core.backend as sim_backend
 import tensorplay.distributed as dist
-from simulator.calibrate import class_nbytes, fit_class, fit_profile, measure
-from simulator.cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime, op_class
+from simulator.timing.calibrate import class_nbytes, fit_class, fit_profile, measure
+from simulator.timing.cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime, op_class
 from tensorplay.distributed.errors import DistTypeError, DistValueError
 
 # ---------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def test_uncalibrated_model_keeps_the_alpha_beta_formulas() -> None:
     assert m.cost("send", 500, 2) == pytest.approx(A + 500 / B)
     assert m.cost("barrier", 0, 4) == pytest.approx(2 * A)
     assert m.cost("all_reduce", 10**6, 1) == 0.0 and m.cost("send", 0, 1) == pytest.approx(A)
-    assert simulator.trace.CostModel is CostModel  # trace.py re-exports it
+    assert simulator.CostModel is CostModel  # the package exports the timing wing's model
 
 
 def test_op_classes_cover_every_backend_operation() -> None:
@@ -436,7 +436,7 @@ def test_cli_summary_and_cost_option(tmp_path) -> None:
 
 
 def test_calibrate_refuses_nccl_without_cuda_and_bad_options(tmp_path) -> None:
-    from simulator.calibrate import main
+    from simulator.timing.calibrate import main
 
     if not torch.cuda.is_available():
         assert main(["--backend", "nccl", "--out", str(tmp_path / "p.json")]) == 2

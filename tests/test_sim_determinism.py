@@ -108,12 +108,12 @@ def _rng_draws():
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch, isolation):
     """Real processes of an unseeded program start from different random seeds; so do simulated ranks."""
-    monkeypatch.setattr(simulator.seeds, "_program_seeded", lambda: False)
+    monkeypatch.setattr(simulator.core.seeds, "_program_seeded", lambda: False)
     before = torch.get_rng_state()
     res = simulator.run(_rng_draws, 4, seed=1, isolation=isolation)
     assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is untouched
     seeds = [s for s, _, _, _ in res]
-    assert seeds == [simulator.seeds.rank_seed(1, r) for r in range(4)]
+    assert seeds == [simulator.core.seeds.rank_seed(1, r) for r in range(4)]
     assert len(set(seeds)) == 4 and all(s >= 2**32 for s in seeds)
     for seed, a, b, _ in res:  # each rank's stream is exactly its seed's: no other rank's draws leak in
         g = torch.Generator().manual_seed(seed)
@@ -127,7 +127,7 @@ def test_unseeded_program_gives_each_rank_its_own_seed(monkeypatch, isolation):
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_program_seeded_before_the_run_seeds_every_rank(monkeypatch, isolation):
     """A torch.manual_seed the program ran before the world started would have run in every real process."""
-    monkeypatch.setattr(simulator.seeds, "_program_seeded", lambda: True)
+    monkeypatch.setattr(simulator.core.seeds, "_program_seeded", lambda: True)
     before = torch.get_rng_state()
     try:
         torch.manual_seed(1234)
@@ -195,7 +195,7 @@ def test_python_random_streams_survive_hand_offs(isolation, seed):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_rng_swap_moves_the_whole_state(fast):
-    from simulator.sched import _PyRngSwap
+    from simulator.core.sched import _PyRngSwap
 
     swap = _PyRngSwap()
     if not fast:

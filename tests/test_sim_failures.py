@@ -375,7 +375,7 @@ _SPEED = 200.0  # compressed time: one real second is 200 s of the bounds' clock
 
 def _fast_clock(monkeypatch):
     """Make the clock of the run's bounds run ``_SPEED`` times faster than real time."""
-    from simulator import progress
+    from simulator.core import progress
 
     real = time.monotonic
     start = real()

@@ -19,9 +19,9 @@ import torch
 
 import simulator
 import tensorplay.distributed as dist
-from simulator.calibrate import FIT_WARN_REL_ERROR, fit_profile, fit_report
-from simulator.cost import CLASSES, ClassCost, CostModel, Regime
-from simulator.trace import Event, Trace
+from simulator.timing.calibrate import FIT_WARN_REL_ERROR, fit_profile, fit_report
+from simulator.timing.cost import CLASSES, ClassCost, CostModel, Regime
+from simulator.core.trace import Event, Trace
 from tensorplay.distributed.errors import DistTypeError, DistValueError
 
 SIZES = (1_000, 4_000, 16_000, 65_536, 262_144, 1_000_000, 4_000_000, 10_000_000)
@@ -72,7 +72,7 @@ def test_fit_report_warns_about_a_class_the_model_does_not_describe() -> None:
 
 
 def test_calibrate_command_prints_the_report(monkeypatch, tmp_path, capsys) -> None:
-    import simulator.calibrate as cal
+    import simulator.timing.calibrate as cal
 
     rows = _rows(noise={"gather": 3.0})
 

@@ -258,7 +258,7 @@ def test_trace_keeps_the_last_events_and_totals_of_all(limit):
 
 def test_default_trace_is_bounded():
     import simulator
-    from simulator.trace import DEFAULT_TRACE_LIMIT
+    from simulator.core.trace import DEFAULT_TRACE_LIMIT
 
     assert simulator.World(2).trace_limit == DEFAULT_TRACE_LIMIT
     with pytest.raises(ValueError, match="trace_limit=-1"):

@@ -1,6 +1,6 @@
 """Unmodified torch.distributed code (DDP, FSDP2, DTensor, functional collectives) on simulated ranks.
 
-These exercise simulator/torch_native.py, the one module that depends on
+These exercise simulator/adapters/torch_native.py, the one module that depends on
 private torch hooks; they are the per-release check that the adapter still
 works with the pinned torch.
 """
@@ -19,7 +19,7 @@ import simulator
 
 from _support.torch_refusals import REFUSED_NAMES, torch_refusal
 import tensorplay.distributed.errors as tdist_errors
-from simulator import torch_native
+from simulator.adapters import torch_native
 from simulator.isolation import ISOLATIONS
 
 W = 4

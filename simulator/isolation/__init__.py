@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
-from . import cleanup
-from .proxy import ProcessRanks, hash_seed
+from simulator.isolation import cleanup
+from simulator.isolation.proxy import ProcessRanks, hash_seed
 
 __all__ = ["ISOLATIONS", "check_isolation", "hash_seed", "run_processes", "ProcessRanks"]
 

@@ -33,11 +33,11 @@ from tensorplay.distributed.backends.base import Backend, Work
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 
-from ..backend import SimBackend
-from ..callsite import call_site
-from . import _wire, pickling, warm
-from ._wire import OUTPUTS, SHARED_BASE, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
-from .staging import ClientWork, Completions, Staged, Staging
+from simulator.core.backend import SimBackend
+from simulator.core.callsite import call_site
+from simulator.isolation import _wire, pickling, warm
+from simulator.isolation._wire import OUTPUTS, SHARED_BASE, GroupRef, TensorRef, align_down, align_up, flatten, span_of, storage_bytes
+from simulator.isolation.staging import ClientWork, Completions, Staged, Staging
 
 __all__ = ["ClientBackend", "ClientWork", "main", "serve", "library_modules"]
 
@@ -55,7 +55,7 @@ def _result_tensors(name: str, args: tuple) -> list[torch.Tensor]:
 class ClientBackend(SimBackend):
     """tensorplay.distributed's backend in a rank process: every call is run by the rank's proxy in the coordinator.
 
-    A :class:`~simulator.backend.SimBackend` for everything that asks whether the calling rank is simulated
+    A :class:`~simulator.core.backend.SimBackend` for everything that asks whether the calling rank is simulated
     (the torch adapter binds torch.distributed to it); it overrides every operation and shares no state with
     the simulator's own backend.
     """
@@ -395,14 +395,14 @@ def _rebuild(eid: int, mod: str, qualname: str, message: str, attrs: dict) -> Ba
 
 def _dumps(obj: Any) -> bytes:
     """Pickle ``obj``; what plain pickle refuses (lambdas, closures) goes by value (see :mod:`.pickling`)."""
-    from . import pickling
+    from simulator.isolation import pickling
 
     return pickling.dumps(obj)
 
 
 def _rank_traceback(e: BaseException) -> str:
     """``e``'s traceback as the program's: without the simulator's frames (nor runpy's, for a script)."""
-    from ..launch import format_rank_traceback
+    from simulator.launch import format_rank_traceback
 
     return format_rank_traceback(e)
 
@@ -425,7 +425,7 @@ def _honest_clock(backend: ClientBackend) -> None:
     """As on thread ranks: imports are not compute, and each optimizer step marks a training step."""
     import importlib
 
-    from ..cost import timed_imports
+    from simulator.adapters.clock_hooks import timed_imports
 
     boot = importlib.import_module("importlib._bootstrap")
     boot._find_and_load = timed_imports(boot._find_and_load, lambda: backend.exclude_cpu)
@@ -501,7 +501,7 @@ def main(fd: int | None = None) -> None:
     _answer_where(Connection(fds[0]), threading.get_ident())
     from multiprocessing import spawn
 
-    from .. import isolation
+    from simulator import isolation
 
     isolation._in_rank_process = True
     rank = setup["rank"]
@@ -512,7 +512,7 @@ def main(fd: int | None = None) -> None:
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, _exception_message(e))
         return
-    from . import rpc_process
+    from simulator.isolation import rpc_process
 
     rpc_process.RANK = (rank, setup["world_size"], setup["rpc_port"], setup["mode"])  # init_rpc's rendezvous
     rpc_process.SECRET = setup.get("rpc_secret")  # (the run's: RPC is authenticated by default)
@@ -521,10 +521,10 @@ def main(fd: int | None = None) -> None:
     backend = ClientBackend(conn, rank, setup["world_size"], setup["arena_dir"])
     from tensorplay.distributed.api import _install_backend
 
-    from .. import torch_native
+    from simulator.adapters import torch_native
 
     _install_backend(backend, timedelta(seconds=setup["timeout"]))
-    from . import rank_threads
+    from simulator.isolation import rank_threads
 
     rank_threads.install(backend, coop=setup["mode"] == "coop")  # (after this module's own threads: those are not the program's)
     with torch_native.enabled():
@@ -583,7 +583,7 @@ def serve(fd: int) -> None:
     # (this module's imports are the ones every rank process would pay for)
     ctrl = socket.socket(fileno=fd)
     children: set[int] = set()
-    from . import cleanup
+    from simulator.isolation import cleanup
 
     # a coordinator killed outright (SIGKILL) leaves its rank processes and arenas to this interpreter
     cleanup.on_parent_death(int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid(), lambda: children)

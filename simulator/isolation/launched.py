@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from ..errors import RankExitError
+from simulator.core.errors import RankExitError
 
 __all__ = ["exit_status", "run_batch", "rank_process"]
 
@@ -57,7 +57,7 @@ def rank_process(proc: Any, clean_codes: frozenset[int]) -> int:
 def run_batch(world: Any, batch: Sequence[Any], clean_codes: frozenset[int]) -> None:
     """Run ``batch`` (started processes with simulated handles) as the ranks of ``world``, one process each; set each
     handle's ``returncode`` (and ``exc`` for a rank that raised).  Re-raises what the world raised."""
-    from . import run_processes
+    from simulator.isolation import run_processes
 
     try:
         results = run_processes(world, rank_process, (), {}, [(_portable(p), clean_codes) for p in batch])

@@ -37,13 +37,13 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 
-from ..cost import _step_hook
-from ..errors import RankExitError, SimTimeoutError
-from .. import threads
-from ..sched import CoopScheduler
-from ..state import current_rank_state
-from . import _wire, cleanup, pickling, warm
-from ._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
+from simulator.adapters.clock_hooks import mark_step
+from simulator.core.errors import RankExitError, SimTimeoutError
+from simulator.adapters import threads
+from simulator.core.sched import CoopScheduler
+from simulator.core.state import current_rank_state
+from simulator.isolation import _wire, cleanup, pickling, warm
+from simulator.isolation._wire import OUTPUTS, SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 
 __all__ = ["ProcessRanks", "hash_seed"]
 
@@ -165,7 +165,7 @@ class ProcessRanks:
                  rank_args: Sequence[Sequence[Any]] | None = None) -> None:
         """``rank_args``: rank ``r`` calls ``fn(*rank_args[r], **kwargs)`` instead, its arguments passed as a spawned
         child inherits them (pipes, queues and shared tensors stay shared; see :func:`.pickling.dumps_inherited`)."""
-        from ..seeds import _initial_rng_states
+        from simulator.core.seeds import _initial_rng_states
 
         if world.device.type != "cpu":
             raise DistRuntimeError(format_message(
@@ -269,7 +269,7 @@ class ProcessRanks:
                     waiting.pop(c)
 
     def _env(self, rank: int, master_port: str) -> dict[str, str]:
-        from .. import _environ
+        from simulator.adapters import _environ
 
         w = self.world
         if w.torchrun_env or w.env:
@@ -376,9 +376,9 @@ class ProcessRanks:
             if kind == "success":
                 return work.is_success()
             return work.source_rank()
-        if kind == "step":  # an optimizer step of the rank process (see cost.enabled on thread ranks)
+        if kind == "step":  # an optimizer step of the rank process (see simulator.adapters.clock_hooks on thread ranks)
             rs.cpu_mark = time.thread_time() - msg[2]
-            _step_hook(me.optimizers.setdefault(msg[1], object()), (), {})
+            mark_step(me.optimizers.setdefault(msg[1], object()), (), {})
             return None
         if kind == "share":  # a storage of the program in shared memory: calls on it are not staged
             _, sid, size = msg

@@ -1,11 +1,11 @@
 """Threads of a rank process: each one the program starts is an actor of its rank, as on thread ranks.
 
-On thread ranks, :mod:`simulator.threads` gives a thread a rank starts an actor
+On thread ranks, :mod:`simulator.adapters.threads` gives a thread a rank starts an actor
 of that rank in the scheduler.  In a rank process the same happens across the
 process boundary, so one program behaves the same in both isolations:
 
 * ``Thread.start`` asks the proxy for an actor (``"thread"``, with one end of a
-  new socket pair): the proxy adopts it with :func:`simulator.threads.adopt`
+  new socket pair): the proxy adopts it with :func:`simulator.adapters.threads.adopt`
   and serves the thread's own channel from a thread of its own.  The thread's
   calls go over that channel, so two threads of one process communicate at
   once, as on gloo (one shared channel would let a blocked call hold up the
@@ -22,7 +22,7 @@ threads) share the main thread's channel, one request at a time.
 
 A sleep-polling loop of the main thread in ``coop`` mode steps out of the
 schedule too (``"leave"``/``"rejoin"`` with the sleep's length and place; see
-:func:`simulator.threads.sleep_out`), so a rank that polls a file or a store
+:func:`simulator.adapters.threads.sleep_out`), so a rank that polls a file or a store
 between sleeps lets the rank it waits for run.  A rank process computes at once
 with the others, so a single sleep between two calls (a stand-in for compute)
 keeps the seeded schedule; the second sleep with no call into the simulator
@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _wire
+from simulator.isolation import _wire
 
 __all__ = ["install", "free_running"]
 

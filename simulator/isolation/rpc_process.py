@@ -77,7 +77,7 @@ def start(name: str, rank: int, world_size: int, options: Any, *, default_timeou
 
     rank_, size_, port, mode = _mine("init_rpc")
     if mode == "coop":
-        from . import rank_threads
+        from simulator.isolation import rank_threads
 
         # the agent's waits (rpc_sync, Future.wait, to_here, shutdown's barrier) are invisible to the scheduler:
         # a rank waiting there while holding the coop turn would keep it from the rank that must answer

@@ -27,8 +27,8 @@ import torch
 from tensorplay.distributed.backends.base import Work
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
-from . import _wire
-from ._wire import Arena, align_up
+from simulator.isolation import _wire
+from simulator.isolation._wire import Arena, align_up
 
 __all__ = ["ARENA_BYTES", "Staging", "Staged", "ClientWork", "Completions", "free_bytes"]
 

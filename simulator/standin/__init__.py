@@ -38,12 +38,12 @@ from typing import ContextManager
 
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
-from . import install as _install
-from .cuda_api import DEVICE_NAME, DeviceProperties
-from .errors import StandInError
-from .ranks import GIB, Config
-from .ops import device_of
-from .tensor import StandInTensor, is_standin
+from simulator.standin import install as _install
+from simulator.standin.cuda_api import DEVICE_NAME, DeviceProperties
+from simulator.standin.errors import StandInError
+from simulator.standin.ranks import GIB, Config
+from simulator.standin.ops import device_of
+from simulator.standin.tensor import StandInTensor, is_standin
 
 __all__ = ["enabled", "is_active", "is_standin", "device_of", "StandInTensor", "StandInError", "DeviceProperties",
            "DEVICE_NAME", "DEFAULT_TOTAL_MEMORY", "PRIVATE_TORCH_NAMES", "PATCHED_PUBLIC", "NATIVE_SYMBOLS"]
@@ -52,7 +52,7 @@ __all__ = ["enabled", "is_active", "is_standin", "device_of", "StandInTensor", "
 DEFAULT_TOTAL_MEMORY = 80 * GIB
 
 #: Every private torch name the stand-in replaces or relies on, in one place: they may change between torch
-#: releases (the simulator's adapters are pinned to torch 2.13/2.14, see simulator.torch_native).
+#: releases (the simulator's adapters are pinned to torch 2.13/2.14, see simulator.adapters.torch_native).
 PRIVATE_TORCH_NAMES = (
     # torch.cuda's own private entry points, which its public functions, torch.cuda.device and DDP/DTensor call
     "torch.cuda._lazy_init", "torch.cuda._initialized", "torch.cuda._exchange_device",

@@ -34,7 +34,7 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from .errors import StandInError
+from simulator.standin.errors import StandInError
 
 __all__ = ["install", "uninstall", "NATIVE_SYMBOLS"]
 

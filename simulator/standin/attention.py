@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .tensor import _SAME_DEVICE, _SPECIAL, StandInTensor, fresh
+from simulator.standin.tensor import _SAME_DEVICE, _SPECIAL, StandInTensor, fresh
 
 __all__ = ["register", "choose"]
 

@@ -20,10 +20,10 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from . import ranks, rng
-from .errors import StandInError
-from .ranks import resolve_index, state
-from .streams import Event, Stream, current_stream, default_stream, set_stream
+from simulator.standin import ranks, rng
+from simulator.standin.errors import StandInError
+from simulator.standin.ranks import resolve_index, state
+from simulator.standin.streams import Event, Stream, current_stream, default_stream, set_stream
 
 __all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available", "device_count", "current_device",
            "set_device", "exchange_device", "maybe_exchange_device", "get_device_name", "get_device_capability",

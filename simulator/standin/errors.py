@@ -1,7 +1,7 @@
 """The error the CUDA stand-in raises for what it cannot do faithfully, or cannot do on this torch build."""
 from __future__ import annotations
 
-from ..errors import SimError
+from simulator.core.errors import SimError
 
 __all__ = ["StandInError"]
 

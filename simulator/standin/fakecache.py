@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ranks import state
+from simulator.standin.ranks import state
 
 __all__ = ["DeviceKeyedCache"]
 

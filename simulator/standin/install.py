@@ -36,13 +36,13 @@ import torch.serialization
 import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .._patch import Installation
-from . import _native, amp, attention, cuda_api as api, ranks
-from .fakecache import DeviceKeyedCache
-from .refuse import NvtxStub, compile_guard
-from .serialization import deserialize_cuda, patched_load, registry_entry
-from .ops import COMPOSITE_FACTORIES, copy_from, factory
-from .tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
+from simulator.adapters._patch import Installation
+from simulator.standin import _native, amp, attention, cuda_api as api, ranks
+from simulator.standin.fakecache import DeviceKeyedCache
+from simulator.standin.refuse import NvtxStub, compile_guard
+from simulator.standin.serialization import deserialize_cuda, patched_load, registry_entry
+from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
+from simulator.standin.tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
 __all__ = ["INSTALLATION", "active", "configured", "PATCHED_PUBLIC"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from . import ranks, rng
-from .tensor import (_SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, passes_generator, rewrap,
+from simulator.standin import ranks, rng
+from simulator.standin.tensor import (_SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, passes_generator, rewrap,
                      spec, target)
 
 __all__ = ["copy_from", "factory", "device_of", "COMPOSITE_FACTORIES"]

@@ -2,7 +2,7 @@
 
 A real rank is a process with its own CUDA context; a simulated rank is a thread.
 Each simulated rank therefore gets its own :class:`DeviceState` (found through
-``simulator.state.current_rank_state()``; a thread the rank started shares it),
+``simulator.core.state.current_rank_state()``; a thread the rank started shares it),
 and code outside any rank uses one process-wide state, as a single process would.
 
 Memory is counted per rank and device as a caching allocator reports it:
@@ -23,7 +23,7 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from .._actor import current_rank_state
+from simulator.core._actor import current_rank_state
 
 __all__ = ["Config", "DeviceState", "state", "config", "push_config", "pop_config", "device_count",
            "resolve_index", "track", "GIB", "BLOCK"]

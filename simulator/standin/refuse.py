@@ -17,8 +17,8 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from .errors import StandInError
-from .tensor import StandInTensor
+from simulator.standin.errors import StandInError
+from simulator.standin.tensor import StandInTensor
 
 __all__ = ["compile_guard", "NvtxStub"]
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .ranks import DeviceState, device_count, state
+from simulator.standin.ranks import DeviceState, device_count, state
 
 __all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator"]
 

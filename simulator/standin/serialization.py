@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.serialization
 
-from . import ranks
-from .tensor import StandInTensor, wrap
+from simulator.standin import ranks
+from simulator.standin.tensor import StandInTensor, wrap
 
 __all__ = ["deserialize_cuda", "patched_load", "registry_entry"]
 

@@ -14,8 +14,8 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from .errors import StandInError
-from .ranks import resolve_index, state
+from simulator.standin.errors import StandInError
+from simulator.standin.ranks import resolve_index, state
 
 __all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream"]
 

@@ -31,8 +31,8 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
-from . import ranks, rng
-from .errors import StandInError
+from simulator.standin import ranks, rng
+from simulator.standin.errors import StandInError
 
 __all__ = ["StandInTensor", "wrap", "fresh", "is_standin", "dispatch", "rewrap", "spec", "target",
            "PU_DEVICES", "CUDA_DEVICES", "CPU", "cuda_device"]

@@ -557,7 +557,7 @@ SPECS: dict[str, CollectiveSpec] = {
 # the backend interface's collectives: what every backend implements
 # --------------------------------------------------------------------------
 #: the classes of communication a cost model prices (and a calibration measures) separately; the simulator's
-#: cost model (simulator/cost.py) says which algorithm each class follows (ring, tree, ...)
+#: cost model (simulator/timing/cost.py) says which algorithm each class follows (ring, tree, ...)
 COST_CLASSES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
                 "scatter", "barrier", "p2p")
 

@@ -57,7 +57,7 @@ MODULES = (
     "tensorplay.distributed.rpc",
     "simulator",
     "simulator.world",
-    "simulator.trace",
+    "simulator.core.trace",
     "conformance",
     "conformance.api",
 )

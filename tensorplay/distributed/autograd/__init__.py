@@ -2,7 +2,7 @@
 
 ``torch.distributed.autograd``'s API on every RPC transport: each transport's
 agent provides its engine (``agent.distributed_autograd()``): torch's own on
-TensorPipe (:mod:`._torch`), the simulator's (``simulator.rpc_autograd``) on
+TensorPipe (:mod:`._torch`), the simulator's (``simulator.rpc.autograd``) on
 the simulator.  Inside ``with
 context() as cid:``, every tensor that requires grad and crosses an RPC is
 recorded; ``backward(cid, roots)`` runs the backward pass from the roots on

@@ -1,7 +1,7 @@
 """Backend registry: one interface (:class:`Backend`), implementations keyed by name.
 
 ``gloo`` and ``nccl`` run on torch's c10d (:mod:`.c10d`).  ``sim`` is the
-in-process simulator; its backend module (``simulator.backend``) registers it
+in-process simulator; its backend module (``simulator.core.backend``) registers it
 when imported, and the registry imports that module lazily the first time
 ``"sim"`` is asked for (a bare ``import simulator`` is lazy and imports nothing).
 """
@@ -20,7 +20,7 @@ _REGISTRY: dict[str, Type[Backend]] = {}
 _LAZY: dict[str, str] = {
     "gloo": "tensorplay.distributed.backends.c10d",
     "nccl": "tensorplay.distributed.backends.c10d",
-    "sim": "simulator.backend",
+    "sim": "simulator.core.backend",
 }
 
 

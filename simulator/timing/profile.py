@@ -11,7 +11,7 @@ Chrome trace written from it) overflows to ``inf``/``nan``.
 
 Example::
 
-    >>> from simulator.profile import number_problem
+    >>> from simulator.timing.profile import number_problem
     >>> number_problem(1e308, "alpha_s")
     'must be a number in [0, 3600]'
 """

@@ -1,6 +1,6 @@
 """The bounds of a run: ``stall_timeout`` on progress (the default) and the optional whole-run ``timeout``.
 
-Deadlocks need no timeout: the scheduler finds them by counting (see :mod:`simulator.sched`).  What is left
+Deadlocks need no timeout: the scheduler finds them by counting (see :mod:`simulator.core.sched`).  What is left
 is an actor that never comes back into the simulator (an endless loop, a long sleep, a wait on something
 outside it) while others wait for it.  torch bounds each *operation* by its process-group timeout (30 min by
 default), not the program; so does the simulator: the run fails with :class:`SimTimeoutError` when some
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
-from .sched import BLOCKED, RUNNABLE
+from simulator.core.sched import BLOCKED, RUNNABLE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import RankState, Run
+    from simulator.core.state import RankState, Run
 
 __all__ = ["DEFAULT_STALL_TIMEOUT", "BoundNames", "PYTHON", "CLI", "clock", "check_seconds"]
 

@@ -20,7 +20,7 @@ __all__ = ["call_site"]
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in (tensorplay, torch)
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # the simulator package (this is core/)
 _SKIP_FILES = {os.path.abspath(threading.__file__), os.path.abspath(runpy.__file__)}
 _verdict: dict[str, str | None] = {}  # file name -> its basename if it is user code, None if library
 

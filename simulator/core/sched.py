@@ -1,6 +1,6 @@
 """The two schedulers: ``coop`` (one rank at a time, seeded) and ``threads`` (free-running).
 
-Both implement :class:`simulator.protocol.Scheduler`, the calls the backend and the world use:
+Both implement :class:`simulator.core.protocol.Scheduler`, the calls the backend and the world use:
 
 * ``lock``  - context manager guarding the shared matching state;
 * ``point(rs)`` - a scheduling point at the start of every operation;
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ._handoff import _PY_RNG, _STEER, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
+from simulator.core._handoff import _PY_RNG, _STEER, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import RankState, Run
+    from simulator.core.state import RankState, Run
 
 __all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
 
@@ -63,7 +63,7 @@ class _NoLock:
 class _SchedulerBase:
     def __init__(self, run: "Run") -> None:
         self.run = run
-        self.clock = run.clock  # progress stamps (see simulator.progress): one read and one store per call
+        self.clock = run.clock  # progress stamps (see simulator.core.progress): one read and one store per call
         # the first sleep of a wait before it checks the run's bounds (later ones: Run.wait_slice), fixed per run
         # so that the common wait, a short one, computes nothing
         self.slice0 = run.wait_slice(None)
@@ -100,7 +100,7 @@ class _SchedulerBase:
     def block_until(self, rs: "RankState", w: Any, seconds: float, timed_out: Callable[[], Any]) -> None:
         """:meth:`block`, bounded by ``seconds`` of the run's clock: past them the wait fails with the incident
         ``timed_out()`` makes (an operation's own timeout, as torch's process groups bound each operation; the
-        main thread watches the deadline, see :func:`simulator.progress.expire`)."""
+        main thread watches the deadline, see :func:`simulator.core.progress.expire`)."""
         deadlines = self.run.deadlines
         deadlines[rs] = (self.clock() + seconds, timed_out)
         try:
@@ -447,7 +447,7 @@ class ThreadScheduler(_SchedulerBase):
                 over: BaseException | None = None
                 try:
                     got = rs.wake.acquire(timeout=self.slice0)
-                    while not got and rs.sleeping:  # every slice: check the run's bounds (see simulator.progress)
+                    while not got and rs.sleeping:  # every slice: check the run's bounds (see simulator.core.progress)
                         try:
                             slice_s = run.wait_slice(rs)
                         except BaseException as e:  # noqa: BLE001  our own bound ran out: raised below, unblocked

@@ -1,4 +1,4 @@
-"""torch process groups over a subset of the simulated ranks (used by :mod:`simulator.torch_native`).
+"""torch process groups over a subset of the simulated ranks (used by :mod:`simulator.adapters.torch_native`).
 
 A launched world of N processes may hold a default process group of its own
 for some of them: pytorch/examples' ``ddp_rpc`` starts 4 processes, all join
@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 from tensorplay.distributed.errors import DistValueError, format_message
 
-from ._actor import current_rank_state
+from simulator.core._actor import current_rank_state
 
 __all__ = ["rendezvous_key", "join", "reset"]
 

@@ -1,5 +1,5 @@
 """What a coop hand-off carries besides the baton: the ``random`` module's state, moved to and from each rank's own
-generator, and the CPU the next rank should wake on (see :mod:`simulator.sched`)."""
+generator, and the CPU the next rank should wake on (see :mod:`simulator.core.sched`)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import RankState
+    from simulator.core.state import RankState
 
 __all__ = ["_PY_RNG", "_STEER", "_PyRngSwap"]
 

@@ -50,10 +50,10 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from tensorplay.distributed import _state
 
-from . import _environ
-from ._patch import Installation
-from .sched import DONE, FREE, RUNNABLE, CoopScheduler
-from .state import RankState, _local, current_rank_state
+from simulator.adapters import _environ
+from simulator.adapters._patch import Installation
+from simulator.core.sched import DONE, FREE, RUNNABLE, CoopScheduler
+from simulator.core.state import RankState, _local, current_rank_state
 
 __all__ = ["enabled", "start_actor", "adopt", "run_adopted", "join_actor", "step_out", "step_in", "start_plain"]
 

@@ -8,7 +8,7 @@ Used automatically when ``init_rpc`` runs inside ``simulator.run`` or
   band (``clone``), so no object is ever shared between two workers.
 * **The callee's identity.**  A call's handler runs on a thread of the
   callee's rank (an actor of that rank in the simulator's scheduler, see
-  :func:`simulator.threads.start_actor`) *as* the callee: the callee's RPC
+  :func:`simulator.adapters.threads.start_actor`) *as* the callee: the callee's RPC
   agent and ``tensorplay.distributed`` state are bound (``get_worker_info()``,
   ``dist.get_rank()`` and ``RRef.local_value()`` answer as the callee), the
   caller's distributed-autograd context is carried over, and in ``coop`` mode
@@ -55,15 +55,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
-from .callsite import call_site
-from .cost import charge_compute, reach
-from .protocol import Scheduler
-from .errors import RankFailedError, SimError
-from .sched import DONE, FREE
-from .threads import start_actor
-from .trace import Event
-from . import rpc_autograd
-from .state import current_rank_state
+from simulator.core.callsite import call_site
+from simulator.core.clock import charge_compute, reach
+from simulator.core.protocol import Scheduler
+from simulator.core.errors import RankFailedError, SimError
+from simulator.core.sched import DONE, FREE
+from simulator.adapters.threads import start_actor
+from simulator.core.trace import Event
+from simulator.rpc import autograd
+from simulator.core.state import current_rank_state
 from torch import nn
 
 from tensorplay.distributed import _state
@@ -88,15 +88,15 @@ class _Run(Protocol):
     seed: int
     cost: Any          # CostModel: .cost("send", nbytes, 2) for a message's transfer
     events: Any        # the trace: .append(Event)
-    sched: Scheduler   # the scheduler contract (simulator.protocol): lock, block, wake, leave used here
-    exit_hooks: list   # called with a rank's state when its thread ends (declared on simulator.state.Run)
+    sched: Scheduler   # the scheduler contract (simulator.core.protocol): lock, block, wake, leave used here
+    exit_hooks: list   # called with a rank's state when its thread ends (declared on simulator.core.state.Run)
 
 
 class _Rank(Protocol):
     rank: int
     run: _Run
     state: int                  # FREE / DONE (sched)
-    vt: float                   # the rank's (or actor's) virtual clock; moved through cost.charge_compute/reach
+    vt: float                   # the rank's (or actor's) virtual clock; moved through simulator.core.clock
     cpu_mark: float             # the CPU time its last compute was charged at
     torch_rng: Any              # coop mode: the rank's own torch RNG stream
     exc: BaseException | None   # what its function raised
@@ -701,7 +701,7 @@ class SimAgent(Agent):
         return not self.closed and self.thread_alive()
 
     def distributed_autograd(self) -> Any:
-        """The simulator's engine (:mod:`simulator.rpc_autograd`)."""
+        """The simulator's engine (:mod:`simulator.rpc.autograd`)."""
         return rpc_autograd
 
     def worker_infos(self) -> list[WorkerInfo]:

@@ -1,18 +1,22 @@
 """The contracts of the simulator's pluggable parts, as :class:`typing.Protocol` classes.
 
 :class:`Scheduler` is what the backend, the world and the thread adapter call; both
-:class:`~simulator.sched.CoopScheduler` (one actor at a time, seeded) and
-:class:`~simulator.sched.ThreadScheduler` (free-running) implement it, and a test checks that
+:class:`~simulator.core.sched.CoopScheduler` (one actor at a time, seeded) and
+:class:`~simulator.core.sched.ThreadScheduler` (free-running) implement it, and a test checks that
 they do (``isinstance`` against this runtime-checkable protocol, and the signatures).
+
+:class:`Pricing` is what the core reads of a cost model (``run.cost``): the timing wing's
+:class:`~simulator.timing.cost.CostModel` implements it, and the world hands it in, so the core never
+imports the timing wing.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import RankState
+    from simulator.core.state import RankState
 
-__all__ = ["Scheduler", "Waitable"]
+__all__ = ["Scheduler", "Waitable", "Pricing"]
 
 
 class Waitable(Protocol):
@@ -69,3 +73,19 @@ class Scheduler(Protocol):
 
     def rejoin(self, rs: "RankState") -> None:
         """``rs`` comes back into the schedule after :meth:`leave`."""
+
+
+@runtime_checkable
+class Pricing(Protocol):
+    """How long an operation takes, in virtual seconds (the cost model of a run)."""
+
+    #: the factor on a rank's CPU time when it is charged as compute
+    compute_scale: float
+    latency_s: float
+    bandwidth_Bps: float
+
+    def cost(self, op: str, nbytes: int, group_size: int) -> float:
+        """Virtual seconds of operation ``op`` (a backend collective's name, or ``"send"``) on ``nbytes``."""
+
+    def describe(self) -> str:
+        """One line naming the model (the trace's header)."""

@@ -13,7 +13,7 @@ size in a row), so a burst of load on a shared host costs each size one sample.
 The fit (:func:`fit_class`) is a non-negative least-squares fit of
 ``overhead + alpha * L(n) + beta * F(n) * S`` on the relative error (every
 point weighs the same in %), for every algorithm the class may use
-(:data:`simulator.cost.CLASSES`), with one regime or two (a small/large message
+(:data:`simulator.timing.cost.CLASSES`), with one regime or two (a small/large message
 split at one of the measured sizes, kept only when it pays for its three
 extra parameters); the best by that criterion wins and every candidate's error
 is recorded.  With a single world size, latency steps and per-call overhead
@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime
+from simulator.timing.cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime
 
 __all__ = ["measure", "fit_class", "fit_profile", "fit_report", "calibrate", "machine_info", "main",
            "DEFAULT_SIZES", "QUICK_SIZES", "FIT_WARN_REL_ERROR", "class_nbytes"]

@@ -8,7 +8,7 @@ Hydra (``@hydra.main``, pytorch/examples' minGPT): its ``GlobalHydra`` and its o
 its table, as a process's threads do); outside a rank, the original table.
 
 What cannot be made per rank this way (a C extension's globals, torch's module trackers) is named by the
-failure's report, which points to ``isolation="process"`` (see :mod:`simulator.report`).
+failure's report, which points to ``isolation="process"`` (see :mod:`simulator.core.report`).
 
 Example (two thread ranks, each with its own Hydra)::
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 from typing import Any, ContextManager, Iterator
 
-from ._patch import Installation
-from .state import current_rank_state
-from .torch_native import _when_imported
+from simulator.adapters._patch import Installation
+from simulator.core.state import current_rank_state
+from simulator.adapters.torch_native import _when_imported
 
 __all__ = ["PerRankTable", "enabled", "TABLES"]
 

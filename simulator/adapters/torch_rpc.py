@@ -40,7 +40,7 @@ RPC agent is not set"; TorchScript RPC (``@torch.jit.script`` functions) is not
 supported.  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
 simulator's RRefs (use their methods instead).
 
-Like :mod:`simulator.torch_native`, this module touches private torch names
+Like :mod:`simulator.adapters.torch_native`, this module touches private torch names
 (the wrappers' closures, ``_init_rpc_backend``, ``_new_context``...); it checks
 their shape when installing and refuses with a clear error if torch changed.
 """
@@ -57,7 +57,7 @@ import torch.distributed.rpc.api as tapi
 
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
-from ._patch import Installation
+from simulator.adapters._patch import Installation
 
 __all__ = ["enabled"]
 
@@ -70,7 +70,7 @@ _contexts = threading.local()  # open torch-style autograd contexts of this thre
 
 def _on_sim() -> bool:
     """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
-    from . import rpc as sim_rpc
+    from simulator import rpc as sim_rpc
 
     return sim_rpc.claims_caller()
 
@@ -78,7 +78,7 @@ def _on_sim() -> bool:
 def _sim_agent() -> Any:
     from tensorplay.distributed.rpc import _agent
 
-    from . import rpc as sim_rpc
+    from simulator import rpc as sim_rpc
 
     a = _agent.current()
     return a if isinstance(a, sim_rpc.SimAgent) else None
@@ -358,7 +358,7 @@ def _swap_wrapped(name: str) -> None:
     code = getattr(wrapper, "__code__", None)
     if code is None or code.co_freevars != ("func",) or wrapper.__closure__ is None:
         raise DistRuntimeError(format_message(
-            "simulator.torch_rpc", "torch.distributed.rpc's function does not have the expected shape",
+            "simulator.adapters.torch_rpc", "torch.distributed.rpc's function does not have the expected shape",
             values={"function": name, "torch": torch.__version__},
             fix="use tensorplay.distributed.rpc directly, or a supported torch release"))
     cell = wrapper.__closure__[0]
@@ -372,7 +372,7 @@ def _swap_wrapped(name: str) -> None:
 
 
 def _install() -> None:
-    from simulator.torch_native import check_torch_version
+    from simulator.adapters.torch_native import check_torch_version
 
     check_torch_version()
     for name in _WRAPPED:
@@ -396,7 +396,7 @@ def _install() -> None:
     _undo.append(_route_new(tapi.RRef, _rref))
     # DistributedOptimizer and RemoteModule live in modules that take about 2 s to import: route them now when
     # the program imported them already, else the moment it does (a program that never uses them never pays)
-    from .torch_native import _when_imported  # one post-import hook for both adapters
+    from simulator.adapters.torch_native import _when_imported  # one post-import hook for both adapters
 
     _undo.append(_when_imported("torch.distributed.optim.optimizer",
                                 lambda m: _route_new(m.DistributedOptimizer, _dist_optimizer)))

@@ -15,5 +15,5 @@ _local = threading.local()
 
 
 def current_rank_state() -> Any:
-    """The calling rank thread's state (a :class:`simulator.state.RankState`), or ``None`` outside a world."""
+    """The calling rank thread's state (a :class:`simulator.core.state.RankState`), or ``None`` outside a world."""
     return getattr(_local, "rs", None)

@@ -60,8 +60,8 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
-from . import torch_groups, torch_profiling
-from ._patch import Installation
+from simulator.adapters import torch_groups, torch_profiling
+from simulator.adapters._patch import Installation
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
 tdist_rendezvous = importlib.import_module("torch.distributed.rendezvous")
@@ -261,7 +261,7 @@ class _SimBackendView:
 
 def _device_types_for(named: str) -> list[torch.device]:
     """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
-    from .state import rank_device
+    from simulator.core.state import rank_device
 
     types: list[str] = []
     try:
@@ -920,7 +920,7 @@ _SCHEMES = ("env", "tcp", "file")
 
 def _sim_state() -> Any:
     """The calling simulated rank's tensorplay state, or ``None`` outside a simulated world."""
-    from .backend import SimBackend
+    from simulator.core.backend import SimBackend
 
     st = _state.current()
     return st if st is not None and isinstance(st.backend, SimBackend) else None

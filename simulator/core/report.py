@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from .progress import is_waiting
-from .sched import BLOCKED, DONE, FREE, RUNNABLE
-from .state import P2PRecord, Slot
+from simulator.core.progress import is_waiting
+from simulator.core.sched import BLOCKED, DONE, FREE, RUNNABLE
+from simulator.core.state import P2PRecord, Slot
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .state import RankState, Run
+    from simulator.core.state import RankState, Run
 
 __all__ = ["mismatch_message", "describe_world", "fmt_ranks", "stall_headline", "timeout_headline"]
 
@@ -227,7 +227,7 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
     return "\n".join(lines)
 
 
-# -- the report of a bound that ran out (see simulator.progress) ---------------------------------------------
+# -- the report of a bound that ran out (see simulator.core.progress) ---------------------------------------------
 def _wait_what(run: "Run", a: "RankState", many: bool) -> str:
     if a.state != BLOCKED:
         return f"for {'their' if many else 'its'} turn (coop: one rank computes at a time)"

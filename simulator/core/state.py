@@ -23,12 +23,12 @@ from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.spec import CallKey
 
-from . import progress
-from .errors import DeadlockError, RankFailedError, SimTimeoutError
-from .faults import Fault
-from .sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
-from .trace import EventLog
-from ._actor import _local, current_rank_state  # noqa: F401  (re-exported: the state's public door)
+from simulator.core import progress
+from simulator.core.errors import DeadlockError, RankFailedError, SimTimeoutError
+from simulator.core.faults import Fault
+from simulator.core.sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
+from simulator.core.trace import EventLog
+from simulator.core._actor import _local, current_rank_state  # noqa: F401  (re-exported: the state's public door)
 
 __all__ = ["Run", "RankState", "Incident", "SimGroup", "Slot", "RankCall", "P2PRecord", "CallKey",
            "current_rank_state", "rank_device", "OVER_TEXT"]
@@ -118,7 +118,7 @@ class RankState:
         #: completes, before it resumes (a rank process's proxy answers its process there: see
         #: simulator.isolation.proxy)
         self.on_complete: Any = None
-        #: ``run.clock()`` when this actor last entered an operation or ended a wait (see simulator.progress)
+        #: ``run.clock()`` when this actor last entered an operation or ended a wait (see simulator.core.progress)
         self.stamp = run.clock()
 
     @property
@@ -155,7 +155,7 @@ class Run:
         self.mode = world.mode
         self.cost = world.cost
         self.p2p = world.p2p
-        # the bounds (see simulator.progress), on a clock a test may replace
+        # the bounds (see simulator.core.progress), on a clock a test may replace
         self.clock: Callable[[], float] = progress.clock
         self.started = self.clock()
         self.deadline = self.started + (math.inf if world.timeout is None else world.timeout)
@@ -167,7 +167,7 @@ class Run:
         #: when the main thread started the offloaded kernel it runs now (None: none; it is progress)
         self.job_since: float | None = None
         self.aborted = False
-        #: False once a coop rank waited on the wall clock outside the schedule (time.sleep: simulator/threads.py)
+        #: False once a coop rank waited on the wall clock outside the schedule (time.sleep: simulator/adapters/threads.py)
         self.deterministic = True
         self.nondeterminism: str | None = None  # where that first happened
         self.fatal: Incident | None = None
@@ -208,7 +208,7 @@ class Run:
         one thread, which is idle anyway while the world runs.
         """
         box: list[Any] = [None, None]
-        # a plain lock, not an Event: a rank's Condition waits may step out of the schedule (simulator/threads.py),
+        # a plain lock, not an Event: a rank's Condition waits may step out of the schedule (simulator/adapters/threads.py),
         # and this wait happens inside a collective, with the schedule's state half-updated
         done = threading.Lock()
         done.acquire()

@@ -15,48 +15,29 @@ otherwise), ``n`` the group size, and ``L``/``F`` the latency-step and
 bandwidth factors of the algorithm the fit found the backend to use
 (:data:`ALGORITHMS`).  A class may have two regimes (small and large
 messages) with their own parameters, split at ``upto_bytes``.  A profile is
-checked as it is read (:mod:`simulator.profile`): a bad field is refused with
+checked as it is read (:mod:`simulator.timing.profile`): a bad field is refused with
 its file, JSON path, value and fix, and every parameter is bounded so that no
 cost is infinite.
 
-Clock rules (applied by the backend, see docs/simulator.md "Virtual time"):
-
-* a rank's clock starts at 0 at its first operation (or optimizer step); the
-  CPU time before is its start-up, counted apart (in one process only the
-  first rank to reach a code path pays torch's one-time costs);
-* then it advances by the rank's own CPU time times ``compute_scale``; the CPU
-  time a rank spends importing modules is never charged (every real process
-  pays its own imports once, but only one simulated rank pays them here);
-* an operation starts at the latest of its members' issue times and of the
-  free times of the links it uses, and ends ``cost`` later.  Each rank has an
-  outgoing and an incoming link (full duplex): a collective occupies both on
-  every member, a send the sender's outgoing and the receiver's incoming one.
-  So concurrent operations of one rank *serialise* on its links in the order
-  they are matched (one group's collectives: issue order);
-* ``wait()`` of an ``async_op=True`` operation advances the clock to
-  ``max(now, end)``: the compute done since the issue overlaps the transfer.
+The clock rules that apply these costs to ranks are :mod:`simulator.core.clock`; the hooks that keep
+imports and optimizer steps honest are :mod:`simulator.adapters.clock_hooks`.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES, COST_CLASSES
 
-from ._patch import Installation
-from ._actor import current_rank_state
-from .profile import check_class, check_profile, number_problem, read_profile
+from simulator.timing.profile import check_class, check_profile, number_problem, read_profile
 
 __all__ = ["CostModel", "ClassCost", "Regime", "ALGORITHMS", "CLASSES", "op_class", "resolve_cost",
-           "PROFILE_FORMAT", "links_start", "links_reserve", "enabled", "default_cost", "charge_compute", "reach",
-           "OVERLAP_S"]
+           "PROFILE_FORMAT", "default_cost"]
 
 #: identifies the JSON written by ``python -m simulator calibrate`` (bumped on incompatible changes)
 PROFILE_FORMAT = "tensorplay-sim-cost/1"
@@ -110,7 +91,7 @@ _OP_CLASS = {
     "all_gather_object": "all_gather", "isend": "p2p", "irecv": "p2p",
 }
 if set(_OP_CLASS.values()) - set(COST_CLASSES) or set(_DEFAULT_ALGORITHM) != set(COST_CLASSES):  # pragma: no cover
-    raise ImportError(f"simulator/cost.py: the cost classes {sorted(_DEFAULT_ALGORITHM)} and "
+    raise ImportError(f"simulator/timing/cost.py: the cost classes {sorted(_DEFAULT_ALGORITHM)} and "
                       f"spec.COST_CLASSES {sorted(COST_CLASSES)} disagree")
 
 
@@ -186,7 +167,7 @@ class ClassCost:
 
 
 def _parse_regimes(raw: Sequence[Mapping[str, Any]]) -> tuple[Regime, ...]:
-    """Regimes from checked JSON (:func:`simulator.profile.check_class`), ascending ``upto_bytes``."""
+    """Regimes from checked JSON (:func:`simulator.timing.profile.check_class`), ascending ``upto_bytes``."""
     regs = [Regime(math.inf if r["upto_bytes"] is None else float(r["upto_bytes"]), float(r["overhead_s"]),
                    float(r["alpha_s"]), float(r["beta_s_per_byte"])) for r in raw]
     return tuple(sorted(regs, key=lambda r: r.upto_bytes))
@@ -228,7 +209,7 @@ class CostModel:
 
         for name in ("latency_s", "bandwidth_Bps", "compute_scale"):
             v = getattr(self, name)
-            problem = number_problem(v, name)  # the bounds keep every cost finite (simulator.profile.LIMITS)
+            problem = number_problem(v, name)  # the bounds keep every cost finite (simulator.timing.profile.LIMITS)
             if problem:
                 raise DistValueError(format_message(
                     "simulator.CostModel", f"{name} {problem}", values={name: v},
@@ -354,168 +335,3 @@ def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scal
     if compute_scale is not None:
         model = replace(model, compute_scale=compute_scale)  # __post_init__ checks it
     return model
-
-
-# ---------------------------------------------------------------------------
-# links: when an operation may start on its members' links
-# ---------------------------------------------------------------------------
-def _links(run: Any) -> list[float]:
-    """Per rank ``[out_free, in_free]`` flattened: index ``2r`` is rank r's outgoing link, ``2r+1`` incoming."""
-    return run.links
-
-
-def links_start(run: Any, ranks: Sequence[int], issue: float, *, send: int | None = None,
-                recv: int | None = None) -> float:
-    """The virtual time an operation may start: ``issue`` or later, once its links are free.
-
-    A collective (``ranks`` given, ``send``/``recv`` None) uses both links of each member; a transfer uses
-    ``send``'s outgoing and ``recv``'s incoming link.  Call with the scheduler lock held.
-    """
-    links = _links(run)
-    t = issue
-    if send is not None:
-        return max(t, links[2 * send], links[2 * recv + 1])  # type: ignore[operator]
-    for r in ranks:
-        t = max(t, links[2 * r], links[2 * r + 1])
-    return t
-
-
-def links_reserve(run: Any, ranks: Sequence[int], end: float, *, send: int | None = None,
-                  recv: int | None = None) -> None:
-    """Mark the operation's links busy until ``end`` (after :func:`links_start`; scheduler lock held)."""
-    links = _links(run)
-    if send is not None:
-        links[2 * send] = max(links[2 * send], end)
-        links[2 * recv + 1] = max(links[2 * recv + 1], end)  # type: ignore[operator]
-        return
-    for r in ranks:
-        links[2 * r] = max(links[2 * r], end)
-        links[2 * r + 1] = max(links[2 * r + 1], end)
-
-
-# ---------------------------------------------------------------------------
-# honest clocks: imports are not compute; optimizer steps mark the step time
-# ---------------------------------------------------------------------------
-_saved: dict[str, Any] = {}
-
-
-def _actor() -> Any:
-    return current_rank_state()
-
-
-#: the Chrome trace shows an ``async_op=True`` operation on the rank's async track when the rank's clock moved
-#: more than this between its issue and its wait (torch's synchronous calls are async ones waited at once)
-OVERLAP_S = 5e-5
-
-
-def charge_compute(rs: Any, *, starts: bool = True) -> None:
-    """Advance ``rs``'s clock by its CPU time since its mark (times ``compute_scale``), counted as compute.
-
-    A rank's CPU time before its first operation (or optimizer step) is its start-up: counted apart and not
-    on the clock, which starts there, at 0, on every rank (as after torchrun's rendezvous).  In one process
-    the first rank to reach a code path pays torch's one-time warm-ups (lazy caches, first kernels) for all;
-    charging them would make the other ranks "wait" for it in their first operation.  ``starts=False``: the
-    rank's end, which starts no clock (a rank that never communicates keeps its compute).
-    """
-    now = time.thread_time()
-    dt = (now - rs.cpu_mark) * rs.run.cost.compute_scale
-    rs.cpu_mark = now
-    ev = rs.run.events
-    if rs.parent is None and not ev.started[rs.rank] and rs.vt == 0.0:
-        if starts:
-            ev.started[rs.rank] = True
-            ev.startup_s[rs.rank] += max(dt, 0.0)
-            return
-    if dt > 0:
-        rs.vt += dt
-        ev.compute_s[rs.rank] += dt
-
-
-def reach(rs: Any, vend: float) -> float:
-    """An operation that ends at ``vend`` was waited for: the clock moves to ``max(now, vend)``; the move is
-    the rank's exposed communication.  Returns the clock before the move."""
-    before = rs.vt
-    if vend > before:
-        rs.vt = vend
-        rs.run.events.exposed_s[rs.rank] += vend - before
-    return before
-
-
-def timed_imports(original: Callable[[str, Any], Any],
-                  excluder: Callable[[], Callable[[float], None] | None]) -> Callable[[str, Any], Any]:
-    """Wrap importlib's ``_find_and_load`` so an outermost import's CPU time is not compute.
-
-    ``excluder()`` gives, for the calling thread, what to tell the CPU time of the import to (``None``:
-    not a rank, import plainly).  Thread ranks move the actor's compute mark past it; a rank process tells
-    its proxy.  Nested imports are part of the outermost one.
-    """
-    depth = threading.local()
-
-    def find_and_load(name: str, import_: Any) -> Any:
-        exclude = None if getattr(depth, "d", 0) else excluder()
-        if exclude is None:
-            return original(name, import_)
-        depth.d = 1
-        t0 = time.thread_time()
-        try:
-            return original(name, import_)
-        finally:
-            depth.d = 0
-            exclude(time.thread_time() - t0)
-
-    return find_and_load
-
-
-def _rank_excluder() -> Callable[[float], None] | None:
-    rs = _actor()
-    if rs is None:
-        return None
-
-    def exclude(dt: float) -> None:
-        # the rank's compute mark moves past the import: its CPU time is start-up, charged to no one
-        rs.cpu_mark += dt
-
-    return exclude
-
-
-def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    rs = _actor()
-    if rs is None or rs.parent is not None:
-        return
-    # the first optimizer a rank steps marks its training steps (a second one, e.g. a local reference
-    # model's, would split each step in two)
-    first = rs.run.step_optimizer.setdefault(rs.rank, id(optimizer))
-    if first != id(optimizer):
-        return
-    charge_compute(rs)
-    rs.run.events.steps[rs.rank].append(rs.vt)
-
-
-def _install() -> None:
-    boot = importlib.import_module("importlib._bootstrap")
-    _saved["find_and_load"] = boot._find_and_load
-    boot._find_and_load = timed_imports(_saved["find_and_load"], _rank_excluder)
-    try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _saved["step_handle"] = register_optimizer_step_post_hook(_step_hook)
-    except ImportError:  # pragma: no cover  (every supported torch has it)
-        _saved["step_handle"] = None
-
-
-def _uninstall() -> None:
-    boot = importlib.import_module("importlib._bootstrap")
-    if "find_and_load" in _saved:
-        boot._find_and_load = _saved.pop("find_and_load")
-    handle = _saved.pop("step_handle", None)
-    if handle is not None:
-        handle.remove()
-
-
-_INSTALLATION = Installation(_install, _uninstall)
-
-
-def enabled() -> ContextManager[None]:
-    """While a world runs: imports on rank threads are not charged as compute, and every
-    ``torch.optim`` step marks the end of a training step on the rank's clock (the summary's step time)."""
-    return _INSTALLATION.enabled()

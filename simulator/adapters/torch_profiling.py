@@ -79,7 +79,7 @@ def issued(backend: str, call: str, args: Sequence[Any]) -> Any:
 
 
 # the thread that closes events, as the backend's worker thread does; a raw thread, so that no simulator adapter of
-# threading (actors of ranks, see simulator.threads) mistakes it for one of the program's
+# threading (actors of ranks, see simulator.adapters.threads) mistakes it for one of the program's
 _requests: "queue.SimpleQueue[tuple[Any, Any]]" = queue.SimpleQueue()
 _started = 0  # the pid of the process whose closing thread runs (a forked child starts its own)
 _start_lock = _thread.allocate_lock()

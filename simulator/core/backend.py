@@ -8,7 +8,7 @@ How a collective runs:
    number;
 3. the last member to arrive checks that every call agrees (collective, op,
    root, dtype, shape, split sizes), computes every member's output with
-   :mod:`simulator.kernels`, stamps the virtual end time and wakes the others;
+   :mod:`simulator.core.kernels`, stamps the virtual end time and wakes the others;
 4. a disagreement becomes one :class:`CollectiveMismatchError` for every member.
 
 Point-to-point calls are matched by (group, source, destination, tag) in the
@@ -36,14 +36,14 @@ from tensorplay.distributed.rpc._agent import register_transport
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES as _WIRE
 from tensorplay.distributed.spec import CallKey
 
-from . import kernels
-from .callsite import call_site
-from .cost import OVERLAP_S, charge_compute, links_reserve, links_start, reach
-from .errors import CollectiveMismatchError, InjectedFault, SimError
-from .faults import Crash, Delay
-from .report import mismatch_message
-from .trace import Event
-from .state import Incident, P2PRecord, RankCall, RankState, SimGroup, Slot, _local
+from simulator.core import kernels
+from simulator.core.callsite import call_site
+from simulator.core.clock import OVERLAP_S, charge_compute, links_reserve, links_start, reach
+from simulator.core.errors import CollectiveMismatchError, InjectedFault, SimError
+from simulator.core.faults import Crash, Delay
+from simulator.core.report import mismatch_message
+from simulator.core.trace import Event
+from simulator.core.state import Incident, P2PRecord, RankCall, RankState, SimGroup, Slot, _local
 
 __all__ = ["SimBackend"]
 
@@ -55,7 +55,7 @@ _perf = time.perf_counter
 
 
 # ---------------------------------------------------------------------------
-# which actor calls: a rank, or a thread the rank started (see simulator/threads.py)
+# which actor calls: a rank, or a thread the rank started (see simulator/adapters/threads.py)
 # ---------------------------------------------------------------------------
 class OperationTimeoutError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """An operation waited past its own timeout (its process group's, or ``Work.wait(timeout)``), as gloo's
@@ -421,7 +421,7 @@ def _k_all_to_all_single(calls: list[RankCall]) -> None:
 # every collective of the backend interface has its kernel here (send/recv are matched, not computed)
 _missing = [n for n, b in _WIRE.items() if b.cost_class != "p2p" and f"_k_{n}" not in globals()]
 if _missing:  # pragma: no cover  (a new entry in spec.BACKEND_COLLECTIVES without a simulator kernel)
-    raise ImportError(f"simulator/backend.py has no kernel for the backend collective(s) {_missing}: add _k_<name>")
+    raise ImportError(f"simulator/core/backend.py has no kernel for the backend collective(s) {_missing}: add _k_<name>")
 
 
 class SimBackend(Backend):
@@ -588,7 +588,7 @@ class SimBackend(Backend):
                     slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",
                     group=slot.group.ranks, fix="check that every rank passes tensors on compatible devices"),
                     cause=e)
-        # starts when the last member issued it and its members' links are free (see simulator.cost)
+        # starts when the last member issued it and its members' links are free (see simulator.timing.cost)
         start = links_start(run, slot.group.ranks, max(c.vstart for c in calls))
         slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
         links_reserve(run, slot.group.ranks, slot.vend)

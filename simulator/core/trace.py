@@ -2,7 +2,7 @@
 
 Every operation a rank issues becomes one :class:`Event`.  Besides wall-clock
 times, each event carries *virtual* times from the run's cost model
-(:class:`CostModel`, in :mod:`simulator.cost`, calibrated or not): a rank's virtual clock advances by the CPU time it spends
+(:class:`CostModel`, in :mod:`simulator.timing.cost`, calibrated or not): a rank's virtual clock advances by the CPU time it spends
 between operations (measured with ``time.thread_time``) and by the modelled
 cost of each operation, which ends at the last member's arrival plus its cost.
 
@@ -33,9 +33,9 @@ import statistics
 from collections import deque
 from typing import Any, Iterable, NamedTuple
 
-from .cost import CostModel  # re-exported: it lived here before simulator/cost.py
+from simulator.core.protocol import Pricing
 
-__all__ = ["CostModel", "Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
+__all__ = ["Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
 
 #: events a run keeps by default (about 300 bytes each, so about 30 MB); older ones are counted, not kept
 DEFAULT_TRACE_LIMIT = 100_000
@@ -92,7 +92,7 @@ class Event(NamedTuple):
     (caller, callee)``, ``peer`` the callee, ``seq`` the caller's RPC counter and
     ``nbytes`` the request plus the answer.  ``async_op`` is True for an operation issued with
     ``async_op=True`` that overlapped the rank's work: the rank's clock moved more than
-    :data:`simulator.cost.OVERLAP_S` between its issue and its wait (torch's synchronous calls are
+    :data:`simulator.core.clock.OVERLAP_S` between its issue and its wait (torch's synchronous calls are
     asynchronous ones waited for at once, and stay False).
     """
 
@@ -139,7 +139,7 @@ class EventLog:
         self.exposed_s = [0.0] * world_size
         #: per rank: the CPU time charged to the clock between operations (times compute_scale)
         self.compute_s = [0.0] * world_size
-        #: per rank: the clock at the end of each torch.optim step (see simulator.cost.enabled)
+        #: per rank: the clock at the end of each torch.optim step (see simulator.adapters.clock_hooks)
         self.steps: list[list[float]] = [[] for _ in range(world_size)]
         #: per rank: CPU time before its first operation or optimizer step (start-up; not on the clock)
         self.startup_s = [0.0] * world_size
@@ -170,7 +170,7 @@ class Trace:
     order in coop mode), and per-rank totals over every event."""
 
     def __init__(self, events: Iterable[Event], world_size: int, *, seed: int, mode: str,
-                 cost: CostModel, wall_origin: float, end_vtime: list[float]) -> None:
+                 cost: Pricing, wall_origin: float, end_vtime: list[float]) -> None:
         self.events: list[Event] = list(events)
         #: events recorded but no longer kept (the run's trace_limit)
         self.dropped = events.dropped if isinstance(events, EventLog) else 0
