@@ -55,7 +55,6 @@ import signal
 import sys
 import sysconfig
 import threading
-import traceback
 import types
 from typing import Any, Callable, Iterator, Sequence
 
@@ -64,12 +63,13 @@ import torch
 from tensorplay.distributed.errors import format_message
 
 from simulator.core.errors import RankFailedError, SimError
+from simulator.core.tracebacks import format_rank_traceback
 from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from simulator.world import World, current_rank_state
 
-__all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]
+__all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
 
 
 class LaunchStyleError(SimError):
@@ -316,41 +316,6 @@ def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int]
         popen.exc = e
         raise
     popen.returncode = 0
-
-
-def format_rank_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback without the simulator's and runpy's frames: the rank's (or launcher's) own code.
-
-    An exception raised in a rank process carries that process's traceback: it is the one shown.
-    """
-    remote = getattr(exc, "_tp_rank_traceback", None)
-    if isinstance(remote, str):
-        notes = [n for n in getattr(exc, "__notes__", ()) if remote.rstrip() not in n]
-        return remote + "".join(n + "\n" for n in notes)
-    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-    seen: set[int] = set()
-    todo = [te]
-    while todo:  # the exception and its causes/contexts, each once
-        t = todo.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        kept = [f for f in t.stack if not _internal_file(f.filename)]
-        if kept:  # a traceback entirely inside the simulator is shown as it is
-            t.stack = traceback.StackSummary.from_list(kept)
-        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
-    return "".join(te.format())
-
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _internal_file(path: str) -> bool:
-    if path.startswith("<frozen runpy"):
-        return True
-    path = os.path.abspath(path)
-    return (path.startswith(_HERE + os.sep) or os.path.basename(path) == "runpy.py"
-            or path.endswith(os.path.join("multiprocessing", "process.py")))
 
 
 class _Launcher:

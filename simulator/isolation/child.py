@@ -402,7 +402,7 @@ def _dumps(obj: Any) -> bytes:
 
 def _rank_traceback(e: BaseException) -> str:
     """``e``'s traceback as the program's: without the simulator's frames (nor runpy's, for a script)."""
-    from simulator.launch import format_rank_traceback
+    from simulator.core.tracebacks import format_rank_traceback
 
     return format_rank_traceback(e)
 

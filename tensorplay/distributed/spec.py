@@ -580,6 +580,26 @@ class BackendCollective:
     agree_on: tuple[str, ...] = ("dtype", "shape")
     #: the class the cost model prices it as (one of COST_CLASSES; by default its own name)
     cost_class: str = ""
+    #: the backend method's arguments before ``group`` (then ``tag`` for point-to-point, then ``async_op``);
+    #: checked against :class:`~tensorplay.distributed.backends.base.Backend`'s signatures at import
+    args: tuple[str, ...] = ()
+    #: which of ``args`` the call writes on this rank: what ``Work.result()`` gives, and what a rank process
+    #: copies back after the call (a tensor, or a list of tensors; ``None`` on ranks that pass none)
+    outputs: tuple[str, ...] = ()
+
+    @property
+    def p2p(self) -> bool:
+        """Point-to-point: the method takes a ``tag`` after ``group``."""
+        return self.cost_class == "p2p"
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The backend method's whole parameter list (after ``self``)."""
+        return (*self.args, "group", *(("tag",) if self.p2p else ()), "async_op")
+
+    def output_positions(self) -> tuple[int, ...]:
+        """The positions in :attr:`args` of the :attr:`outputs`."""
+        return tuple(self.args.index(name) for name in self.outputs)
 
     def __post_init__(self) -> None:
         if not self.cost_class:
@@ -597,22 +617,26 @@ BACKEND_COLLECTIVES: dict[str, BackendCollective] = {
     b.name: b
     for b in [
         BackendCollective("barrier", agree_on=()),
-        BackendCollective("broadcast", root="src"),
-        BackendCollective("all_reduce", takes_op=True),
-        BackendCollective("reduce", root="dst", takes_op=True),
-        BackendCollective("all_gather"),
-        BackendCollective("all_gather_into_tensor", cost_class="all_gather"),
-        BackendCollective("gather", root="dst"),
-        BackendCollective("scatter", root="src"),
+        BackendCollective("broadcast", root="src", args=("tensor", "root"), outputs=("tensor",)),
+        BackendCollective("all_reduce", takes_op=True, args=("tensor", "op"), outputs=("tensor",)),
+        BackendCollective("reduce", root="dst", takes_op=True, args=("tensor", "root", "op"), outputs=("tensor",)),
+        BackendCollective("all_gather", args=("output_list", "tensor"), outputs=("output_list",)),
+        BackendCollective("all_gather_into_tensor", cost_class="all_gather", args=("output", "input"),
+                          outputs=("output",)),
+        BackendCollective("gather", root="dst", args=("tensor", "gather_list", "root"), outputs=("gather_list",)),
+        BackendCollective("scatter", root="src", args=("tensor", "scatter_list", "root"), outputs=("tensor",)),
         # the shape compared is the output's (each rank's share)
-        BackendCollective("reduce_scatter", takes_op=True),
-        BackendCollective("reduce_scatter_tensor", takes_op=True, cost_class="reduce_scatter"),
+        BackendCollective("reduce_scatter", takes_op=True, args=("output", "input_list", "op"), outputs=("output",)),
+        BackendCollective("reduce_scatter_tensor", takes_op=True, cost_class="reduce_scatter",
+                          args=("output", "input", "op"), outputs=("output",)),
         # blocks may differ per pair of ranks: checked pairwise (sender's block = receiver's slot), not by key
-        BackendCollective("all_to_all", agree_on=("dtype",)),
+        BackendCollective("all_to_all", agree_on=("dtype",), args=("output_list", "input_list"),
+                          outputs=("output_list",)),
         # the shape compared is the trailing dims: row counts differ per rank and are checked pairwise
-        BackendCollective("all_to_all_single", cost_class="all_to_all"),
-        BackendCollective("send", cost_class="p2p"),
-        BackendCollective("recv", cost_class="p2p"),
+        BackendCollective("all_to_all_single", cost_class="all_to_all",
+                          args=("output", "input", "output_split_sizes", "input_split_sizes"), outputs=("output",)),
+        BackendCollective("send", cost_class="p2p", args=("tensor", "peer")),
+        BackendCollective("recv", cost_class="p2p", args=("tensor", "peer"), outputs=("tensor",)),
     ]
 }
 
@@ -631,6 +655,9 @@ def _check_tables() -> None:
     for b in BACKEND_COLLECTIVES.values():
         if b.cost_class not in COST_CLASSES or not set(b.agree_on) <= {"dtype", "shape"}:
             raise RuntimeError(f"backend collective {b.name!r}: cost_class={b.cost_class!r} agree_on={b.agree_on!r}")
+        if not set(b.outputs) <= set(b.args) or len(set(b.args)) != len(b.args):
+            raise RuntimeError(f"backend collective {b.name!r}: outputs={b.outputs!r} must name distinct "
+                               f"arguments of args={b.args!r}")
 
 
 def get(name: str) -> CollectiveSpec:

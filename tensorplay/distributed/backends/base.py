@@ -21,6 +21,7 @@ emulated inside the backend), so callers never branch on backend names.
 from __future__ import annotations
 
 import abc
+import inspect
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -305,7 +306,8 @@ class Backend(abc.ABC):
 
 
 def _check_interface() -> None:
-    """Every collective of ``spec.BACKEND_COLLECTIVES`` is an abstract method of :class:`Backend` and back."""
+    """Every collective of ``spec.BACKEND_COLLECTIVES`` is an abstract method of :class:`Backend` and back,
+    with the parameters the table names (``args``, then ``group``, ``tag`` for point-to-point, ``async_op``)."""
     from ..spec import BACKEND_COLLECTIVES
 
     declared = {n for n in Backend.__abstractmethods__} - {"create", "world_handle", "new_group_handle", "shutdown"}
@@ -313,6 +315,11 @@ def _check_interface() -> None:
         raise ImportError(f"the Backend interface and spec.BACKEND_COLLECTIVES disagree: only in Backend: "
                           f"{sorted(declared - set(BACKEND_COLLECTIVES))}, only in the table: "
                           f"{sorted(set(BACKEND_COLLECTIVES) - declared)}")
+    for name, b in BACKEND_COLLECTIVES.items():
+        params = tuple(inspect.signature(getattr(Backend, name)).parameters)[1:]
+        if params != b.parameters:
+            raise ImportError(f"Backend.{name} takes {params!r} but spec.BACKEND_COLLECTIVES[{name!r}] says "
+                              f"{b.parameters!r}; change the table's args= (or the method) so they agree")
 
 
 _check_interface()
