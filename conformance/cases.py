@@ -471,14 +471,13 @@ def split_sizes(case: Case, global_rank: int) -> tuple[list[int] | None, list[in
 
 def output_buffers(case: Case, global_rank: int, device: torch.device | str = "cpu") -> Any:
     """The ``output`` argument(s) torch's signatures take: they give shape, dtype and device."""
-    c = case.collective
+    if not case.spec.takes_output:
+        return None
     shapes = output_shapes(case, global_rank)
     dt = case.torch_dtype
-    if c == "all_to_all":
+    if case.spec.tuple_output:  # a list of buffers, one per rank (all_to_all)
         return [torch.empty(s, dtype=dt, device=device) for s in shapes]
-    if c in ("all_gather_single", "reduce_scatter", "all_to_all_single"):
-        return torch.empty(shapes, dtype=dt, device=device)
-    return None
+    return torch.empty(shapes, dtype=dt, device=device)
 
 
 def upstream_grads(case: Case, global_rank: int, device: torch.device | str = "cpu") -> Any:

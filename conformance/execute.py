@@ -167,30 +167,16 @@ def _flat(x: Any) -> list[Any]:
 
 
 def _call(fn: Any, case: Case, x: Any, group: Any, dist: Any, rank: int, device: Any) -> Any:
-    c = case.collective
-    op = getattr(dist.ReduceOp, case.op) if case.op is not None else None
-    if c == "broadcast":
-        return fn(x, case.root, group=group)
-    if c == "reduce":
-        return fn(x, case.root, op=op, group=group)
-    if c == "all_reduce":
-        return fn(x, op=op, group=group)
-    if c == "gather":
-        return fn(x, case.root, group=group)
-    if c == "scatter":
-        return fn(x, case.root, group=group)
-    if c == "all_gather":
-        return fn(x, group=group)
-    if c == "all_gather_single":
-        return fn(output_buffers(case, rank, device), x, group=group)
-    if c == "reduce_scatter":
-        return fn(output_buffers(case, rank, device), x, op=op, group=group)
-    if c == "all_to_all":
-        return fn(output_buffers(case, rank, device), x, group=group)
-    if c == "all_to_all_single":
-        out_splits, in_splits = split_sizes(case, rank)
-        return fn(output_buffers(case, rank, device), x, out_splits, in_splits, group=group)
-    raise ValueError(f"unknown collective {c!r}")
+    """Call the collective as its spec says it is called: ``fn([output,] x, [root,] [splits...,] [op=], group=)``."""
+    sp = case.spec
+    args = [output_buffers(case, rank, device)] if sp.takes_output else []
+    args.append(x)
+    if sp.root is not None:
+        args.append(case.root)
+    if sp.splits:
+        args.extend(split_sizes(case, rank))
+    kwargs = {"op": getattr(dist.ReduceOp, case.op) if case.op is not None else None} if sp.takes_op else {}
+    return fn(*args, **kwargs, group=group)
 
 
 def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = None, device: str = "cpu",

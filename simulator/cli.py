@@ -42,7 +42,11 @@ import shlex
 import sys
 from typing import Any, Sequence
 
+import torch
+from torch.multiprocessing.spawn import ProcessException
+
 from simulator import launch as _launch
+from simulator.timing.calibrate import main as calibrate_main
 from simulator.timing.cost import default_cost, resolve_cost
 from simulator.isolation import ISOLATIONS
 from simulator.isolation.child import ScriptMain
@@ -186,8 +190,6 @@ def _find(exc: BaseException, cls: type) -> BaseException | None:
 
 def _report(exc: BaseException) -> int:
     """Print a failure once, naming the rank; return the exit code."""
-    from torch.multiprocessing.spawn import ProcessException
-
     style = _find(exc, _launch.LaunchStyleError)
     if style is not None:  # every rank may raise it: say it once, it is a usage error
         _err(str(style))
@@ -255,8 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["calibrate"] and not os.path.isfile("calibrate"):  # a script named 'calibrate' still runs
-        from simulator.timing.calibrate import main as calibrate_main
-
         return calibrate_main(args[1:])
     if args[:1] == ["pytest"] and not os.path.isfile("pytest"):
         return _run_pytest(args[1:])
@@ -312,7 +312,7 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
     launcher.devices, launcher.gpus_per_node = ns.devices, ns.gpus_per_node
     stand_in = contextlib.nullcontext()
     if ns.devices == "cuda":  # the launcher is a process of the machine too: it counts the GPUs to start its ranks
-        from simulator import standin
+        from simulator import standin  # (lazy: the stand-in's import is heavy, and only --devices cuda needs it)
 
         if ns.gpus_per_node is None:
             launcher.gpus_per_node = _LAUNCHER_GPUS
@@ -342,8 +342,6 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
     if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit
-        import torch
-
         torch.set_num_threads(1)
         _err("OMP_NUM_THREADS is not set: as torchrun does, each rank computes with 1 intra-op thread "
              "(set OMP_NUM_THREADS to choose)")

@@ -43,30 +43,33 @@ are started for real.
 from __future__ import annotations
 
 import contextlib
-import io
 import multiprocessing
-import multiprocessing.connection
 import multiprocessing.process as mp_process
 import os
-import pickle
 import runpy
 import shlex
 import signal
 import sys
-import sysconfig
 import threading
-import types
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
+import torch.distributed as tdist
+import torch.distributed.distributed_c10d as c10d
+import torch.multiprocessing as tmp
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
+import tensorplay.distributed as tpd
+import tensorplay.distributed.api as tpd_api
 from tensorplay.distributed.errors import format_message
 
 from simulator.core.errors import RankFailedError, SimError
+from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from simulator.core.tracebacks import format_rank_traceback
 from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
-from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
+# the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
+from simulator.launch_processes import (_copy_for_rank, _fake_pid_base, _is_user_process, _no_trigger, _SimPopen,
+                                        _sim_popen, _start_method)
 from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
@@ -77,226 +80,8 @@ class LaunchStyleError(SimError):
 
 
 # ---------------------------------------------------------------------------
-# which processes become ranks
+# the launcher: the processes it started, run as simulated worlds
 # ---------------------------------------------------------------------------
-_LIB_DIRS = tuple({os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                   if (p := sysconfig.get_paths().get(key))})
-_OWN_PACKAGES = ("simulator", "tensorplay", "conformance")
-
-
-def _entry_function(proc: mp_process.BaseProcess) -> Any:
-    """What the process runs: its ``run`` override, else its target (partials and methods unwrapped)."""
-    run = type(proc).run
-    fn: Any = run if run is not mp_process.BaseProcess.run else getattr(proc, "_target", None)
-    for _ in range(8):  # functools.partial / bound methods, nested a few levels at most
-        inner = getattr(fn, "func", None) or getattr(fn, "__func__", None)
-        if inner is None:
-            break
-        fn = inner
-    return fn
-
-
-def _bound_owner(proc: mp_process.BaseProcess) -> type | None:
-    """The class of the object the process's target is bound to (``Cls._run``, ``obj.method``: ``Cls``), or None."""
-    fn: Any = getattr(proc, "_target", None) if type(proc).run is mp_process.BaseProcess.run else None
-    for _ in range(8):  # functools.partial wrappers, nested a few levels at most
-        owner = getattr(fn, "__self__", None)
-        if owner is not None and not isinstance(owner, types.ModuleType):
-            return owner if isinstance(owner, type) else type(owner)
-        fn = getattr(fn, "func", None)
-    return None
-
-
-def _is_user_process(proc: mp_process.BaseProcess) -> bool:
-    """True when the process runs the program's own code (a rank), not a library's worker.
-
-    DataLoader workers, multiprocessing pools and executors start processes
-    whose code lives in the standard library or site-packages; those stay real.
-    A target that is a library's method bound to a class of the program (torch's
-    ``MultiProcessTestCase`` starts ``UserTestClass._run``) is the program's: a rank.
-    The standard library's methods stay real even then (a program's ``BaseManager``
-    subclass starts its server as ``MyManager._run_server``).
-    """
-    fn = _entry_function(proc)
-    if fn is None:
-        return False
-    if _in_program(getattr(fn, "__module__", None) or ""):
-        return True
-    owner = _bound_owner(proc)
-    if owner is None or (getattr(fn, "__module__", None) or "").split(".", 1)[0] in sys.stdlib_module_names:
-        return False
-    owner_mod = getattr(owner, "__module__", None) or ""
-    return owner_mod not in sys.builtin_module_names and _in_program(owner_mod)
-
-
-def _in_program(mod_name: str) -> bool:
-    """True when module ``mod_name`` is the program's own code (not the standard library, site-packages, us)."""
-    if mod_name in ("__main__", "__mp_main__"):
-        return True
-    if mod_name.split(".", 1)[0] in _OWN_PACKAGES:
-        return False
-    mod = sys.modules.get(mod_name)
-    path = getattr(mod, "__file__", None)
-    if not path:
-        return True
-    path = os.path.realpath(path)
-    return not any(path.startswith(d + os.sep) for d in _LIB_DIRS)
-
-
-def _start_method(proc: mp_process.BaseProcess) -> str:
-    method = getattr(type(proc), "_start_method", None)
-    if method:
-        return str(method)
-    method = multiprocessing.get_start_method(allow_none=True)
-    if method:
-        return method
-    return multiprocessing.get_all_start_methods()[0]  # the platform's default comes first
-
-
-# ---------------------------------------------------------------------------
-# per-rank copies of the arguments
-# ---------------------------------------------------------------------------
-def _shared_kinds() -> tuple[type, ...]:
-    """Objects that real child processes share with the launcher (or that are passed by reference)."""
-    import multiprocessing.managers
-    import multiprocessing.queues
-    import multiprocessing.synchronize
-
-    kinds: list[type] = [types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
-                         multiprocessing.queues.Queue, multiprocessing.queues.SimpleQueue,
-                         multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Condition,
-                         multiprocessing.synchronize.Event, multiprocessing.synchronize.Barrier,
-                         multiprocessing.connection.Connection, multiprocessing.managers.BaseProxy,
-                         io.IOBase, type(threading.Lock()), type(threading.RLock()), threading.Condition,
-                         threading.Event]
-    try:
-        from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
-
-        kinds += [Synchronized, SynchronizedArray]
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(kinds)
-
-
-class _Transfer(pickle.Pickler):
-    """Pickles a rank's arguments, passing by reference what a real child would share."""
-
-    def __init__(self, buf: io.BytesIO, share_all_tensors: bool) -> None:
-        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        self.share_all_tensors = share_all_tensors
-        self.kinds = _shared_kinds()
-        self.shared: list[Any] = []
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
-            # spawn/forkserver: torch moves tensors to shared memory; fork: only shared ones stay shared
-            share = self.share_all_tensors or obj.device.type != "cpu" or obj.is_shared()
-        else:
-            share = isinstance(obj, self.kinds)
-        if not share:
-            return None
-        self.shared.append(obj)
-        return len(self.shared) - 1
-
-
-class _Receive(pickle.Unpickler):
-    def __init__(self, buf: io.BytesIO, shared: list[Any]) -> None:
-        super().__init__(buf)
-        self.shared = shared
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.shared[pid]
-
-
-def _copy_for_rank(args: tuple, kwargs: dict, method: str) -> tuple[tuple, dict]:
-    """The arguments as a child process would see them: its own copy, shared objects shared."""
-    buf = io.BytesIO()
-    p = _Transfer(buf, share_all_tensors=method != "fork")
-    try:
-        p.dump((args, kwargs))
-        buf.seek(0)
-        return _Receive(buf, p.shared).load()
-    except Exception:  # noqa: BLE001  not copyable here: the rank gets the launcher's objects themselves
-        return args, kwargs
-
-
-# ---------------------------------------------------------------------------
-# the simulated child process
-# ---------------------------------------------------------------------------
-def _fake_pid_base() -> int:
-    # above the kernel's largest pid, so os.kill() on a simulated pid can never reach a real process
-    try:
-        with open("/proc/sys/kernel/pid_max") as f:
-            return int(f.read()) + 1
-    except (OSError, ValueError):
-        return 1 << 22
-
-
-_no_trigger = threading.local()
-
-
-class _SimPopen:
-    """Stands in for multiprocessing's ``Popen``: the process is a rank of a simulated world."""
-
-    def __init__(self, launcher: "_Launcher", pid: int) -> None:
-        self.launcher = launcher
-        self.pid = pid
-        self.returncode: int | None = None
-        self.exc: BaseException | None = None  # what the rank raised (None: it returned or exited)
-        self.rank: int | None = None
-        self.world: World | None = None
-        self.exited = False  # the rank called sys.exit() with a non-zero status
-        self.cancelled = False
-        self._fd: int | None = None
-
-    def _finish(self) -> None:
-        if self.returncode is None and not getattr(_no_trigger, "on", False):
-            self.launcher.run_pending(self)
-
-    def poll(self, flag: int = 0) -> int | None:
-        self._finish()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._finish()
-        return self.returncode
-
-    def _cancel(self, sig: int) -> None:
-        # a pending rank can be stopped before its world starts; a finished one has nothing left to stop
-        if self.returncode is None and self.launcher.cancel(self):
-            self.returncode = -sig
-            self.cancelled = True
-
-    def terminate(self) -> None:
-        self._cancel(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._cancel(signal.SIGKILL)
-
-    def sentinel(self) -> int:
-        """A descriptor that is readable once the rank ended (``multiprocessing.connection.wait`` works)."""
-        self._finish()
-        if self._fd is None:
-            r, w = os.pipe()
-            os.close(w)  # end of file right away: the rank has ended
-            self._fd = r
-            self.launcher.fds.append(r)
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            with contextlib.suppress(ValueError):
-                self.launcher.fds.remove(self._fd)
-            self._fd = None
-
-
-def _sim_popen(proc: Any) -> _SimPopen | None:
-    popen = getattr(proc, "_popen", None)
-    return popen if isinstance(popen, _SimPopen) else None
-
-
 def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int]) -> None:
     """Body of every rank of a launched world: run the process the launcher started as this rank."""
     rs = current_rank_state()
@@ -463,8 +248,6 @@ def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProces
 
 
 def _process_error(index: int, proc: mp_process.BaseProcess) -> BaseException:
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
-
     popen = _sim_popen(proc)
     code = proc.exitcode
     exc = popen.exc if popen is not None else None
@@ -553,13 +336,6 @@ class _Patches:
         setattr(owner, name, value)
 
     def install(self) -> None:
-        import torch.distributed as tdist
-        import torch.distributed.distributed_c10d as c10d
-        import torch.multiprocessing as tmp
-
-        import tensorplay.distributed as tpd
-        import tensorplay.distributed.api as tpd_api
-
         patches = self
         spawn_mod = sys.modules["torch.multiprocessing.spawn"]
         orig_start = mp_process.BaseProcess.start

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+import simulator  # (light: the package loads its names on first use)
+
 _RANK = object()  # placeholders the plugin replaces with per-rank values
 _WORLD = object()
 
@@ -223,7 +225,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _rank_test(test: Any, shared: dict[str, Any], rank_keys: tuple[str, ...], world_keys: tuple[str, ...]) -> Any:
     """The test body on one rank (module level, so that a rank process can receive it by reference)."""
-    import tensorplay.distributed as dist
+    import tensorplay.distributed as dist  # (here: it imports torch, which loading the plugin must not)
 
     kwargs = dict(shared)
     kwargs.update({k: dist.get_rank() for k in rank_keys})
@@ -236,8 +238,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("world_size")
     if marker is None:
         return None
-    import simulator
-    import tensorplay.distributed as dist
+    import tensorplay.distributed as dist  # (here: it imports torch, which loading the plugin must not)
 
     s = pyfuncitem.stash.get(_SETTINGS, None) or _settings(pyfuncitem, marker)
     names = pyfuncitem._fixtureinfo.argnames
@@ -276,14 +277,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 def _failed_ranks(exc: BaseException) -> list[int]:
     """Ranks that raised first (not the ones released with RankFailedError because another rank failed)."""
-    from simulator import RankFailedError
-
     out: list[int] = []
     stack = [exc]
     while stack:
         e = stack.pop()
         if isinstance(e, BaseExceptionGroup):
             stack.extend(e.exceptions)
-        elif not isinstance(e, RankFailedError) and getattr(e, "rank", None) is not None:
+        elif not isinstance(e, simulator.RankFailedError) and getattr(e, "rank", None) is not None:
             out.extend(getattr(e, "ranks", None) or [e.rank])  # every rank that raised it, not only the reported one
     return out

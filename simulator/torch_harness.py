@@ -26,8 +26,9 @@ The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin
 available yet: it says so.  A failed test's report ends with a section that says how it ran, how to
 replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
 
-Loading this module costs a session with the switch off nothing: it imports pytest only, and torch and
-the simulator are imported when a test of the harness runs with the switch on.
+Loading this module costs a session with the switch off nothing: it imports pytest (and the simulator's
+light actor lookup) only, and torch and the rest of the simulator are imported when a test of the harness runs
+with the switch on.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ import threading
 from typing import Any, Iterator, NamedTuple
 
 import pytest
+
+from simulator.core._actor import current_rank_state  # (light: no torch)
 
 ENV = "TENSORPLAY_SIM_HARNESS"
 _CHOICES = ("off", "thread", "process")
@@ -158,8 +161,10 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
     import multiprocessing
 
-    from simulator.launch import _Launcher, patched
+    # here, not at the top, as the other imports of the simulator below: they import torch, and this plugin
+    # loads at every pytest start-up (see the module's docstring)
     from simulator.core.progress import BoundNames
+    from simulator.launch import _Launcher, patched  # (imports torch: see above)
 
     harness = sys.modules[_HARNESS_MODULE]
     timeout = settings.timeout
@@ -208,8 +213,6 @@ class _PerRankClass:
         object.__setattr__(self, "_tp_copies", {})
 
     def _tp_mine(self) -> type:
-        from simulator.world import current_rank_state
-
         rs = current_rank_state()
         cls: type = object.__getattribute__(self, "_tp_cls")
         if rs is None:
@@ -256,7 +259,7 @@ def _device_type_tls() -> Any:
 def _own_class_state() -> Iterator[None]:
     """What each rank process has of its own, per thread rank: the classes above, the module hooks, the device-type
     tests' thread-local precision."""
-    from simulator.adapters.per_rank_state import PerRankTable
+    from simulator.adapters.per_rank_state import PerRankTable  # (imports torch: see _simulated)
 
     saved: list[tuple[Any, str, Any]] = []
     for mod_name, name in _PER_RANK_CLASSES:
@@ -291,10 +294,9 @@ def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
     """
     import torch.autograd.profiler as autograd_profiler
 
-    from tensorplay.distributed.errors import format_message
+    from tensorplay.distributed.errors import format_message  # (imports torch: see _simulated)
 
-    from simulator.core.errors import SimError
-    from simulator.world import current_rank_state
+    from simulator.core.errors import SimError  # (imports torch: see _simulated)
 
     cls = autograd_profiler.profile
     original = cls.__dict__["_prepare_trace"]

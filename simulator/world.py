@@ -28,31 +28,36 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import importlib
 import math
+import os
 import queue
 import random
 import re
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 
 from tensorplay.distributed import _state
+from tensorplay.distributed.api import _install_backend
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
-from simulator.adapters import _environ, installed
+from simulator.adapters import _environ, installed, torch_native
+from simulator.core.backend import SimBackend
 from simulator.core.errors import RankExitError, RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
-from simulator.core.report import needs_cuda, per_process_state
+from simulator.core.report import _where, describe_world, needs_cuda, per_process_state
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
-from simulator.core.sched import DONE
+from simulator.core.sched import DONE, make_scheduler
 from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
-from simulator.core.state import Incident, RankState, Run, _local, current_rank_state, rank_device  # noqa: F401  (re-exported)
+from simulator.core.state import (Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
+                                  current_rank_state, rank_device)
 from simulator.timing.cost import CostModel, resolve_cost
 from simulator.core.trace import DEFAULT_TRACE_LIMIT, EventLog, Trace
+from simulator.isolation import check_isolation, run_processes
 
 __all__ = ["World", "run", "last_trace", "RankState", "Incident", "current_rank_state", "rank_device"]
 
@@ -118,8 +123,6 @@ class World:
                  compute_scale: float | None = None, hash_seed: int | None = None, devices: str = "cpu",
                  gpus_per_node: int | None = None) -> None:
         EventLog(1, trace_limit)  # validates it (a clear error before anything runs)
-        from simulator.isolation import check_isolation
-
         self.isolation = check_isolation(isolation)
         #: after a process-isolated run: each rank process's PYTHONHASHSEED
         self.hash_seeds: list[int] = []
@@ -196,8 +199,6 @@ class World:
         global _last_trace
         _check_arguments(args, kwargs)
         if self.isolation == "process" and current_rank_state() is None and callable(fn):
-            from simulator.isolation import run_processes
-
             return run_processes(self, fn, args, kwargs)
         if not callable(fn):
             raise DistTypeError(format_message("simulator.run", "fn must be callable",
@@ -205,12 +206,8 @@ class World:
         if current_rank_state() is not None:
             raise DistValueError(format_message("simulator.run", "cannot start a simulated world inside a rank",
                                                 fix="call simulator.run from the main program, not from a rank"))
-        from simulator.core.backend import SimBackend, SimGroup
-
         kwargs = dict(kwargs or {})
-        from simulator.core.report import describe_world
-
-        run = Run(self, describe_world)
+        run = Run(self, describe_world, make_scheduler(self.mode, self.seed, swap_rng=self.per_rank_rng))
         world_group = SimGroup(0, tuple(range(self.world_size)))
         ndev = torch.cuda.device_count() if self.device.type == "cuda" else 0
         rng_states, self.rank_seeds = _initial_rng_states(self.seed, self.world_size)
@@ -242,7 +239,7 @@ class World:
                 threading.stack_size(old_stack)
         adapters = contextlib.ExitStack()
         if self.devices == "cuda":  # CUDA devices backed by the CPU, before any adapter or rank asks torch.cuda
-            from simulator import standin
+            from simulator import standin  # (lazy: the stand-in's import is heavy, and only devices="cuda" needs it)
 
             adapters.enter_context(standin.enabled(gpus_per_node=self.gpus_per_node))
         adapters.enter_context(installed.enabled())  # torch's own APIs in the ranks run on this world too
@@ -288,8 +285,6 @@ class World:
         return [rs.result for rs in run.ranks]
 
     def _rank_env(self, rank: int) -> dict[str, str]:
-        import os
-
         real = os.environ._real if isinstance(os.environ, _environ.RankEnviron) else os.environ  # type: ignore[attr-defined]
         env = dict(real)
         if self.torchrun_env:
@@ -311,12 +306,8 @@ class World:
 
 def _warn_still_running(run: Run) -> None:
     """After a bound ran out: name the rank threads that are still executing (a computation that does not end)."""
-    from simulator.core.report import _where
-
     alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
     if alive:
-        import warnings
-
         where = "; ".join(f"{rs.label} at {_where(rs)}" for rs in alive[:8])
         warnings.warn(format_message(
             "simulator.run", f"{len(alive)} rank thread(s) still running after the run timed out (threads cannot be "
@@ -358,10 +349,6 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
 
 def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                td: timedelta) -> None:
-    from tensorplay.distributed.api import _install_backend
-
-    from simulator.adapters import torch_native
-
     run = rs.run
     sched = run.sched
     _local.rs = rs
@@ -572,7 +559,7 @@ def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation:
             raise DistValueError(format_message(
                 "simulator.run", "the CUDA stand-in runs on thread ranks only (for now)",
                 values={"devices": devices, "isolation": isolation}, fix="pass isolation='thread'"))
-        from simulator import standin  # (light: torch is imported already)
+        from simulator import standin  # (lazy: the stand-in's import is heavy, and only devices="cuda" needs it)
 
         # inside an enclosing stand-in (a launcher's), torch.cuda.is_available() is the stand-in's answer
         if device.type == "cuda" or (torch.cuda.is_available() and not standin.is_active()):

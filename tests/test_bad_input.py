@@ -21,6 +21,13 @@ the offending values as ``name=value``.  Expected fragments are templates:
 each must get the promised :class:`DistError` subclass from validation.
 
 **Not initialised** (no backend: the test process itself holds no group).
+
+**Both front doors agree** (:data:`DOOR_CASES`, world size 2): every mistake is
+made through ``tensorplay.distributed`` and through its autograd collectives
+(``tensorplay.distributed.nn.functional``); both must raise the same class
+(:mod:`tensorplay.distributed.validation` states which class each kind of
+mistake gets) with the same message shape, and the same message after the
+call's name wherever the two doors name the arguments alike.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import torch
 
 import tensorplay as tp
 import tensorplay.distributed as dist
+import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import (
     DistError,
     DistTypeError,
@@ -562,3 +570,224 @@ def test_bad_input_raises_the_promised_class_on_every_rank(ranks: Ranks, name: s
 
             # caught by validation, before the simulator ran anything
             assert not issubclass(kind, simulator.SimError), (ranks, r, kind, msg)
+
+
+# -- the two front doors agree: dist.<call> and nn.functional.<call> raise one class per mistake ------------
+@dataclass(frozen=True)
+class DoorCase:
+    """One mistake made through both doors: ``api`` (torch.distributed's signatures) and ``functional``
+    (the autograd collectives).  ``same_text``: the doors name the arguments alike, so the messages must
+    agree after the call's name."""
+
+    id: str
+    api: Callable[[Ctx], Any]
+    functional: Callable[[Ctx], Any]
+    error: type
+    same_text: bool = True
+    min_world: int = 1
+    names_group: bool = True
+
+
+def _d(id: str, api: Callable[[Ctx], Any], functional: Callable[[Ctx], Any], error: type,  # noqa: A002
+       same_text: bool = True, min_world: int = 1, names_group: bool = True) -> DoorCase:
+    return DoorCase(id, api, functional, error, same_text, min_world, names_group)
+
+
+def _f64(c: Ctx, *shape: int) -> torch.Tensor:
+    return c.t(*shape, dtype=torch.float64)
+
+
+#: every rank makes the same calls, so a call that wrongly passed would run on every rank instead of hanging
+DOOR_CASES: list[DoorCase] = [
+    # -- the reduce op: a wrong type (torch: all_reduce(x, op=3) is a TypeError), an unknown name, a dtype --
+    _d("all_reduce-op-is-int", lambda c: dist.all_reduce(c.t(), op=3), lambda c: df.all_reduce(c.t(), op=3), DTE),
+    _d("all_reduce-op-is-float", lambda c: dist.all_reduce(c.t(), op=1.5), lambda c: df.all_reduce(c.t(), op=1.5),
+       DTE),
+    _d("all_reduce-op-is-None", lambda c: dist.all_reduce(c.t(), op=None), lambda c: df.all_reduce(c.t(), op=None),
+       DTE),
+    _d("reduce-op-is-int", lambda c: dist.reduce(c.t(), dst=0, op=3), lambda c: df.reduce(c.t(), dst=0, op=3), DTE),
+    _d("reduce_scatter-op-is-int", lambda c: dist.reduce_scatter(c.t(), [c.t()] * c.W, op=3),
+       lambda c: df.reduce_scatter(c.t(), [c.t()] * c.W, op=3), DTE),
+    _d("all_reduce-op-unknown-name", lambda c: dist.all_reduce(c.t(), op="median"),
+       lambda c: df.all_reduce(c.t(), op="median"), DVE),
+    _d("all_reduce-op-torch-PREMUL_SUM", lambda c: dist.all_reduce(c.t(), op=torch.distributed.ReduceOp.PREMUL_SUM),
+       lambda c: df.all_reduce(c.t(), op=torch.distributed.ReduceOp.PREMUL_SUM), DVE),
+    _d("all_reduce-AVG-int64", lambda c: dist.all_reduce(c.t(dtype=torch.int64), op=ReduceOp.AVG),
+       lambda c: df.all_reduce(c.t(dtype=torch.int64), op=ReduceOp.AVG), DTE),
+    _d("all_reduce-BAND-float32", lambda c: dist.all_reduce(c.t(), op=ReduceOp.BAND),
+       lambda c: df.all_reduce(c.t(), op=ReduceOp.BAND), DTE),
+    _d("reduce-MAX-complex64", lambda c: dist.reduce(c.t(dtype=torch.complex64), dst=0, op="max"),
+       lambda c: df.reduce(c.t(dtype=torch.complex64), dst=0, op="max"), DTE),
+    # -- tensors: the wrong type, a device the backend cannot use --
+    _d("all_reduce-tensor-is-list", lambda c: dist.all_reduce([1.0, 2.0]), lambda c: df.all_reduce([1.0, 2.0]), DTE),
+    _d("broadcast-tensor-is-float", lambda c: dist.broadcast(3.0, src=0), lambda c: df.broadcast(3.0, src=0), DTE),
+    _d("all_gather-tensor-is-int", lambda c: dist.all_gather([c.t()] * c.W, 5), lambda c: df.all_gather(5), DTE),
+    _d("all_reduce-meta", lambda c: dist.all_reduce(torch.empty(3, device="meta")),
+       lambda c: df.all_reduce(torch.empty(3, device="meta")), DVE),
+    # -- roots: the wrong type, outside the group, both forms, none --
+    _d("broadcast-src-is-str", lambda c: dist.broadcast(c.t(), src="0"), lambda c: df.broadcast(c.t(), src="0"), DTE),
+    _d("reduce-group_dst-is-float", lambda c: dist.reduce(c.t(), group_dst=0.0),
+       lambda c: df.reduce(c.t(), group_dst=0.0), DTE),
+    _d("broadcast-src-outside-world", lambda c: dist.broadcast(c.t(), src=c.W),
+       lambda c: df.broadcast(c.t(), src=c.W), RNIG),
+    _d("broadcast-group_src-out-of-range", lambda c: dist.broadcast(c.t(), group_src=c.W),
+       lambda c: df.broadcast(c.t(), group_src=c.W), RNIG),
+    _d("gather-dst-outside-world", lambda c: dist.gather(c.t(), None, dst=c.W + 3),
+       lambda c: df.gather(c.t(), dst=c.W + 3), RNIG),
+    _d("scatter-src-outside-world", lambda c: dist.scatter(c.t(), None, src=c.W), lambda c: df.scatter(None, src=c.W),
+       RNIG),
+    _d("broadcast-src-not-in-group", lambda c: dist.broadcast(c.t(), src=1 - c.rank, group=c.own_group),
+       lambda c: df.broadcast(c.t(), src=1 - c.rank, group=c.own_group), RNIG, min_world=2),
+    _d("broadcast-src-and-group_src", lambda c: dist.broadcast(c.t(), src=0, group_src=0),
+       lambda c: df.broadcast(c.t(), src=0, group_src=0), DVE),
+    _d("broadcast-no-src", lambda c: dist.broadcast(c.t()), lambda c: df.broadcast(c.t()), DVE),
+    _d("reduce-no-dst", lambda c: dist.reduce(c.t()), lambda c: df.reduce(c.t()), DVE),
+    # -- lists: the wrong type, the wrong length, entries that do not match --
+    _d("reduce_scatter-list-is-tensor", lambda c: dist.reduce_scatter(c.t(), c.t(c.W)),
+       lambda c: df.reduce_scatter(c.t(), c.t(c.W)), DTE),
+    _d("reduce_scatter-list-too-long", lambda c: dist.reduce_scatter(c.t(), [c.t()] * (c.W + 1)),
+       lambda c: df.reduce_scatter(c.t(), [c.t()] * (c.W + 1)), DVE),
+    _d("reduce_scatter-entry-dtype", lambda c: dist.reduce_scatter(c.t(), [_f64(c)] * c.W),
+       lambda c: df.reduce_scatter(c.t(), [_f64(c)] * c.W), DTE),
+    _d("reduce_scatter-entry-shape", lambda c: dist.reduce_scatter(c.t(), [c.t(3)] * c.W),
+       lambda c: df.reduce_scatter(c.t(), [c.t(3)] * c.W), DVE),
+    _d("all_to_all-inputs-too-long", lambda c: dist.all_to_all([c.t()] * c.W, [c.t()] * (c.W + 1)),
+       lambda c: df.all_to_all([c.t()] * c.W, [c.t()] * (c.W + 1)), DVE),
+    _d("all_to_all-outputs-too-short", lambda c: dist.all_to_all([c.t()] * (c.W - 1), [c.t()] * c.W),
+       lambda c: df.all_to_all([c.t()] * (c.W - 1), [c.t()] * c.W), DVE),
+    _d("all_to_all-output-dtype", lambda c: dist.all_to_all([_f64(c)] * c.W, [c.t()] * c.W),
+       lambda c: df.all_to_all([_f64(c)] * c.W, [c.t()] * c.W), DTE),
+    _d("all_to_all-self-block-shape",
+       lambda c: dist.all_to_all([c.t(3 if i == c.rank else 2) for i in range(c.W)], [c.t()] * c.W),
+       lambda c: df.all_to_all([c.t(3 if i == c.rank else 2) for i in range(c.W)], [c.t()] * c.W), DVE),
+    # every rank is src of its own one-rank group: the call fails on each without a peer
+    _d("scatter-list-too-long-on-src", lambda c: dist.scatter(c.t(), [c.t()] * 2, group=c.own_group, group_src=0),
+       lambda c: df.scatter([c.t()] * 2, group=c.own_group, group_src=0), DVE, same_text=False, min_world=2),
+    _d("scatter-no-list-on-src", lambda c: dist.scatter(c.t(), None, group=c.own_group, group_src=0),
+       lambda c: df.scatter(None, group=c.own_group, group_src=0), DVE, same_text=False, min_world=2),
+    # -- split sizes and shapes --
+    _d("all_to_all_single-splits-bad-sum",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * (c.W - 1) + [3]),
+       lambda c: df.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * (c.W - 1) + [3]), DVE),
+    _d("all_to_all_single-splits-wrong-length",
+       lambda c: dist.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * c.W + [0]),
+       lambda c: df.all_to_all_single(c.t(2 * c.W), c.t(2 * c.W), None, [2] * c.W + [0]), DVE),
+    _d("all_to_all_single-splits-negative",
+       lambda c: dist.all_to_all_single(c.t(c.W), c.t(c.W), None, [-1] + [1] * (c.W - 2) + [2]),
+       lambda c: df.all_to_all_single(c.t(c.W), c.t(c.W), None, [-1] + [1] * (c.W - 2) + [2]), DVE),
+    _d("all_to_all_single-splits-floats", lambda c: dist.all_to_all_single(c.t(c.W), c.t(c.W), None, [1.0] * c.W),
+       lambda c: df.all_to_all_single(c.t(c.W), c.t(c.W), None, [1.0] * c.W), DTE),
+    # the autograd door sizes a missing output from the splits: it must check them before adding them up
+    _d("all_to_all_single-output-splits-floats",
+       lambda c: dist.all_to_all_single(c.t(c.W), c.t(c.W), [1.0] * c.W, None),
+       lambda c: df.all_to_all_single(None, c.t(c.W), [1.0] * c.W, None), DTE),
+    _d("all_to_all_single-indivisible", lambda c: dist.all_to_all_single(c.t(c.W + 1), c.t(c.W + 1)),
+       lambda c: df.all_to_all_single(c.t(c.W + 1), c.t(c.W + 1)), DVE, min_world=2),
+    _d("all_to_all_single-trailing-shape", lambda c: dist.all_to_all_single(c.t(c.W, 3), c.t(c.W, 2)),
+       lambda c: df.all_to_all_single(c.t(c.W, 3), c.t(c.W, 2)), DVE),
+    _d("all_to_all_single-output-dtype", lambda c: dist.all_to_all_single(_f64(c, c.W), c.t(c.W)),
+       lambda c: df.all_to_all_single(_f64(c, c.W), c.t(c.W)), DTE),
+    _d("all_gather_into_tensor-wrong-shape", lambda c: dist.all_gather_into_tensor(c.t(2 * c.W + 1), c.t(2)),
+       lambda c: df.all_gather_single(c.t(2 * c.W + 1), c.t(2)), DVE, same_text=False),
+    _d("all_gather_into_tensor-output-dtype", lambda c: dist.all_gather_into_tensor(_f64(c, 2 * c.W), c.t(2)),
+       lambda c: df.all_gather_single(_f64(c, 2 * c.W), c.t(2)), DTE, same_text=False),
+    # -- the group: the wrong type, a group the calling rank is not in --
+    _d("all_reduce-group-is-int", lambda c: dist.all_reduce(c.t(), group=3), lambda c: df.all_reduce(c.t(), group=3),
+       DTE, names_group=False),
+    _d("all_reduce-group-is-list", lambda c: dist.all_reduce(c.t(), group=[0, 1]),
+       lambda c: df.all_reduce(c.t(), group=[0, 1]), DTE, names_group=False),
+    _d("all_reduce-rank-not-in-group", lambda c: dist.all_reduce(c.t(), group=c.other_group),
+       lambda c: df.all_reduce(c.t(), group=c.other_group), RNIG, min_world=2),
+]
+DOOR_BY_ID = {case.id: case for case in DOOR_CASES}
+assert len(DOOR_BY_ID) == len(DOOR_CASES), "door case ids must be unique"
+#: the mistakes the agreement test must cover (a kind dropped from DOOR_CASES fails the suite)
+DOOR_KINDS = ("op-is-int", "op-unknown-name", "tensor-is-list", "src-outside-world", "list-too-long",
+              "group-is-int", "rank-not-in-group")
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, list[str], str]:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001  every outcome is recorded
+        return type(e).__name__, [k.__name__ for k in type(e).__mro__], str(e)
+    return "no error", [], ""
+
+
+def _run_door_calls(case_ids: list[str]) -> dict[str, Any]:
+    """Every rank makes every mistake through both doors, then all ranks all-reduce once."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own, other = _groups(rank, world)
+    ctx = Ctx(rank, world, own, other)
+    records: dict[str, Any] = {}
+    for cid in case_ids:
+        case = DOOR_BY_ID[cid]
+        records[cid] = (_outcome(lambda: case.api(ctx)), _outcome(lambda: case.functional(ctx)))
+    health = torch.tensor([float(rank + 1)])
+    dist.all_reduce(health)
+    records["__health__"] = float(health.item())
+    return records
+
+
+_DOOR_RESULTS: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+
+def _door_results(ranks: Ranks) -> list[dict[str, Any]]:
+    """One call per (backend, world size), shared by every case."""
+    key = (ranks.name, ranks.world_size)
+    if key not in _DOOR_RESULTS:
+        ids = [c.id for c in DOOR_CASES if c.min_world <= ranks.world_size]
+        _DOOR_RESULTS[key] = ranks.run(_run_door_calls, ids)
+    return _DOOR_RESULTS[key]
+
+
+_HEAD = re.compile(r"^tensorplay\.distributed\.(?P<door>nn\.functional\.)?(?P<call>\w+)(?P<rest>.*)$", re.S)
+
+
+def test_the_door_cases_cover_every_kind_of_mistake() -> None:
+    missing = [kind for kind in DOOR_KINDS if not any(c.id.endswith(kind) for c in DOOR_CASES)]
+    assert not missing, missing
+    assert {c.error for c in DOOR_CASES} == {DTE, DVE, RNIG}
+
+
+@on_backends_with("case_id", lambda w: [c.id for c in DOOR_CASES if c.min_world <= w], str, (2,))
+def test_both_front_doors_raise_the_same_class_for_the_same_mistake(ranks: Ranks, case_id: str) -> None:
+    case = DOOR_BY_ID[case_id]
+    per_rank = _door_results(ranks)
+    call = case_id.split("-")[0]
+    for rank, records in enumerate(per_rank):
+        (api_cls, api_mro, api_msg), (fn_cls, fn_mro, fn_msg) = records[case_id]
+        where = f"{ranks} rank {rank} case={case_id}:\n  dist: {api_cls}: {api_msg}\n  df:   {fn_cls}: {fn_msg}"
+        assert api_cls == fn_cls == case.error.__name__, where
+        assert "DistError" in api_mro and "DistError" in fn_mro, where
+        api_head, fn_head = _HEAD.match(api_msg), _HEAD.match(fn_msg)
+        assert api_head and not api_head["door"] and api_head["call"] == call, where
+        assert fn_head and fn_head["door"], where
+        for head in (api_head, fn_head):
+            rest = head["rest"]
+            assert rest.startswith(" (") and f"rank {rank})" in rest.split(":", 1)[0], where
+            assert ("group [" in rest.split(":", 1)[0]) == case.names_group, where
+            assert "=" in rest and ". Fix: " in rest, where
+        if case.same_text:
+            assert fn_head["call"] == call and api_head["rest"] == fn_head["rest"], where
+    assert [r["__health__"] for r in per_rank] == [3.0, 3.0], "a refused call left a message behind"
+
+
+#: both doors outside any world: the state mistake (no process group) is the same class through both
+OUTSIDE_A_WORLD = [
+    ("all_reduce", lambda: dist.all_reduce(torch.ones(1)), lambda: df.all_reduce(torch.ones(1))),
+    ("broadcast", lambda: dist.broadcast(torch.ones(1), src=0), lambda: df.broadcast(torch.ones(1), src=0)),
+    ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(1), torch.ones(1)),
+     lambda: df.all_to_all_single(None, torch.ones(1))),
+]
+
+
+@pytest.mark.parametrize("name,api,functional", OUTSIDE_A_WORLD, ids=[n for n, _, _ in OUTSIDE_A_WORLD])
+def test_both_front_doors_refuse_outside_a_world_alike(name: str, api: Callable[[], Any],
+                                                      functional: Callable[[], Any]) -> None:
+    assert not dist.is_initialized(), "the test process must not hold a process group"
+    (api_cls, _, api_msg), (fn_cls, _, fn_msg) = _outcome(api), _outcome(functional)
+    assert api_cls == fn_cls == "NotInitializedError", (api_msg, fn_msg)
+    assert api_msg.startswith(f"tensorplay.distributed.{name}: ")
+    assert fn_msg.startswith(f"tensorplay.distributed.nn.functional.{name}: ")
+    assert api_msg.split(": ", 1)[1] == fn_msg.split(": ", 1)[1]

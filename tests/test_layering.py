@@ -144,3 +144,85 @@ def test_the_product_neither_exports_nor_fetches_harness_objects() -> None:
             if isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == "sim" for a in node.args):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "the product must not reach the harness:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------
+# the simulator's wings (docs/design.md "The simulator's house")
+# ---------------------------------------------------------------------------
+#: wing -> the wings it may import (besides itself); the doors (top-level modules) may import any wing
+WINGS: dict[str, set[str]] = {
+    "core": set(),
+    "timing": {"core"},
+    "adapters": {"core", "timing"},
+    "rpc": {"core", "adapters", "timing"},
+    "isolation": {"core", "adapters", "timing", "rpc"},
+    "standin": {"core", "adapters"},
+}
+
+
+def _wing(module: str) -> str:
+    """``simulator.core.state`` -> ``core``; a top-level module of the package is a door."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in WINGS) else "doors"
+
+
+def test_each_wing_imports_only_the_wings_beneath_it() -> None:
+    """The core imports no other wing; the arrows between wings go one way (the table above), and no wing
+    imports a door (``simulator/__init__``, cli, launch, world, the pytest plugins)."""
+    from _support.imports import graph
+
+    g = graph(["simulator"])
+    found = []
+    for mod, deps in sorted(g.items()):
+        wing = _wing(mod)
+        if wing == "doors":
+            continue
+        for dep in sorted(deps):
+            other = _wing(dep)
+            if other != wing and other not in WINGS[wing]:
+                found.append(f"{mod} ({wing}) imports {dep} ({other})")
+    assert {_wing(m) for m in g} >= set(WINGS) | {"doors"}, sorted({_wing(m) for m in g})
+    assert not found, "arrows between the simulator's wings go one way:\n" + "\n".join(found)
+
+
+def test_the_core_names_no_adapter_and_no_cost_model() -> None:
+    """What the core runs on is handed in: the scheduler by the world (a factory), the cost model as a
+    ``Pricing`` (timing's CostModel implements it), the scheduler's kind as its ``baton`` property."""
+    from simulator.core.protocol import Pricing, Scheduler
+    from simulator.core.sched import CoopScheduler, ThreadScheduler
+    from simulator.timing.cost import CostModel
+
+    assert isinstance(CostModel(), Pricing)
+    assert CoopScheduler.baton is True and ThreadScheduler.baton is False
+    assert "baton" in Scheduler.__annotations__
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "simulator" / "core").rglob("*.py")))
+    assert "isinstance(run.sched" not in text and 'mode == "coop"' not in text.replace("if mode == \"coop\":", "")
+
+
+def _function_level_imports(package: str) -> list[str]:
+    """``file:line module`` for every import of ``package`` made inside a function, without a comment why."""
+    out = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == package:
+                    name = node.module
+                elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == package for a in node.names):
+                    name = node.names[0].name
+                else:
+                    continue
+                # the reason is a comment on the import's line or on the line above it
+                said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+                if not said:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    return sorted(set(out))
+
+
+def test_the_simulator_imports_its_own_modules_at_the_top() -> None:
+    """An import inside a function hides the structure (and a circle): each one left says why in a comment."""
+    found = _function_level_imports("simulator")
+    assert not found, "move these imports to the top of the module, or say why they cannot be:\n" + "\n".join(found)

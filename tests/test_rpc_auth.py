@@ -160,7 +160,7 @@ def test_bad_secret_file_fails_init_rpc_before_any_communication(tmp_path: Path,
 # ---------------------------------------------------------------------------
 def _sim_attempts(side: str, forged: str) -> dict | None:
     """worker0: a member call, then a member's sealed message delivered twice, then forged ones."""
-    from simulator import rpc as srpc
+    from simulator.rpc import codec
 
     me = dist.get_rank()
     rpc.init_rpc(f"worker{me}")
@@ -169,11 +169,11 @@ def _sim_attempts(side: str, forged: str) -> dict | None:
         a = _agent.current()
         peer = a.world.agents["worker1"]
         n_member = rpc.rpc_sync("worker1", _append_line, args=(side, "member"))
-        sealed = srpc._encode((_append_line, (side, "sealed"), {}), a.name).seal(a.auth)
+        sealed = codec.encode((_append_line, (side, "sealed"), {}), a.name).seal(a.auth)
         first = peer._as_sender(lambda: peer._serve(sealed))
         again = peer._as_sender(lambda: peer._serve(sealed))
-        bare = srpc._encode((os.system, (f"touch {forged}",), {}), a.name)  # no envelope
-        other = srpc._encode((os.system, (f"touch {forged}",), {}), a.name).seal(Authenticator("not the world's secret"))
+        bare = codec.encode((os.system, (f"touch {forged}",), {}), a.name)  # no envelope
+        other = codec.encode((os.system, (f"touch {forged}",), {}), a.name).seal(Authenticator("not the world's secret"))
         out = {"member": n_member, "first": first,
                "refused": [type(r).__name__ + ":" + r.type_name for r in
                            (again, peer._as_sender(lambda: peer._serve(bare)),

@@ -17,6 +17,7 @@ import torch
 
 import simulator
 import simulator.core.backend as sim_backend
+import simulator.core.works as sim_works
 import tensorplay.distributed as dist
 from simulator.timing.calibrate import class_nbytes, fit_class, fit_profile, measure
 from simulator.timing.cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime, op_class
@@ -41,6 +42,7 @@ def burn(seconds: float) -> None:
 def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "thread_time", _fake_thread_time)
     monkeypatch.setattr(sim_backend, "_thread_time", _fake_thread_time)
+    monkeypatch.setattr(sim_works, "_thread_time", _fake_thread_time)  # the waits mark the clock too
 
 
 A, B = 1e-3, 1e6  # 1 ms per step, 1 MB/s: costs in milliseconds, easy to read

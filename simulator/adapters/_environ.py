@@ -12,9 +12,10 @@ import threading
 from collections.abc import MutableMapping
 from typing import Iterator
 
+from simulator.core._actor import bind_env, rank_env, unbind_env
+
 __all__ = ["RankEnviron", "install", "uninstall", "bind", "unbind"]
 
-_local = threading.local()
 _installed: "RankEnviron | None" = None
 _depth = 0
 _lock = threading.Lock()
@@ -27,7 +28,7 @@ class RankEnviron(MutableMapping):
         self._real = real
 
     def _target(self) -> MutableMapping:
-        d = getattr(_local, "env", None)
+        d = rank_env()
         return self._real if d is None else d
 
     def __getitem__(self, key: str) -> str:
@@ -79,8 +80,8 @@ def uninstall() -> None:
 
 def bind(env: dict[str, str]) -> None:
     """Give the calling rank thread its own environment (a copy of the real one plus ``env``)."""
-    _local.env = env
+    bind_env(env)
 
 
 def unbind() -> None:
-    _local.env = None
+    unbind_env()

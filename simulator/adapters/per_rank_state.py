@@ -8,7 +8,8 @@ Hydra (``@hydra.main``, pytorch/examples' minGPT): its ``GlobalHydra`` and its o
 its table, as a process's threads do); outside a rank, the original table.
 
 What cannot be made per rank this way (a C extension's globals, torch's module trackers) is named by the
-failure's report, which points to ``isolation="process"`` (see :mod:`simulator.core.report`).
+failure's report, which points to ``isolation="process"`` (see :mod:`simulator.core.report`).  The libraries'
+private names it replaces are listed in :mod:`simulator.adapters.torch_private`.
 
 Example (two thread ranks, each with its own Hydra)::
 
@@ -20,8 +21,8 @@ import copy
 from typing import Any, ContextManager, Iterator
 
 from simulator.adapters._patch import Installation
+from simulator.adapters.after_import import when_imported
 from simulator.core.state import current_rank_state
-from simulator.adapters.torch_native import _when_imported
 
 __all__ = ["PerRankTable", "enabled", "TABLES"]
 
@@ -149,7 +150,7 @@ _undos: list[Any] = []
 
 
 def _install() -> None:
-    _undos.extend(_when_imported(name, apply) for name, apply in TABLES)
+    _undos.extend(when_imported(name, apply) for name, apply in TABLES)
 
 
 def _uninstall() -> None:

@@ -52,16 +52,18 @@ from tensorplay.distributed import _state
 
 from simulator.adapters import _environ
 from simulator.adapters._patch import Installation
-from simulator.core.sched import DONE, FREE, RUNNABLE, CoopScheduler
+from simulator.core._actor import quiet as _quiet
+from simulator.core.actors import join_actor, sleep_in, sleep_out, start_actor, start_plain, step_in, step_out
 from simulator.core.state import RankState, _local, current_rank_state
 
-__all__ = ["enabled", "start_actor", "adopt", "run_adopted", "join_actor", "step_out", "step_in", "start_plain"]
+#: (start_actor ... sleep_in are simulator.core.actors', re-exported for the rank-process proxy)
+__all__ = ["enabled", "adopt", "run_adopted", "start_actor", "join_actor", "step_out", "step_in", "start_plain",
+           "sleep_out", "sleep_in"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
              "join": threading.Thread.join, "cond_wait": threading.Condition.wait}
 _lock = threading.Lock()
-_quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait must not step out of the schedule
 _active = 0
 
 
@@ -173,26 +175,6 @@ def _bootstrap_inner(self: threading.Thread) -> None:
     run_adopted(inh, lambda: _ORIGINAL["bootstrap_inner"](self))
 
 
-def _own_live_threads(rs: RankState) -> bool:
-    root = rs.parent or rs
-    return any(c.parent is root and c.state != DONE for c in rs.run.children)
-
-
-def step_out(rs: RankState | None) -> bool:
-    """Before a wait the scheduler cannot see: if the rank's own threads may need the turn this wait holds,
-    step out of the schedule so they can take it (True: call :func:`step_in` after the wait)."""
-    if (rs is None or rs.state == FREE or rs.run.over or getattr(_quiet, "depth", 0)
-            or not _own_live_threads(rs)):
-        return False  # nothing of this rank's could be waiting for the baton this wait holds
-    rs.run.sched.leave(rs)
-    return True
-
-
-def step_in(rs: RankState) -> None:
-    """After the wait :func:`step_out` stepped out for: take part in the schedule again."""
-    rs.run.sched.rejoin(rs)
-
-
 @contextlib.contextmanager
 def _stepped_out(rs: RankState | None) -> Iterator[None]:
     """Around a wait the scheduler cannot see: let the rank's own threads run meanwhile."""
@@ -203,33 +185,6 @@ def _stepped_out(rs: RankState | None) -> Iterator[None]:
         yield
     finally:
         step_in(rs)  # type: ignore[arg-type]
-
-
-class _ThreadEnd:
-    """What ``Thread.join`` waits for, as a scheduler wait: a deadlock through a join is named, not timed out."""
-
-    __slots__ = ("actor",)
-
-    def __init__(self, actor: RankState) -> None:
-        self.actor = actor
-
-    @property
-    def done(self) -> bool:
-        return self.actor.state == DONE
-
-    def describe(self) -> str:
-        a = self.actor
-        return f"in Thread.join of its thread {a.thread.name if a.thread else '?'!r} (started at {a.last_site})"
-
-
-def join_actor(rs: RankState, actor: RankState) -> None:
-    """``rs`` joins the thread of ``actor`` without a timeout: a scheduler wait, so a deadlock through it is named."""
-    end = _ThreadEnd(actor)
-    if not end.done:
-        sched = rs.run.sched
-        sched.block(rs, end)
-        if rs.parent is not None:
-            sched.leave(rs)
 
 
 def _join(self: threading.Thread, timeout: float | None = None) -> None:
@@ -263,33 +218,6 @@ _REAL_PID_CALLERS = ("multiprocessing", "concurrent")
 def _caller_package() -> str:
     name = sys._getframe(2).f_globals.get("__name__") or ""  # 0: this helper, 1: the adapter, 2: its caller
     return name.split(".", 1)[0]
-
-
-def sleep_out(rs: RankState, seconds: Any, site: str) -> bool:
-    """Before a real ``time.sleep(seconds)`` at ``site`` on rank actor ``rs``: in coop mode, step out of the schedule
-    so that the other ranks run meanwhile (True: call :func:`sleep_in` after the sleep).
-
-    Threads mode, an actor outside the schedule, a bad argument and ``sleep(0)`` step out of nothing: a program that
-    only yields keeps its seeded schedule (the same on thread and process ranks).
-    """
-    run = rs.run
-    if not (isinstance(run.sched, CoopScheduler) and rs.state != FREE and not run.over
-            and not getattr(_quiet, "depth", 0) and isinstance(seconds, (int, float)) and seconds > 0):
-        return False
-    if run.deterministic:
-        run.deterministic = False  # the order the ranks come back in depends on the wall clock now
-        run.nondeterminism = f"{rs.label} called time.sleep({seconds:g}) at {site}"
-    run.sched.leave(rs)
-    return True
-
-
-def sleep_in(rs: RankState) -> None:
-    """After the sleep :func:`sleep_out` stepped out for: back in the schedule; a sleep-polling rank whose run has
-    failed (another rank failed, the world deadlocked or timed out) ends like one released from a wait."""
-    run = rs.run
-    run.sched.rejoin(rs)
-    if rs.parent is None and run.fatal is not None:
-        raise run.make_error(run.fatal, rs)
 
 
 def _sleep(seconds: float) -> None:
@@ -349,72 +277,3 @@ def enabled() -> ContextManager[None]:
     return _INSTALLATION.enabled()
 
 
-def start_plain(t: threading.Thread) -> None:
-    """Start ``t`` as a thread of the simulator's own (not adopted by the calling rank, whoever calls)."""
-    _quiet.depth = getattr(_quiet, "depth", 0) + 1
-    try:
-        _ORIGINAL["start"](t)
-    finally:
-        _quiet.depth -= 1
-
-
-def start_actor(owner: RankState, target: Callable[[], None], name: str) -> RankState:
-    """Run ``target`` on a new thread that belongs to ``owner``'s rank, whoever starts it; returns its actor.
-
-    This is the thread a simulated RPC agent runs a request on: started by the
-    *caller*, but an actor of the *callee* rank (``RankState.child`` of it), so
-    its waits are scheduler waits of that rank and a deadlock through it is
-    named.  Unlike a thread a rank starts itself (FREE, see the module
-    docstring), it is scheduled like a rank: in ``coop`` mode it joins the
-    runnable set at once and runs only while it holds the baton, so a run
-    stays a function of its seed.  In ``coop`` mode the caller must be the
-    baton holder; a FREE caller joins the schedule for the start and leaves it
-    again.  The run waits for the actor as for a non-daemon thread (the OS
-    thread itself is a daemon, so it never holds up the interpreter).
-    ``target`` must not raise: report failures through what it completes.
-    """
-    root = owner.parent or owner
-    run = root.run
-    sched = run.sched
-    if run.over or run.aborted:  # nobody would schedule the thread: fail the start instead of losing it
-        me = current_rank_state() or root
-        raise run.make_error(run.fatal, me) if run.fatal is not None else run.over_error(me)
-    t = threading.Thread(name=name, daemon=True)
-    actor = root.child(t)
-    actor.waits_exit = True
-    coop = isinstance(sched, CoopScheduler)
-    me = current_rank_state()
-    was_free = me is not None and me.state == FREE
-    if coop and was_free:
-        sched.rejoin(me)  # take the baton: the runnable set is the baton holder's
-    sched.add_thread(actor)
-    if coop:
-        with sched.flock:
-            actor.state = RUNNABLE
-            sched.free -= 1
-        sched._add(actor)
-    run.children.append(actor)
-
-    def body() -> None:
-        actor.tid = threading.get_native_id()
-        _local.rs = actor
-        try:
-            if coop:
-                sched._acquire(actor)  # the baton, when the seeded schedule picks this actor
-                sched._take(actor)
-            actor.cpu_mark = time.thread_time()
-            if actor.env is not None:
-                _environ.bind(actor.env)
-            if not run.aborted:
-                target()
-        finally:
-            if actor.env is not None:
-                _environ.unbind()
-            _local.rs = None
-            sched.exit(actor)
-
-    t.run = body  # type: ignore[method-assign]
-    start_plain(t)  # (start()'s short wait for the thread is not a rank's wait)
-    if coop and was_free:
-        sched.leave(me)
-    return actor

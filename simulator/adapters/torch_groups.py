@@ -1,4 +1,4 @@
-"""torch process groups over a subset of the simulated ranks (used by :mod:`simulator.adapters.torch_native`).
+"""torch process groups over a subset of the simulated ranks (part of :mod:`simulator.adapters.torch_native`).
 
 A launched world of N processes may hold a default process group of its own
 for some of them: pytorch/examples' ``ddp_rpc`` starts 4 processes, all join

@@ -9,6 +9,8 @@ the same while a profiler is on: :func:`issued` opens the event, :func:`complete
 
 Thread ranks share one profiler (one per process), so each rank's profiler would see every rank's events; PyTorch's
 test harness refuses the profiler there (see :mod:`simulator.torch_harness`), and process ranks have their own.
+
+The private torch names it reads are listed in :mod:`simulator.adapters.torch_private`.
 """
 from __future__ import annotations
 

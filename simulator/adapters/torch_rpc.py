@@ -40,8 +40,8 @@ RPC agent is not set"; TorchScript RPC (``@torch.jit.script`` functions) is not
 supported.  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
 simulator's RRefs (use their methods instead).
 
-Like :mod:`simulator.adapters.torch_native`, this module touches private torch names
-(the wrappers' closures, ``_init_rpc_backend``, ``_new_context``...); it checks
+Like :mod:`simulator.adapters.torch_native`, this module touches private torch names (the wrappers'
+closures, ``_init_rpc_backend``, ``_new_context``..., each listed in :mod:`simulator.adapters.torch_private`); it checks
 their shape when installing and refuses with a clear error if torch changed.
 """
 from __future__ import annotations
@@ -55,33 +55,51 @@ import torch.distributed.autograd as tautograd
 import torch.distributed.rpc as trpc
 import torch.distributed.rpc.api as tapi
 
+import tensorplay.distributed.autograd as tp_autograd
+from tensorplay.distributed import _state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
+from tensorplay.distributed.nn import RemoteModule as TpRemoteModule
+from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOptimizer
+from tensorplay.distributed.rpc import RRef as TpRRef
+from tensorplay.distributed.rpc import _agent, api
+from tensorplay.distributed.rpc.futures import Future as TpFuture
 
+from simulator.adapters.after_import import when_imported
+from simulator.adapters.torch_private import check_torch_version
 from simulator.adapters._patch import Installation
+from simulator.core.state import current_rank_state
 
-__all__ = ["enabled"]
+__all__ = ["enabled", "register_sim_agent"]
 
 #: torch's RPC functions whose wrapper closure is routed, and what they become on a simulated rank
 _WRAPPED = ("rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info")
 
 _undo: list[Callable[[], None]] = []
 _contexts = threading.local()  # open torch-style autograd contexts of this thread: {context id: ours}
+#: the agent class of the simulator's transport (:class:`simulator.rpc.agent.SimAgent`), registered by that module
+#: when it loads: the adapters may not import the rpc wing, and no simulated agent exists before it loads
+_sim_agent_class: type | None = None
+
+
+def register_sim_agent(cls: type) -> None:
+    """Make ``cls`` the agent class of simulated ranks: on a simulated rank, torch's "is an RPC agent set?"
+    answers whether the calling thread's agent is one (called by :mod:`simulator.rpc.agent`)."""
+    global _sim_agent_class
+    _sim_agent_class = cls
 
 
 def _on_sim() -> bool:
-    """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
-    from simulator import rpc as sim_rpc
+    """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator).
 
-    return sim_rpc.claims_caller()
+    The test of :func:`simulator.rpc.transport.claims_caller`, made here: the adapters do not import the rpc wing.
+    """
+    return current_rank_state() is not None and _state.current() is not None
 
 
 def _sim_agent() -> Any:
-    from tensorplay.distributed.rpc import _agent
-
-    from simulator import rpc as sim_rpc
-
     a = _agent.current()
-    return a if isinstance(a, sim_rpc.SimAgent) else None
+    cls = _sim_agent_class
+    return a if cls is not None and isinstance(a, cls) else None
 
 
 # ---------------------------------------------------------------------------
@@ -103,8 +121,6 @@ def _as_torch_error(e: BaseException) -> BaseException:
     worker = getattr(e, "remote_worker", None)
     if worker is None:  # not raised by the remote function: the transport's own error
         return e
-    from tensorplay.distributed.rpc import _agent
-
     wid = "?"
     a = _agent.current()
     if a is not None:
@@ -118,8 +134,6 @@ def _as_torch_error(e: BaseException) -> BaseException:
 def _rpc_call(name: str) -> Callable[..., Any]:
     def call(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
              timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
-        from tensorplay.distributed.rpc import api
-
         fn = getattr(api, name)
         if name == "remote":
             return fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
@@ -146,15 +160,11 @@ def _rpc_call(name: str) -> Callable[..., Any]:
 
 
 def _shutdown(graceful: bool = True, timeout: Any = 0) -> None:
-    from tensorplay.distributed.rpc import api
-
     t = _timeout(timeout)
     api.shutdown(graceful=graceful, timeout=api.DEFAULT_SHUTDOWN_TIMEOUT if t in (None, float("inf")) else t)
 
 
 def _get_worker_info(worker_name: Any = None) -> Any:
-    from tensorplay.distributed.rpc import api
-
     return api.get_worker_info(worker_name)
 
 
@@ -166,8 +176,6 @@ _OURS: dict[str, Callable[..., Any]] = {
 
 def _init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
               rpc_backend_options: Any = None) -> None:
-    from tensorplay.distributed.rpc import api
-
     api.init_rpc(name, backend=backend, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)
 
 
@@ -232,9 +240,7 @@ class _ContextHandle:
 
 
 def _new_context() -> _ContextHandle:
-    import tensorplay.distributed.autograd as ours
-
-    ctx = ours.context()
+    ctx = tp_autograd.context()
     cid = ctx.__enter__()
     open_ = getattr(_contexts, "open", None)
     if open_ is None:
@@ -250,20 +256,14 @@ def _release_context(context_id: int) -> None:
 
 
 def _autograd_backward(context_id: int, roots: Any, retain_graph: bool = False) -> None:
-    import tensorplay.distributed.autograd as ours
-
-    ours.backward(context_id, roots, retain_graph)
+    tp_autograd.backward(context_id, roots, retain_graph)
 
 
 def _autograd_get_gradients(context_id: int) -> Any:
-    import tensorplay.distributed.autograd as ours
-
-    return ours.get_gradients(context_id)
+    return tp_autograd.get_gradients(context_id)
 
 
 def _get_rpc_timeout() -> float:
-    from tensorplay.distributed.rpc import _agent
-
     return _agent.require("get_rpc_timeout").timeout
 
 
@@ -300,27 +300,21 @@ def _route_new(cls: type, ours: Callable[..., Any], *, exact: bool = True) -> Ca
 
 
 def _rref(value: Any, type_hint: Any = None) -> Any:
-    from tensorplay.distributed.rpc import RRef
-
-    return RRef(value, type_hint)
+    return TpRRef(value, type_hint)
 
 
 def _dist_optimizer(optimizer_class: type, params_rref: Any, *args: Any, **kwargs: Any) -> Any:
-    from tensorplay.distributed.optim import DistributedOptimizer
-
-    return DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)
+    return TpDistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)
 
 
 def _remote_module(remote_device: str, module_cls: type, args: Any = None, kwargs: Any = None,
                    _module_interface_cls: Any = None) -> Any:
-    from tensorplay.distributed.nn import RemoteModule
-
     if _module_interface_cls is not None:
         raise DistRuntimeError(format_message(
             "torch.distributed.nn.RemoteModule", "TorchScript module interfaces are not supported on the simulator",
             values={"_module_interface_cls": _module_interface_cls},
             fix="use tensorplay.distributed.nn.RemoteModule(..., interface=I) with an @interface class"))
-    return RemoteModule(remote_device, module_cls, tuple(args or ()), dict(kwargs or {}))
+    return TpRemoteModule(remote_device, module_cls, tuple(args or ()), dict(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------
@@ -329,10 +323,8 @@ def _remote_module(remote_device: str, module_cls: type, args: Any = None, kwarg
 def _collect_all(original: Callable[..., Any]) -> Callable[..., Any]:
     def collect_all(futures: Any) -> Any:
         if _on_sim():
-            from tensorplay.distributed.rpc.futures import Future
-
             for f in futures:  # a pending one would block this rank in C++, where no other rank can run
-                if isinstance(f, Future) and not f.done():
+                if isinstance(f, TpFuture) and not f.done():
                     try:
                         f.wait()
                     except BaseException:  # noqa: BLE001  torch reports it from the collected future
@@ -372,8 +364,6 @@ def _swap_wrapped(name: str) -> None:
 
 
 def _install() -> None:
-    from simulator.adapters.torch_native import check_torch_version
-
     check_torch_version()
     for name in _WRAPPED:
         _swap_wrapped(name)
@@ -395,13 +385,12 @@ def _install() -> None:
     # constructors
     _undo.append(_route_new(tapi.RRef, _rref))
     # DistributedOptimizer and RemoteModule live in modules that take about 2 s to import: route them now when
-    # the program imported them already, else the moment it does (a program that never uses them never pays)
-    from simulator.adapters.torch_native import _when_imported  # one post-import hook for both adapters
-
-    _undo.append(_when_imported("torch.distributed.optim.optimizer",
-                                lambda m: _route_new(m.DistributedOptimizer, _dist_optimizer)))
-    _undo.append(_when_imported("torch.distributed.nn.api.remote_module",
-                                lambda m: _route_new(m.RemoteModule, _remote_module)))
+    # the program imported them already, else the moment it does (a program that never uses them never pays);
+    # the post-import hook (adapters/after_import.py) serves several adapters
+    _undo.append(when_imported("torch.distributed.optim.optimizer",
+                                             lambda m: _route_new(m.DistributedOptimizer, _dist_optimizer)))
+    _undo.append(when_imported("torch.distributed.nn.api.remote_module",
+                                             lambda m: _route_new(m.RemoteModule, _remote_module)))
     _set(torch._C, "_collect_all", _collect_all(torch._C._collect_all))
 
 

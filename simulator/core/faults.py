@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import numbers
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 __all__ = ["Fault", "Crash", "Delay", "random_faults"]
 
@@ -72,8 +75,6 @@ MAX_DELAY_S = 1e6
 
 def _check(f: Any, world_size: int) -> None:
     """Refuse a fault that names no rank of the world or that could never fire, before the run starts."""
-    from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
-
     if not isinstance(f, Fault):
         raise DistTypeError(format_message("simulator.run", "faults must be simulator.Crash / simulator.Delay "
                                            "objects", values={"fault": f},
@@ -131,10 +132,6 @@ class FaultPlan:
         """
         if not self.by_rank:
             return
-        import warnings
-
-        from tensorplay.distributed.errors import format_message
-
         found = self.unfired([rs.ops for rs in ranks], [rs.exc is None for rs in ranks])
         for f, n in found:
             threads = sum(c.ops for c in children if c.rank == f.rank)

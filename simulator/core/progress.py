@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
-from simulator.core.sched import BLOCKED, RUNNABLE
+from simulator.core._actor import BLOCKED, RUNNABLE
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
@@ -118,7 +118,7 @@ def is_waiting(run: "Run", a: "RankState") -> bool:
     in coop mode, at a scheduling point for its turn while another actor computes."""
     if a.state == BLOCKED:
         return getattr(a.waiting, "actor", None) is None  # a join of the rank's own thread: no operation
-    return a.state == RUNNABLE and run.mode == "coop" and getattr(run.sched, "current", None) is not a
+    return a.state == RUNNABLE and run.sched.baton and getattr(run.sched, "current", None) is not a
 
 
 def check_stall(run: "Run", now: float) -> list["RankState"] | None:

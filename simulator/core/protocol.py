@@ -11,7 +11,7 @@ imports the timing wing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ContextManager, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState
@@ -36,6 +36,9 @@ class Scheduler(Protocol):
 
     #: guards the shared matching state (slots, mailboxes, actor states)
     lock: ContextManager[Any]
+    #: True when only one actor runs at a time, holding a baton (coop): an actor that waits where the
+    #: scheduler cannot see it must step out of the schedule, or the others never run
+    baton: bool
 
     def prepare(self, ranks: list["RankState"]) -> None:
         """Before any rank runs: the ranks of the run, in rank order."""
@@ -55,6 +58,12 @@ class Scheduler(Protocol):
         When every live actor is blocked, nothing can complete: the run declares a deadlock at once
         (by counting, not by a timeout).
         """
+
+    def block_until(self, rs: "RankState", w: Waitable, seconds: float, timed_out: Callable[[], Any]) -> None:
+        """:meth:`block`, bounded: after ``seconds`` of wall time ``rs`` fails with ``timed_out()``'s incident."""
+
+    def time_out(self, rs: "RankState", inc: Any) -> None:
+        """``rs``'s own operation timed out (the main thread saw its deadline pass): fail its wait with ``inc``."""
 
     def wake(self, rs: "RankState") -> None:
         """``rs`` may be able to go on (called under :attr:`lock`)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from simulator.core.progress import is_waiting
-from simulator.core.sched import BLOCKED, DONE, FREE, RUNNABLE
+from simulator.core._actor import BLOCKED, DONE, FREE, RUNNABLE
 from simulator.core.state import P2PRecord, Slot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -151,7 +151,7 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
         else:
             last = f"last call at {rs.last_site}" if rs.ops else "before its first operation"
             # FREE: a coop rank outside the schedule (in time.sleep, or a wait the scheduler cannot see) runs too
-            if rs.state == FREE or getattr(run.sched, "current", rs) is rs or run.mode == "threads":
+            if rs.state == FREE or getattr(run.sched, "current", rs) is rs or not run.sched.baton:
                 if timeout:
                     computing.append(rs.rank)
                     text = f"is computing, in no operation, at {_where(rs)} ({last})"

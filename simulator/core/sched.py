@@ -37,15 +37,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from simulator.core._actor import BLOCKED, DONE, FREE, NOT_STARTED, RUNNABLE
 from simulator.core._handoff import _PY_RNG, _STEER, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
 
-__all__ = ["CoopScheduler", "ThreadScheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
+__all__ = ["CoopScheduler", "ThreadScheduler", "make_scheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
 
-#: FREE: a thread a rank started, running outside the scheduler (it enters it only for its operations)
-NOT_STARTED, RUNNABLE, BLOCKED, DONE, FREE = 0, 1, 2, 3, 4
 
 
 class _NoLock:
@@ -124,6 +123,8 @@ class CoopScheduler(_SchedulerBase):
     """One rank runs at a time; a seeded RNG picks the next one at every scheduling point."""
 
     lock = _NoLock()
+    #: only the baton holder runs: an actor that waits outside the schedule must hand the baton on
+    baton = True
 
     def __init__(self, run: "Run", seed: int, swap_rng: bool = True) -> None:
         super().__init__(run)
@@ -397,6 +398,8 @@ class CoopScheduler(_SchedulerBase):
 class ThreadScheduler(_SchedulerBase):
     """Ranks run freely; shared state is guarded by one lock; blocked ranks sleep on their own lock."""
 
+    baton = False
+
     def __init__(self, run: "Run") -> None:
         super().__init__(run)
         self.lock = threading.Lock()
@@ -500,3 +503,10 @@ class ThreadScheduler(_SchedulerBase):
                 run.finished()
             elif self.blocked == run.live and run.live and not run.aborted:
                 run.deadlock()
+
+
+def make_scheduler(mode: str, seed: int, swap_rng: bool = True) -> Callable[["Run"], Any]:
+    """The scheduler of a world's ``mode``, as a factory the run calls with itself (the world passes it in)."""
+    if mode == "coop":
+        return lambda run: CoopScheduler(run, seed, swap_rng=swap_rng)
+    return ThreadScheduler

@@ -26,7 +26,8 @@ from tensorplay.distributed.spec import CallKey
 from simulator.core import progress
 from simulator.core.errors import DeadlockError, RankFailedError, SimTimeoutError
 from simulator.core.faults import Fault
-from simulator.core.sched import BLOCKED, DONE, CoopScheduler, ThreadScheduler
+from simulator.core._actor import BLOCKED, DONE
+from simulator.core.protocol import Scheduler
 from simulator.core.trace import EventLog
 from simulator.core._actor import _local, current_rank_state  # noqa: F401  (re-exported: the state's public door)
 
@@ -146,7 +147,8 @@ class RankState:
 class Run:
     """The shared state of one execution of a world."""
 
-    def __init__(self, world: Any, describe_world: Callable[..., str]) -> None:
+    def __init__(self, world: Any, describe_world: Callable[..., str],
+                 scheduler: Callable[["Run"], Scheduler]) -> None:
         #: the report's text of the world's situation (passed in: the reports import this module, not vice versa)
         self.describe_world = describe_world
         self.world = world
@@ -179,10 +181,8 @@ class Run:
         self.events = EventLog(self.n, world.trace_limit)
         self.wall_origin = time.perf_counter()
         self.ranks = [RankState(r, self) for r in range(self.n)]
-        if world.mode == "coop":
-            self.sched: Any = CoopScheduler(self, world.seed, swap_rng=world.per_rank_rng)
-        else:
-            self.sched = ThreadScheduler(self)
+        #: the world chose it (simulator.core.sched.make_scheduler); every wait of the run goes through it
+        self.sched: Scheduler = scheduler(self)
         # p2p mailboxes, keyed by destination global rank (lists created on first use)
         self.sends: dict[int, list] = {}
         self.recvs: dict[int, list] = {}
@@ -239,7 +239,7 @@ class Run:
             if c.state == BLOCKED:
                 c.pending = Incident(DistRuntimeError, OVER_TEXT)
                 self.sched.wake(c)
-                if self.mode == "coop":  # coop's wake only marks it runnable; nobody will hand it the baton
+                if self.sched.baton:  # coop's wake only marks it runnable; nobody will hand it the baton
                     c.wake.release()
 
     def over_error(self, rs: RankState) -> BaseException:

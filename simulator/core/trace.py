@@ -33,6 +33,8 @@ import statistics
 from collections import deque
 from typing import Any, Iterable, NamedTuple
 
+from tensorplay.distributed.errors import DistValueError, format_message
+
 from simulator.core.protocol import Pricing
 
 __all__ = ["Event", "Trace", "EventLog", "DEFAULT_TRACE_LIMIT"]
@@ -67,8 +69,6 @@ def _non_finite(obj: Any, where: str) -> tuple[str, float] | None:
 
 
 def _non_finite_error(doc: dict[str, Any], path: str) -> Exception:
-    from tensorplay.distributed.errors import DistValueError, format_message
-
     field, value = _non_finite(doc, "") or ("?", math.nan)
     values: dict[str, Any] = {"path": path, "field": field.lstrip("."), "value": value}
     if field.startswith(".traceEvents["):

@@ -6,7 +6,8 @@ and the rank), so process-wide state — module globals, singletons, hash
 order, ``os.environ``, signal handlers, ``sys.exit``/``os._exit`` — is per
 rank as under torchrun.  The scheduler, matching, reports, faults, virtual
 time and trace stay in the coordinator (one proxy rank thread per process, see
-:mod:`.proxy`); tensors move through shared memory (:mod:`._wire`).
+:mod:`.proxy`); the two sides speak the protocol of :mod:`.messages`, and
+tensors move through shared memory (:mod:`.staging`).
 
 Example::
 
@@ -31,6 +32,12 @@ ISOLATIONS: tuple[str, ...] = ("thread", "process")
 last_pids: list[int] = []
 #: set in a rank process: a world started there would start rank processes of its own, without end
 _in_rank_process = False
+
+
+def mark_rank_process() -> None:
+    """This process is a rank process (called by its boot, :func:`.child.main`): it refuses to start a world."""
+    global _in_rank_process
+    _in_rank_process = True
 
 
 def check_isolation(isolation: Any, call: str = "simulator.run") -> str:

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from simulator.core.errors import RankExitError
+from simulator.isolation import run_processes
 
 __all__ = ["exit_status", "run_batch", "rank_process"]
 
@@ -57,8 +58,6 @@ def rank_process(proc: Any, clean_codes: frozenset[int]) -> int:
 def run_batch(world: Any, batch: Sequence[Any], clean_codes: frozenset[int]) -> None:
     """Run ``batch`` (started processes with simulated handles) as the ranks of ``world``, one process each; set each
     handle's ``returncode`` (and ``exc`` for a rank that raised).  Re-raises what the world raised."""
-    from simulator.isolation import run_processes
-
     try:
         results = run_processes(world, rank_process, (), {}, [(_portable(p), clean_codes) for p in batch])
     except BaseException:

@@ -4,24 +4,24 @@ On thread ranks, :mod:`simulator.adapters.threads` gives a thread a rank starts 
 of that rank in the scheduler.  In a rank process the same happens across the
 process boundary, so one program behaves the same in both isolations:
 
-* ``Thread.start`` asks the proxy for an actor (``"thread"``, with one end of a
+* ``Thread.start`` asks the proxy for an actor (THREAD, see :mod:`.messages`; with one end of a
   new socket pair): the proxy adopts it with :func:`simulator.adapters.threads.adopt`
   and serves the thread's own channel from a thread of its own.  The thread's
   calls go over that channel, so two threads of one process communicate at
   once, as on gloo (one shared channel would let a blocked call hold up the
   call that unblocks it).
-* ``Thread.join`` without a timeout is a scheduler wait (``"join"``), so a
+* ``Thread.join`` without a timeout is a scheduler wait (JOIN), so a
   deadlock through a join is named, not timed out.
 * ``Condition.wait`` (``Event.wait``, ``Queue.get``, ``Future.result``) of the
   rank's main thread, while threads it started live, steps out of the schedule
-  (``"leave"``/``"rejoin"``), so in ``coop`` mode those threads can take the
+  (LEAVE/REJOIN), so in ``coop`` mode those threads can take the
   turn the waiting rank would otherwise hold.
 
 Threads the process did not start during the run (an RPC agent's native
 threads) share the main thread's channel, one request at a time.
 
 A sleep-polling loop of the main thread in ``coop`` mode steps out of the
-schedule too (``"leave"``/``"rejoin"`` with the sleep's length and place; see
+schedule too (SLEEP/WAKE, with the sleep's length and place; see
 :func:`simulator.adapters.threads.sleep_out`), so a rank that polls a file or a store
 between sleeps lets the rank it waits for run.  A rank process computes at once
 with the others, so a single sleep between two calls (a stand-in for compute)
@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from simulator.isolation import _wire
+from simulator.isolation.messages import END, FREE, JOIN, LEAVE, REJOIN, SLEEP, THREAD, WAKE
 
 __all__ = ["install", "free_running"]
 
@@ -66,7 +67,7 @@ def free_running() -> None:
     """From now on the rank's compute runs outside the coop schedule (its waits on RPC answers are invisible to
     the scheduler; see :mod:`.rpc_process`)."""
     if _backend is not None:
-        _backend._request(("free",))
+        _backend._request((FREE,))
 
 
 def _start(self: threading.Thread) -> None:
@@ -87,7 +88,7 @@ def _register(t: threading.Thread, b: Any) -> None:
     """Give ``t`` an actor of the rank and a channel of its own to it (before ``t`` runs)."""
     mine, theirs = socket.socketpair()
     try:
-        tid = b._request(("thread", t.name, t.daemon), (theirs.fileno(),))
+        tid = b._request((THREAD, t.name, t.daemon), (theirs.fileno(),))
     except (EOFError, OSError):  # the world has ended (a daemon thread starting one): a plain thread, as on
         mine.close()             # thread ranks once the run is over
         return
@@ -108,7 +109,7 @@ def _ended(self: threading.Thread) -> None:
     if chan is None:
         return
     try:
-        _wire.send(chan, ("end",))
+        _wire.send(chan, (END,))
     except OSError:
         pass
     chan.close()
@@ -133,7 +134,7 @@ def _join(self: threading.Thread, timeout: float | None = None) -> None:
     if tid is None or b is None or self is threading.current_thread() or not b.has_channel():
         return _ORIGINAL["join"](self, timeout)
     if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
-        b._request(("join", tid))
+        b._request((JOIN, tid))
         return _ORIGINAL["join"](self, None)
     return _stepped_out(lambda: _ORIGINAL["join"](self, timeout))
 
@@ -153,12 +154,12 @@ def _stepped_out(wait: Any) -> Any:
     b = _backend
     if b is None or not _live or getattr(_quiet, "depth", 0) or not b.on_main_thread():
         return wait()
-    left = b._request(("leave",))
+    left = b._request((LEAVE,))
     try:
         return wait()
     finally:
         if left:
-            b._request(("rejoin",))
+            b._request((REJOIN,))
 
 
 #: the simulator's own modules: their sleeps (a Delay fault, a retry inside an operation) stay in the schedule
@@ -176,10 +177,10 @@ def _sleep(seconds: float) -> None:
     polling, _last_sleep = _last_sleep == b.exchanges, b.exchanges
     if not polling:  # one sleep between two calls: compute, at once with the other rank processes
         return _ORIGINAL["sleep"](seconds)
-    left = b._request(("leave", seconds, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
+    left = b._request((SLEEP, seconds, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
     try:
         _ORIGINAL["sleep"](seconds)
     finally:
         if left:
-            b._request(("rejoin", "sleep"))
+            b._request((WAKE,))
         _last_sleep = b.exchanges  # (its own two requests are no call of the program's)

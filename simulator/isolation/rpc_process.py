@@ -37,8 +37,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed.rpc as trpc
+
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError
+from tensorplay.distributed.rpc import _auth, tensorpipe
 from tensorplay.distributed.rpc.errors import rpc_message
+
+from simulator.isolation import rank_threads
 
 __all__ = ["WHERE", "USAGE", "claims_caller", "default_rank_and_size", "start"]
 
@@ -71,14 +76,8 @@ def default_rank_and_size() -> tuple[int, int | None]:
 
 def start(name: str, rank: int, world_size: int, options: Any, *, default_timeout: float | None = None) -> Any:
     """Start a TensorPipe agent; without a rendezvous of the program's own, use the run's."""
-    import torch.distributed.rpc as trpc
-
-    from tensorplay.distributed.rpc import tensorpipe
-
     rank_, size_, port, mode = _mine("init_rpc")
     if mode == "coop":
-        from simulator.isolation import rank_threads
-
         # the agent's waits (rpc_sync, Future.wait, to_here, shutdown's barrier) are invisible to the scheduler:
         # a rank waiting there while holding the coop turn would keep it from the rank that must answer
         rank_threads.free_running()
@@ -93,8 +92,6 @@ def start(name: str, rank: int, world_size: int, options: Any, *, default_timeou
         options = trpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout, _transports=["uv"])
     if options.init_method == "env://" and not os.environ.get("MASTER_PORT"):
         options.init_method = f"tcp://127.0.0.1:{port}"  # what torchrun's MASTER_ADDR/MASTER_PORT would give
-    from tensorplay.distributed.rpc import _auth
-
     own = _auth.ENV_SECRET in os.environ or _auth.ENV_SECRET_FILE in os.environ
     if own or SECRET is None:
         return tensorpipe.start(name, rank, world_size, options, default_timeout=default_timeout)

@@ -1,38 +1,47 @@
-"""A rank process's staging: arena regions for the calls in flight, and the asynchronous operations they belong to.
+"""A rank process's staging: the tensors of each forwarded call copied into shared memory, and its outputs back.
 
-Each forwarded call copies what it reads into a region of an arena (see
-:mod:`._wire`); the region is freed when the call is over: a blocking call when
-it returns, an ``async_op=True`` call when the coordinator reports it complete
-(with the answer to any request of the rank, see :meth:`Completions.done`),
-waited or not.  A completed operation's outputs are the program's then, as on
-gloo, where a dropped ``Work`` still writes its outputs.
+Each forwarded call copies the bytes it reads into a region of an arena (a
+file in ``/dev/shm`` that the proxy maps too; see :mod:`._wire`) and sends
+places instead of tensors (:meth:`Staging.stage`); the simulator writes the
+results there and the rank process copies the outputs back
+(:meth:`Staged.copy_out`).  Tensors of one storage are staged as one byte span,
+so views that alias each other in the program alias each other in the arena
+too (in-place and overlapping calls keep their meaning).  A storage that is
+already in shared memory (``share_memory_()``) is not copied: the proxy maps it
+once (a SHARE message) and the simulator works on the program's own bytes.
+
+A region is freed when its call is over: a blocking call when it returns, an
+``async_op=True`` call when the coordinator reports it complete (with the
+answer to any request of the rank), waited or not.  A completed operation's
+outputs are the program's then, as on gloo, where a dropped ``Work`` still
+writes its outputs.
 
 Regions are allocated first-fit among the live ones, so a program that keeps
 one or two operations in flight reuses the same pages for ever.  The pages of
-an arena (a sparse file in ``/dev/shm``) are reserved with ``fallocate`` before
-a call first touches them: a full ``/dev/shm`` is then a clear error on the
-rank (:func:`free_bytes` is the probe) instead of a ``SIGBUS`` in the copy.
+an arena (a sparse file) are reserved with ``fallocate`` before a call first
+touches them: a full ``/dev/shm`` is then a clear error on the rank
+(:func:`free_bytes` is the probe) instead of a ``SIGBUS`` in the copy.
 """
 from __future__ import annotations
 
 import errno
 import os
 import threading
-import time
-from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from tensorplay.distributed.backends.base import Work
 from tensorplay.distributed.errors import DistRuntimeError, format_message
+from tensorplay.distributed.group import ProcessGroup
 
 from simulator.isolation import _wire
-from simulator.isolation._wire import Arena, align_up
+from simulator.isolation._wire import SHARED_BASE, Arena, GroupRef, TensorRef
 
-__all__ = ["ARENA_BYTES", "Staging", "Staged", "ClientWork", "Completions", "free_bytes"]
+__all__ = ["ARENA_BYTES", "ALIGN", "Staging", "Staged", "free_bytes", "span_of"]
 
 ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memory
+ALIGN = 64  # byte alignment of every staged span (a multiple of every element size)
 _PAGE = 4096
 _MIB = 1 << 20
 
@@ -51,15 +60,123 @@ def _full(call: str, rank: int, path: str, free: int, need: int) -> DistRuntimeE
 
 
 class Staging:
-    """The arenas of one rank process and their live regions (thread-safe: a rank's threads stage at once)."""
+    """The arenas of one rank process, their live regions, and the program's shared storages the proxy maps.
 
-    def __init__(self, arena_dir: str, rank: int) -> None:
+    Thread-safe: a rank's threads stage at once.  ``share(sid, nbytes, fd)`` tells the proxy of a shared
+    storage (a SHARE request) before any call names it.
+    """
+
+    def __init__(self, arena_dir: str, rank: int, share: Callable[[int, int, int], None]) -> None:
         self.arena_dir = arena_dir
         self.rank = rank
         self.lock = threading.Lock()
         self.arenas: list[Arena] = []
         self._live: list[dict[int, int]] = []  # per arena: offset -> bytes of each live region
         self._reserved: list[int] = []  # per arena: bytes from 0 whose pages are allocated
+        self._share = share
+        #: the program's shared-memory storages the proxy has mapped: address -> (id, weak ref, bytes)
+        self._shared: dict[int, tuple[int, Any, int]] = {}
+        self._slock = threading.Lock()
+        self._next_sid = 0
+
+    def stage(self, name: str, args: tuple, outputs: tuple[int, ...], staged: "Staged") -> list[Any]:
+        """Copy the tensors of call ``name``'s ``args`` into an arena; return the arguments with tensors replaced by
+        places (lists and tuples as lists).  The tensors of the arguments at ``outputs`` are noted in ``staged`` to
+        be copied back."""
+        tensors = [t for a in args for t in _flatten(a)]
+        spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
+        shared: dict[int, int] = {}  # storage address -> id, for storages already in shared memory (not copied)
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise DistRuntimeError(format_message(
+                    name, "process-isolated ranks take CPU tensors only", rank=self.rank,
+                    values={"device": str(t.device)}, fix="move the tensor to the CPU, or use isolation='thread'"))
+            if t.numel() == 0:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in shared or self._shared_id(t, key, shared):
+                continue
+            lo, hi = span_of(t)
+            s = spans.get(key)
+            if s is None:
+                spans[key] = [align_down(lo), hi]
+            else:
+                s[0], s[1] = min(s[0], align_down(lo)), max(s[1], hi)
+        need = sum(align_up(hi - lo) for lo, hi in spans.values())
+        arena, top = None, 0
+        if need:  # the call's region; the copies below run unlocked
+            arena, top = self.alloc(need, name)
+            staged.regions.append((arena, top))
+        base: dict[int, int] = {}
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in base or key in shared:
+                continue
+            lo, hi = spans[key]
+            off = top
+            top += align_up(hi - lo)
+            arena.bytes[off:off + hi - lo].copy_(storage_bytes(t)[lo:hi])
+            base[key] = off - lo  # arena byte offset of the storage's byte 0
+
+        def ref(t: torch.Tensor, is_out: bool) -> TensorRef:
+            es = t.element_size()
+            if t.numel() == 0:
+                return TensorRef((-1, 0, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
+            key = t.untyped_storage().data_ptr()
+            sid = shared.get(key)
+            if sid is not None:  # the simulator works on the program's own shared bytes: nothing to copy back
+                return TensorRef((sid, t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()),
+                                  t.requires_grad))
+            off = (base[key] + t.storage_offset() * es) // es
+            r = TensorRef((arena.aid, off, t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad))
+            if is_out:
+                staged.outputs.append((t, arena.view(off, t.dtype, tuple(t.shape), tuple(t.stride()))))
+            return r
+
+        enc: list[Any] = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                enc.append(ref(a, i in outputs))
+            elif isinstance(a, (list, tuple)):  # (a list either way: split sizes travel as lists too)
+                enc.append([ref(x, i in outputs) if isinstance(x, torch.Tensor) else x for x in a])
+            elif isinstance(a, ProcessGroup):
+                enc.append(GroupRef((a.handle,)))
+            else:
+                enc.append(a)
+        return enc
+
+    def _shared_id(self, t: torch.Tensor, key: int, shared: dict[int, int]) -> bool:
+        """Whether ``t``'s storage is in shared memory (then ``shared[key]`` is its id, mapped by the proxy)."""
+        st = t.untyped_storage()
+        if not st.is_shared() or st.data_ptr() % 64:
+            return False
+        sid = self._known_sid(key, st)
+        if sid is not None:
+            shared[key] = sid
+            return True
+        try:
+            fd, size = st._share_fd_cpu_()
+        except Exception:  # noqa: BLE001  shared another way (a file name): staged like any tensor
+            return False
+        # registered before any call names it (and under a lock, so no other thread of this rank names it first)
+        with self._slock:
+            sid = self._known_sid(key, st)  # (another thread of the rank may have registered it meanwhile)
+            if sid is None:
+                sid = SHARED_BASE + self._next_sid
+                self._next_sid += 1
+                self._share(sid, size, fd)
+                self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
+        shared[key] = sid
+        return True
+
+    def _known_sid(self, key: int, st: torch.UntypedStorage) -> int | None:
+        """The id the proxy knows the shared storage ``st`` (at address ``key``) by, if it still is that storage."""
+        known = self._shared.get(key)
+        if known is not None and not known[1].expired() and known[2] == st.nbytes():
+            return known[0]
+        return None
 
     def alloc(self, need: int, call: str) -> tuple[Arena, int]:
         """A region of ``need`` bytes (> 0) for ``call``; raises the "shared memory is full" error."""
@@ -143,87 +260,33 @@ class Staged:
             self.staging.free(a, off)
 
 
-class ClientWork(Work):
-    """An asynchronous operation issued in this process and running in the coordinator."""
-
-    def __init__(self, backend: Any, wid: int, staged: Staged, result: list[torch.Tensor]) -> None:
-        self._b = backend
-        self._wid = wid
-        self._staged: Staged | None = staged
-        self._lock = threading.Lock()
-        self._result = result
-        self._waited = False
-        self._error: BaseException | None = None
-
-    def finish(self, ok: bool) -> None:
-        """The operation completed (``ok``: successfully): its outputs are the program's, its regions are free."""
-        with self._lock:  # (the thread that waits and the one whose answer reported it may both get here)
-            staged, self._staged = self._staged, None
-            if staged is None:
-                return
-            try:
-                if ok:
-                    staged.copy_out()
-            finally:
-                staged.release()
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        if not self._waited:  # the wait itself goes to the coordinator (a scheduling point, as on thread ranks)
-            self._waited = True
-            try:
-                # (timeout: its group's, counted from now: the proxy may get its turn later, in coop mode)
-                self._b._request(("wait", self._wid, self._b._cpu_delta(), timeout, time.time()))
-                self._b.start_clock()
-            except BaseException as e:
-                self._error = e
-                self.finish(False)
-                raise
-            self.finish(True)  # (usually done already: the answer to the wait reported the completion)
-        elif self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._waited or self._staged is None or bool(self._b._request(("completed", self._wid)))
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None and (
-            self._waited or bool(self._b._request(("success", self._wid))))
-
-    def source_rank(self) -> int:
-        self.wait()
-        return int(self._b._request(("source", self._wid)))
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
+def span_of(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` of ``t``'s storage that ``t`` reads or writes."""
+    es = t.element_size()
+    lo = t.storage_offset() * es
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return lo, lo + (last + 1) * es
 
 
-class Completions:
-    """The asynchronous operations of this rank process not yet reported complete, by the coordinator's id."""
+def align_down(n: int) -> int:
+    return n - n % ALIGN
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._works: dict[int, ClientWork] = {}  # issued, completion not yet reported
-        self._early: dict[int, bool] = {}  # reported before the answer that names them reached their thread
 
-    def track(self, work: ClientWork) -> ClientWork:
-        with self._lock:
-            ok = self._early.pop(work._wid, None)
-            if ok is None:
-                self._works[work._wid] = work
-        if ok is not None:
-            work.finish(ok)
-        return work
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
-    def done(self, notes: Any) -> None:
-        """``notes``: ``[(id, ok), ...]`` of operations the coordinator saw complete since its last answer."""
-        for wid, ok in notes or ():
-            with self._lock:
-                work = self._works.pop(wid, None)
-                if work is None:
-                    self._early[wid] = ok
-            if work is not None:
-                work.finish(ok)
 
-    def __len__(self) -> int:
-        return len(self._works)
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A byte tensor over ``t``'s whole storage."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def _flatten(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an argument (a tensor, a list of tensors, or anything else)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    return []

@@ -39,12 +39,15 @@ import os
 import queue
 import select
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+from simulator.isolation.messages import (
+    WARM_EXITED, WARM_FORKED, WARM_LOADED, WARM_READY, WARM_RECORD, WARM_TAINTED,
+)
 
 __all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "SlowStartNote", "enabled"]
 
@@ -64,9 +67,6 @@ _MAX_WARM = 16  # warm interpreters kept (each about the memory of an interprete
 _START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and ``import torch``)
 _REPLY_S = 30.0  # bound on the answer to a fork request
 MAX_REQUEST = 1 << 17  # bytes of one fork request (its environment and the libraries to import ahead)
-MSG = struct.Struct("<cqq")  # (kind, pid, status): b"R" ready, b"P" forked pid, b"X" pid exited with returncode,
-#                              b"T" refused to fork (an import ahead started a thread) and ended, b"L" imported
-#                              ahead what a request without an environment named (see _Server.import_ahead)
 
 #: the first lines of every process the simulator starts as ``python -c ... <fd> <coordinator pid>``: the
 #: parent-death signal is armed before the slow imports, and the parent checked after arming it, so the process
@@ -170,17 +170,17 @@ class _Server:
         r, _, _ = select.select([self.ctrl], [], [], timeout)
         if not r:
             return None
-        data = self.ctrl.recv(MSG.size)
+        data = self.ctrl.recv(WARM_RECORD.size)
         if not data:
             raise EOFError
-        kind, pid, status = MSG.unpack(data)
-        if kind == b"X":
+        kind, pid, status = WARM_RECORD.unpack(data)
+        if kind == WARM_EXITED:
             self.exits[pid] = status
-        elif kind == b"R":
+        elif kind == WARM_READY:
             self.ready = True
-        elif kind == b"L":
+        elif kind == WARM_LOADED:  # (see import_ahead)
             self.loading = False
-        elif kind == b"T":
+        elif kind == WARM_TAINTED:
             self.tainted = True
             self.culprit = pid  # the index in its last batch of the import that started a thread
         return kind, pid, status
@@ -229,10 +229,10 @@ class _Server:
             deadline = time.monotonic() + _REPLY_S + (_START_S if preload or self.loading else 0.0)
             while time.monotonic() < deadline:
                 msg = self._read(0.2)
-                if msg is not None and msg[0] == b"P":
+                if msg is not None and msg[0] == WARM_FORKED:
                     self.forked.append(msg[1])
                     return Forked(self, msg[1])
-                if msg is not None and msg[0] == b"T":
+                if msg is not None and msg[0] == WARM_TAINTED:
                     break
                 if self.proc.poll() is not None:
                     break
@@ -319,7 +319,7 @@ class WarmPool:
                 s = self._servers.pop(key, None)
                 if s is not None and not s.alive():
                     with s.lock:
-                        s.drain()  # (its last words: b"T" if an import ahead started a thread)
+                        s.drain()  # (its last words: WARM_TAINTED if an import ahead started a thread)
                 if s is None or not s.alive():
                     carry: list[str] = []
                     if s is not None:

@@ -1,8 +1,8 @@
 """Distributed autograd on the simulator's RPC transport (what ``SimAgent.distributed_autograd()`` returns).
 
-It belongs to the transport (:mod:`simulator.rpc` calls :func:`on_send` /
-:func:`on_recv` while it serialises a message, and :func:`set_context_id` on
-a handler thread) and uses only the simulated agents' own fields
+It belongs to the transport (:mod:`simulator.rpc.codec` calls :func:`on_send` /
+:func:`on_recv` while it serialises a message, :mod:`simulator.rpc.agent`
+:func:`set_context_id` on a handler thread) and uses only the simulated agents' own fields
 (``autograd``, ``context_ids``, ``rank``, ``world.by_rank``), never the run's
 state.
 

@@ -38,6 +38,7 @@ from typing import ContextManager
 
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
+from simulator.adapters.torch_private import PRIVATE_NAMES
 from simulator.standin import install as _install
 from simulator.standin.cuda_api import DEVICE_NAME, DeviceProperties
 from simulator.standin.errors import StandInError
@@ -51,41 +52,11 @@ __all__ = ["enabled", "is_active", "is_standin", "device_of", "StandInTensor", "
 #: memory per stand-in device unless :func:`enabled` is told otherwise (80 GiB)
 DEFAULT_TOTAL_MEMORY = 80 * GIB
 
-#: Every private torch name the stand-in replaces or relies on, in one place: they may change between torch
-#: releases (the simulator's adapters are pinned to torch 2.13/2.14, see simulator.adapters.torch_native).
-PRIVATE_TORCH_NAMES = (
-    # torch.cuda's own private entry points, which its public functions, torch.cuda.device and DDP/DTensor call
-    "torch.cuda._lazy_init", "torch.cuda._initialized", "torch.cuda._exchange_device",
-    "torch.cuda._maybe_exchange_device", "torch.cuda.nvtx._nvtx",
-    # torch.accelerator and torch.distributed ask these which accelerator there is and for its state
-    "torch._C._get_accelerator", "torch._C._accelerator_getAccelerator", "torch._C._accelerator_getDeviceIndex",
-    "torch._C._accelerator_setDeviceIndex", "torch._C._accelerator_exchangeDevice",
-    "torch._C._accelerator_maybeExchangeDevice", "torch._C._accelerator_synchronizeDevice",
-    "torch._C._accelerator_getStream", "torch._C._accelerator_setStream", "torch._C._accelerator_emptyCache",
-    "torch._C._accelerator_getDeviceStats", "torch._C._accelerator_resetPeakStats",
-    "torch._C._accelerator_resetAccumulatedStats", "torch._C._accelerator_getMemoryInfo",
-    # autograd's entry point: backward runs on the calling rank thread, never on a device thread
-    "torch.autograd._engine_run_backward", "torch.autograd.graph._engine_run_backward",
-    # the C++ side: stand-ins are privateuseone tensors (guard, hooks, the registered flag; see _native)
-    "torch._C._acc.register_python_privateuseone_device_guard", "torch._C._acc.register_python_privateuseone_hook",
-    "torch._C._acc.DeviceGuard", "torch._C._acc.PrivateUse1Hooks", "torch._C._rename_privateuse1_backend",
-    "torch._C._autograd.DeviceType", "torch._C._ExcludeDispatchKeyGuard",
-    "torch._C._get_privateuse1_backend_name", "torch._C._dispatch_has_computed_kernel_for_dispatch_key",
-    "torch.Tensor._make_wrapper_subclass", "sys.modules['torch.privateuseone']",
-    # the operator itself behind an OpOverload (called without OpOverload.__call__'s frame); torch's printer
-    "torch._ops.OpOverload._op", "torch._tensor_str._str",
-    # torch's cache of default-device constructors, filled before torch.tensor is replaced (see install)
-    "torch.utils._device._device_constructors",
-    # torch.load restores cuda-tagged storages through this registry's cuda entry (see serialization)
-    "torch.serialization._package_registry",
-    # the fake-tensor dispatch cache, one per process: keyed by the current device while enabled (see fakecache)
-    "torch._subclasses.fake_tensor.FakeTensorMode.cache",
-    # SDPA on stand-ins: CUDA's fused operators, computed by the CPU's fused kernel (see attention)
-    "torch.ops.aten._scaled_dot_product_flash_attention", "torch.ops.aten._scaled_dot_product_efficient_attention",
-    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu", "torch.ops.aten._scaled_dot_product_attention_math",
-    # the devices' generators draw through the CPU generator (see rng)
-    "torch._C.default_generator",
-)
+#: Every private torch name the stand-in replaces or relies on: its records of the one list,
+#: simulator.adapters.torch_private (they may change between torch releases; the adapters are pinned to
+#: torch 2.13/2.14), and the module name it registers for its device.
+PRIVATE_TORCH_NAMES = tuple(p.name for p in PRIVATE_NAMES if "standin" in p.users) + (
+    "sys.modules['torch.privateuseone']",)
 
 #: the public torch names replaced while a stand-in is enabled
 PATCHED_PUBLIC = _install.PATCHED_PUBLIC

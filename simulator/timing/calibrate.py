@@ -38,9 +38,14 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
+import torch.distributed as tdist
+
+from tensorplay.distributed.errors import DistValueError, format_message
 
 from simulator.timing.cost import ALGORITHMS, CLASSES, ClassCost, CostModel, Regime
 
@@ -74,11 +79,6 @@ def class_nbytes(cls: str, nbytes: int, world_size: int) -> tuple[int, int]:
 def _rank_measure(cls: str, sizes: Sequence[int], repeats: int, warmup: int, target_s: float,
                   device: str) -> dict[int, list[float]]:
     """On every rank of the pool: time ``cls`` at each size; per size, the per-call seconds of each loop."""
-    import time as _time
-
-    import torch
-    import torch.distributed as tdist
-
     rank, w = tdist.get_rank(), tdist.get_world_size()
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -129,8 +129,6 @@ def _rank_measure(cls: str, sizes: Sequence[int], repeats: int, warmup: int, tar
             return lambda: None
         raise ValueError(f"unknown class {cls!r}")
 
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames *_into_tensor/_tensor
         return _time_sizes(make, cls, sizes, repeats, warmup, target_s, sync)
@@ -138,11 +136,6 @@ def _rank_measure(cls: str, sizes: Sequence[int], repeats: int, warmup: int, tar
 
 def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequence[int], repeats: int,
                 warmup: int, target_s: float, sync: Callable[[], None]) -> dict[int, list[float]]:
-    import time as _time
-
-    import torch
-    import torch.distributed as tdist
-
     ops, iters = {}, {}
     for nbytes in sizes:  # warm-up, and the loop length of each size (agreed: the slowest rank's estimate)
         op = ops[nbytes] = make(nbytes)
@@ -150,10 +143,10 @@ def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequ
             op()
         sync()
         tdist.barrier()
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         op()
         sync()
-        est = torch.tensor([_time.perf_counter() - t0], dtype=torch.float64)
+        est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         tdist.all_reduce(est, op=tdist.ReduceOp.MAX)  # every rank runs the same number of iterations
         iters[nbytes] = int(max(1, min(500, target_s / max(est.item(), 1e-7))))
     per_call = 2 if cls == "p2p" else 1
@@ -164,11 +157,11 @@ def _time_sizes(make: Callable[[int], Callable[[], None]], cls: str, sizes: Sequ
         for nbytes in sizes:
             op, n = ops[nbytes], iters[nbytes]
             tdist.barrier()
-            t0 = _time.perf_counter()
+            t0 = time.perf_counter()
             for _ in range(n):
                 op()
             sync()
-            out[nbytes].append((_time.perf_counter() - t0) / (n * per_call))
+            out[nbytes].append((time.perf_counter() - t0) / (n * per_call))
     tdist.barrier()
     return out
 
@@ -365,10 +358,6 @@ def calibrate(*, backend: str = "gloo", world_sizes: Sequence[int] = (2, 4), siz
     """Measure and fit; return the calibrated :class:`CostModel` (``meta`` holds the machine, backend, torch
     version, world sizes, raw medians and residuals).  ``pools`` maps a world size to an already started
     pool to use instead of starting one."""
-    import torch
-
-    from tensorplay.distributed.errors import DistValueError, format_message
-
     classes = list(classes or CLASSES)
     bad = sorted(set(classes) - set(CLASSES))
     if bad:
@@ -397,7 +386,7 @@ def calibrate(*, backend: str = "gloo", world_sizes: Sequence[int] = (2, 4), siz
         pool = (pools or {}).get(w)
         own = pool is None
         if own:
-            from tensorplay.testing import RankPool
+            from tensorplay.testing import RankPool  # (lazy: the pools need the optional `multiprocess` extra)
 
             say(f"starting {w} {backend} processes on loopback")
             pool = RankPool(w, backend)

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES, COST_CLASSES
 
 from simulator.timing.profile import check_class, check_profile, number_problem, read_profile
@@ -116,8 +117,6 @@ class Regime:
             v = getattr(self, name)
             problem = None if name == "upto_bytes" and v == math.inf else number_problem(v, name)
             if problem:  # out of range, a cost would be infinite or negative
-                from tensorplay.distributed.errors import DistValueError, format_message
-
                 raise DistValueError(format_message("simulator.Regime", f"{name} {problem}", values={name: v},
                                                     fix="fit regimes with `python -m simulator calibrate`"))
 
@@ -205,8 +204,6 @@ class CostModel:
     meta: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        from tensorplay.distributed.errors import DistValueError, format_message
-
         for name in ("latency_s", "bandwidth_Bps", "compute_scale"):
             v = getattr(self, name)
             problem = number_problem(v, name)  # the bounds keep every cost finite (simulator.timing.profile.LIMITS)
@@ -319,8 +316,6 @@ def default_cost(model: CostModel | None) -> Iterator[None]:
 def resolve_cost(cost: "CostModel | str | os.PathLike[str] | None", compute_scale: float | None = None) -> CostModel:
     """``World(cost=...)``: a :class:`CostModel`, a profile path, or ``None`` (the uncalibrated default, or
     the one :func:`default_cost` set); ``compute_scale`` (when given) replaces the model's."""
-    from tensorplay.distributed.errors import DistTypeError, format_message
-
     if cost is None:
         model = _default if _default is not None else CostModel()
     elif isinstance(cost, CostModel):

@@ -23,6 +23,7 @@ __all__ = [
     "NotInitializedError",
     "RankNotInGroupError",
     "DistBackendError",
+    "UnknownBackendError",
     "format_message",
 ]
 
@@ -57,6 +58,10 @@ class RankNotInGroupError(DistValueError):
 
 class DistBackendError(DistRuntimeError):
     """The backend itself failed while running a call that passed validation."""
+
+
+class UnknownBackendError(DistError, AssertionError):
+    """A backend name torch does not know: torch raises ``AssertionError`` for it, so this is one (and a DistError)."""
 
 
 def _fmt_value(v: Any) -> str:

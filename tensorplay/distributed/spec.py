@@ -413,6 +413,9 @@ class CollectiveSpec:
     list_input: bool = False
     tuple_output: bool = False
     splits: bool = False
+    #: the function's first argument is an output buffer (or ``None``) that gives the result's layout; the call is
+    #: ``fn([output,] input, [root,] [output_split_sizes, input_split_sizes,] [op=...,] group=...)``
+    takes_output: bool = False
     #: the backend collective the autograd layer runs it with (what the members must agree on is stated there)
     lowers_to: str = ""
     #: the backward, executable: ``vjp(collectives, call, grads, (input, output)) -> input grads``
@@ -506,6 +509,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_gather_single",
+            takes_output=True,
             lowers_to="all_gather_into_tensor",
             vjp=_vjp_all_gather_single,
             summary="every rank gets every rank's tensor concatenated on dim 0 (0-d tensors stacked)",
@@ -516,6 +520,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="reduce_scatter",
+            takes_output=True,
             lowers_to="reduce_scatter_tensor",
             vjp=_vjp_reduce_scatter,
             summary="rank i gets op over every rank's i-th tensor",
@@ -528,6 +533,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_to_all",
+            takes_output=True,
             lowers_to="all_to_all",
             vjp=_vjp_all_to_all,
             summary="rank i's j-th output is rank j's i-th input (shapes may differ per pair)",
@@ -540,6 +546,7 @@ SPECS: dict[str, CollectiveSpec] = {
         ),
         CollectiveSpec(
             name="all_to_all_single",
+            takes_output=True,
             lowers_to="all_to_all_single",
             vjp=_vjp_all_to_all_single,
             summary="split dim 0 by in_splits, exchange, concatenate by out_splits",

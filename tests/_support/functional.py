@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -33,12 +33,33 @@ import tensorplay.distributed as dist
 import tensorplay.distributed.nn.functional as df
 from tensorplay.distributed import DistError, DistTypeError, DistValueError, ReduceOp
 
+
+class Kind(NamedTuple):
+    """What a case needs to know about a collective: its root argument (``None``: not rooted) and whether
+    it takes a reduce op."""
+
+    root: str | None = None
+    reduces: bool = False
+
+
+#: every autograd collective, each named once (written here, not read from the product: this is the oracle)
+KINDS: dict[str, Kind] = {
+    "broadcast": Kind(root="src"),
+    "reduce": Kind(root="dst", reduces=True),
+    "all_reduce": Kind(reduces=True),
+    "gather": Kind(root="dst"),
+    "scatter": Kind(root="src"),
+    "all_gather": Kind(),
+    "all_gather_single": Kind(),
+    "reduce_scatter": Kind(reduces=True),
+    "all_to_all": Kind(),
+    "all_to_all_single": Kind(),
+}
+COLLECTIVES = tuple(KINDS)
 #: collectives that take a reduce op
-REDUCING = ("reduce", "all_reduce", "reduce_scatter")
-ROOTED = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
-LIST_INPUT = ("scatter", "reduce_scatter", "all_to_all")
-COLLECTIVES = ("broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather", "all_gather_single",
-               "reduce_scatter", "all_to_all", "all_to_all_single")
+REDUCING = tuple(name for name, kind in KINDS.items() if kind.reduces)
+#: rooted collective -> the name of its root argument
+ROOTED = {name: kind.root for name, kind in KINDS.items() if kind.root is not None}
 DTYPES = {"f64": torch.float64, "c128": torch.complex128, "i64": torch.int64, "f32": torch.float32,
           "bool": torch.bool}
 FD_STEP = 1e-6
@@ -640,6 +661,7 @@ ERROR_CASES: list[tuple[str, Callable[[], Any], type, tuple[str, ...]]] = [
     ("min-complex-reduce", lambda: df.reduce(torch.ones(2, dtype=torch.complex128), 0, op="min"),
      DistTypeError, ("reduce", "MIN")),
     ("unknown-op", lambda: df.all_reduce(torch.ones(2), op="median"), DistValueError, ("unknown reduce op",)),
+    ("op-wrong-type", lambda: df.all_reduce(torch.ones(2), op=3), DistTypeError, ("all_reduce", "op=3", "Fix:")),
     ("src-not-member", lambda: df.broadcast(torch.ones(2), 5), DistValueError, ("broadcast", "src=5", "group_ranks")),
     ("no-dst", lambda: df.reduce(torch.ones(2)), DistValueError, ("reduce", "no dst")),
     ("src-and-group-src", lambda: df.broadcast(torch.ones(2), 0, group_src=0), DistValueError, ("both src",)),

@@ -4,6 +4,9 @@
 in-process simulator; its backend module (``simulator.core.backend``) registers it
 when imported, and the registry imports that module lazily the first time
 ``"sim"`` is asked for (a bare ``import simulator`` is lazy and imports nothing).
+
+Writing a backend: :mod:`tensorplay.distributed.backends.kit` gathers everything
+a backend (or a harness that starts worlds itself) needs from tensorplay.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def register_backend(name: str, cls: Type[Backend]) -> None:
 
 
 def get_backend_class(name: str) -> Type[Backend]:
+    """The class registered under ``name`` (importing its module first if it registers lazily); ``KeyError``
+    when none is."""
     key = name.lower()
     if key not in _REGISTRY and key in _LAZY:
         importlib.import_module(_LAZY[key])
@@ -40,4 +45,5 @@ def get_backend_class(name: str) -> Type[Backend]:
 
 
 def registered() -> list[str]:
+    """Every backend name that :func:`get_backend_class` can answer, sorted."""
     return sorted(set(_REGISTRY) | set(_LAZY))

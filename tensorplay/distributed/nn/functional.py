@@ -46,13 +46,28 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _state
-from ..api import _CallContext, _group, _root, _same_dtype, _single_splits, _tensor, _tensor_list
+from .. import state
 from ..errors import DistError, DistTypeError, DistValueError
 from ..group import ProcessGroup
 from ..group import group as _groups
-from ..reduce_op import ReduceOp, dtype_rule, normalize_op
-from ..spec import DIFFERENTIABLE_OPS, SPECS, Call, gathered_shape
+from ..reduce_op import ReduceOp
+from ..spec import SPECS, Call, gathered_shape
+from ..validation import (
+    CallContext,
+    begin,
+    check_gathered_shape,
+    check_one_dtype,
+    check_receiver_list,
+    check_same_dtype,
+    check_self_block,
+    check_single_splits,
+    check_split_list,
+    check_tensor,
+    check_tensor_list,
+    require_root_list,
+    resolve_op,
+    resolve_root,
+)
 
 __all__ = [
     "broadcast",
@@ -195,7 +210,7 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
         call: Call = ctx.call
-        with _state.backward_of(call.name):
+        with state.backward_of(call.name):
             saved = ctx.saved_tensors if call.saves_tensors() else ()
             got = SPECS[call.name].vjp(_Differentiable(call.group), call, grads, saved)
         # inputs without a gradient (scatter's non-src stand-in) get None, and so does every input
@@ -256,14 +271,14 @@ class _Differentiable:
 
 
 # ---------------------------------------------------------------------------
-# validation helpers (everything is checked on the calling rank before any communication)
+# every argument is checked on the calling rank before any communication, by the checks the
+# torch.distributed-style API uses too (tensorplay.distributed.validation): one mistake, one error class
 # ---------------------------------------------------------------------------
-def _begin(name: str, group: Any) -> _CallContext:
-    qualified = f"nn.functional.{name}"
-    return _CallContext(qualified, _group(qualified, group)[1])
+def _begin(name: str, group: Any) -> CallContext:
+    return begin(f"nn.functional.{name}", group)
 
 
-def _new_call(c: _CallContext, name: str, **fields: Any) -> Call:
+def _new_call(c: CallContext, name: str, **fields: Any) -> Call:
     return Call(name, c.pg, c.pg.size(), c.pg.rank(), **fields)
 
 
@@ -271,24 +286,9 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _reduce_op(c: _CallContext, op: Any, tensors: Sequence[torch.Tensor]) -> ReduceOp:
+def _reduce_op(c: CallContext, op: Any, tensors: Sequence[torch.Tensor]) -> ReduceOp:
     """``op`` as a ReduceOp the dtype allows and, when a gradient is wanted, one that has a gradient."""
-    dtype = tensors[0].dtype
-    try:
-        rop = normalize_op(op)
-    except ValueError:
-        raise c.error(DistValueError, "unknown reduce op",
-                      f"use one of {', '.join('ReduceOp.' + o.name for o in ReduceOp)}", op=op) from None
-    if rop not in DIFFERENTIABLE_OPS and _wants_grad(tensors):
-        raise c.error(
-            DistTypeError, f"{rop.name} has no gradient, but the input requires grad",
-            "use SUM, AVG, PRODUCT, MIN or MAX, or pass a tensor that does not require grad "
-            "(x.detach(), or run under torch.no_grad())",
-            op=rop, dtype=dtype, requires_grad=True)
-    why = dtype_rule(rop, dtype)
-    if why is not None:
-        raise c.error(DistTypeError, f"{rop.name} cannot reduce this dtype", why, op=rop, dtype=dtype)
-    return rop
+    return resolve_op(c, op, tensors[0].dtype, requires_grad=_wants_grad(tensors))
 
 
 # ---------------------------------------------------------------------------
@@ -313,8 +313,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = WORLD, 
         True
     """
     c = _begin("broadcast", group)
-    _tensor(c, tensor, "tensor")
-    root = _root(c, "src", src, group_src)
+    check_tensor(c, tensor, "tensor")
+    root = resolve_root(c, "src", src, group_src)
     return _apply(_new_call(c, "broadcast", root=root), tensor)
 
 
@@ -338,9 +338,9 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
         True
     """
     c = _begin("reduce", group)
-    _tensor(c, tensor, "tensor")
+    check_tensor(c, tensor, "tensor")
     rop = _reduce_op(c, op, (tensor,))
-    root = _root(c, "dst", dst, group_dst)
+    root = resolve_root(c, "dst", dst, group_dst)
     return _apply(_new_call(c, "reduce", root=root, op=rop), tensor)
 
 
@@ -361,7 +361,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = WORLD)
         tensor([4.])
     """
     c = _begin("all_reduce", group)
-    _tensor(c, tensor, "tensor")
+    check_tensor(c, tensor, "tensor")
     rop = _reduce_op(c, op, (tensor,))
     return _apply(_new_call(c, "all_reduce", op=rop), tensor)
 
@@ -385,8 +385,8 @@ def gather(tensor: torch.Tensor, dst: int | None = None, group: Any = WORLD, *,
         True
     """
     c = _begin("gather", group)
-    _tensor(c, tensor, "tensor")
-    root = _root(c, "dst", dst, group_dst, default=0)
+    check_tensor(c, tensor, "tensor")
+    root = resolve_root(c, "dst", dst, group_dst, default=0)
     return _apply(_new_call(c, "gather", root=root), tensor)
 
 
@@ -437,7 +437,7 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
         True
     """
     c = _begin("scatter", group)
-    root = _root(c, "src", src, group_src, default=0)
+    root = resolve_root(c, "src", src, group_src, default=0)
     pg = c.pg
     me = pg.rank()
     dev = _header_device(pg)
@@ -456,7 +456,7 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
         if refused is not None:
             raise refused
         return _apply(_new_call(c, "scatter", root=root), *parts)
-    own = _scatter_receiver_list(c, tensors)
+    own = check_receiver_list(c, tensors, "tensors", "src")
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=dev)
     pg.backend.broadcast(header, root, pg, False)
     status, wants_grad, code, on_gpu, ndim = header[:5].tolist()
@@ -479,25 +479,9 @@ def scatter(tensors: Sequence[torch.Tensor] | None, src: int | None = None, grou
     return _apply(call, like, *own)
 
 
-def _scatter_receiver_list(c: _CallContext, tensors: Any) -> list[torch.Tensor]:
-    """A non-src rank's ``tensors``: ``None`` or a list of tensors (torch's convention; values unread)."""
-    if tensors is None:
-        return []
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-        raise c.error(DistTypeError, "tensors must be None or a list of tensors on a non-src rank",
-                      "pass None (or the list torch's module takes) on ranks other than src",
-                      tensors=type(tensors).__name__)
-    for i, t in enumerate(tensors):
-        _tensor(c, t, f"tensors[{i}]")
-    return list(tensors)
-
-
-def _scatter_parts(c: _CallContext, tensors: Any) -> list[torch.Tensor]:
-    if tensors is None:
-        raise c.error(DistValueError, "tensors is required on the src rank",
-                      f"pass a list of {c.pg.size()} tensors of one shape and dtype on src", tensors=None)
-    parts = _tensor_list(c, tensors, "tensors", None, same_shape=False)
-    parts = _tensor_list(c, parts, "tensors", parts[0], same_shape=True)
+def _scatter_parts(c: CallContext, tensors: Any) -> list[torch.Tensor]:
+    """src's blocks: one per group rank, of one shape and dtype, that the header can describe."""
+    parts = require_root_list(c, tensors, "tensors", "src", None)
     if parts[0].dtype not in _DTYPE_CODE or parts[0].dim() > _MAX_DIMS:
         raise c.error(DistTypeError, "scatter cannot describe this block to the other ranks",
                       f"use one of {[str(d) for d in _DTYPES]} with at most {_MAX_DIMS} dimensions",
@@ -522,7 +506,7 @@ def all_gather(tensor: torch.Tensor, group: Any = WORLD) -> tuple[torch.Tensor, 
         True
     """
     c = _begin("all_gather", group)
-    _tensor(c, tensor, "tensor")
+    check_tensor(c, tensor, "tensor")
     return _apply(_new_call(c, "all_gather"), tensor)
 
 
@@ -544,20 +528,15 @@ def all_gather_single(output: torch.Tensor | None, input: torch.Tensor, group: A
         True
     """
     c = _begin("all_gather_single", group)
-    _tensor(c, input, "input")
-    w = c.pg.size()
-    concat = gathered_shape(tuple(input.shape), w)
+    if output is not None:  # checked in the order the torch.distributed-style all_gather_into_tensor checks
+        check_tensor(c, output, "output")
+    check_tensor(c, input, "input")
     if output is None:
-        out_shape = concat
+        out_shape = gathered_shape(tuple(input.shape), c.pg.size())
     else:
-        _tensor(c, output, "output")
-        _same_dtype(c, output, "output", input, "input")
+        check_same_dtype(c, output, "output", input, "input")
+        check_gathered_shape(c, output.shape, input.shape, "output", "input", may_be_none=True)
         out_shape = tuple(output.shape)
-        if out_shape not in (concat, (w, *input.shape)):
-            raise c.error(DistValueError, "output must hold group-size copies of input (concatenated on dim 0 "
-                          "or stacked on a new dim 0)", f"pass output=None, or one of shape {concat} or "
-                          f"{(w, *input.shape)}", **{"output.shape": out_shape, "input.shape": tuple(input.shape),
-                                                     "group_size": w})
     return _apply(_new_call(c, "all_gather_single", shape=tuple(input.shape), out_shape=out_shape), input)
 
 
@@ -587,9 +566,10 @@ def reduce_scatter(output: torch.Tensor | None, input_list: Sequence[torch.Tenso
         [[1.0], [2.0]]
     """
     c = _begin("reduce_scatter", group)
-    ins = _tensor_list(c, input_list, "input_list", None, same_shape=False)
-    like = ins[0] if output is None else _tensor(c, output, "output")
-    ins = _tensor_list(c, ins, "input_list", like, same_shape=True)
+    like = None if output is None else check_tensor(c, output, "output")
+    if like is None:
+        like = check_tensor_list(c, input_list, "input_list")[0]
+    ins = check_tensor_list(c, input_list, "input_list", like, same_shape=True)
     rop = _reduce_op(c, op, ins)
     return _apply(_new_call(c, "reduce_scatter", op=rop), torch.stack(ins))
 
@@ -614,22 +594,12 @@ def all_to_all(output_tensor_list: Sequence[torch.Tensor] | None, input_tensor_l
         True
     """
     c = _begin("all_to_all", group)
-    ins = _tensor_list(c, input_tensor_list, "input_tensor_list", None, same_shape=False)
+    ins = check_tensor_list(c, input_tensor_list, "input_tensor_list")
     me = c.pg.rank()
-    if output_tensor_list is None:
-        out_shapes = tuple(tuple(ins[me].shape) for _ in ins)
-    else:
-        outs = _tensor_list(c, output_tensor_list, "output_tensor_list", None, same_shape=False)
-        for i, t in enumerate(outs):
-            _same_dtype(c, t, f"output_tensor_list[{i}]", ins[0], "input_tensor_list[0]")
-        out_shapes = tuple(tuple(t.shape) for t in outs)
-    for i, t in enumerate(ins):
-        _same_dtype(c, t, f"input_tensor_list[{i}]", ins[0], "input_tensor_list[0]")
-    if out_shapes[me] != tuple(ins[me].shape):
-        raise c.error(DistValueError, "the block a rank sends to itself must fit the block it receives from itself",
-                      "make output_tensor_list[rank] the shape of input_tensor_list[rank]",
-                      **{f"output_tensor_list[{me}].shape": out_shapes[me],
-                         f"input_tensor_list[{me}].shape": tuple(ins[me].shape)})
+    outs = [] if output_tensor_list is None else check_tensor_list(c, output_tensor_list, "output_tensor_list")
+    check_one_dtype(c, ins[0], "input_tensor_list[0]", ("input_tensor_list", ins), ("output_tensor_list", outs))
+    out_shapes = tuple(tuple(t.shape) for t in outs) if outs else tuple(tuple(ins[me].shape) for _ in ins)
+    check_self_block(c, out_shapes[me], ins[me].shape)
     call = _new_call(c, "all_to_all", in_shapes=tuple(tuple(t.shape) for t in ins), out_shapes=out_shapes)
     return _apply(call, *ins)
 
@@ -655,12 +625,16 @@ def all_to_all_single(output: torch.Tensor | None, input: torch.Tensor, output_s
         True
     """
     c = _begin("all_to_all_single", group)
-    _tensor(c, input, "input")
+    if output is not None:  # checked in the order the torch.distributed-style all_to_all_single checks
+        check_tensor(c, output, "output")
+    check_tensor(c, input, "input")
     if output is None:
-        rows = input.shape[0] if input.dim() and output_split_sizes is None else sum(output_split_sizes or ())
+        if output_split_sizes is not None:  # the rows come from the sizes: check them before adding them up
+            rows = sum(check_split_list(c, output_split_sizes, "output_split_sizes"))
+        else:
+            rows = input.shape[0] if input.dim() else 0
         output = torch.empty((rows, *input.shape[1:]), dtype=input.dtype, device="meta")
     else:
-        _tensor(c, output, "output")
-        _same_dtype(c, output, "output", input, "input")
-    outs, ins = _single_splits(c, output, input, output_split_sizes, input_split_sizes)
+        check_same_dtype(c, output, "output", input, "input")
+    outs, ins = check_single_splits(c, output, input, output_split_sizes, input_split_sizes)
     return _apply(_new_call(c, "all_to_all_single", in_splits=tuple(ins), out_splits=tuple(outs)), input)

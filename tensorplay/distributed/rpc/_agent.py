@@ -14,7 +14,7 @@ transport names: a transport module *declares* what callers need
 (:class:`Transport`), and an agent declares what it offers (whether it is
 bound to a thread, its distributed-autograd engine).
 
-Like :mod:`tensorplay.distributed._state`, a thread may carry its own agent
+Like :mod:`tensorplay.distributed.state`, a thread may carry its own agent
 (the simulator's rank threads do, and a simulated call runs the callee's code
 with the callee's agent bound), which then takes precedence over the
 process's.  The public functions in :mod:`.api` ask :func:`current` on every

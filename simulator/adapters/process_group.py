@@ -1,0 +1,416 @@
+"""The torch ``ProcessGroup`` whose operations run on the simulator, and how torch creates one.
+
+Part of the torch.distributed adapter (:mod:`simulator.adapters.torch_native`, which registers
+:func:`_create` as torch's ``"sim"`` backend): every process group torch builds on a simulated rank is a
+:class:`SimProcessGroup` over a tensorplay group of the simulated world.  It reports the backend the program
+named (gloo, nccl) and imitates that backend's refusals.  The private torch names it overrides are listed in
+:mod:`simulator.adapters.torch_private`.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.distributed_c10d as c10d
+
+import tensorplay.distributed as tpd
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
+from tensorplay.distributed.group import ProcessGroup as TpGroup
+
+from simulator.adapters.process_group_work import SimWork, _autograd_refusal, _backend_errors
+from simulator.adapters.torch_private import check_torch_version
+from simulator.core.state import rank_device
+
+__all__ = ["SimProcessGroup"]
+
+check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
+
+#: the tag of monitored_barrier's messages (a program's own tags are small; gloo keeps these apart likewise)
+_MONITORED_TAG = -(2 ** 31) + 7
+
+
+def _op(opts: Any) -> Any:
+    op = opts.reduceOp
+    return getattr(op, "op", op)  # torch's ReduceOp wraps a RedOpType; ours understands the latter
+
+
+class _SimBackendView:
+    """What ``ProcessGroup._get_backend(device)`` returns for a simulated group.
+
+    torch's Python code asks a group's backend a few capability questions
+    (splitting, coalescing, time estimates); the simulator supports none of
+    them, which sends torch down the same generic paths gloo takes.
+    """
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def __init__(self, pg: "SimProcessGroup", device: torch.device) -> None:
+        self._pg = pg
+        self.device = device
+
+    def name(self) -> str:
+        return self._pg.getBackendName()
+
+    def rank(self) -> int:
+        return self._pg.rank()
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        """A method on torch's ``Backend`` (FSDP2's ``set_allocate_memory_from_process_group_for_comm`` asks)."""
+        return False
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<simulated {self.name()} backend of {self._pg!r} for {self.device}>"
+
+
+def _device_types_for(named: str) -> list[torch.device]:
+    """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
+    types: list[str] = []
+    try:
+        types = list(c10d.BackendConfig(tdist.Backend(named)).get_device_backend_map())
+    except Exception:  # noqa: BLE001  an unknown name: fall back to the rank's device below
+        types = []
+    own = rank_device().type
+    standin = sys.modules.get("simulator.standin")
+    # on CUDA stand-ins an "nccl" group is NCCL's: CUDA only (see _nccl_devices), so checkpointing's device query
+    # (_get_pg_default_device) answers cuda, as on GPUs
+    if own not in types and not (named == "nccl" and standin is not None and standin.is_active()):
+        types.append(own)
+    # c10d lists accelerators before cpu (gloo's group reports [cuda, cpu])
+    return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
+
+
+class SimProcessGroup(tdist.ProcessGroup):
+    """A torch ProcessGroup whose operations run on the simulator through tensorplay.distributed.
+
+    Every operation is issued asynchronously and returns a :class:`SimWork`;
+    torch itself calls ``wait()`` for the blocking forms, as it does on gloo.
+    To Python callers the group reports the backend the program named
+    (``"gloo"``, ``"nccl"`` or ``"sim"``: ``get_backend``,
+    ``_get_backend_name``) and that backend's devices (``_device_types``), so
+    code that asks (object collectives, checkpointing) takes the path it would
+    take on a real run; torch's C++ side sees backend ``"sim"``.
+    """
+
+    def __init__(self, group: TpGroup, named: str = "sim", timeout: timedelta | None = None) -> None:
+        super().__init__(group.rank(), group.size())
+        self._g = group
+        self._named = str(named)
+        self._types = _device_types_for(self._named)
+        #: the bound on each of its operations (init_process_group / new_group's timeout=), as gloo's
+        self._timeout = timeout if timeout else None
+
+    def getBackendName(self) -> str:  # noqa: N802  (torch's name)
+        # what torch's C++ side reads (DDP's logger, ...): "gloo" there would send it looking for a
+        # ProcessGroupGloo; Python callers get the named backend from get_backend()/_get_backend_name()
+        return "sim"
+
+    def _get_backend_name(self) -> str:
+        return self._named
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return list(self._types)
+
+    def _get_backend(self, device: Any) -> _SimBackendView:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        if torch.device(dev.type) not in self._types:
+            raise RuntimeError(format_message(
+                "ProcessGroup._get_backend", "no backend is registered for this device type on the group",
+                values={"device": str(dev), "registered": [str(t) for t in self._types], "backend": self._named},
+                fix="use a tensor on one of the registered devices"))
+        return _SimBackendView(self, torch.device(dev.type))
+
+    @property
+    def group_name(self) -> str:
+        # torch records the name it gave the group in the (per-rank) c10d state; destroy_process_group(group)
+        # drops that record before it unregisters the group by this name, so the record also keeps it here
+        name = c10d._world.pg_names.get(self)
+        return name if name is not None else self.__dict__.get("_tp_name") or c10d._world.pg_names[self]
+
+    pg_name = group_name
+
+    def __repr__(self) -> str:
+        return f"SimProcessGroup(ranks={list(self._g.ranks)}, rank={self._g.rank()}, backend={self._named!r})"
+
+    def _start_coalescing(self, device: Any) -> None:
+        # gloo has no coalescing either; torch's generic paths (batch_isend_irecv, ...) never ask for it here
+        raise RuntimeError(format_message(
+            "ProcessGroup._start_coalescing", f"backend {self._named} does not implement startCoalescing",
+            values={"backend": self._named, "device": str(device)},
+            fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
+
+    def _end_coalescing(self, device: Any) -> None:
+        self._start_coalescing(device)
+
+    # -- collectives (torch passes group ranks in opts.rootRank) -------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        op = _op(opts) if opts is not None else tpd.ReduceOp.SUM
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op)
+        return SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> SimWork:
+        """gloo's sparse all_reduce: each rank's (indices, values) gathered, summed, coalesced, written back in
+        place.  gloo reduces sparse tensors with SUM only; NCCL none."""
+        if self._named == "nccl" or getattr(op, "name", None) != "SUM":
+            raise DistBackendError(format_message(
+                "torch.distributed.all_reduce", f"backend {self._named} does not reduce sparse tensors with this op",
+                rank=self._g.rank(), values={"op": op, "backend": self._named, "group": list(self._g.ranks)},
+                fix="use ReduceOp.SUM on a gloo group, or reduce the dense tensor (t.to_dense())"))
+        g, w = self._g, self._g.size()
+        for t in tensors:
+            c = t.coalesce()
+            idx, val = c.indices(), c.values()
+            counts = [torch.zeros(1, dtype=torch.long) for _ in range(w)]
+            tpd.all_gather(counts, torch.tensor([idx.shape[1]]), group=g)
+            m = int(max(int(n) for n in counts))
+            pad_idx = idx.new_zeros((idx.shape[0], m))
+            pad_idx[:, :idx.shape[1]] = idx
+            pad_val = val.new_zeros((m, *val.shape[1:]))
+            pad_val[:val.shape[0]] = val
+            all_idx = [torch.empty_like(pad_idx) for _ in range(w)]
+            all_val = [torch.empty_like(pad_val) for _ in range(w)]
+            tpd.all_gather(all_idx, pad_idx, group=g)
+            tpd.all_gather(all_val, pad_val, group=g)
+            n = [int(k) for k in counts]
+            total = torch.sparse_coo_tensor(torch.cat([a[:, :k] for a, k in zip(all_idx, n)], dim=1),
+                                            torch.cat([v[:k] for v, k in zip(all_val, n)]), t.shape).coalesce()
+            t.copy_(total)
+        return SimWork([], tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        # the implementation itself, not the wrapped call: one operation, one profiler event (as gloo records it)
+        work = SimProcessGroup.allreduce.__wrapped__(self, tensors, opts)
+        work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
+        return work
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return SimWork([tpd.broadcast(t, group=self._g, group_src=opts.rootRank, async_op=True) for t in tensors],
+                       tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce(t, op=_op(opts), group=self._g, group_dst=opts.rootRank, async_op=True)
+                        for t in tensors], tensors)
+
+    def barrier(self, opts: Any = None) -> SimWork:
+        return SimWork([tpd.barrier(group=self._g, async_op=True)], [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, as ProcessGroupGloo runs it: every other rank sends to the group's rank 0 and
+        waits for its answer; rank 0 receives from each within ``timeout`` (default: the group's) and names the
+        first rank (or, with ``wait_all_ranks``, every rank) that did not arrive; the others, left without an
+        answer, say they reached the barrier and name rank 0.  Its messages are gloo's."""
+        bound = timeout if isinstance(timeout, timedelta) else (
+            timedelta(seconds=float(timeout)) if timeout is not None else self._timeout or timedelta(minutes=30))
+        ms = int(bound.total_seconds() * 1000)
+        g, me = self._g, self._g.rank()
+        token = torch.zeros(1)
+        if me != 0:
+            try:
+                tpd.isend(token, group=g, group_dst=0, tag=_MONITORED_TAG)
+                tpd.irecv(token, group=g, group_src=0, tag=_MONITORED_TAG).wait(bound)
+            except DistError as e:
+                raise DistBackendError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for "
+                    f"send/recv from rank 0. Please check rank 0 logs for faulty rank.") from e
+            return
+        start = time.monotonic()
+        failed: list[int] = []
+        for peer in range(1, g.size()):
+            # gloo: waiting for every rank gives each its whole timeout; else the ranks share one
+            left = bound.total_seconds() - (0.0 if wait_all_ranks else time.monotonic() - start)
+            if left <= 0:
+                raise DistBackendError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.")
+            try:
+                tpd.irecv(torch.zeros(1), group=g, group_src=peer, tag=_MONITORED_TAG).wait(timedelta(seconds=left))
+            except DistError as e:
+                if not wait_all_ranks:
+                    raise DistBackendError(f"[Rank 0]: Rank {peer} failed to pass monitoredBarrier in {ms} ms") from e
+                failed.append(peer)
+        if failed:
+            raise DistBackendError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier "
+                                   f"in {ms} ms")
+        for peer in range(1, g.size()):
+            tpd.isend(token, group=g, group_dst=peer, tag=_MONITORED_TAG)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> SimWork:
+        works = [tpd.all_gather(outs, t, group=self._g, async_op=True)
+                 for outs, t in zip(output_tensors, input_tensors)]
+        flat = [t for outs in output_tensors for t in outs]
+        return SimWork(works, flat, refuse=_autograd_refusal("all_gather", self._g.rank(), flat))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> SimWork:
+        # output_lists[r][i] receives rank r's input_list[i]: one all_gather per input tensor, as gloo does
+        works = [tpd.all_gather([outs[i] for outs in output_lists], t, group=self._g, async_op=True)
+                 for i, t in enumerate(input_list)]
+        flat = [t for outs in output_lists for t in outs]
+        return SimWork(works, flat, refuse=_autograd_refusal("all_gather_coalesced", self._g.rank(), flat))
+
+    def _gloo_layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> None:
+        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0); NCCL also the stacked one."""
+        if self._named == "nccl":
+            return
+        w = self._g.size()
+        rows = part.shape[0] if part.dim() else 1
+        want = (w * rows, *part.shape[1:])
+        if tuple(flat.shape) != want:
+            raise DistBackendError(format_message(
+                f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
+                f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
+                rank=self._g.rank(), values={f"{what}.shape": tuple(flat.shape), "expected": want},
+                fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        self._gloo_layout("all_gather_into_tensor", output, input, "output")
+        return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output],
+                       refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output]))
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> SimWork:
+        return SimWork([tpd.all_gather_into_tensor(o, i, group=self._g, async_op=True)
+                        for o, i in zip(outputs, inputs)], outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> SimWork:
+        is_root = self._g.rank() == opts.rootRank
+        w = tpd.gather(input_tensors[0], output_tensors[0] if is_root else None, group=self._g,
+                       group_dst=opts.rootRank, async_op=True)
+        outs = output_tensors[0] if is_root and output_tensors else []
+        return SimWork([w], outs, refuse=_autograd_refusal("gather", self._g.rank(), outs))
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> SimWork:
+        is_root = self._g.rank() == opts.rootRank
+        w = tpd.scatter(output_tensors[0], input_tensors[0] if is_root else None, group=self._g,
+                        group_src=opts.rootRank, async_op=True)
+        return SimWork([w], output_tensors)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce_scatter(o, ins, op=_op(opts), group=self._g, async_op=True)
+                        for o, ins in zip(output_tensors, input_tensors)], output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
+        self._gloo_layout("reduce_scatter_tensor", input, output, "input")
+        return SimWork([tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g, async_op=True)],
+                       [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> SimWork:
+        return SimWork([tpd.reduce_scatter_tensor(o, i, op=_op(opts), group=self._g, async_op=True)
+                        for o, i in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> SimWork:
+        w = tpd.all_to_all_single(output, input, list(output_split_sizes) or None,
+                                  list(input_split_sizes) or None, group=self._g, async_op=True)
+        return SimWork([w], [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> SimWork:
+        shapes = {tuple(t.shape) for t in [*output_tensors, *input_tensors]}
+        if len(shapes) > 1 and self._named != "nccl":  # NCCL exchanges per-pair shapes; gloo only equal blocks
+            raise DistBackendError(format_message(
+                "torch.distributed.all_to_all", f"invalid tensor size: {self._named} exchanges equal blocks only "
+                f"(ProcessGroupGloo::alltoall refuses per-pair shapes)", rank=self._g.rank(),
+                values={"input_shapes": [tuple(t.shape) for t in input_tensors],
+                        "output_shapes": [tuple(t.shape) for t in output_tensors]},
+                fix="pad the blocks to one shape, or use all_to_all_single with split sizes"))
+        return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=self._g, async_op=True)],
+                       output_tensors, refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
+
+    # -- point to point ----------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
+        return SimWork([tpd.isend(t, group=self._g, group_dst=dst, tag=tag) for t in tensors], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
+        works = [tpd.irecv(t, group=self._g, group_src=src, tag=tag) for t in tensors]
+        return SimWork(works, tensors, source=lambda: src)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
+        w = tpd.irecv(tensors[0], group=self._g, tag=tag)
+        # tensorplay reports the sender as a global rank; torch's _source_rank() is a group rank
+        return SimWork([w], tensors, source=lambda: self._g.group_rank(w.source_rank()))
+
+
+# every operation's errors reach the caller as gloo's (see process_group_work._backend_errors)
+_GROUP_CALLS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "barrier", "allgather",
+                "allgather_coalesced", "all_gather_single", "allgather_into_tensor_coalesced", "gather", "scatter",
+                "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+                "alltoall", "send", "recv", "recv_anysource")
+#: torch's other names for some calls (bound to the same functions when the class was made)
+_ALIASES = {"_allgather_base": "all_gather_single", "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+            "_reduce_scatter_base": "reduce_scatter_single",
+            "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced", "alltoall_base": "all_to_all_single"}
+for _name in _GROUP_CALLS:
+    setattr(SimProcessGroup, _name, _backend_errors(getattr(SimProcessGroup, _name)))
+for _alias, _name in _ALIASES.items():
+    setattr(SimProcessGroup, _alias, getattr(SimProcessGroup, _name))
+
+
+# ---------------------------------------------------------------------------
+# groups: the world, and member-only subgroups
+# ---------------------------------------------------------------------------
+def _tp_group_for(global_ranks: list[int]) -> TpGroup:
+    st = _state.current()
+    if st is None or st.backend.name != "sim":
+        raise DistRuntimeError(format_message(
+            "init_process_group", "the 'sim' torch backend runs only on simulated ranks",
+            values={"backend": "sim"},
+            fix="run the code under simulator.run(fn, world_size) or `python -m simulator`"))
+    members = getattr(_tls, "members", None)
+    if not global_ranks and members is None:  # init_process_group's default group (torch passes no ranks for it)
+        return st.world
+    # any other group is a communicator of its own, even over every rank (torch's new_group() is): its
+    # collectives never match the world's. torch calls the creator on member ranks only, so the group is
+    # made without the non-members. Inside a default group over some simulated ranks, torch's ranks are that
+    # group's: their simulated ranks are kept in torch's order (a group rank is its index)
+    if members is not None:
+        ranks = tuple(members)
+    else:
+        inner = getattr(c10d._world, "sim_members", None)
+        ranks = tuple(sorted(global_ranks)) if inner is None else tuple(inner[r] for r in sorted(global_ranks))
+    handle = st.backend.member_group_handle(ranks)
+    pg = TpGroup(ranks, st.backend, handle, group_id=len(st.groups) + 1)
+    st.groups.append(pg)
+    return pg
+
+
+#: while torch builds a group on this thread (set by torch_globals' group helper): the backend name the program
+#: gave, the members of a default group over some simulated ranks, the rendezvous it came from
+_tls = threading.local()
+
+
+def _create(dist_backend_opts: Any, backend_options: Any) -> SimProcessGroup:
+    return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group)),
+                           getattr(_tls, "named", None) or "sim", getattr(dist_backend_opts, "timeout", None))

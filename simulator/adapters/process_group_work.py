@@ -1,0 +1,201 @@
+"""What a simulated torch process group's operations return, and how their errors reach the caller.
+
+Part of the torch.distributed adapter (:mod:`simulator.adapters.torch_native`): :class:`SimWork` is torch's
+``Work`` for an operation the simulator runs; :func:`_backend_errors` wraps each operation of
+:class:`~simulator.adapters.process_group.SimProcessGroup` so that its errors look like gloo's (and NCCL's
+device rule on CUDA stand-ins), with the profiler event a real backend records.  The private torch names
+these override are listed in :mod:`simulator.adapters.torch_private`.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from tensorplay.distributed.backends.base import completed_future
+from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
+
+from simulator.adapters import torch_profiling
+from simulator.adapters.torch_private import check_torch_version
+
+__all__ = ["SimWork"]
+
+check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
+
+
+class SimWork(tdist.Work):
+    """torch's ``Work`` for an operation issued on the simulator with ``async_op=True``.
+
+    ``wait()`` waits on the simulator's own work objects, so the scheduler sees
+    the wait (deadlock detection, coop hand-offs); nothing ever blocks in C++ on
+    something the simulator cannot see.  torch's C++ side (DDP's reducer,
+    functional collectives' ``wait_tensor``) reaches ``wait`` and
+    ``get_future`` through pybind's trampoline, so they run this code too.
+
+    ``result()``/``get_future().value()`` follow gloo: the op's output tensors.
+    """
+
+    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None) -> None:
+        super().__init__()
+        self._refuse = refuse  # an error gloo gives this rank once the exchange is done (see _autograd_refusal)
+        self._works = [w for w in works if w is not None]
+        self._result = result
+        self._source = source  # () -> sender's group rank, for receives
+        self._done = False
+        self._exc: BaseException | None = None
+        self._fut: torch.futures.Future | None = None
+        self._event: Any = None  # the profiler's event of this operation, closed when it is waited for
+        self._timeout: timedelta | None = None  # its group's bound on the operation
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block (visibly to the simulator) until the operation finished, at most ``timeout`` (default: its group's
+        timeout; torch's ``timedelta(0)`` means the same); raise its error if it failed."""
+        if not self._done:
+            bound = timeout if isinstance(timeout, timedelta) and timeout else self._timeout
+            try:
+                for w in self._works:
+                    w.wait(bound)
+                if self._refuse is not None:
+                    raise DistBackendError(self._refuse)
+            except BaseException as e:  # noqa: BLE001  kept for exception(), then re-raised as is
+                self._exc = e
+                raise
+            finally:
+                self._done = True
+                if self._event is not None:
+                    event, self._event = self._event, None
+                    torch_profiling.completed(event)
+        elif self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        if not self._done:
+            if not self.is_completed():
+                return False
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001  the failure is what is_success reports
+                return False
+        return self._exc is None
+
+    def exception(self) -> Any:
+        return self._exc
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        if self._source is None:
+            raise DistRuntimeError(format_message(
+                "Work.source_rank", "sourceRank() may only be called on work objects that correspond to a recv "
+                "or recv-from-any call", values={"work": "send" if not self._result else type(self).__name__},
+                fix="call source_rank() on the work that irecv returned"))
+        self.wait()
+        return int(self._source())
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding the op's outputs.
+
+        It is returned completed: torch waits on futures in C++ (DDP's reducer),
+        where the simulator could not see the wait, so the operation is waited
+        for here, visibly, first.
+        """
+        if self._fut is None:
+            self._fut = completed_future(self.wait, lambda: self._result)
+        return self._fut
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+_LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _autograd_refusal(name: str, rank: int, outputs: Any) -> str | None:
+    """The error gloo gives this rank after the exchange, where it writes results with autograd-checked torch ops.
+
+    gloo (torch 2.13) writes the results of all_reduce, broadcast, reduce,
+    scatter, all_to_all_single and recv as raw memory, but copies those of
+    all_gather, gather (on the root), all_to_all, reduce_scatter_tensor,
+    all_reduce_coalesced and all_gather_into_tensor into the outputs with torch
+    ops, in the caller's grad mode: a leaf output that requires grad makes that
+    rank fail, while the other ranks finish.  Measured per collective on 2 gloo
+    processes; none fails under ``torch.no_grad()``.  (An all_gather_into_tensor
+    *input* that requires grad fails on some gloo ranks and not others, varying
+    between runs: not imitated.)  tensorplay's own API writes every result as
+    memory on every backend, so this is the torch front door's only.
+    """
+    if not torch.is_grad_enabled():
+        return None
+    bad = [i for i, t in enumerate(outputs or ()) if t.requires_grad and t.is_leaf]
+    if not bad:
+        return None
+    what = {"outputs_requiring_grad": bad}
+    return format_message(
+        f"torch.distributed.{name}", f"{_LEAF_INPLACE} (gloo writes this collective's results with torch ops that "
+        f"autograd checks, so this rank fails once the exchange is done, as it does on gloo)", rank=rank, values=what,
+        fix="pass tensors that do not require grad (torch.empty(...), or .detach()), or call it under "
+            "torch.no_grad(); for a collective that autograd differentiates, use "
+            "tensorplay.distributed.nn.functional")
+
+
+def _backend_errors(method: Any) -> Any:
+    """Validation errors raised inside a group's call reach the caller as gloo's do: as RuntimeError.
+
+    torch validates its own arguments in Python before calling the group; what
+    tensorplay then refuses (an unknown op, a root outside the group, a shape)
+    gloo refuses in C++, which torch raises as ``RuntimeError``
+    (``DistBackendError``).  The message and the original error are kept.
+    """
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._named == "nccl":
+            _nccl_devices(args)
+        event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
+        try:
+            work = method(self, *args, **kwargs)
+        except DistError as e:
+            torch_profiling.completed(event)
+            if isinstance(e, RuntimeError):
+                raise
+            raise DistBackendError(str(e)) from e
+        except BaseException:
+            torch_profiling.completed(event)
+            raise
+        if event is not None:
+            work._event = event
+        work._timeout = self._timeout
+        return work
+
+    return call
+
+
+def _nccl_devices(args: tuple) -> None:
+    """NCCL's rule on CUDA stand-ins (``devices="cuda"``): a group the program made with "nccl" takes CUDA tensors
+    only, and refuses a CPU tensor with torch's own error (a program that says "nccl" on plain CPU ranks keeps
+    running on the simulated world, as before)."""
+    standin = sys.modules.get("simulator.standin")
+    if standin is None or not standin.is_active():
+        return
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif isinstance(a, torch.Tensor):
+            dev = standin.device_of(a)
+            if dev.type != "cuda":
+                raise RuntimeError(f"No backend type associated with device type {dev.type}")

@@ -1,0 +1,428 @@
+"""torch's process-global state, per simulated rank: c10d's bookkeeping, rendezvous, stores, shared tables.
+
+Part of the torch.distributed adapter (:mod:`simulator.adapters.torch_native`, which installs these while a
+world runs).  torch keeps its process-group bookkeeping in process-global state; simulated ranks are threads of
+one process, so each rank thread gets its own:
+
+* c10d's ``_world`` (:class:`_PerRankWorld` hands each rank thread its :class:`_RankWorld`) and the group
+  name table (:class:`_NameTable`);
+* the rendezvous (:func:`_rendezvous_handler`: an in-memory store per world, or a rendezvous of a group over
+  some of the simulated ranks, :mod:`simulator.adapters.torch_groups`), ``TCPStore`` (:class:`_TCPStore`)
+  and torch's one group builder (:func:`_new_process_group_helper`: every backend is the simulator);
+* process-wide tables torch code changes around collectives (FSDP1's profiler, DTensor's custom op handlers)
+  and DDP's logging data (:data:`_ISOLATED`, patched when their modules are imported).
+
+Every private torch name these touch is listed in :mod:`simulator.adapters.torch_private`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import threading
+from collections import defaultdict
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import torch.distributed as tdist
+import torch.distributed.distributed_c10d as c10d
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.api import _backend_name_refusal
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
+
+from simulator.adapters import torch_groups
+from simulator.adapters.process_group import SimProcessGroup, _tls
+from simulator.adapters.torch_private import check_torch_version
+from simulator.core.backend import SimBackend
+
+check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
+
+# the package attribute of that name is the rendezvous() function; the module holds the handler table
+tdist_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+
+# ---------------------------------------------------------------------------
+# c10d's bookkeeping, one per rank thread
+# ---------------------------------------------------------------------------
+class _NameTable(dict):
+    """torch's group -> name table; a simulated group also keeps its name, for torch's lookups after removal."""
+
+    def __setitem__(self, pg: Any, name: Any) -> None:
+        if isinstance(pg, SimProcessGroup):
+            pg.__dict__["_tp_name"] = name
+        super().__setitem__(pg, name)
+
+
+class _RankWorld(c10d._World):
+    """One simulated rank's c10d bookkeeping.
+
+    torch's ``_World`` keeps most of its tables in module globals, which the
+    rank threads would share; here every table belongs to the instance.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tables: dict[str, Any] = {
+            "pg_map": {}, "pg_names": _NameTable(), "pg_group_ranks": {}, "pg_backend_config": {}, "tags_to_pg": {},
+            "pg_to_tag": {},
+        }
+        self._count = 0
+        self.sim_members: tuple[int, ...] | None = None  # the default group's simulated ranks, when not the world
+
+    pg_map = property(lambda self: self._tables["pg_map"])
+    pg_names = property(lambda self: self._tables["pg_names"])
+    pg_group_ranks = property(lambda self: self._tables["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._tables["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._tables["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._tables["pg_to_tag"])
+
+    @property
+    def group_count(self) -> int:
+        return self._count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._count = value
+
+
+class _PerRankWorld:
+    """Stands in for c10d's ``_world``: each simulated rank thread sees its own; other threads the original."""
+
+    def __init__(self, original: Any) -> None:
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_local", threading.local())
+
+    def _target(self) -> Any:
+        w = getattr(self._local, "world", None)
+        return self._original if w is None else w
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target(), name, value)
+
+
+class _PerThreadTable:
+    """Stands in for a process-global mutable table of torch's (a set or dict in a class attribute).
+
+    A real process has one such table per rank; rank threads would share one,
+    and torch code that keeps "in progress" bookkeeping there (FSDP1's
+    ``SimpleProfiler.profiling`` around collectives of ``optim_state_dict``)
+    then sees another rank's entries.  Each thread gets its own table, made by
+    ``factory``; threads outside a simulated world use the original.
+    """
+
+    def __init__(self, original: Any, factory: Any) -> None:
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_factory", factory)
+        object.__setattr__(self, "_local", threading.local())
+
+    def _target(self) -> Any:
+        if _state.current() is None:
+            return self._original
+        t = getattr(self._local, "table", None)
+        if t is None:
+            t = self._factory()
+            self._local.table = t
+        return t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._target()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._target()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._target()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._target()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._target())
+
+    def __len__(self) -> int:
+        return len(self._target())
+
+    def __bool__(self) -> bool:
+        return bool(self._target())
+
+    def __repr__(self) -> str:
+        return repr(self._target())
+
+
+# ---------------------------------------------------------------------------
+# process-wide tables of torch's libraries, patched when their modules are imported
+# ---------------------------------------------------------------------------
+def _isolate_fsdp1_profiler(module: Any) -> Any:
+    """FSDP1's ``SimpleProfiler`` keeps "being profiled" in class-level tables: per thread while a world runs."""
+    owner = module.SimpleProfiler
+    saved = {attr: owner.__dict__[attr] for attr in ("profiling", "results")}
+    owner.profiling = _PerThreadTable(saved["profiling"], set)
+    owner.results = _PerThreadTable(saved["results"], lambda: defaultdict(float))
+
+    def undo() -> None:
+        for attr, original in saved.items():
+            setattr(owner, attr, original)
+
+    return undo
+
+
+def _isolate_dtensor_op_handlers(module: Any) -> Any:
+    """DTensor's custom op handlers (one process-wide table) per rank thread.
+
+    ``loss_parallel()`` adds its handlers to ``DTensor._op_dispatcher._custom_op_handlers``
+    on entry and pops them on exit: rank threads sharing one table pop each other's
+    entries (``KeyError`` on the second exit) and run their loss outside the context
+    while another rank has left it.  A property on the dispatcher class hands each
+    rank thread its own copy of the table (torch's C++ dispatch reads the attribute
+    on every call); other threads read the dispatcher's own table.
+    """
+    cls = module.OpDispatcher
+    name = "_custom_op_handlers"
+    local = threading.local()
+
+    def tables() -> dict[int, dict[Any, Any]]:
+        t = getattr(local, "tables", None)
+        if t is None:
+            t = local.tables = {}
+        return t
+
+    def get(self: Any) -> dict[Any, Any]:
+        own = self.__dict__[name]
+        if _state.current() is None:
+            return own
+        t = tables()
+        if id(self) not in t:
+            t[id(self)] = dict(own)
+        return t[id(self)]
+
+    def set_(self: Any, value: dict[Any, Any]) -> None:
+        if _state.current() is None or name not in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            tables()[id(self)] = value
+
+    had = name in cls.__dict__
+    previous = cls.__dict__.get(name)
+    setattr(cls, name, property(get, set_))
+
+    def undo() -> None:
+        if had:
+            setattr(cls, name, previous)
+        else:
+            delattr(cls, name)
+
+    return undo
+
+
+def _ddp_logging_names_the_backend(module: Any) -> Any:
+    """DDP's logging data reports the backend the program named (``"gloo"``), as on a real run: its C++ logger
+    reads the group's ``getBackendName()``, which is ``"sim"`` for torch's C++ side (see SimProcessGroup)."""
+    cls = module.DistributedDataParallel
+    original = cls.__dict__["_get_ddp_logging_data"]
+
+    @functools.wraps(original)
+    def _get_ddp_logging_data(self: Any) -> Any:
+        data = original(self)
+        pg = getattr(self, "process_group", None)
+        if isinstance(pg, SimProcessGroup) and data.get("backend_name") == "sim":
+            data["backend_name"] = named = pg._get_backend_name()
+            if named == "gloo":  # what DDP's logger adds for a gloo group (its environment, its thread count)
+                env = os.environ
+                data.update(gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME", "N/A"),
+                            gloo_device_transport=env.get("GLOO_DEVICE_TRANSPORT", "N/A"), gloo_num_threads=2)
+        return data
+
+    cls._get_ddp_logging_data = _get_ddp_logging_data
+
+    def undo() -> None:
+        cls._get_ddp_logging_data = original
+
+    return undo
+
+
+#: torch's process-wide tables that code changes around collectives, and what it reports of the backend:
+#: (module, isolate(module) -> undo)
+_ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
+             ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers),
+             ("torch.nn.parallel.distributed", _ddp_logging_names_the_backend))
+
+
+# ---------------------------------------------------------------------------
+# rendezvous, stores and the group builder on simulated ranks
+# ---------------------------------------------------------------------------
+_lock = threading.Lock()
+#: what the installation replaced (torch_native's _install): the stand-ins fall back to it off simulated ranks
+_saved: dict[str, Any] = {}
+_stores: dict[Any, Any] = {}  # world -> rendezvous store; (world, host, port) -> TCPStore stand-in
+_SCHEMES = ("env", "tcp", "file")
+
+
+def _sim_state() -> Any:
+    """The calling simulated rank's tensorplay state, or ``None`` outside a simulated world."""
+    st = _state.current()
+    return st if st is not None and isinstance(st.backend, SimBackend) else None
+
+
+def _mismatch(call: str, what: str, given: int, st: Any) -> DistValueError:
+    actual = st.rank if what == "rank" else st.world_size
+    return DistValueError(format_message(
+        call, f"the program asks for {what}={given}, but this simulated rank has {what}={actual}",
+        values={what: given, f"simulated_{what}": actual, "simulated_rank": st.rank,
+                "simulated_world_size": st.world_size},
+        fix=f"start as many simulated ranks as the program expects (python -m simulator --nproc-per-node "
+            f"{given if what == 'world_size' else 'N'} script.py; for a script that starts its own ranks, "
+            f"nprocs=N or N Process objects), or let the program read its rank and world size from the "
+            "environment (RANK, WORLD_SIZE) as torchrun sets them"))
+
+
+def _rendezvous_handler(scheme: str) -> Any:
+    def handler(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+        st = _sim_state()
+        if st is None:
+            original = _saved["rdzv"][scheme]
+            yield from original(url, **kwargs) if timeout is None else original(url, timeout=timeout, **kwargs)
+            return
+        # explicit rank/world_size (init_process_group(rank=..., world_size=...) or the URL) must be this rank's,
+        # or claim a rank of a smaller group over some of the simulated ranks (torch_groups)
+        query = tdist_rendezvous._query_to_dict(urlparse(url).query)
+        size = int(query.get("world_size", -1))
+        rank = int(query.get("rank", -1))
+        key = id(st.backend.world_key())
+        if size != -1 and size < st.world_size and rank != -1:
+            where = torch_groups.rendezvous_key(url)
+            _tls.rendezvous = where  # the helper joins the group's members there
+            with _lock:  # one store per rendezvous: two subset groups never see each other's keys
+                store = _stores.setdefault((key, "rendezvous", where), tdist.HashStore())
+            yield store, rank, size
+        else:
+            for what, given in (("rank", rank), ("world_size", size)):
+                if given != -1 and given != (st.rank if what == "rank" else st.world_size):
+                    raise _mismatch("init_process_group", what, given, st)
+            # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
+            with _lock:
+                store = _stores.setdefault(key, tdist.HashStore())
+            yield store, st.rank, st.world_size
+        raise DistRuntimeError(format_message(
+            "init_process_group", "a simulated rank cannot re-rendezvous", values={"init_method": url},
+            fix="destroy the process group and call init_process_group again"))
+
+    handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
+    return handler
+
+
+class _StoreClassMeta(type):
+    """``isinstance(x, torch.distributed.TCPStore)`` stays true for real TCP stores while the stand-in is installed."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _saved.get("TCPStore", tdist.TCPStore)) or obj in _sim_tcp_stores()
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _saved.get("TCPStore", tdist.TCPStore))
+
+
+def _sim_tcp_stores() -> list[Any]:
+    return [v for k, v in list(_stores.items()) if isinstance(k, tuple) and k[1] != "rendezvous"]
+
+
+class _TCPStore(metaclass=_StoreClassMeta):
+    """Stands in for ``torch.distributed.TCPStore`` while a simulated world runs.
+
+    On a simulated rank, ``TCPStore(host, port, world_size, is_master, ...)``
+    returns the world's in-memory store for that address: rank threads cannot
+    serve each other over sockets (the master would wait in C++ for workers the
+    simulator never gets to run).  Elsewhere it is the real ``TCPStore``.
+    """
+
+    def __new__(cls, host_name: str = "", port: int = 0, *args: Any, **kwargs: Any) -> Any:
+        st = _sim_state()
+        if st is None:
+            return _saved["TCPStore"](host_name, port, *args, **kwargs)
+        key = (id(st.backend.world_key()), str(host_name), int(port))
+        with _lock:
+            return _stores.setdefault(key, tdist.HashStore())  # type: ignore[arg-type]
+
+
+def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: list[int], backend: Any,
+                              store: Any, group_name: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's one place that builds a group's backend; on a simulated rank every backend is the simulator.
+
+    ``init_process_group``, ``new_group``, ``init_device_mesh`` and friends look
+    this module global up at call time, so no import style escapes it.
+    """
+    original = _saved["helper"]
+    st = _sim_state()
+    if st is None or str(backend).lower() == "fake":
+        # ("fake": torch's process-local group for tracing, every process its own world over a FakeStore, nothing
+        # communicated: torch's own, on a simulated rank too)
+        return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
+    default = len(global_ranks_in_group) == 0
+    members = None
+    if default:
+        where, _tls.rendezvous = getattr(_tls, "rendezvous", None), None
+        if group_size != -1 and group_size < st.world_size and group_rank != -1:
+            # a group over some of the simulated ranks: its members are whoever claims its ranks at this rendezvous
+            if where is None:  # init_process_group(store=...): the store is the rendezvous
+                where = ("store", id(getattr(store, "underlying_store", store)))
+            members = torch_groups.join(st.backend.world_key(), where, group_rank, group_size, st.rank,
+                                        st.world_size)
+        else:
+            if group_size not in (-1, st.world_size):
+                raise _mismatch("init_process_group", "world_size", group_size, st)
+            if group_rank not in (-1, st.rank):
+                raise _mismatch("init_process_group", "rank", group_rank, st)
+            group_size, group_rank = st.world_size, st.rank
+        # torch wraps sys.excepthook with a "[rank<r>]" prefixer; rank threads would nest them
+        _tls.excepthook = sys.excepthook
+    torch_rank = _torch_rank(st.rank)
+    if default or torch_rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
+        # every name becomes the simulator below: first refuse, as torch's helper would, a name torch does not know
+        refusal = _backend_name_refusal(f"torch.distributed.{'init_process_group' if default else 'new_group'}",
+                                        backend)
+        if refusal is not None:
+            raise refusal
+    named = tdist.Backend(str(backend)) if backend is not None else tdist.Backend("undefined")
+    if len(args) >= 1:  # backend_options: options of the real backend mean nothing to the simulator
+        args = (None,) + tuple(args[1:])
+    kwargs.pop("backend_options", None)
+    _tls.named = str(named)
+    _tls.members = members
+    try:
+        pg, prefix_store = original(group_size, group_rank, global_ranks_in_group, "sim", store, group_name,
+                                    *args, **kwargs)
+    finally:
+        _tls.named = _tls.members = None
+    if default:
+        c10d._world.sim_members = members  # torch's ranks -> simulated ranks, for the groups made inside it
+    if isinstance(pg, SimProcessGroup):
+        # what a real run records: the backend the program named, and its configuration
+        world = c10d._world
+        world.pg_map[pg] = (named, world.pg_map[pg][1])
+        try:
+            world.pg_backend_config[pg] = str(c10d.BackendConfig(named))
+        except Exception:  # noqa: BLE001  a name torch cannot configure: keep torch's record
+            pass
+    return pg, prefix_store
+
+
+def _torch_rank(sim_rank: int) -> int:
+    """This simulated rank's rank in torch's default group (they differ inside a group over some ranks)."""
+    inner = getattr(c10d._world, "sim_members", None)
+    return sim_rank if inner is None or sim_rank not in inner else inner.index(sim_rank)
+
+
+def _is_barrier_after_init() -> int:
+    """Runs right after init_process_group installed its excepthook: a simulated rank puts the old one back."""
+    hook = getattr(_tls, "excepthook", None)
+    if hook is not None and _sim_state() is not None:
+        _tls.excepthook = None
+        if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+            sys.excepthook = hook
+    return _saved["barrier_after_init"]()

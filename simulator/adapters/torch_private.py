@@ -1,0 +1,361 @@
+"""Every private name of torch (and of the standard library) that the simulator reads, replaces or overrides.
+
+None of these is torch's API: a release may rename, move or drop any of them, and the simulator would then
+fail in ways that say nothing about the cause.  They are listed here, one record each (the name, the
+simulator's modules that touch it, how, and why), so that a torch upgrade has one list to check:
+
+    python -m simulator.adapters.torch_private      # checks every name against the installed torch
+
+:func:`check_private_names` raises naming each missing one; ``tests/test_torch_private.py`` runs it and also
+scans the simulator's source (``ast``) for accesses of ``torch._…`` names, so that a new touch fails the
+test until it is listed here.  The adapters are pinned to the torch releases of :data:`SUPPORTED_TORCH`
+(:func:`check_torch_version`).
+
+Not listed: CPython's documented ``sys._getframe``, ``sys._current_frames`` and ``os._exit``; the
+simulator's own attributes reached through torch's objects (``c10d._world._local`` is
+:class:`~simulator.adapters.torch_globals._PerRankWorld`'s); the public torch names the CUDA stand-in
+replaces (:data:`simulator.standin.PATCHED_PUBLIC`).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from tensorplay.distributed.errors import DistRuntimeError, format_message
+
+__all__ = ["PrivateName", "PRIVATE_NAMES", "SUPPORTED_TORCH", "check_torch_version", "check_private_names",
+           "missing_private_names"]
+
+#: torch releases the adapters are tested with (major.minor)
+SUPPORTED_TORCH = ("2.13", "2.14")
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise a clear error when the installed torch is not one the adapter supports."""
+    v = version or torch.__version__
+    if ".".join(v.split("+")[0].split(".")[:2]) not in SUPPORTED_TORCH:
+        raise DistRuntimeError(format_message(
+            "torch_native", "this torch release is not supported by the torch.distributed adapter",
+            values={"torch": v, "supported": list(SUPPORTED_TORCH)},
+            fix="install a supported torch (e.g. pip install torch==2.13.0), or use tensorplay.distributed "
+                "directly, which needs no adapter"))
+
+
+class PrivateName(NamedTuple):
+    """One private name the simulator depends on."""
+
+    name: str  #: dotted: the module, then attributes (``torch.distributed.distributed_c10d._world``)
+    users: str  #: the simulator's modules that touch it (relative to ``simulator.``)
+    how: str  #: "reads" (or calls), "patches" (replaced while installed), "overrides", "subclasses"
+    why: str
+    #: checked in the module's source without importing it: an attribute set on instances, or a module that
+    #: only imports inside its own test environment
+    static: bool = False
+    #: a library a program may use, not a dependency (checked when it is installed)
+    optional: bool = False
+
+
+_P = PrivateName
+_C10D = "torch.distributed.distributed_c10d"
+_PG = "torch.distributed.ProcessGroup"
+_NATIVE = "adapters.torch_native, adapters.torch_globals"
+_HOOKS = "torch.nn.modules.module"
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    # -- torch.distributed's process groups (adapters.torch_native and its parts) -----------------------------
+    _P(f"{_C10D}._world", f"{_NATIVE}, adapters.process_group, adapters.threads, isolation.child", "patches",
+       "c10d's process-wide bookkeeping (groups, names, ranks): one per rank thread while a world runs; a rank "
+       "process puts torch's back; a thread a rank starts shares its rank's"),
+    _P(f"{_C10D}._World", "adapters.torch_globals", "subclasses",
+       "one rank's c10d tables: torch's keeps them in module globals that rank threads would share"),
+    _P(f"{_C10D}._pg_names", "adapters.torch_native", "patches",
+       "the group -> name table; a simulated group also keeps its name (destroy_process_group reads it after "
+       "removing the record)"),
+    _P(f"{_C10D}._new_process_group_helper", _NATIVE, "patches",
+       "torch's one place that builds a group's backend: on a simulated rank every backend is the simulator"),
+    _P(f"{_C10D}._is_barrier_after_init", _NATIVE, "patches",
+       "runs right after init_process_group wraps sys.excepthook: a rank thread puts the previous hook back"),
+    _P("torch.distributed.rendezvous._rendezvous_handlers", "adapters.torch_native, launch", "patches",
+       "env://, tcp:// and file:// rendezvous: an in-memory store per simulated world (the launcher refuses "
+       "them in its own code)"),
+    _P("torch.distributed.rendezvous._query_to_dict", "adapters.torch_globals", "reads",
+       "rank= and world_size= of an init_method URL, read as torch reads them"),
+    _P("torch._C._distributed_c10d._set_thread_isolation_mode", "adapters.torch_native, isolation.child", "reads",
+       "functional collectives find groups by name in a registry: per thread while thread ranks run"),
+    _P("torch._C._distributed_c10d._register_process_group", "adapters.threads", "reads",
+       "a thread a rank starts registers its rank's groups in its own per-thread registry"),
+    _P("torch._C._distributed_c10d.Backend._set_sequence_number_for_group", "adapters.process_group", "overrides",
+       "what torch asks of a group's backend (_get_backend) when it creates the group: nothing to do"),
+    _P(f"{_PG}._get_backend_name", "adapters.process_group", "overrides",
+       "Python callers see the backend the program named (gloo, nccl); the C++ side sees 'sim'"),
+    _P(f"{_PG}._device_types", "adapters.process_group", "overrides",
+       "the named backend's devices: object collectives and checkpointing choose their device by it"),
+    _P(f"{_PG}._get_backend", "adapters.process_group", "overrides",
+       "torch asks a group's backend capability questions (splitting, coalescing): gloo's answers"),
+    _P(f"{_PG}._start_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
+    _P(f"{_PG}._end_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
+    _P(f"{_PG}._allgather_base", "adapters.process_group", "overrides", "torch's other name for all_gather_single"),
+    _P(f"{_PG}._reduce_scatter_base", "adapters.process_group", "overrides",
+       "torch's other name for reduce_scatter_single"),
+    _P("torch.distributed.Work._source_rank", "adapters.process_group", "overrides",
+       "the sender of a recv from any source, as a group rank"),
+    _P("torch.distributed.fsdp._debug_utils.SimpleProfiler.profiling", "adapters.torch_globals", "patches",
+       "FSDP1 keeps 'being profiled' in a class-level set around optim_state_dict's collectives: per rank thread"),
+    _P("torch.distributed.fsdp._debug_utils.SimpleProfiler.results", "adapters.torch_globals", "patches",
+       "FSDP1's profiler results, a class-level table: per rank thread"),
+    _P("torch.distributed.tensor._dispatch.OpDispatcher._custom_op_handlers", "adapters.torch_globals", "patches",
+       "loss_parallel() adds and pops its handlers in this one process-wide table: per rank thread", static=True),
+    _P("torch.nn.parallel.distributed.DistributedDataParallel._get_ddp_logging_data", "adapters.torch_globals",
+       "patches", "DDP's logging data names the backend the program named, not 'sim'"),
+    _P("torch._C._autograd._profiler_enabled", "adapters.torch_profiling", "reads",
+       "a group operation opens a profiler event only while a profiler is on"),
+    _P("torch._C._profiler._RecordFunctionFast", "adapters.torch_profiling", "reads",
+       "the '<backend>:<operation>' event a real backend shows torch's profiler"),
+    # -- torch.distributed.rpc (adapters.torch_rpc) -------------------------------------------------------------
+    _P("torch.distributed.rpc.api._require_initialized", "adapters.torch_rpc", "reads",
+       "rpc_sync & co. are its wrappers: what each wraps (its closure cell) is routed on simulated ranks"),
+    _P("torch.distributed.rpc.api._is_current_rpc_agent_set", "adapters.torch_rpc", "patches",
+       "the wrappers' 'is an agent set?' check answers for the simulated worker"),
+    _P("torch.distributed.rpc._init_rpc_backend", "adapters.torch_rpc", "patches",
+       "init_rpc, imported by name before the world started, reaches the simulated agent through it"),
+    _P("torch.distributed.rpc._set_profiler_node_id", "adapters.torch_rpc", "patches", "skipped on simulated ranks"),
+    _P("torch.distributed.autograd._init", "adapters.torch_rpc", "patches", "skipped on simulated ranks"),
+    _P("torch.distributed.autograd._new_context", "adapters.torch_rpc", "patches",
+       "torch's autograd context class calls it: the simulated ranks' contexts"),
+    _P("torch.distributed.autograd._release_context", "adapters.torch_rpc", "patches",
+       "torch's autograd context class calls it: the simulated ranks' contexts"),
+    _P("torch._C._collect_all", "adapters.torch_rpc", "patches",
+       "torch.futures.collect_all/wait_all wait cooperatively for futures that answer later"),
+    # -- the standard library ---------------------------------------------------------------------------------
+    _P("importlib._bootstrap._find_and_load", "adapters.clock_hooks, isolation.child", "patches",
+       "an outermost import's CPU time is not the rank's compute"),
+    _P("threading.Thread._bootstrap_inner", "adapters.threads, isolation.rank_threads", "patches",
+       "a thread a rank starts runs as an actor of that rank"),
+    _P("threading._shutdown", "isolation.child", "reads",
+       "a rank process ends as an interpreter does: it joins the non-daemon threads"),
+    _P("atexit._run_exitfuncs", "isolation.child", "reads", "a rank process runs its atexit handlers at its end"),
+    _P("random._inst", "core._handoff", "reads", "the generator behind random.random(): one state per rank"),
+    _P("multiprocessing.context._default_context._actual_context", "launch, torch_harness", "patches",
+       "set_start_method() in a launcher run belongs to that run: put back after it"),
+    _P("multiprocessing.process.BaseProcess._popen", "launch, isolation.launched", "patches",
+       "a started process is a simulated rank: its Popen stands in for the child", static=True),
+    _P("multiprocessing.process.BaseProcess._sentinel", "launch, isolation.launched", "patches",
+       "a simulated rank's sentinel is made on demand", static=True),
+    _P("multiprocessing.process.BaseProcess._target", "launch", "reads",
+       "what the process runs tells a rank (the program's code) from a library's worker", static=True),
+    _P("multiprocessing.process.BaseProcess._args", "launch", "patches",
+       "each rank gets its own copy of the arguments, as a child does", static=True),
+    _P("multiprocessing.process.BaseProcess._kwargs", "launch", "patches",
+       "each rank gets its own copy of the arguments, as a child does", static=True),
+    _P("multiprocessing.process.BaseProcess._check_closed", "launch", "reads",
+       "a closed process refuses start() and sentinel as multiprocessing does"),
+    _P("multiprocessing.context.SpawnProcess._start_method", "launch", "reads",
+       "the start method decides which tensors a rank shares with the launcher"),
+    # -- the core and the rank processes -----------------------------------------------------------------------
+    _P("torch._C._set_grad_enabled", "core.backend", "reads", "collective kernels run without autograd"),
+    _P("torch._C._AutoDispatchBelowADInplaceOrView", "core.backend, isolation.staging", "reads",
+       "collective kernels write below autograd's in-place/view bookkeeping, as c10d's C++ kernels do"),
+    _P("torch.UntypedStorage._share_fd_cpu_", "isolation.child", "reads",
+       "a rank process shares a tensor's storage with the coordinator by file descriptor"),
+    _P("torch.UntypedStorage._new_shared_fd_cpu", "isolation._wire", "reads",
+       "the coordinator maps a rank process's shared storage"),
+    # -- PyTorch's own test harness (torch_harness, harness_diff) ------------------------------------------------
+    _P("torch.testing._internal.common_distributed.MultiProcessTestCase", "torch_harness", "reads",
+       "the harness whose rank processes become simulated ranks", static=True),
+    _P("torch.testing._internal.common_distributed.get_timeout", "torch_harness", "reads",
+       "the harness's bound on one test", static=True),
+    _P("torch.testing._internal.common_distributed.TEST_SKIPS", "torch_harness", "reads",
+       "the exit codes a rank skips a test with", static=True),
+    _P("torch.testing._internal.distributed.distributed_test.Barrier", "torch_harness", "patches",
+       "distributed_test's barrier counts in class state: one class per rank", static=True),
+    _P("torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase", "harness_diff",
+       "reads", "the test file it writes runs torch's distributed_test as test_distributed_spawn.py does",
+       static=True),
+    _P("torch.testing._internal.distributed.distributed_test.TestDistBackend", "harness_diff", "reads",
+       "the test file it writes runs torch's distributed_test as test_distributed_spawn.py does", static=True),
+    _P("torch.testing._internal.common_utils.run_tests", "harness_diff", "reads",
+       "the test file it writes runs torch's distributed_test as test_distributed_spawn.py does", static=True),
+    _P("torch.testing._internal.common_utils.TestCase._precision", "torch_harness", "reads",
+       "instantiate_device_type_tests' thread-local precision starts from it on each rank thread", static=True),
+    _P("torch.testing._internal.common_utils.TestCase._rel_tol", "torch_harness", "reads",
+       "instantiate_device_type_tests' thread-local tolerance starts from it on each rank thread", static=True),
+    _P("torch.testing._internal.common_device_type.DeviceTypeTestBase._tls", "torch_harness", "patches",
+       "a thread-local whose importing thread holds the default precision: one per rank", static=True),
+    *(_P(f"{_HOOKS}.{table}", "torch_harness", "patches",
+         "torch.nn's process-wide module hooks (ModTracker, CommDebugMode): one table per thread rank")
+      for table in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                    "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")),
+    _P("torch.autograd.profiler.profile._prepare_trace", "torch_harness", "patches",
+       "the profiler is one per process: starting it on a thread rank fails, naming the fix"),
+    # -- libraries' process-wide singletons (adapters.per_rank_state) ------------------------------------------
+    _P("hydra.core.singleton.Singleton._instances", "adapters.per_rank_state", "patches",
+       "Hydra's run state (GlobalHydra...) is one per thread rank", optional=True),
+    # -- the CUDA stand-in (simulator.standin.PRIVATE_TORCH_NAMES is built from these) ----------------------
+    *(_P(f"torch.cuda.{name}", "standin.install, standin.cuda_api", "patches",
+         "torch.cuda's private entry points, which its public functions, torch.cuda.device and DDP/DTensor call")
+      for name in ("_lazy_init", "_initialized", "_exchange_device", "_maybe_exchange_device")),
+    _P("torch.cuda.nvtx._nvtx", "standin.install", "patches", "NVTX ranges are no-ops on stand-ins"),
+    *(_P(f"torch._C.{name}", "standin.install", "patches",
+         "torch.accelerator and torch.distributed ask these which accelerator there is and for its state")
+      for name in ("_get_accelerator", "_accelerator_getAccelerator", "_accelerator_getDeviceIndex",
+                   "_accelerator_setDeviceIndex", "_accelerator_exchangeDevice", "_accelerator_maybeExchangeDevice",
+                   "_accelerator_synchronizeDevice", "_accelerator_getStream", "_accelerator_setStream",
+                   "_accelerator_emptyCache", "_accelerator_getDeviceStats", "_accelerator_resetPeakStats",
+                   "_accelerator_resetAccumulatedStats", "_accelerator_getMemoryInfo")),
+    _P("torch.autograd._engine_run_backward", "standin.install", "patches",
+       "backward runs on the calling rank thread, never on a device thread"),
+    _P("torch.autograd.graph._engine_run_backward", "standin.install", "patches",
+       "backward runs on the calling rank thread, never on a device thread"),
+    _P("torch._C._acc.register_python_privateuseone_device_guard", "standin._native", "reads",
+       "stand-ins are privateuseone tensors: their device guard"),
+    _P("torch._C._acc.register_python_privateuseone_hook", "standin._native", "reads",
+       "stand-ins are privateuseone tensors: their hooks"),
+    _P("torch._C._acc.DeviceGuard", "standin._native", "subclasses", "the stand-ins' device guard"),
+    _P("torch._C._acc.PrivateUse1Hooks", "standin._native", "subclasses", "the stand-ins' privateuseone hooks"),
+    _P("torch._C._rename_privateuse1_backend", "standin._native", "reads", "the privateuseone backend's name"),
+    _P("torch._C._get_privateuse1_backend_name", "standin._native", "reads", "the privateuseone backend's name"),
+    _P("torch._C._autograd.DeviceType", "standin._native, standin.streams", "reads",
+       "the device type numbers of CUDA and privateuseone"),
+    _P("torch._C._ExcludeDispatchKeyGuard", "standin.amp", "reads", "autocast kernels run below autocast"),
+    _P("torch._C.DispatchKey", "standin.amp", "reads", "the autocast dispatch key of privateuseone"),
+    _P("torch._C.DispatchKeySet", "standin.amp", "reads", "the autocast dispatch key of privateuseone"),
+    _P("torch._C._dispatch_has_computed_kernel_for_dispatch_key", "standin.tensor", "reads",
+       "an operator without a CPU kernel is refused with a clear error"),
+    _P("torch._C._disabled_torch_function_impl", "standin.tensor", "reads",
+       "the stand-in tensor subclass opts out of __torch_function__"),
+    _P("torch._C.TensorBase", "standin.install, standin.tensor", "reads",
+       "the C++ descriptors of device, is_cuda and data, behind the stand-in's properties"),
+    _P("torch._C.default_generator", "standin.rng", "reads",
+       "the devices' generators draw through the CPU generator"),
+    _P("torch.Tensor._make_wrapper_subclass", "standin.install, standin.tensor", "patches",
+       "wrapper subclasses made on a stand-in device"),
+    _P("torch._ops.OpOverload._op", "standin.tensor", "reads",
+       "the operator itself, called without OpOverload.__call__'s frame", static=True),
+    _P("torch._tensor_str._str", "standin.tensor", "reads", "torch's tensor printer, for stand-in tensors"),
+    _P("torch.utils._device._device_constructors", "standin.install", "reads",
+       "torch's cache of default-device constructors, filled before torch.tensor is replaced"),
+    _P("torch.serialization._package_registry", "standin.install, standin.serialization", "patches",
+       "torch.load restores cuda-tagged storages through this registry's cuda entry"),
+    _P("torch._subclasses.fake_tensor.FakeTensorMode.cache", "standin.install, standin.fakecache", "patches",
+       "the fake-tensor dispatch cache, one per process: keyed by the current device while enabled"),
+    *(_P(f"torch.ops.aten.{op}", "standin.attention, standin.amp", "reads",
+         "SDPA on stand-ins: CUDA's fused operators, computed by the CPU's fused kernel")
+      for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+                 "_scaled_dot_product_attention_math")),
+    _P("torch.ops.aten._copy_from", "standin.install", "patches", "copies to and from stand-in devices"),
+    _P("torch.ops.aten._copy_from_and_resize", "standin.install", "patches", "copies to and from stand-in devices"),
+)
+
+
+# ---------------------------------------------------------------------------
+# checking the names against what is installed
+# ---------------------------------------------------------------------------
+def _resolve(name: str) -> Any:
+    """The object ``name`` denotes: the longest module prefix imported, then attributes (AttributeError)."""
+    parts = name.split(".")
+    obj = importlib.import_module(parts[0])
+    i = 1
+    while i < len(parts):
+        try:
+            obj = importlib.import_module(".".join(parts[:i + 1]))
+        except ImportError:  # (no such module: the rest are attributes)
+            break
+        i += 1
+    for attr in parts[i:]:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _defines(body: Sequence[ast.stmt], attr: str) -> ast.AST | None:
+    """The statement of ``body`` that defines ``attr`` (a def, a class, an assignment)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == attr:
+            return node
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+            return node
+    return None
+
+
+def _sets_on_self(cls: ast.ClassDef, attr: str) -> bool:
+    """Whether a method of ``cls`` assigns ``self.<attr>`` (an attribute of its instances)."""
+    return any(isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self"
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])) for n in ast.walk(cls))
+
+
+def _defined_in_source(name: str) -> bool:
+    """Whether ``name`` is defined in its module's source, found without running the module (only the packages
+    above it)."""
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])
+    i = 1
+    while spec is not None and spec.submodule_search_locations is not None and i < len(parts):
+        child = importlib.util.find_spec(".".join(parts[:i + 1]))  # runs the package above it, never the module
+        if child is None:
+            break
+        spec, i = child, i + 1
+    if spec is None or i == len(parts):
+        return spec is not None
+    if not (spec.origin or "").endswith(".py"):
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        body: Sequence[ast.stmt] = ast.parse(f.read(), spec.origin).body
+    owner: ast.AST | None = None
+    for attr in parts[i:]:
+        node = _defines(body, attr)
+        if node is None:
+            return attr == parts[-1] and isinstance(owner, ast.ClassDef) and _sets_on_self(owner, attr)
+        owner = node
+        body = node.body if isinstance(node, ast.ClassDef) else []
+    return True
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name.split(".")[0]) is not None
+
+
+def missing_private_names(names: Sequence[PrivateName] = PRIVATE_NAMES) -> list[PrivateName]:
+    """The records of ``names`` that the installed packages lack (an optional library not installed: skipped)."""
+    out = []
+    for p in names:
+        if p.optional and not _installed(p.name):
+            continue
+        if p.static:
+            found = _defined_in_source(p.name)
+        else:
+            try:
+                _resolve(p.name)
+                found = True
+            except (AttributeError, ImportError):
+                found = False
+        if not found:
+            out.append(p)
+    return out
+
+
+def check_private_names(names: Sequence[PrivateName] = PRIVATE_NAMES) -> None:
+    """Raise, naming each one and what uses it, when the installed torch lacks a private name the simulator uses.
+
+    Imports the torch modules the names live in (FSDP, DTensor: seconds), so it runs in a test or by hand
+    (``python -m simulator.adapters.torch_private``), not when the simulator starts.
+    """
+    missing = missing_private_names(names)
+    if missing:
+        raise DistRuntimeError(format_message(
+            "simulator.adapters.torch_private", f"the installed torch lacks {len(missing)} private name(s) that the "
+            "simulator uses: " + "; ".join(f"{p.name} ({p.how} by simulator.{p.users}: {p.why})" for p in missing),
+            values={"torch": torch.__version__, "supported": list(SUPPORTED_TORCH)},
+            fix="install a supported torch (e.g. pip install torch==2.13.0), or adapt the named modules to the "
+                "new release and update simulator/adapters/torch_private.py"))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    check_private_names()
+    print(f"torch {torch.__version__}: all {len(PRIVATE_NAMES)} private names the simulator uses are present")

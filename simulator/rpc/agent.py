@@ -1,0 +1,366 @@
+"""One simulated worker's RPC agent: its calls, the handlers serving them, its RRef table, its shutdown.
+
+* **The callee's identity.**  A call's handler runs on a thread of the
+  callee's rank (an actor of that rank in the simulator's scheduler, see
+  :func:`simulator.core.actors.start_actor`) *as* the callee: the callee's RPC
+  agent and ``tensorplay.distributed`` state are bound (``get_worker_info()``,
+  ``dist.get_rank()`` and ``RRef.local_value()`` answer as the callee), the
+  caller's distributed-autograd context is carried over, and in ``coop`` mode
+  with per-rank RNGs the callee's torch RNG stream is used.  The caller's
+  wait is a scheduler wait (:mod:`simulator.rpc.waits`).
+* **Failures.**  A rank whose thread ended without ``shutdown`` (returned or
+  raised) is dead: calls to it fail at once with
+  :class:`~tensorplay.distributed.rpc.errors.WorkerUnavailableError`.  Remote
+  exceptions keep their type and carry the remote traceback, as on TensorPipe.
+* **Faults by seed.**  Each worker draws the faults of the messages it sends
+  (:class:`~simulator.rpc.options.MessageFaults`) from a stream seeded by the
+  faults' seed (else the run's) and its rank.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import random
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from tensorplay.distributed import _state
+from tensorplay.distributed.errors import DistTypeError
+from tensorplay.distributed.rpc import _agent, _auth
+from tensorplay.distributed.rpc._agent import Agent
+from tensorplay.distributed.rpc._call import RemoteFailure, run_call
+from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
+from tensorplay.distributed.rpc.futures import Future
+from tensorplay.distributed.rpc.rref import RRef
+from tensorplay.distributed.rpc.worker import WorkerInfo
+
+from simulator.adapters import torch_rpc
+from simulator.core.actors import start_actor
+from simulator.core.clock import charge_compute
+from simulator.core.errors import RankFailedError, SimError
+from simulator.core.sched import DONE
+from simulator.core.state import current_rank_state
+from simulator.rpc import autograd as rpc_autograd
+from simulator.rpc.codec import Message, decode, encode
+from simulator.rpc.options import SimRpcBackendOptions
+from simulator.rpc.record import RpcRecord
+from simulator.rpc.rref import Dropped, SimRRef, Slot
+from simulator.rpc.waits import Pending, resolve_async, rng_lender
+from simulator.rpc.world import RpcWorld, forget_when_all_out
+
+__all__ = ["SimAgent"]
+
+
+class SimAgent(Agent):
+    """One simulated worker's RPC agent."""
+
+    kind = "sim"
+    per_thread = True
+
+    def __init__(self, world: RpcWorld, name: str, rank: int, rs: Any, dist_state: Any,
+                 options: SimRpcBackendOptions, secret: bytes | None = None) -> None:
+        self.world = world
+        self.name, self.rank, self.world_size = name, rank, world.size
+        self.timeout = float(options.rpc_timeout)
+        self.device_maps = dict(options.device_maps)
+        self.objects: dict[Any, Any] = {}
+        self.rrefs: dict[int, Slot] = {}
+        self.autograd: dict[int, Any] = {}
+        self._rid = itertools.count(1)
+        self.context_ids = itertools.count(1)  # distributed autograd contexts started here
+        self.rs = rs
+        self.dist_state = dist_state
+        self.closed = False
+        self.exited = False
+        self.faults = options.faults
+        #: seals what this worker sends and checks what it receives (one session per worker): under the
+        #: secret of this rank's environment, else the run's own (the simulator starts every member itself)
+        self.auth = _auth.Authenticator(secret or world.secret)
+        seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
+        self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
+        self._infos: list[WorkerInfo] | None = None
+        self.rpc_seq = 0  # RPCs this worker issued (the trace's seq for them)
+
+    # -- liveness -------------------------------------------------------------
+    def thread_alive(self) -> bool:
+        return not self.exited and self.rs.state != DONE
+
+    def alive(self) -> bool:
+        return not self.closed and self.thread_alive()
+
+    def distributed_autograd(self) -> Any:
+        """The simulator's engine (:mod:`simulator.rpc.autograd`)."""
+        return rpc_autograd
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        if self._infos is None:
+            self._infos = sorted((WorkerInfo(a.name, a.rank) for a in self.world.by_rank.values()),
+                                 key=lambda w: w.id)
+        return list(self._infos)
+
+    def _peer(self, call: str, dst: WorkerInfo) -> "SimAgent":
+        peer = self.world.by_rank.get(dst.id)
+        if peer is None or not peer.alive():
+            why = ("it shut down" if peer is not None and peer.closed else
+                   f"its rank raised {type(peer.rs.exc).__name__}: {peer.rs.exc}" if peer is not None and peer.rs.exc
+                   else "its rank returned without rpc.shutdown()")
+            raise WorkerUnavailableError(rpc_message(
+                call, "the destination worker is unavailable", worker=self.name,
+                values={"to": dst.name, "rank": dst.id, "reason": why},
+                fix="keep every worker in RPC until all are done: end each worker's function with rpc.shutdown()"))
+        return peer
+
+    # -- running as another worker ------------------------------------------------
+    def _as_sender(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` with this agent (and its rank's state) bound to the calling thread."""
+        if _agent.current() is self:
+            return fn()
+        prev_agent = _agent.bind_thread(self)
+        prev_state = _state.current()
+        _state.bind_thread(self.dist_state)
+        swap = self._swap_rng()
+        prev_lender = getattr(rng_lender, "rs", None)
+        if swap is not None:
+            rng_lender.rs = self.rs
+        try:
+            return fn()
+        finally:
+            if swap is not None:
+                rng_lender.rs = prev_lender
+                self.rs.torch_rng = torch.get_rng_state()
+                torch.set_rng_state(swap)
+            _state.bind_thread(prev_state)
+            _agent.bind_thread(prev_agent)
+
+    def _swap_rng(self) -> torch.Tensor | None:
+        """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream (a handler thread of
+        this rank included: the scheduler loads a rank's stream for the rank's own thread only)."""
+        me = current_rank_state()
+        sched = self.rs.run.sched
+        if me is None or me is self.rs or not getattr(sched, "swap_rng", False) or self.rs.torch_rng is None:
+            return None
+        mine = torch.get_rng_state()
+        torch.set_rng_state(self.rs.torch_rng)
+        return mine
+
+    def _fault(self, call: str, dst: WorkerInfo, leg: str, timeout: float, rec: RpcRecord) -> float:
+        """Apply this sender's message faults to one message; returns the injected delay (virtual seconds),
+        which the call's clock (``rec``) takes."""
+        f = self.faults
+        if f is None:
+            return 0.0
+        r = self.rng
+        if f.drop and r.random() < f.drop:
+            rec.v += timeout
+            raise RpcTimeoutError(rpc_message(
+                call, "the call did not finish within its timeout", worker=self.name,
+                values={"to": dst.name, "timeout": timeout, "cause": f"simulated loss of the {leg}"},
+                fix="retry idempotent calls, or lower MessageFaults.drop"))
+        if f.delay and r.random() < f.delay:
+            d = r.uniform(0.0, f.max_delay_s)
+            rec.v += d
+            return d
+        return 0.0
+
+    def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None
+                  ) -> "tuple[Future[Any], RpcRecord]":
+        """Send one request; its handler runs on a new thread of the callee's rank.
+
+        Returns the future of the decoded answer (with ``on_peer``, for ``remote``: of ``None``
+        once the callee kept the value) and the call's record.  Bad arguments and a lost request
+        raise here, on the caller.  The handler runs as the callee (its agent, state and RNG
+        stream) in the caller's distributed-autograd context, as torch's agent does, and may
+        wait for anything a later operation completes (e.g. an ``@async_execution`` future
+        completed by another request): the caller's wait is a scheduler wait, so a wait nobody
+        can end is reported as a deadlock.  The call is an event on the trace
+        (:class:`~simulator.rpc.record.RpcRecord`), recorded when its answer arrives.
+        """
+        peer = self._peer(call, dst)
+        rec = RpcRecord(self, call, peer)
+        try:
+            req = encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name)).seal(self.auth)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise DistTypeError(rpc_message(
+                call, "the call's arguments cannot be serialised", worker=self.name,
+                values={"error": f"{type(e).__name__}: {e}"[:300]},
+                fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+        rec.transfer(req)
+        try:
+            late = self._fault(call, dst, "request", timeout, rec)
+        finally:
+            rec.sent()
+        cid = rpc_autograd.current_context_id()
+        fut: Future[Any] = Future(what=call)
+        world = self.world
+        sched = world.run.sched
+
+        def handle() -> None:  # on the callee's handler thread
+            me = current_rank_state()
+            rpc_autograd.set_context_id(cid)
+            me.vt = max(me.vt, rec.v)  # the request arrived
+            delay = late
+            result: Any = None
+            exc: BaseException | None = None
+            try:
+                wall = time.perf_counter()
+                value = peer._as_sender(lambda: peer._serve(req))
+                took = time.perf_counter() - wall
+                pending = type(value) is Pending
+                if pending:  # an async function's future: its completion is the answer
+                    value = value.outcome.wait()
+                if on_peer is not None:
+                    peer._as_sender(lambda: on_peer(peer, value))
+                    answer = None
+                else:
+                    answer = peer._as_sender(lambda: peer._answer(value, self.name))
+                charge_compute(me)  # the handler's compute, counted as the callee rank's
+                rec.v = max(rec.v, me.vt)
+                if answer is not None:
+                    rec.transfer(answer)
+                    delay += peer._fault(call, dst, "answer", timeout, rec)
+                    if not pending and delay + took > timeout:
+                        raise RpcTimeoutError(rpc_message(
+                            call, "the call did not finish within its timeout", worker=self.name,
+                            values={"to": dst.name, "timeout": timeout, "took_s": round(delay + took, 6)},
+                            fix="raise timeout=, or make the remote function faster"))
+                    result = self._as_sender(lambda: decode(answer, self.auth))
+                    if type(result) is RemoteFailure:
+                        exc, result = result.to_exception(), None
+            except BaseException as e:  # noqa: BLE001  the caller's future completes whatever happens
+                exc = e
+            finally:
+                rpc_autograd.set_context_id(None)
+                rec.close()
+            # completed as the caller: its then() callbacks run as they would on the caller's agent
+            self._as_sender(lambda: fut.set_exception(exc) if exc is not None else fut.set_result(result))
+            with sched.lock:
+                world.handlers -= 1
+                world.settle(world.shutdown_barrier)
+
+        with sched.lock:
+            world.handlers += 1
+        try:
+            start_actor(peer.rs, handle, f"rpc-{call}-from-{self.name}-{rec.seq}")
+        except BaseException:
+            with sched.lock:
+                world.handlers -= 1
+                world.settle(world.shutdown_barrier)
+            raise
+        return fut, rec
+
+    def _serve(self, req: Message) -> Any:
+        """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`~simulator.rpc.waits.Pending`."""
+        try:
+            f, a, k = decode(req, self.auth)
+        except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
+            return RemoteFailure.capture(e, self.name)
+        return resolve_async(run_call(f, a, k), f, self.name)
+
+    def _answer(self, value: Any, to: str) -> Message:
+        """Encode ``value`` as this (callee) worker's answer to ``to``; one that does not pickle fails."""
+        back = self.world.agents.get(to)
+        dmap = back.device_maps.get(self.name) if back is not None else None
+        inverse = {v: k for k, v in dmap.items()} if dmap else None  # answers take the caller's map backwards
+        try:
+            return encode(value, self.name, inverse).seal(self.auth)
+        except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+            return encode(RemoteFailure.capture(e, self.name), self.name).seal(self.auth)
+
+    # -- calls ----------------------------------------------------------------
+    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float) -> Any:
+        fut, rec = self._exchange(call, dst, fn, args, kwargs, timeout)
+        try:
+            return fut.wait()
+        finally:
+            rec.arrived()
+
+    def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   timeout: float) -> Future[Any]:
+        try:
+            return self._exchange(call, dst, fn, args, kwargs, timeout)[0]
+        except RpcTimeoutError as e:  # a lost request fails the future; bad arguments raise here
+            fut: Future[Any] = Future(what=call)
+            fut.set_exception(e)
+            return fut
+
+    def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               timeout: float) -> RRef[Any]:
+        peer = self._peer("remote", dst)
+        placeholder = Pending(what="remote")  # the value, once the handler kept it (to_here waits for it)
+        rid = peer.new_slot(placeholder)
+
+        def keep(owner: "SimAgent", value: Any) -> None:
+            slot = owner.rrefs.get(rid)
+            if slot is not None and slot.value is placeholder:
+                slot.value = value
+            if not placeholder.outcome.done():
+                placeholder.outcome.set_result(value)
+
+        try:
+            fut, _ = self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
+        except RpcTimeoutError as e:  # a lost request: to_here() reports it
+            keep(peer, Dropped(e))
+        except BaseException:
+            self.world.release(peer.name, rid)
+            raise
+        else:
+            def failed(f: Future[Any]) -> None:  # the handler failed before keeping a value (e.g. a deadlock)
+                e = f.exception()
+                if e is not None:
+                    keep(peer, Dropped(e))
+
+            fut.add_done_callback(failed)
+        return RRef._wrap(SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
+
+    def new_slot(self, value: Any) -> int:
+        with self.world.lock:
+            rid = next(self._rid)
+            self.rrefs[rid] = Slot(value, 1)
+            return rid
+
+    def local_rref(self, value: Any) -> RRef[Any]:
+        rid = self.new_slot(value)
+        return RRef._wrap(SimRRef(self.world, WorkerInfo(self.name, self.rank), rid, self.name))
+
+    # -- shutdown -------------------------------------------------------------
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Graceful: wait (cooperatively) until every other worker shut down or left, then close.
+
+        ``timeout`` is not needed here: a worker that can never arrive is either gone (its
+        thread ended: not waited for) or blocked elsewhere, which the simulator reports as a
+        deadlock; the run's own timeout bounds the rest.
+        """
+        missing: list[str] = []
+        if graceful:
+            b = self.world.shutdown_barrier
+            while True:
+                try:
+                    self.world.wait(b, self.rank)
+                    break
+                except RankFailedError:
+                    # another rank died; the simulator woke us to tell. The barrier counts the dead
+                    # as gone, so keep waiting for the live workers (as a TensorPipe survivor would).
+                    continue
+                except SimError:  # a deadlock or the run's timeout: leave, and let the run report it
+                    self.closed = True
+                    raise
+            missing = [self.world.by_rank[r].name for r in b.missing  # a graceful=False exit is deliberate
+                       if r in self.world.by_rank and not self.world.by_rank[r].closed]
+            if missing:
+                warnings.warn(rpc_message(
+                    "shutdown", "graceful shutdown did not wait for workers that ended without shutdown "
+                    "(they returned or raised)", worker=self.name, values={"missing": missing},
+                    fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
+        self.closed = True
+        with self.world.run.sched.lock:  # workers waiting in a graceful shutdown stop waiting for this one
+            self.world.settle(self.world.shutdown_barrier)
+        forget_when_all_out(self.world)  # everyone is out: a later init_rpc in this run starts a fresh world
+
+
+# torch's RPC API, routed on simulated ranks, asks whether the rank's thread has one of these agents
+torch_rpc.register_sim_agent(SimAgent)
