@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 
 from .cases import Case, output_buffers, rank_inputs, split_sizes, upstream_grads
 
@@ -142,7 +142,7 @@ def _group_for(case: Case, dist: Any, generation: int) -> Any:
     simulated world, one), and dropped after a failure (the old groups may hold half-finished collectives)."""
     if case.group is None:
         return None
-    st = _state.current()
+    st = dist_state.current()
     cache = st.cache if st is not None else {}
     if cache.get("conformance-generation") != generation:
         cache.clear()
@@ -195,7 +195,7 @@ def run_case(case: Case, impl: str = DEFAULT_IMPL, dist_module: str | None = Non
     try:
         dist = load_module(dist_module or default_dist_module(impl))
         out.rank = rank = dist.get_rank()
-        st = _state.current()
+        st = dist_state.current()
         # the backend places its ranks (one GPU per rank on nccl, cuda:<rank % count> on the simulator)
         dev: Any = st.backend.device_for(device) if st is not None else torch.device(device)
         group = _group_for(case, dist, generation)

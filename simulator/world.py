@@ -41,8 +41,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tensorplay.distributed import _state
-from tensorplay.distributed.api import _install_backend
+from tensorplay.distributed import state as dist_state
+from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from simulator.adapters import _environ, installed, torch_native
@@ -363,7 +363,7 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
     if rs.device.type == "cuda":
         torch.cuda.set_device(rs.device)
     try:
-        _install_backend(rs.backend, td, thread_local=True)
+        install_backend(rs.backend, td, thread_local=True)
         rs.cpu_mark = time.thread_time()
         with torch_native.rank_thread():
             rs.result = fn(*args, **kwargs)
@@ -380,7 +380,7 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
             rs.backend._flush_unobserved()
         except BaseException:  # pragma: no cover  (never lose the rank's own outcome)
             pass
-        _state.unbind_thread()
+        dist_state.unbind_thread()
         if rs.env is not None:
             _environ.unbind()
         _local.rs = None

@@ -5,8 +5,7 @@
 * A backend author's names are in :mod:`tensorplay.distributed.backends.kit`, a transport author's in
   :mod:`tensorplay.distributed.rpc.transport`, the rank's world in :mod:`tensorplay.distributed.state`; the
   private names they replace keep working and are the same objects.
-* Every private product name the simulator imports has a public counterpart (:data:`PUBLIC_FOR`), so the
-  simulator can switch to public names only.
+* The simulator imports no private product name: it is a backend and a transport like any other.
 """
 from __future__ import annotations
 
@@ -143,8 +142,16 @@ def _simulator_private_uses() -> list[tuple[str, str]]:
     return out
 
 
+def test_the_simulator_uses_no_private_product_name() -> None:
+    """The simulator is a backend and a transport like any other: it reaches the product through the public
+    surface for their authors (backends.kit, rpc.transport, state, validation), never a private name."""
+    found = [f"{where}: {dotted}" for where, dotted in _simulator_private_uses()
+             if not dotted.endswith("._fields")]  # (a NamedTuple's own API, spec.CallKey._fields)
+    assert not found, "use the public name instead:\n" + "\n".join(found)
+
+
 def test_every_private_product_name_the_simulator_uses_has_a_public_one() -> None:
-    """(Once the simulator imports only public names, this list is empty and stays so.)"""
+    """(The simulator imports only public names now, so this list is empty and stays so.)"""
     missing, different = [], []
     for where, dotted in _simulator_private_uses():
         if dotted.endswith("._fields"):  # a NamedTuple's own API (spec.CallKey._fields), not a product name

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 
 import tensorplay.distributed as tpd
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
@@ -382,7 +382,7 @@ for _alias, _name in _ALIASES.items():
 # groups: the world, and member-only subgroups
 # ---------------------------------------------------------------------------
 def _tp_group_for(global_ranks: list[int]) -> TpGroup:
-    st = _state.current()
+    st = dist_state.current()
     if st is None or st.backend.name != "sim":
         raise DistRuntimeError(format_message(
             "init_process_group", "the 'sim' torch backend runs only on simulated ranks",

@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 
 from simulator.adapters import _environ
 from simulator.adapters._patch import Installation
@@ -74,7 +74,7 @@ class _Inherited:
 
     def __init__(self, parent: RankState, thread: threading.Thread) -> None:
         self.actor = parent.child(thread)
-        self.dist_state = _state.current()
+        self.dist_state = dist_state.current()
         self.c10d_world = _c10d_world()
         self.cuda = parent.device if parent.device.type == "cuda" else None
 
@@ -138,7 +138,7 @@ def run_adopted(inh: _Inherited, target: Callable[[], None]) -> None:
     actor.tid = threading.get_native_id()
     actor.cpu_mark = time.thread_time()
     _local.rs = actor
-    _state.bind_thread(inh.dist_state)
+    dist_state.bind_thread(inh.dist_state)
     if actor.env is not None:
         _environ.bind(actor.env)
     if inh.c10d_world is not None:
@@ -155,7 +155,7 @@ def run_adopted(inh: _Inherited, target: Callable[[], None]) -> None:
         except BaseException:  # noqa: BLE001  (pragma: no cover) never lose the thread's end
             pass
         _local.rs = None
-        _state.unbind_thread()
+        dist_state.unbind_thread()
         if actor.env is not None:
             _environ.unbind()
         if inh.c10d_world is not None:

@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 
-from tensorplay.distributed import _state
-from tensorplay.distributed.api import _backend_name_refusal
+from tensorplay.distributed import state as dist_state
+from tensorplay.distributed.validation import backend_name_refusal
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
 from simulator.adapters import torch_groups
@@ -121,7 +121,7 @@ class _PerThreadTable:
         object.__setattr__(self, "_local", threading.local())
 
     def _target(self) -> Any:
-        if _state.current() is None:
+        if dist_state.current() is None:
             return self._original
         t = getattr(self._local, "table", None)
         if t is None:
@@ -196,7 +196,7 @@ def _isolate_dtensor_op_handlers(module: Any) -> Any:
 
     def get(self: Any) -> dict[Any, Any]:
         own = self.__dict__[name]
-        if _state.current() is None:
+        if dist_state.current() is None:
             return own
         t = tables()
         if id(self) not in t:
@@ -204,7 +204,7 @@ def _isolate_dtensor_op_handlers(module: Any) -> Any:
         return t[id(self)]
 
     def set_(self: Any, value: dict[Any, Any]) -> None:
-        if _state.current() is None or name not in self.__dict__:
+        if dist_state.current() is None or name not in self.__dict__:
             self.__dict__[name] = value
         else:
             tables()[id(self)] = value
@@ -267,7 +267,7 @@ _SCHEMES = ("env", "tcp", "file")
 
 def _sim_state() -> Any:
     """The calling simulated rank's tensorplay state, or ``None`` outside a simulated world."""
-    st = _state.current()
+    st = dist_state.current()
     return st if st is not None and isinstance(st.backend, SimBackend) else None
 
 
@@ -384,7 +384,7 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     torch_rank = _torch_rank(st.rank)
     if default or torch_rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
         # every name becomes the simulator below: first refuse, as torch's helper would, a name torch does not know
-        refusal = _backend_name_refusal(f"torch.distributed.{'init_process_group' if default else 'new_group'}",
+        refusal = backend_name_refusal(f"torch.distributed.{'init_process_group' if default else 'new_group'}",
                                         backend)
         if refusal is not None:
             raise refusal

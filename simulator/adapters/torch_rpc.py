@@ -56,12 +56,13 @@ import torch.distributed.rpc as trpc
 import torch.distributed.rpc.api as tapi
 
 import tensorplay.distributed.autograd as tp_autograd
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.nn import RemoteModule as TpRemoteModule
 from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOptimizer
 from tensorplay.distributed.rpc import RRef as TpRRef
-from tensorplay.distributed.rpc import _agent, api
+from tensorplay.distributed.rpc import api
+from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.futures import Future as TpFuture
 
 from simulator.adapters.after_import import when_imported
@@ -93,11 +94,11 @@ def _on_sim() -> bool:
 
     The test of :func:`simulator.rpc.transport.claims_caller`, made here: the adapters do not import the rpc wing.
     """
-    return current_rank_state() is not None and _state.current() is not None
+    return current_rank_state() is not None and dist_state.current() is not None
 
 
 def _sim_agent() -> Any:
-    a = _agent.current()
+    a = rpc_transport.current()
     cls = _sim_agent_class
     return a if cls is not None and isinstance(a, cls) else None
 
@@ -122,7 +123,7 @@ def _as_torch_error(e: BaseException) -> BaseException:
     if worker is None:  # not raised by the remote function: the transport's own error
         return e
     wid = "?"
-    a = _agent.current()
+    a = rpc_transport.current()
     if a is not None:
         wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
     err = RuntimeError(f"{type(e).__name__}: On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n"
@@ -264,7 +265,7 @@ def _autograd_get_gradients(context_id: int) -> Any:
 
 
 def _get_rpc_timeout() -> float:
-    return _agent.require("get_rpc_timeout").timeout
+    return rpc_transport.require("get_rpc_timeout").timeout
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

@@ -33,7 +33,7 @@ from tensorplay.distributed.backends import Backend, Work, register_backend
 from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
-from tensorplay.distributed.rpc._agent import register_transport
+from tensorplay.distributed.rpc.transport import register_transport
 from tensorplay.distributed.spec import CallKey
 
 from simulator.core.callsite import call_site

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.spec import CallKey
 
@@ -362,7 +362,7 @@ class RankCall:
         self.site = site
         self.vstart = rs.vt
         self.wall_start = _perf()
-        self.backward = _state.current_backward()
+        self.backward = dist_state.current_backward()
         self.nbytes = nbytes
         self.detail = detail
         self.async_op = async_op
@@ -409,7 +409,7 @@ class P2PRecord:
         self.error: Incident | None = None
         self.source: int | None = None  # sender's group rank, for receives
         self.vend = 0.0
-        self.backward = _state.current_backward()
+        self.backward = dist_state.current_backward()
         rs.p2p_seq += 1
         self.seq = rs.p2p_seq
         self.observed = False

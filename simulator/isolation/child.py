@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tensorplay.distributed.api import _install_backend
+from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
 from simulator.adapters import torch_native
@@ -148,7 +148,7 @@ def main(fd: int | None = None) -> None:
     torch.set_rng_state(setup.torch_rng)
     random.seed(f"simulator:{setup.seed}:{rank}")
     backend = ClientBackend(conn, rank, setup.world_size, setup.arena_dir)
-    _install_backend(backend, timedelta(seconds=setup.timeout))
+    install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
     rank_threads.install(backend, coop=setup.mode == "coop")
     with torch_native.enabled():

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.backends.base import Backend, Work
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES, BackendCollective
@@ -190,7 +190,7 @@ class ClientBackend(SimBackend):
         staged = Staged(self._staging)
         try:
             enc = self._staging.stage(name, args, OUTPUTS[name], staged)
-            value = self._exchange((CALL, name, enc, site, _state.current_backward(), self._cpu_delta()))
+            value = self._exchange((CALL, name, enc, site, dist_state.current_backward(), self._cpu_delta()))
         except BaseException:
             staged.release()
             self._cpu.mark = time.thread_time()

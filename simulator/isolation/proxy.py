@@ -28,7 +28,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, format_message
 
 from simulator.adapters import _environ
@@ -190,7 +190,7 @@ class ProcessRanks(ProxyHandlers):
         """The function of every rank thread: serve this rank's process until its function ends."""
         rs = current_rank_state()
         me = self.ranks[rs.rank]  # type: ignore[union-attr]
-        me.groups[0] = _state.current().world  # type: ignore[union-attr]
+        me.groups[0] = dist_state.current().world  # type: ignore[union-attr]
         rs.where = lambda: self._where(me)  # type: ignore[union-attr]  (a timeout report shows the process's stack)
         return self._serve(rs, me, me.main)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError
 from tensorplay.distributed.group import ProcessGroup
 
@@ -362,7 +362,7 @@ class ProxyHandlers:
         dec = [self._decode(me, a) for a in enc]
         method = getattr(backend, name)
         if backward is not None:
-            with _state.backward_of(backward):
+            with dist_state.backward_of(backward):
                 value = _at(site)(method, dec)
         else:
             value = _at(site)(method, dec)

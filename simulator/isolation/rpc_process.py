@@ -15,7 +15,7 @@ seeded schedule from then on (its collectives still take their turn): its
 waits on RPC answers are invisible to the scheduler, and a rank holding the
 turn there would keep it from the rank that must answer.
 
-The workers authenticate every message (:mod:`tensorplay.distributed.rpc._auth`)
+The workers authenticate every message (:mod:`tensorplay.distributed.rpc.transport`)
 under the environment's ``TENSORPLAY_RPC_SECRET``/``_FILE`` when the program
 sets one, else under a secret the coordinator generates for the run and sends
 each rank process over its socket, so a process outside the run cannot make a
@@ -40,7 +40,8 @@ from typing import Any
 import torch.distributed.rpc as trpc
 
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError
-from tensorplay.distributed.rpc import _auth, tensorpipe
+from tensorplay.distributed.rpc import tensorpipe
+from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 
 from simulator.isolation import rank_threads
@@ -92,13 +93,13 @@ def start(name: str, rank: int, world_size: int, options: Any, *, default_timeou
         options = trpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout, _transports=["uv"])
     if options.init_method == "env://" and not os.environ.get("MASTER_PORT"):
         options.init_method = f"tcp://127.0.0.1:{port}"  # what torchrun's MASTER_ADDR/MASTER_PORT would give
-    own = _auth.ENV_SECRET in os.environ or _auth.ENV_SECRET_FILE in os.environ
+    own = rpc_transport.ENV_SECRET in os.environ or rpc_transport.ENV_SECRET_FILE in os.environ
     if own or SECRET is None:
         return tensorpipe.start(name, rank, world_size, options, default_timeout=default_timeout)
     # authenticated by default, as on thread ranks: the agent reads the secret from the environment once, at
     # start; it is not left there for the program (or the processes it starts) to see
-    os.environ[_auth.ENV_SECRET] = SECRET
+    os.environ[rpc_transport.ENV_SECRET] = SECRET
     try:
         return tensorpipe.start(name, rank, world_size, options, default_timeout=default_timeout)
     finally:
-        os.environ.pop(_auth.ENV_SECRET, None)
+        os.environ.pop(rpc_transport.ENV_SECRET, None)

@@ -27,11 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistTypeError
-from tensorplay.distributed.rpc import _agent, _auth
-from tensorplay.distributed.rpc._agent import Agent
-from tensorplay.distributed.rpc._call import RemoteFailure, run_call
+from tensorplay.distributed.rpc import transport as rpc_transport
+from tensorplay.distributed.rpc.transport import Agent, RemoteFailure, run_call, wrap_rref
 from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
 from tensorplay.distributed.rpc.futures import Future
 from tensorplay.distributed.rpc.rref import RRef
@@ -78,7 +77,7 @@ class SimAgent(Agent):
         self.faults = options.faults
         #: seals what this worker sends and checks what it receives (one session per worker): under the
         #: secret of this rank's environment, else the run's own (the simulator starts every member itself)
-        self.auth = _auth.Authenticator(secret or world.secret)
+        self.auth = rpc_transport.Authenticator(secret or world.secret)
         seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
         self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
         self._infos: list[WorkerInfo] | None = None
@@ -116,11 +115,11 @@ class SimAgent(Agent):
     # -- running as another worker ------------------------------------------------
     def _as_sender(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` with this agent (and its rank's state) bound to the calling thread."""
-        if _agent.current() is self:
+        if rpc_transport.current() is self:
             return fn()
-        prev_agent = _agent.bind_thread(self)
-        prev_state = _state.current()
-        _state.bind_thread(self.dist_state)
+        prev_agent = rpc_transport.bind_thread(self)
+        prev_state = dist_state.current()
+        dist_state.bind_thread(self.dist_state)
         swap = self._swap_rng()
         prev_lender = getattr(rng_lender, "rs", None)
         if swap is not None:
@@ -132,8 +131,8 @@ class SimAgent(Agent):
                 rng_lender.rs = prev_lender
                 self.rs.torch_rng = torch.get_rng_state()
                 torch.set_rng_state(swap)
-            _state.bind_thread(prev_state)
-            _agent.bind_thread(prev_agent)
+            dist_state.bind_thread(prev_state)
+            rpc_transport.bind_thread(prev_agent)
 
     def _swap_rng(self) -> torch.Tensor | None:
         """coop mode with per-rank RNGs: run as this rank on this rank's torch RNG stream (a handler thread of
@@ -315,7 +314,7 @@ class SimAgent(Agent):
                     keep(peer, Dropped(e))
 
             fut.add_done_callback(failed)
-        return RRef._wrap(SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
+        return wrap_rref(SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
 
     def new_slot(self, value: Any) -> int:
         with self.world.lock:
@@ -325,7 +324,7 @@ class SimAgent(Agent):
 
     def local_rref(self, value: Any) -> RRef[Any]:
         rid = self.new_slot(value)
-        return RRef._wrap(SimRRef(self.world, WorkerInfo(self.name, self.rank), rid, self.name))
+        return wrap_rref(SimRRef(self.world, WorkerInfo(self.name, self.rank), rid, self.name))
 
     # -- shutdown -------------------------------------------------------------
     def shutdown(self, graceful: bool, timeout: float) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError
-from tensorplay.distributed.rpc import _agent
+from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 
 __all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id", "set_context_id"]
@@ -62,7 +62,7 @@ def set_context_id(cid: int | None) -> None:
 
 
 def _sim_agent(call: str) -> Any:
-    a = _agent.require(f"autograd.{call}")
+    a = rpc_transport.require(f"autograd.{call}")
     if a.distributed_autograd() is not sys.modules[__name__]:  # pragma: no cover  dispatched by the caller
         raise DistRuntimeError(rpc_message(f"autograd.{call}", "not a simulated worker", worker=a.name))
     return a
@@ -104,7 +104,7 @@ def on_send(t: torch.Tensor) -> int | None:
     cid = current_context_id()
     if cid is None:
         return None
-    a = _agent.current()
+    a = rpc_transport.current()
     ctx = _ctx(a, cid, True, "send")
     sid = next(ctx.next_send)
     ctx.sends[sid] = t
@@ -116,7 +116,7 @@ def on_recv(leaf: torch.Tensor, sender: str, sid: int) -> None:
     cid = current_context_id()
     if cid is None:  # pragma: no cover  sends are only recorded inside a context
         return
-    a = _agent.current()
+    a = rpc_transport.current()
     _ctx(a, cid, True, "recv").recvs[id(leaf)] = (leaf, sender, sid)
 
 

@@ -7,7 +7,7 @@
   backward pass (:mod:`simulator.rpc.autograd`) and arrives as a fresh leaf.
 * **Authenticated.**  Every message is sealed by its sender and checked by
   its receiver before anything is unpickled, with the same code as on
-  TensorPipe (:mod:`tensorplay.distributed.rpc._auth`): under the world's
+  TensorPipe (:mod:`tensorplay.distributed.rpc.transport`): under the world's
   ``TENSORPLAY_RPC_SECRET``/``_FILE`` when set, else under a secret the run
   generates (the simulator starts every member itself).  The envelope's bytes
   are not counted in the trace's message sizes.
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorplay.distributed.rpc import _auth
-from tensorplay.distributed.rpc._call import dill_pickler
+from tensorplay.distributed.rpc import transport as rpc_transport
+from tensorplay.distributed.rpc.transport import dill_pickler
 
 from simulator.rpc import autograd as rpc_autograd
 
@@ -94,7 +94,7 @@ class Message:
         self.data, self.tensors, self.grad_sends, self.sender, self.dill = data, tensors, grad_sends, sender, dill
         self.sealed = False
 
-    def seal(self, auth: "_auth.Authenticator | None") -> "Message":
+    def seal(self, auth: "rpc_transport.Authenticator | None") -> "Message":
         """Seal the bytes under the sender's authenticator (none: the message stays bare)."""
         if auth is not None:
             self.data = auth.seal(self.data)
@@ -105,7 +105,7 @@ class Message:
     def nbytes(self) -> int:
         """What crosses the wire: the pickle plus the tensors' bytes (the authentication envelope left out, so
         virtual times do not depend on whether a world is authenticated)."""
-        n = len(self.data) - (_auth.HEADER_LEN if self.sealed else 0)
+        n = len(self.data) - (rpc_transport.HEADER_LEN if self.sealed else 0)
         for t in self.tensors:
             n += t.numel() * t.element_size()
         return n
@@ -171,11 +171,11 @@ def _rollback() -> None:
     _codec.retained = []
 
 
-def decode(msg: Message, auth: "_auth.Authenticator | None" = None) -> Any:
+def decode(msg: Message, auth: "rpc_transport.Authenticator | None" = None) -> Any:
     """The message's object as its receiver (whose authenticator is ``auth``) sees it.
 
     With ``auth``, the envelope is checked first: a message that is not authentic (or a replay) raises
-    :class:`~tensorplay.distributed.rpc._auth.AuthenticationError` before anything is unpickled.
+    :class:`~tensorplay.distributed.rpc.transport.AuthenticationError` before anything is unpickled.
     """
     data: Any = msg.data
     if auth is not None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from tensorplay.distributed.errors import DistRuntimeError
-from tensorplay.distributed.rpc import _agent
-from tensorplay.distributed.rpc._call import unwrap
+from tensorplay.distributed.rpc import transport as rpc_transport
+from tensorplay.distributed.rpc.transport import unwrap, wrap_rref
 from tensorplay.distributed.rpc.errors import WorkerUnavailableError, rpc_message
 from tensorplay.distributed.rpc.rref import RRef
 from tensorplay.distributed.rpc.worker import WorkerInfo
@@ -74,7 +74,7 @@ class SimRRef:
     def _value(self, call: str) -> Any:
         owner = self.world.agents.get(self.owner_info.name)
         if owner is None or not owner.alive():
-            me = _agent.current()
+            me = rpc_transport.current()
             raise WorkerUnavailableError(rpc_message(
                 call, "the RRef's owner is unavailable (it shut down, returned or raised)",
                 worker=getattr(me, "name", None), values={"owner": self.owner_info.name},
@@ -114,11 +114,11 @@ class SimRRef:
 
 
 def _rebuild_sim_rref(owner_name: str, owner_id: int, rid: int) -> RRef[Any]:
-    me = _agent.current()
+    me = rpc_transport.current()
     world = getattr(me, "world", None)  # a simulated worker's agent (SimAgent) belongs to an RPC world
     if not isinstance(world, RpcWorld):  # pragma: no cover
         raise DistRuntimeError(rpc_message(
             "RRef", "a simulated RRef arrived outside a simulated worker",
             values={"owner": owner_name, "rref_id": rid, "agent": type(me).__name__ if me else None},
             fix="pass simulated RRefs only between workers of the same simulator.run world"))
-    return RRef._wrap(SimRRef(world, WorkerInfo(owner_name, owner_id), rid, me.name))
+    return wrap_rref(SimRRef(world, WorkerInfo(owner_name, owner_id), rid, me.name))

@@ -1,15 +1,15 @@
 """What tensorplay's transport registry asks of the simulator's transport (registered as ``"sim"``).
 
-The registry (:mod:`tensorplay.distributed.rpc._agent`) imports the package
+The registry (:mod:`tensorplay.distributed.rpc.transport`) imports the package
 :mod:`simulator.rpc` by name and reads these there: whether the calling thread
 is a simulated rank (:func:`claims_caller`), its rank and world size, and
 :func:`start`, which makes the worker's :class:`~simulator.rpc.agent.SimAgent`.
 """
 from __future__ import annotations
 
-from tensorplay.distributed import _state
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError
-from tensorplay.distributed.rpc import _auth
+from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 
 from simulator.core.state import current_rank_state
@@ -26,12 +26,12 @@ USAGE = "run the function with simulator.run(fn, world_size) or `python -m simul
 
 def claims_caller() -> bool:
     """The calling thread is a simulated rank (or one of its threads): the simulator's transport serves it."""
-    return current_rank_state() is not None and _state.current() is not None
+    return current_rank_state() is not None and dist_state.current() is not None
 
 
 def default_rank_and_size() -> tuple[int, int | None]:
     """The simulated rank's own rank and the run's world size."""
-    st = _state.current()
+    st = dist_state.current()
     return (st.rank, st.world_size) if st is not None else (-1, None)
 
 
@@ -44,13 +44,13 @@ def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions |
     rs = current_rank_state()
     if rs is None:  # pragma: no cover  checked by init_rpc
         raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
-    secret = _auth.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
+    secret = rpc_transport.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
     options = options_from(options)
     if not options.rpc_timeout or options.rpc_timeout <= 0:
         raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
                                          values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))
     world = world_of(rs, world_size)
-    agent = SimAgent(world, name, rank, rs, _state.current(), options, secret)
+    agent = SimAgent(world, name, rank, rs, dist_state.current(), options, secret)
     with world.lock:
         clash = world.agents.get(name)
         if clash is not None or rank in world.by_rank:
@@ -80,4 +80,4 @@ def _check_one_secret(world: RpcWorld, agent: SimAgent) -> None:
         raise DistRuntimeError(rpc_message(
             "init_rpc", "the workers do not share one RPC secret", worker=agent.name,
             values={"ranks_by_secret": [ranks for _, ranks in groups]},
-            fix=f"set the same {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}) on every worker, or on none of them"))
+            fix=f"set the same {rpc_transport.ENV_SECRET} (or {rpc_transport.ENV_SECRET_FILE}) on every worker, or on none of them"))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tensorplay.distributed.rpc import futures as _futures
-from tensorplay.distributed.rpc._call import RemoteFailure, async_outcome, future_outcome, is_async
+from tensorplay.distributed.rpc.transport import RemoteFailure, async_outcome, future_outcome, is_async
 from tensorplay.distributed.rpc.futures import Future
 
 from simulator.core.sched import FREE

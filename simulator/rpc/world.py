@@ -13,7 +13,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from tensorplay.distributed.errors import DistValueError
-from tensorplay.distributed.rpc import _auth
+from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 
 from simulator.core.protocol import Scheduler
@@ -77,7 +77,7 @@ class RpcWorld:
         self.run = run
         self.size = size
         #: the run's own secret, for members whose environment names none (never leaves this process)
-        self.secret = _auth.generate_secret().encode()
+        self.secret = rpc_transport.generate_secret().encode()
         self.lock = threading.RLock()
         self.agents: dict[str, SimAgent] = {}
         self.by_rank: dict[int, SimAgent] = {}
