@@ -56,7 +56,6 @@ import torch.distributed.rpc as trpc
 import torch.distributed.rpc.api as tapi
 
 import tensorplay.distributed.autograd as tp_autograd
-from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.nn import RemoteModule as TpRemoteModule
 from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOptimizer
@@ -68,7 +67,7 @@ from tensorplay.distributed.rpc.futures import Future as TpFuture
 from simulator.adapters.after_import import when_imported
 from simulator.adapters.torch_private import check_torch_version
 from simulator.adapters._patch import Installation
-from simulator.core.state import current_rank_state
+from simulator.core.state import on_simulated_rank
 
 __all__ = ["enabled", "register_sim_agent"]
 
@@ -90,11 +89,8 @@ def register_sim_agent(cls: type) -> None:
 
 
 def _on_sim() -> bool:
-    """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator).
-
-    The test of :func:`simulator.rpc.transport.claims_caller`, made here: the adapters do not import the rpc wing.
-    """
-    return current_rank_state() is not None and dist_state.current() is not None
+    """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
+    return on_simulated_rank()
 
 
 def _sim_agent() -> Any:

@@ -31,7 +31,7 @@ from simulator.core.protocol import Scheduler
 from simulator.core.trace import EventLog
 from simulator.core._actor import _local, current_rank_state  # noqa: F401  (re-exported: the state's public door)
 
-__all__ = ["Run", "RankState", "Incident", "SimGroup", "Slot", "RankCall", "P2PRecord", "CallKey",
+__all__ = ["on_simulated_rank", "Run", "RankState", "Incident", "SimGroup", "Slot", "RankCall", "P2PRecord", "CallKey",
            "current_rank_state", "rank_device", "OVER_TEXT"]
 
 _perf = time.perf_counter
@@ -143,6 +143,12 @@ class RankState:
         c.thread = thread
         c.waits_exit = not thread.daemon
         return c
+
+def on_simulated_rank() -> bool:
+    """The calling thread is a simulated rank (or one of its threads) with tensorplay.distributed bound to it:
+    the test the simulated RPC transport and the torch RPC adapter both make."""
+    return current_rank_state() is not None and dist_state.current() is not None
+
 
 class Run:
     """The shared state of one execution of a world."""

@@ -12,7 +12,7 @@ from tensorplay.distributed.errors import DistRuntimeError, DistValueError
 from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 
-from simulator.core.state import current_rank_state
+from simulator.core.state import current_rank_state, on_simulated_rank
 from simulator.rpc.agent import SimAgent
 from simulator.rpc.options import SimRpcBackendOptions, options_from
 from simulator.rpc.world import RpcWorld, world_of
@@ -26,7 +26,7 @@ USAGE = "run the function with simulator.run(fn, world_size) or `python -m simul
 
 def claims_caller() -> bool:
     """The calling thread is a simulated rank (or one of its threads): the simulator's transport serves it."""
-    return current_rank_state() is not None and dist_state.current() is not None
+    return on_simulated_rank()
 
 
 def default_rank_and_size() -> tuple[int, int | None]:
