@@ -253,6 +253,9 @@ class World:
                 with run.sched.lock:
                     run.abort(Incident(SimError, format_message("simulator.run", "the run was interrupted",
                                                                 fix="none needed: it was stopped on purpose")))
+                # a moment for the released ranks to end before the adapters go (a rank still inside torch
+                # while the interpreter ends can abort it: "terminate called without an active exception")
+                run.all_done.wait(2.0)
                 raise
             timeout_exc = None
             if bound is not None:

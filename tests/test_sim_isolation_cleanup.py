@@ -323,3 +323,33 @@ def test_a_slow_start_says_why_once(monkeypatch, capfd):
     simulator.run(lambda: None, 2, isolation="process")
     err = capfd.readouterr().err
     assert err.count("simulator: starting 2 rank interpreters (first run imports torch") == 1, err
+
+
+_ENDS_AT_ONCE = r"""
+import torch, simulator, tensorplay.distributed as dist
+
+def step():
+    torch.manual_seed(0)  # the same model on every rank: after the step, the same weights
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4) * (dist.get_rank() + 1)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    return float(model.weight.detach().sum())
+
+if __name__ == "__main__":
+    out = simulator.run(step, 2, isolation="process")
+    print("same" if out[0] == out[1] else "differ")
+"""
+
+
+def test_a_program_that_ends_right_after_its_run_prints_no_traceback():
+    """The warm interpreters outlive the run and learn the rank's imports meanwhile; a coordinator that ends at
+    once closes their socket under them, which is their cue to end quietly (it once printed a BrokenPipeError)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-"], input=_ENDS_AT_ONCE, capture_output=True, text=True, timeout=300,
+                           env=env, cwd=ROOT)
+        assert p.returncode == 0 and p.stdout.strip() == "same", p.stdout + p.stderr
+        assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+import weakref
 from typing import Any, Callable, ContextManager
 
 from simulator.adapters._patch import Installation
@@ -61,13 +62,20 @@ def _rank_excluder() -> Callable[[float], None] | None:
     return exclude
 
 
+#: per run (weakly: the hook's state ends with its run): the optimizer whose steps mark each rank's training
+#: steps, by rank
+_first_optimizer: "weakref.WeakKeyDictionary[Any, dict[int, int]]" = weakref.WeakKeyDictionary()
+
+
 def mark_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A ``torch.optim`` post-step hook: the end of a training step on the rank's clock (a rank process's proxy
+    calls it for the rank's steps too)."""
     rs = _actor()
     if rs is None or rs.parent is not None:
         return
     # the first optimizer a rank steps marks its training steps (a second one, e.g. a local reference
     # model's, would split each step in two)
-    first = rs.run.step_optimizer.setdefault(rs.rank, id(optimizer))
+    first = _first_optimizer.setdefault(rs.run, {}).setdefault(rs.rank, id(optimizer))
     if first != id(optimizer):
         return
     charge_compute(rs)

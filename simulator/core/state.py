@@ -199,10 +199,8 @@ class Run:
         self.exit_hooks: list[Callable[[RankState], None]] = []
         #: groups created by their members only, by (ranks, k-th request for those ranks)
         self.member_groups: dict[tuple[tuple[int, ...], int], SimGroup] = {}
-        #: per rank [outgoing link free at, incoming link free at] (virtual seconds), flattened (see cost.py)
+        #: per rank [outgoing link free at, incoming link free at] (virtual seconds), flattened (see clock.py)
         self.links: list[float] = [0.0] * (2 * self.n)
-        #: the optimizer whose steps mark a rank's training steps (its first one), by rank
-        self.step_optimizer: dict[int, int] = {}
 
     # -- big kernels on one thread -------------------------------------------
     def execute(self, fn: Callable[[], Any]) -> Any:

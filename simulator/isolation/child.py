@@ -203,36 +203,46 @@ def serve(fd: int) -> None:
     # a coordinator killed outright (SIGKILL) leaves its rank processes and arenas to this interpreter
     cleanup.on_parent_death(int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid(), lambda: children)
     threads = _thread_count()
-    ctrl.send(WARM_RECORD.pack(WARM_READY, os.getpid(), 0))
+
+    def gone() -> None:
+        """The coordinator is gone (it ended, or was killed): so are its rank processes, and this interpreter."""
+        for pid in children:
+            try:
+                os.killpg(pid, 9)
+            except OSError:
+                pass
+        os._exit(0)
+
+    def tell(kind: bytes, pid: int, status: int) -> None:
+        try:
+            ctrl.send(WARM_RECORD.pack(kind, pid, status))
+        except OSError:  # (a coordinator that ended while this interpreter imported ahead: no traceback)
+            gone()
+
+    tell(WARM_READY, os.getpid(), 0)
     while True:
         ready, _, _ = select.select([ctrl], [], [], 0.05)
         for pid, code in _reap(children):
-            ctrl.send(WARM_RECORD.pack(WARM_EXITED, pid, code))
+            tell(WARM_EXITED, pid, code)
         if not ready:
             continue
         try:
             data, fds, _, _ = socket.recv_fds(ctrl, warm.MAX_REQUEST, 8)
         except OSError:
             data, fds = b"", []
-        if not data:  # the coordinator is gone: so are its rank processes
-            for pid in children:
-                try:
-                    os.killpg(pid, 9)
-                except OSError:
-                    pass
-            os._exit(0)
+        if not data:
+            gone()
         env, preload = pickle.loads(data)
         threads = min(threads, _thread_count())  # (a thread torch starts at import may end later)
-        culprit = _preload(preload, threads, lambda: [ctrl.send(WARM_RECORD.pack(WARM_EXITED, pid, code))
-                                                     for pid, code in _reap(children)])
+        culprit = _preload(preload, threads, lambda: [tell(WARM_EXITED, pid, code) for pid, code in _reap(children)])
         if culprit is not None:  # an import started a thread: forking now could copy a lock it holds
             for f in fds:
                 os.close(f)
             # (which one: never imported ahead again)
-            ctrl.send(WARM_RECORD.pack(WARM_TAINTED, culprit, _thread_count()))
+            tell(WARM_TAINTED, culprit, _thread_count())
             os._exit(3)
         if env is None:  # import ahead only (between two runs)
-            ctrl.send(WARM_RECORD.pack(WARM_LOADED, 0, 0))
+            tell(WARM_LOADED, 0, 0)
             continue
         pid = os.fork()
         if pid == 0:
@@ -240,7 +250,7 @@ def serve(fd: int) -> None:
         for f in fds:
             os.close(f)
         children.add(pid)
-        ctrl.send(WARM_RECORD.pack(WARM_FORKED, pid, 0))
+        tell(WARM_FORKED, pid, 0)
 
 
 def _thread_count() -> int:
