@@ -144,6 +144,7 @@ class RankState:
         c.waits_exit = not thread.daemon
         return c
 
+
 def on_simulated_rank() -> bool:
     """The calling thread is a simulated rank (or one of its threads) with tensorplay.distributed bound to it:
     the test the simulated RPC transport and the torch RPC adapter both make."""
