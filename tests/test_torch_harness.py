@@ -60,8 +60,17 @@ DISTRIBUTED_TEST = {
 # instantiate_device_type_tests' thread-local precision, and torch.nn's global module hooks (CommDebugMode) around a
 # collective that writes into a module's output: per rank on thread ranks, a process's own on rank processes
 DEVICE_TYPE = {"test_all_reduce_cpu": "passed", "test_comm_debug_mode_around_a_module_collective_cpu": "passed"}
+# a group's own methods as c10d's gloo tests call them (ProcessGroupGloo(store, ...), several tensors, gloo's checks)
+C10D_GLOO = {t: "passed" for t in (
+    "test_several_inputs_reduce_into_each", "test_broadcast_root_tensor_and_overload",
+    "test_allgather_several_inputs_and_future_value", "test_argument_checks_match_gloo",
+    "test_scatter_and_gather_checks_and_values", "test_sparse_several_inputs_sum", "test_options_timeout_and_stress",
+    "test_init_process_group_names_its_backend", "test_a_backend_the_program_registers_is_its_own")}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
-               "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE}
+               "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE,
+               "case_c10d_gloo.py": C10D_GLOO}
+#: cases whose run on gloo processes takes a minute or more (start-ups): in the slow tier
+SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py")
 
 
 class Outcome:
@@ -166,6 +175,12 @@ def test_device_type_suites_and_module_trackers_on_simulated_ranks(tmp_path: Pat
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_groups_own_methods_follow_gloo_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_c10d_gloo.py", sim=isolation)
+    assert out.verdicts == _want(C10D_GLOO, isolation), out.output[-8000:]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_distributed_test.py", sim=isolation)
     assert out.verdicts == _want(DISTRIBUTED_TEST, isolation), out.output[-8000:]
@@ -209,8 +224,8 @@ def test_loading_the_plugin_with_the_switch_off_imports_no_torch_and_warns_nothi
 # the same suites on real gloo processes: the verdicts of the table
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.gloo
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "case_distributed_test.py" else [])
-                                  for c in sorted(CASE_TABLES)])  # distributed_test: ~1 min of gloo start-ups
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_ON_GLOO else [])
+                                  for c in sorted(CASE_TABLES)])
 def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Path, case: str) -> None:
     real = _run(tmp_path, case, sim=None)
     assert real.verdicts == _want(CASE_TABLES[case], "gloo"), real.output[-8000:]

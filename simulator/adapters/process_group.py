@@ -23,6 +23,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
+from simulator.adapters.gloo_rules import GlooRules, combine, reduce_op, root_of, tensor_list
 from simulator.adapters.process_group_work import SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import rank_device
@@ -31,13 +32,11 @@ __all__ = ["SimProcessGroup"]
 
 check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
 
+#: the backends torch names a group's type after (any other, a plugin's, is "custom")
+_BUILTIN_TYPES = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
 #: the tag of monitored_barrier's messages (a program's own tags are small; gloo keeps these apart likewise)
 _MONITORED_TAG = -(2 ** 31) + 7
-
-
-def _op(opts: Any) -> Any:
-    op = opts.reduceOp
-    return getattr(op, "op", op)  # torch's ReduceOp wraps a RedOpType; ours understands the latter
 
 
 class _SimBackendView:
@@ -75,6 +74,11 @@ class _SimBackendView:
 
     def eager_connect_single_device(self, device: Any) -> None:
         pass
+
+    @staticmethod
+    def create_device(hostname: str = "", interface: str = "", lazy_init: Any = None) -> Any:
+        """gloo's device factory (torch's tests call it on a group's backend): torch's own, nothing connects."""
+        return c10d.ProcessGroupGloo.create_device(hostname=hostname, interface=interface, lazy_init=lazy_init)
 
     def __repr__(self) -> str:
         return f"<simulated {self.name()} backend of {self._pg!r} for {self.device}>"
@@ -125,6 +129,33 @@ class SimProcessGroup(tdist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return self._named
 
+    def name(self) -> str:
+        """What torch's ``pg.name()`` says on a real run: the default backend's type (gloo, nccl, …; ``"custom"``
+        for a plugin), not the ``"sim"`` that torch's C++ side reads through getBackendName."""
+        named = self._named
+        if ":" in named:  # a "cpu:gloo,cuda:nccl" configuration: the rank's device's backend
+            pairs = dict(p.split(":", 1) for p in named.replace(" ", "").split(",") if ":" in p)
+            named = pairs.get(rank_device().type, pairs.get("cpu", next(iter(pairs.values()), named)))
+        if named == "undefined":  # init_process_group() without a backend makes cpu:gloo (and cuda:nccl)
+            named = "nccl" if rank_device().type == "cuda" else "gloo"
+        return named if named in _BUILTIN_TYPES else "custom"
+
+    @property
+    def options(self) -> Any:
+        """The backend's options (``_timeout``): those given to ``ProcessGroupGloo(...)``, else the group's."""
+        opts = self.__dict__.get("_tp_options")
+        if opts is None:
+            opts = self._tp_options = c10d.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout or c10d.default_pg_timeout
+        return opts
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        """The bound on the group's later operations (ProcessGroupGloo's ``_set_default_timeout``)."""
+        self._timeout = timeout
+        self.options._timeout = timeout
+
+    set_timeout = _set_default_timeout
+
     @property
     def _device_types(self) -> list[torch.device]:
         return list(self._types)
@@ -161,54 +192,106 @@ class SimProcessGroup(tdist.ProcessGroup):
         self._start_coalescing(device)
 
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        op = _op(opts) if opts is not None else tpd.ReduceOp.SUM
-        if any(t.layout == torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, op)
-        return SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
+    # torch's front door passes one tensor in a list and an options object; a program calling the group itself
+    # may pass several tensors or use the pybind overloads (pg.allreduce(t), pg.broadcast(t, root=0)): both are
+    # taken, with gloo's argument checks and several-tensor meaning (gloo_rules)
+    def _rules(self, call: str) -> GlooRules:
+        return GlooRules(call, self._g.rank(), self._g.size())
 
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> SimWork:
+    def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
+        tensors = tensor_list(tensors)
+        op = reduce_op(opts, op)
+        rules = self._rules("allreduce")
+        rules.non_empty(tensors)
+        rules.layouts_match(tensors)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op, rules)
+        rules.type_and_sizes(tensors)
+        if len(tensors) == 1:
+            return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
+        # several inputs: gloo reduces this rank's inputs together, then across the ranks, into every input
+        folded = combine(tensors, op)
+        return SimWork([tpd.all_reduce(folded, op=op, group=self._g, async_op=True)], tensors,
+                       after=lambda: [t.copy_(folded) for t in tensors])
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any, rules: GlooRules) -> SimWork:
         """gloo's sparse all_reduce: each rank's (indices, values) gathered, summed, coalesced, written back in
         place.  gloo reduces sparse tensors with SUM only; NCCL none."""
         if self._named == "nccl" or getattr(op, "name", None) != "SUM":
             raise DistBackendError(format_message(
-                "torch.distributed.all_reduce", f"backend {self._named} does not reduce sparse tensors with this op",
-                rank=self._g.rank(), values={"op": op, "backend": self._named, "group": list(self._g.ranks)},
+                "torch.distributed.all_reduce", f"unsupported reduction operation: backend {self._named} does not "
+                "reduce sparse tensors with this op", rank=self._g.rank(),
+                values={"op": op, "backend": self._named, "group": list(self._g.ranks)},
                 fix="use ReduceOp.SUM on a gloo group, or reduce the dense tensor (t.to_dense())"))
-        g, w = self._g, self._g.size()
         for t in tensors:
-            c = t.coalesce()
-            idx, val = c.indices(), c.values()
-            counts = [torch.zeros(1, dtype=torch.long) for _ in range(w)]
-            tpd.all_gather(counts, torch.tensor([idx.shape[1]]), group=g)
-            m = int(max(int(n) for n in counts))
-            pad_idx = idx.new_zeros((idx.shape[0], m))
-            pad_idx[:, :idx.shape[1]] = idx
-            pad_val = val.new_zeros((m, *val.shape[1:]))
-            pad_val[:val.shape[0]] = val
-            all_idx = [torch.empty_like(pad_idx) for _ in range(w)]
-            all_val = [torch.empty_like(pad_val) for _ in range(w)]
-            tpd.all_gather(all_idx, pad_idx, group=g)
-            tpd.all_gather(all_val, pad_val, group=g)
-            n = [int(k) for k in counts]
-            total = torch.sparse_coo_tensor(torch.cat([a[:, :k] for a, k in zip(all_idx, n)], dim=1),
-                                            torch.cat([v[:k] for v, k in zip(all_val, n)]), t.shape).coalesce()
+            if t.shape != tensors[0].shape:
+                raise rules.fail("invalid tensor size", "pass sparse tensors of one shape",
+                                 shape=tuple(t.shape), expected=tuple(tensors[0].shape))
+        g, w = self._g, self._g.size()
+        # several inputs on a rank are summed with the other ranks' as gloo does
+        c = tensors[0].coalesce()
+        for t in tensors[1:]:
+            c = (c + t).coalesce()
+        idx, val = c.indices(), c.values()
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(w)]
+        tpd.all_gather(counts, torch.tensor([idx.shape[1]]), group=g)
+        m = int(max(int(n) for n in counts))
+        pad_idx = idx.new_zeros((idx.shape[0], m))
+        pad_idx[:, :idx.shape[1]] = idx
+        pad_val = val.new_zeros((m, *val.shape[1:]))
+        pad_val[:val.shape[0]] = val
+        all_idx = [torch.empty_like(pad_idx) for _ in range(w)]
+        all_val = [torch.empty_like(pad_val) for _ in range(w)]
+        tpd.all_gather(all_idx, pad_idx, group=g)
+        tpd.all_gather(all_val, pad_val, group=g)
+        n = [int(k) for k in counts]
+        total = torch.sparse_coo_tensor(torch.cat([a[:, :k] for a, k in zip(all_idx, n)], dim=1),
+                                        torch.cat([v[:k] for v, k in zip(all_val, n)]), c.shape).coalesce()
+        for t in tensors:
             t.copy_(total)
         return SimWork([], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        # the implementation itself, not the wrapped call: one operation, one profiler event (as gloo records it)
-        work = SimProcessGroup.allreduce.__wrapped__(self, tensors, opts)
+        tensors = list(tensors)
+        rules = self._rules("allreduce_coalesced")
+        rules.non_empty(tensors)
+        for t in tensors:
+            if t.dtype != tensors[0].dtype:
+                raise rules.fail("tensors must all have the same type", "pass tensors of one dtype",
+                                 dtype=str(t.dtype), expected=str(tensors[0].dtype))
+        rules.layouts_match(tensors)
+        if tensors[0].layout != torch.strided:
+            raise rules.fail("unsupported layout", "pass dense tensors (t.to_dense())", layout=str(tensors[0].layout))
+        op = reducereduce_op(opts)
+        work = SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
         work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
         return work
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        return SimWork([tpd.broadcast(t, group=self._g, group_src=opts.rootRank, async_op=True) for t in tensors],
-                       tensors)
+    def broadcast(self, tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
+        tensors = tensor_list(tensors)
+        opts, root_rank = root_of(opts, root)  # (or the overload broadcast(tensor, root))
+        root_tensor = opts.rootTensor if opts is not None else 0
+        rules = self._rules("broadcast")
+        rules.root_rank(root_rank)
+        rules.root_tensor(root_tensor, len(tensors))
+        rules.type_and_sizes(tensors)
+        me = self._g.rank()
+        # the root sends its tensors[rootTensor]; every tensor of every rank receives it
+        buf = tensors[root_tensor] if me == root_rank else tensors[0]
+        w = tpd.broadcast(buf, group=self._g, group_src=root_rank, async_op=True)
+        rest = [t for t in tensors if t is not buf]
+        return SimWork([w], tensors, after=(lambda: [t.copy_(buf) for t in rest]) if rest else None)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
-        return SimWork([tpd.reduce(t, op=_op(opts), group=self._g, group_dst=opts.rootRank, async_op=True)
-                        for t in tensors], tensors)
+    def reduce(self, tensors: Any, opts: Any = None, root: int | None = None, op: Any = None) -> SimWork:
+        tensors = tensor_list(tensors)
+        opts, root_rank = root_of(opts, root)  # (or the overload reduce(tensor, root, op))
+        rules = self._rules("reduce")
+        rules.root_rank(root_rank)
+        rules.root_tensor(opts.rootTensor if opts is not None else 0, len(tensors))
+        rules.single(tensors, "tensor list")
+        rules.dense(tensors)
+        return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._g, group_dst=root_rank,
+                                   async_op=True)], tensors)
 
     def barrier(self, opts: Any = None) -> SimWork:
         return SimWork([tpd.barrier(group=self._g, async_op=True)], [])
@@ -251,15 +334,55 @@ class SimProcessGroup(tdist.ProcessGroup):
         for peer in range(1, g.size()):
             tpd.isend(token, group=g, group_dst=peer, tag=_MONITORED_TAG)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> SimWork:
-        works = [tpd.all_gather(outs, t, group=self._g, async_op=True)
-                 for outs, t in zip(output_tensors, input_tensors)]
-        flat = [t for outs in output_tensors for t in outs]
-        return SimWork(works, flat, refuse=_autograd_refusal("all_gather", self._g.rank(), flat))
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> SimWork:
+        if isinstance(input_tensors, torch.Tensor):  # the overload allgather(output_list, tensor)
+            output_tensors, input_tensors = [list(output_tensors)], [input_tensors]
+        outs, ins = [list(o) for o in output_tensors], list(input_tensors)
+        rules = self._rules("allgather")
+        rules.non_empty(ins, "input tensor list")
+        if len(outs) != len(ins):
+            raise rules.fail("requires input/output tensor lists to have the same length",
+                             "pass one output list per input tensor", outputs=len(outs), inputs=len(ins))
+        n, w = len(ins), self._g.size()
+        for i, o in enumerate(outs):
+            if len(o) != n * w:
+                raise rules.fail(f"invalid output tensor list at index {i} (expected length {n * w}, got {len(o)})",
+                                 f"give each output list {n * w} tensors (inputs per rank x group size)")
+        rules.dense(ins)
+        rules.type_and_sizes(ins)
+        for o in outs:
+            rules.type_and_sizes(o, like=ins[0])
+        # outs[j][r * n + i] receives rank r's input i, for every j: one all_gather per input, into outs[0]
+        works = [tpd.all_gather([outs[0][r * n + i] for r in range(w)], t, group=self._g, async_op=True)
+                 for i, t in enumerate(ins)]
+        flat = [t for o in outs for t in o]
+        after = None
+        if len(outs) > 1:
+            def after() -> None:
+                for o in outs[1:]:
+                    for dst, src in zip(o, outs[0]):
+                        dst.copy_(src)
+        # gloo's future holds the output list (a list of lists when there are several)
+        return SimWork(works, outs[0] if len(outs) == 1 else outs, after=after,
+                       refuse=_autograd_refusal("all_gather", self._g.rank(), flat))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> SimWork:
+        rules = self._rules("allgather_coalesced")
+        if len(output_lists) != self._g.size():
+            raise rules.fail("output lists should be equal to world size", "pass one output list per rank",
+                             output_lists=len(output_lists), group_size=self._g.size())
+        for outs in output_lists:
+            if len(outs) != len(input_list):
+                raise rules.fail(f"invalid output size: (expected length {len(input_list)}, got {len(outs)})",
+                                 "give each output list one tensor per input tensor")
+            for i, (o, t) in enumerate(zip(outs, input_list)):
+                if o.shape != t.shape:
+                    raise rules.fail(f"invalid size of output tensor at index {i}", "match each input's shape",
+                                     shape=tuple(o.shape), expected=tuple(t.shape))
+                if o.dtype != t.dtype:
+                    raise rules.fail(f"invalid tensor type at index {i}", "match each input's dtype",
+                                     dtype=str(o.dtype), expected=str(t.dtype))
         # output_lists[r][i] receives rank r's input_list[i]: one all_gather per input tensor, as gloo does
         works = [tpd.all_gather([outs[i] for outs in output_lists], t, group=self._g, async_op=True)
                  for i, t in enumerate(input_list)]
@@ -294,36 +417,44 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any = None) -> SimWork:
-        is_root = self._g.rank() == opts.rootRank
-        w = tpd.gather(input_tensors[0], output_tensors[0] if is_root else None, group=self._g,
-                       group_dst=opts.rootRank, async_op=True)
-        outs = output_tensors[0] if is_root and output_tensors else []
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
+        if isinstance(input_tensors, torch.Tensor):  # the overload gather(output_list, tensor, root)
+            output_tensors, input_tensors = ([list(output_tensors)] if output_tensors else []), [input_tensors]
+        opts, root_rank = root_of(opts, root)
+        ins, is_root = list(input_tensors), self._g.rank() == root_rank
+        self._rules("gather").rooted(root_rank, is_root, ins, "input tensor list", output_tensors, "output")
+        w = tpd.gather(ins[0], output_tensors[0] if is_root else None, group=self._g, group_dst=root_rank,
+                       async_op=True)
+        outs = list(output_tensors[0]) if is_root else []
         return SimWork([w], outs, refuse=_autograd_refusal("gather", self._g.rank(), outs))
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any = None) -> SimWork:
-        is_root = self._g.rank() == opts.rootRank
-        w = tpd.scatter(output_tensors[0], input_tensors[0] if is_root else None, group=self._g,
-                        group_src=opts.rootRank, async_op=True)
-        return SimWork([w], output_tensors)
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
+        if isinstance(output_tensors, torch.Tensor):  # the overload scatter(tensor, input_list, root)
+            output_tensors, input_tensors = [output_tensors], ([list(input_tensors)] if input_tensors else [])
+        opts, root_rank = root_of(opts, root)
+        outs, is_root = list(output_tensors), self._g.rank() == root_rank
+        self._rules("scatter").rooted(root_rank, is_root, outs, "output tensor list", input_tensors, "input")
+        w = tpd.scatter(outs[0], list(input_tensors[0]) if is_root else None, group=self._g,
+                        group_src=root_rank, async_op=True)
+        return SimWork([w], outs)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> SimWork:
-        return SimWork([tpd.reduce_scatter(o, ins, op=_op(opts), group=self._g, async_op=True)
-                        for o, ins in zip(output_tensors, input_tensors)], output_tensors)
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
+        if isinstance(output_tensors, torch.Tensor):  # the overload reduce_scatter(tensor, input_list, op)
+            output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+        op = reduce_op(opts, op)
+        return SimWork([tpd.reduce_scatter(o, list(ins), op=op, group=self._g, async_op=True)
+                        for o, ins in zip(output_tensors, input_tensors)], list(output_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         self._gloo_layout("reduce_scatter_tensor", input, output, "input")
-        return SimWork([tpd.reduce_scatter_tensor(output, input, op=_op(opts), group=self._g, async_op=True)],
+        return SimWork([tpd.reduce_scatter_tensor(output, input, op=reduce_op(opts), group=self._g, async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        return SimWork([tpd.reduce_scatter_tensor(o, i, op=_op(opts), group=self._g, async_op=True)
+        return SimWork([tpd.reduce_scatter_tensor(o, i, op=reduce_op(opts), group=self._g, async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -400,9 +531,22 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
     else:
         inner = getattr(c10d._world, "sim_members", None)
         ranks = tuple(sorted(global_ranks)) if inner is None else tuple(inner[r] for r in sorted(global_ranks))
-    handle = st.backend.member_group_handle(ranks)
-    pg = TpGroup(ranks, st.backend, handle, group_id=len(st.groups) + 1)
+    return _member_group(st, ranks)
+
+
+def _member_group(st: Any, ranks: tuple[int, ...]) -> TpGroup:
+    """A new communicator of this simulated rank's world over the simulated ranks ``ranks`` (in that order)."""
+    pg = TpGroup(ranks, st.backend, st.backend.member_group_handle(ranks), group_id=len(st.groups) + 1)
     st.groups.append(pg)
+    return pg
+
+
+def direct_group(ranks: tuple[int, ...], options: Any) -> SimProcessGroup:
+    """The group a program builds itself with ``ProcessGroupGloo(store, rank, size, options)`` on a simulated
+    rank (see torch_globals' stand-in): a communicator of its own over ``ranks``, reporting gloo and ``options``."""
+    pg = SimProcessGroup(_member_group(dist_state.current(), ranks), "gloo", options._timeout)
+    pg._tp_options = options
+    pg._tp_direct = True
     return pg
 
 

@@ -39,8 +39,10 @@ class SimWork(tdist.Work):
     ``result()``/``get_future().value()`` follow gloo: the op's output tensors.
     """
 
-    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None) -> None:
+    def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None,
+                 after: Any = None) -> None:
         super().__init__()
+        self._after = after  # () -> None: writes the results out once the exchange is done (several-tensor calls)
         self._refuse = refuse  # an error gloo gives this rank once the exchange is done (see _autograd_refusal)
         self._works = [w for w in works if w is not None]
         self._result = result
@@ -61,6 +63,8 @@ class SimWork(tdist.Work):
                     w.wait(bound)
                 if self._refuse is not None:
                     raise DistBackendError(self._refuse)
+                if self._after is not None:
+                    self._after()
             except BaseException as e:  # noqa: BLE001  kept for exception(), then re-raised as is
                 self._exc = e
                 raise
@@ -74,7 +78,16 @@ class SimWork(tdist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        if self._done:
+            return True
+        if not all(w.is_completed() for w in self._works):
+            return False
+        if self._after is not None:  # the exchange is done: write the results out now, as gloo has by then
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001  completed with an error: exception()/wait() report it
+                pass
+        return True
 
     def is_success(self) -> bool:
         if not self._done:

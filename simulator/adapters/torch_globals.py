@@ -9,6 +9,7 @@ one process, so each rank thread gets its own:
 * the rendezvous (:func:`_rendezvous_handler`: an in-memory store per world, or a rendezvous of a group over
   some of the simulated ranks, :mod:`simulator.adapters.torch_groups`), ``TCPStore`` (:class:`_TCPStore`)
   and torch's one group builder (:func:`_new_process_group_helper`: every backend is the simulator);
+* ``ProcessGroupGloo`` built by the program itself (:class:`_ProcessGroupGloo`);
 * process-wide tables torch code changes around collectives (FSDP1's profiler, DTensor's custom op handlers)
   and DDP's logging data (:data:`_ISOLATED`, patched when their modules are imported).
 
@@ -22,6 +23,7 @@ import os
 import sys
 import threading
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
@@ -33,7 +35,7 @@ from tensorplay.distributed.validation import backend_name_refusal
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
 from simulator.adapters import torch_groups
-from simulator.adapters.process_group import SimProcessGroup, _tls
+from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.backend import SimBackend
 
@@ -350,6 +352,71 @@ class _TCPStore(metaclass=_StoreClassMeta):
             return _stores.setdefault(key, tdist.HashStore())  # type: ignore[arg-type]
 
 
+class _GlooClassMeta(type):
+    """The stand-in answers for torch's class: its attributes (``_Options``, ``create_device``), ``isinstance``
+    (torch's gloo backends, and simulated groups that report gloo) and ``issubclass``."""
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(c10d.ProcessGroupGloo, name)  # (distributed_c10d keeps torch's own class)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, c10d.ProcessGroupGloo) or (isinstance(obj, SimProcessGroup) and obj._named == "gloo")
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, c10d.ProcessGroupGloo)
+
+
+def _store_key(store: Any) -> Any:
+    """Which rendezvous a store stands for: a file store by its file (each rank opens its own), else the store."""
+    inner = getattr(store, "underlying_store", store)
+    path = getattr(inner, "path", None)
+    return ("file", path) if isinstance(path, str) else ("store", id(inner))
+
+
+class _ProcessGroupGloo(metaclass=_GlooClassMeta):
+    """Stands in for ``torch.distributed.ProcessGroupGloo`` while a simulated world runs.
+
+    A program (PyTorch's ``test_c10d_gloo.py``, a library holding a bare backend) may build a gloo group
+    itself: ``ProcessGroupGloo(store, rank, size, options)`` or ``(..., timeout=...)``.  On a simulated rank
+    that is a simulated group reporting gloo, a communicator of its own: over the whole world when ``size`` is
+    its size and each rank gives its own rank, else over the simulated ranks that claim ``rank`` of ``size``
+    on the same store (:func:`torch_groups.join`, as ``init_process_group(store=...)`` over some ranks).  Its
+    ``options`` are the ones given.  Off simulated ranks it is torch's own class.
+    """
+
+    def __new__(cls, store: Any, rank: int, size: int, options: Any = None, *, timeout: Any = None) -> Any:
+        real = c10d.ProcessGroupGloo
+        st = _sim_state()
+        if isinstance(options, timedelta):  # the overload (store, rank, size, timeout)
+            options, timeout = None, options
+        if st is None:
+            if options is not None:
+                return real(store, rank, size, options)
+            return real(store, rank, size) if timeout is None else real(store, rank, size, timeout=timeout)
+        if options is None:
+            options = real._Options()
+            options._timeout = timeout if timeout is not None else c10d.default_pg_timeout
+        rank, size = int(rank), int(size)
+        inner = getattr(c10d._world, "sim_members", None)  # inside a default group over some simulated ranks
+        ranks = tuple(inner) if inner is not None else tuple(range(st.world_size))
+        if size == len(ranks) and 0 <= rank < size and ranks[rank] == st.rank:
+            return direct_group(ranks, options)
+        if size > st.world_size:
+            raise _mismatch("torch.distributed.ProcessGroupGloo", "world_size", size, st)
+        members = torch_groups.join(st.backend.world_key(), ("ProcessGroupGloo", _store_key(store)), rank, size,
+                                    st.rank, st.world_size)
+        return direct_group(members, options)
+
+
+def _programs_own(backend: Any) -> bool:
+    """A backend torch builds itself on a simulated rank too: ``"fake"``, and every backend a program (or a test
+    harness) registered with ``Backend.register_backend`` (a Python process group of its own, like PyTorch's
+    tests' ``DummyProcessGroup`` or the ``"threaded"`` one): its behaviour is the program's, not a network's."""
+    names = [p.split(":", 1)[-1] for p in str(backend).lower().replace(" ", "").split(",") if p]
+    plugins = {k.lower() for k in getattr(tdist.Backend, "_plugins", {})} - {"sim"}
+    return bool(names) and all(n == "fake" or n in plugins for n in names)
+
+
 def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: list[int], backend: Any,
                               store: Any, group_name: Any, *args: Any, **kwargs: Any) -> Any:
     """torch's one place that builds a group's backend; on a simulated rank every backend is the simulator.
@@ -359,9 +426,9 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     """
     original = _saved["helper"]
     st = _sim_state()
-    if st is None or str(backend).lower() == "fake":
+    if st is None or _programs_own(backend):
         # ("fake": torch's process-local group for tracing, every process its own world over a FakeStore, nothing
-        # communicated: torch's own, on a simulated rank too)
+        # communicated: torch's own, on a simulated rank too; likewise a backend the program registered itself)
         return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
     default = len(global_ranks_in_group) == 0
     members = None

@@ -55,7 +55,8 @@ from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
-from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _RankWorld, _TCPStore,
+from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
+                                              _RankWorld, _TCPStore,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
                                               _saved, _stores)
 from simulator.adapters.torch_private import SUPPORTED_TORCH, check_torch_version
@@ -83,6 +84,8 @@ def _install() -> None:
     c10d._new_process_group_helper = _new_process_group_helper
     c10d._is_barrier_after_init = _is_barrier_after_init
     tdist.TCPStore = _TCPStore  # type: ignore[misc]
+    _saved["ProcessGroupGloo"] = tdist.ProcessGroupGloo
+    tdist.ProcessGroupGloo = _ProcessGroupGloo  # type: ignore[misc]
     # a CPU build of torch has no NCCL default timeout (None), and init_process_group("nccl") warns for it: NCCL's own
     # default (10 minutes) while the simulator binds "nccl" to its world
     _saved["nccl_timeout"] = getattr(c10d, "default_pg_nccl_timeout", None)
@@ -108,6 +111,8 @@ def _uninstall() -> None:
         sys.excepthook = _saved.pop("excepthook")
     if "TCPStore" in _saved:
         tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
+    if "ProcessGroupGloo" in _saved:
+        tdist.ProcessGroupGloo = _saved.pop("ProcessGroupGloo")  # type: ignore[misc]
     if "nccl_timeout" in _saved:
         c10d.default_pg_nccl_timeout = _saved.pop("nccl_timeout")
     for undo in reversed(_saved.pop("isolated", [])):

@@ -75,6 +75,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P(f"{_C10D}._pg_names", "adapters.torch_native", "patches",
        "the group -> name table; a simulated group also keeps its name (destroy_process_group reads it after "
        "removing the record)"),
+    _P(f"{_C10D}.ProcessGroupGloo._Options", "adapters.process_group, adapters.torch_globals", "reads",
+       "the options a group built as ProcessGroupGloo(store, rank, size, ...) carries (pg.options._timeout), as "
+       "torch's class keeps them"),
+    _P("torch.distributed.Backend._plugins", "adapters.torch_globals", "reads",
+       "which backends a program registered itself (register_backend): those stay the program's own on "
+       "simulated ranks"),
     _P(f"{_C10D}._new_process_group_helper", _NATIVE, "patches",
        "torch's one place that builds a group's backend: on a simulated rank every backend is the simulator"),
     _P(f"{_C10D}._is_barrier_after_init", _NATIVE, "patches",
