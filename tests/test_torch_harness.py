@@ -66,11 +66,17 @@ C10D_GLOO = {t: "passed" for t in (
     "test_allgather_several_inputs_and_future_value", "test_argument_checks_match_gloo",
     "test_scatter_and_gather_checks_and_values", "test_sparse_several_inputs_sum", "test_options_timeout_and_stress",
     "test_init_process_group_names_its_backend", "test_a_backend_the_program_registers_is_its_own")}
+# c10d's behaviour as its common tests observe it on gloo (DDP hooks, sparse gradients, sequence numbers, ...)
+C10D_COMMON = {t: "passed" for t in (
+    "test_sparse_gradients", "test_comm_hook_sparse", "test_comm_hook_future_passing", "test_invalid_hook_return",
+    "test_broadcast_coalesced", "test_new_group_local_sync_dup", "test_new_group_ordered", "test_rank_membership",
+    "test_seq_num", "test_dtype_mismatch", "test_complex_and_bool", "test_debug_level", "test_local_rank",
+    "test_a2a_contiguous", "test_ignored_output_unused", "test_all_backends_names")}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
                "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE,
-               "case_c10d_gloo.py": C10D_GLOO}
+               "case_c10d_gloo.py": C10D_GLOO, "case_c10d_common.py": C10D_COMMON}
 #: cases whose run on gloo processes takes a minute or more (start-ups): in the slow tier
-SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py")
+SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py")
 
 
 class Outcome:
@@ -181,6 +187,12 @@ def test_a_groups_own_methods_follow_gloo_on_simulated_ranks(tmp_path: Path, iso
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_c10d_behaviour_that_its_common_tests_observe_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_c10d_common.py", sim=isolation)
+    assert out.verdicts == _want(C10D_COMMON, isolation), out.output[-8000:]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_distributed_test.py", sim=isolation)
     assert out.verdicts == _want(DISTRIBUTED_TEST, isolation), out.output[-8000:]
@@ -283,6 +295,31 @@ def _poll_for_flag(flag: list[bool]) -> str:
 def test_a_sleeping_rank_lets_the_others_run_in_coop_mode_and_the_run_says_it_is_not_seeded() -> None:
     for seed in range(4):  # either rank may run first
         assert simulator.run(_poll_for_flag, 2, args=([],), seed=seed, timeout=60) == [False, False]
+
+
+def _wait_on_a_store_key(path: str) -> object:
+    """Rank 1 reads a key of a file store before rank 0 has set it: a wait in C++ the scheduler cannot see."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    import tensorplay.distributed as dist
+
+    store = tdist.FileStore(path, 2)
+    if dist.get_rank() == 0:
+        store.set("ready", "yes")
+        return "set"
+    store.set_timeout(datetime.timedelta(seconds=20))
+    return store.get("ready").decode()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_rank_waiting_on_a_store_key_lets_the_rank_that_sets_it_run_in_coop_mode(tmp_path: Path,
+                                                                                    isolation: str) -> None:
+    for seed in range(2):  # either rank may run first
+        path = str(tmp_path / f"store-{seed}")
+        assert simulator.run(_wait_on_a_store_key, 2, args=(path,), seed=seed, timeout=60,
+                             isolation=isolation) == ["set", "yes"]
 
 
 def _no_sleep() -> object:

@@ -195,6 +195,13 @@ class SimProcessGroup(tdist.ProcessGroup):
     # torch's front door passes one tensor in a list and an options object; a program calling the group itself
     # may pass several tensors or use the pybind overloads (pg.allreduce(t), pg.broadcast(t, root=0)): both are
     # taken, with gloo's argument checks and several-tensor meaning (gloo_rules)
+    def _get_sequence_number_for_group(self) -> int:
+        """How many operations this rank has issued on the group (the same on every member, as on gloo)."""
+        return self.__dict__.get("_tp_seq", 0)
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._tp_seq = self.__dict__.get("_tp_seq", 0)
+
     def _rules(self, call: str) -> GlooRules:
         return GlooRules(call, self._g.rank(), self._g.size())
 
@@ -461,6 +468,11 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> SimWork:
+        if not input.is_contiguous():  # (torch raises this ValueError for gloo and NCCL alike)
+            raise ValueError(format_message(
+                "torch.distributed.all_to_all_single", "Tensors must be contiguous", rank=self._g.rank(),
+                values={"input.shape": tuple(input.shape), "input.stride": input.stride()},
+                fix="pass input.contiguous()"))
         w = tpd.all_to_all_single(output, input, list(output_split_sizes) or None,
                                   list(input_split_sizes) or None, group=self._g, async_op=True)
         return SimWork([w], [output])
@@ -530,7 +542,8 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
         ranks = tuple(members)
     else:
         inner = getattr(c10d._world, "sim_members", None)
-        ranks = tuple(sorted(global_ranks)) if inner is None else tuple(inner[r] for r in sorted(global_ranks))
+        # (in torch's order: new_group(ranks, sort_ranks=False) makes group rank i the i-th rank given)
+        ranks = tuple(global_ranks) if inner is None else tuple(inner[r] for r in global_ranks)
     return _member_group(st, ranks)
 
 

@@ -177,6 +177,7 @@ def _backend_errors(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
+        self._tp_seq = self.__dict__.get("_tp_seq", 0) + 1  # (the group's sequence number counts operations)
         event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:
             work = method(self, *args, **kwargs)

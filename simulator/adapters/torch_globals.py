@@ -37,6 +37,8 @@ from tensorplay.distributed.errors import DistRuntimeError, DistValueError, form
 from simulator.adapters import torch_groups
 from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
 from simulator.adapters.torch_private import check_torch_version
+from simulator.core._actor import current_rank_state
+from simulator.core.actors import sleep_in, sleep_out
 from simulator.core.backend import SimBackend
 
 check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
@@ -406,6 +408,73 @@ class _ProcessGroupGloo(metaclass=_GlooClassMeta):
         members = torch_groups.join(st.backend.world_key(), ("ProcessGroupGloo", _store_key(store)), rank, size,
                                     st.rank, st.world_size)
         return direct_group(members, options)
+
+
+#: set in a coop rank process (isolation.rank_threads): (what, site, call) -> call's result, stepping the main
+#: thread out of the schedule around a wait in the OS
+wait_in_os: Any = None
+
+
+def _store_wait(name: str) -> Any:
+    """``Store.get``/``Store.wait`` on simulated ranks: a key no rank has set yet is a wait in C++ the scheduler
+    cannot see; in coop mode the rank steps out of the schedule for it (as for ``time.sleep``), so the rank that
+    will set the key gets to run.  The run is then marked as not a pure function of its seed.  A key already
+    there is read at once, in the schedule."""
+    original = getattr(tdist.Store, name)
+
+    def call(self: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        rs = current_rank_state()
+        if rs is None and wait_in_os is None:
+            return original(self, keys, *args, **kwargs)
+        wanted = [keys] if isinstance(keys, str) else list(keys)
+        try:
+            ready = bool(self.check(wanted))
+        except Exception:  # noqa: BLE001  a store without check(): wait as torch does
+            ready = False
+        frame = sys._getframe(1)
+        site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        what = f"Store.{name}({wanted!r}) before any rank set it"
+        if rs is None:  # a rank process: its main thread asks the coordinator
+            return original(self, keys, *args, **kwargs) if ready else wait_in_os(
+                what, site, lambda: original(self, keys, *args, **kwargs))
+        if ready or not sleep_out(rs, 1.0, site, what=what):
+            return original(self, keys, *args, **kwargs)
+        try:
+            return original(self, keys, *args, **kwargs)
+        finally:
+            sleep_in(rs)
+
+    call.__name__ = name
+    call.__qualname__ = f"Store.{name}"
+    return call
+
+
+_DEBUG_LEVELS = {"OFF": "OFF", "INFO": "INFO", "DETAIL": "DETAIL"}
+
+
+def _set_debug_level_from_env() -> None:
+    """``set_debug_level_from_env`` reads the C environment, which rank threads share; a simulated rank's
+    ``TORCH_DISTRIBUTED_DEBUG`` is its own ``os.environ``'s (the level itself stays torch's, process-wide)."""
+    if _sim_state() is None:
+        return _saved["set_debug_level_from_env"]()
+    value = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
+    level = _DEBUG_LEVELS.get(value.upper())
+    if level is None:
+        raise ValueError(format_message(
+            "torch.distributed.set_debug_level_from_env", f"The value of TORCH_DISTRIBUTED_DEBUG must be OFF, INFO, "
+            f"or DETAIL, but got {value}", values={"TORCH_DISTRIBUTED_DEBUG": value},
+            fix="set TORCH_DISTRIBUTED_DEBUG to OFF, INFO or DETAIL"))
+    tdist.set_debug_level(getattr(tdist.DebugLevel, level))
+
+
+def _create_process_group_wrapper(wrapped_pg: Any, *args: Any, **kwargs: Any) -> Any:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each group in one that checks every collective over a helper gloo
+    group; a simulated group is not wrapped: the simulator checks every collective's match itself, at every
+    debug level, and reports a mismatch naming the calls (a real gloo helper on a rank thread would wait in C++
+    for ranks the scheduler cannot run)."""
+    if isinstance(wrapped_pg, SimProcessGroup) and _sim_state() is not None:
+        return wrapped_pg
+    return _saved["pg_wrapper"](wrapped_pg, *args, **kwargs)
 
 
 def _programs_own(backend: Any) -> bool:

@@ -56,9 +56,9 @@ from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
 from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
-                                              _RankWorld, _TCPStore,
+                                              _RankWorld, _TCPStore, _create_process_group_wrapper,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
-                                              _saved, _stores)
+                                              _saved, _set_debug_level_from_env, _store_wait, _stores)
 from simulator.adapters.torch_private import SUPPORTED_TORCH, check_torch_version
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -86,6 +86,13 @@ def _install() -> None:
     tdist.TCPStore = _TCPStore  # type: ignore[misc]
     _saved["ProcessGroupGloo"] = tdist.ProcessGroupGloo
     tdist.ProcessGroupGloo = _ProcessGroupGloo  # type: ignore[misc]
+    _saved["set_debug_level_from_env"] = tdist.set_debug_level_from_env
+    tdist.set_debug_level_from_env = _set_debug_level_from_env
+    _saved["pg_wrapper"] = c10d._create_process_group_wrapper
+    c10d._create_process_group_wrapper = _create_process_group_wrapper
+    _saved["store_waits"] = {name: getattr(tdist.Store, name) for name in ("get", "wait")}
+    for name in _saved["store_waits"]:
+        setattr(tdist.Store, name, _store_wait(name))
     # a CPU build of torch has no NCCL default timeout (None), and init_process_group("nccl") warns for it: NCCL's own
     # default (10 minutes) while the simulator binds "nccl" to its world
     _saved["nccl_timeout"] = getattr(c10d, "default_pg_nccl_timeout", None)
@@ -113,6 +120,12 @@ def _uninstall() -> None:
         tdist.TCPStore = _saved.pop("TCPStore")  # type: ignore[misc]
     if "ProcessGroupGloo" in _saved:
         tdist.ProcessGroupGloo = _saved.pop("ProcessGroupGloo")  # type: ignore[misc]
+    if "set_debug_level_from_env" in _saved:
+        tdist.set_debug_level_from_env = _saved.pop("set_debug_level_from_env")
+    if "pg_wrapper" in _saved:
+        c10d._create_process_group_wrapper = _saved.pop("pg_wrapper")
+    for name, original in _saved.pop("store_waits", {}).items():
+        setattr(tdist.Store, name, original)
     if "nccl_timeout" in _saved:
         c10d.default_pg_nccl_timeout = _saved.pop("nccl_timeout")
     for undo in reversed(_saved.pop("isolated", [])):

@@ -102,6 +102,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "the named backend's devices: object collectives and checkpointing choose their device by it"),
     _P(f"{_PG}._get_backend", "adapters.process_group", "overrides",
        "torch asks a group's backend capability questions (splitting, coalescing): gloo's answers"),
+    _P(f"{_PG}._get_sequence_number_for_group", "adapters.process_group", "overrides",
+       "the group's count of operations, the same on every member (torch's C++ asks a backend the simulated group "
+       "does not have)"),
+    _P(f"{_PG}._set_sequence_number_for_group", "adapters.process_group", "overrides",
+       "starts the count above"),
+    _P(f"{_C10D}._create_process_group_wrapper", "adapters.torch_native, adapters.torch_globals", "patches",
+       "TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper over a real gloo helper group: a simulated group is left "
+       "unwrapped (the simulator checks every collective's match itself)"),
     _P(f"{_PG}._start_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._end_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._allgather_base", "adapters.process_group", "overrides", "torch's other name for all_gather_single"),

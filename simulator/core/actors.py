@@ -71,9 +71,10 @@ def join_actor(rs: RankState, actor: RankState) -> None:
             sched.leave(rs)
 
 
-def sleep_out(rs: RankState, seconds: Any, site: str) -> bool:
+def sleep_out(rs: RankState, seconds: Any, site: str, what: str | None = None) -> bool:
     """Before a real ``time.sleep(seconds)`` at ``site`` on rank actor ``rs``: in coop mode, step out of the schedule
-    so that the other ranks run meanwhile (True: call :func:`sleep_in` after the sleep).
+    so that the other ranks run meanwhile (True: call :func:`sleep_in` after the sleep).  ``what`` names another
+    wait outside the schedule that blocks in the OS (a store's ``get`` of a key no rank has set yet).
 
     Threads mode, an actor outside the schedule, a bad argument and ``sleep(0)`` step out of nothing: a program that
     only yields keeps its seeded schedule (the same on thread and process ranks).
@@ -84,7 +85,7 @@ def sleep_out(rs: RankState, seconds: Any, site: str) -> bool:
         return False
     if run.deterministic:
         run.deterministic = False  # the order the ranks come back in depends on the wall clock now
-        run.nondeterminism = f"{rs.label} called time.sleep({seconds:g}) at {site}"
+        run.nondeterminism = f"{rs.label} called {what or f'time.sleep({seconds:g})'} at {site}"
     run.sched.leave(rs)
     return True
 

@@ -59,7 +59,8 @@ JOIN = "join"
 LEAVE = "leave"
 #: ``(REJOIN,)``: back from the wait of a LEAVE
 REJOIN = "rejoin"
-#: ``(SLEEP, seconds, where)``: a polling ``time.sleep`` of the main thread (coop mode) steps out of the schedule;
+#: ``(SLEEP, seconds, where[, what])``: a polling ``time.sleep`` of the main thread (coop mode), or another wait in
+#: the OS (``what``: a store's get of a key not set yet), steps out of the schedule;
 #: answers whether it left
 SLEEP = "sleep"
 #: ``(WAKE,)``: back from the sleep of a SLEEP

@@ -258,7 +258,7 @@ class ProxyHandlers:
         threads.step_in(rs)
 
     def handle_sleep(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> bool:
-        return threads.sleep_out(rs, msg[1], msg[2])
+        return threads.sleep_out(rs, msg[1], msg[2], *msg[3:])
 
     def handle_wake(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> None:
         threads.sleep_in(rs)

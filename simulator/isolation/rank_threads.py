@@ -37,6 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from simulator.adapters import torch_globals
 from simulator.isolation import _wire
 from simulator.isolation.messages import END, FREE, JOIN, LEAVE, REJOIN, SLEEP, THREAD, WAKE
 
@@ -57,6 +58,7 @@ def install(backend: Any, coop: bool) -> None:
     if coop:
         _ORIGINAL["sleep"] = time.sleep
         time.sleep = _sleep
+        torch_globals.wait_in_os = _wait_in_os
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread.join = _join  # type: ignore[method-assign]
@@ -184,3 +186,18 @@ def _sleep(seconds: float) -> None:
         if left:
             b._request((WAKE,))
         _last_sleep = b.exchanges  # (its own two requests are no call of the program's)
+
+
+def _wait_in_os(what: str, site: str, call: Any) -> Any:
+    """A wait of the main thread in the OS that the scheduler cannot see (a store's ``get`` of a key no rank has
+    set yet; see :func:`simulator.adapters.torch_globals._store_wait`): step out of the schedule for it."""
+    b = _backend
+    if b is None or not b.on_main_thread():
+        return call()
+    left = b._request((SLEEP, 1.0, site, what))
+    try:
+        return call()
+    finally:
+        if left:
+            b._request((WAKE,))
+
