@@ -269,7 +269,7 @@ class SimProcessGroup(tdist.ProcessGroup):
         rules.layouts_match(tensors)
         if tensors[0].layout != torch.strided:
             raise rules.fail("unsupported layout", "pass dense tensors (t.to_dense())", layout=str(tensors[0].layout))
-        op = reducereduce_op(opts)
+        op = reduce_op(opts)
         work = SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
         work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
         return work
