@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
+from torch.utils import _python_dispatch
 
 from tensorplay.distributed.backends.base import completed_future
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
@@ -180,7 +181,7 @@ def _backend_errors(method: Any) -> Any:
         self._tp_seq = self.__dict__.get("_tp_seq", 0) + 1  # (the group's sequence number counts operations)
         event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:
-            work = method(self, *args, **kwargs)
+            work = _through_comm_modes(name, lambda: method(self, *args, **kwargs))
         except DistError as e:
             torch_profiling.completed(event)
             if isinstance(e, RuntimeError):
@@ -195,6 +196,49 @@ def _backend_errors(method: Any) -> Any:
         return work
 
     return call
+
+
+#: each group call -> the c10d op torch's dispatcher runs for it on a real group (what a dispatch mode sees)
+_C10D_OPS = {"allreduce": "allreduce_", "allreduce_coalesced": "allreduce_coalesced_", "broadcast": "broadcast_",
+             "reduce": "reduce_", "barrier": "barrier", "allgather": "allgather_",
+             "allgather_coalesced": "allgather_coalesced_", "all_gather_single": "_allgather_base_",
+             "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced_", "gather": "gather_",
+             "scatter": "scatter_", "reduce_scatter": "reduce_scatter_", "reduce_scatter_single": "_reduce_scatter_base_",
+             "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_", "all_to_all_single": "alltoall_base_",
+             "alltoall": "alltoall_", "send": "send", "recv": "recv_", "recv_anysource": "recv_any_source_"}
+
+
+class _C10dOp:
+    """What a watching mode is handed as the operation: it names the c10d op (``_overloadpacket``) and runs the
+    group's call with the dispatch modes off, as the op's kernel runs on a real group."""
+
+    def __init__(self, packet: Any, run: Any) -> None:
+        self._overloadpacket = packet
+        self._run = run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _python_dispatch._disable_current_modes():
+            return self._run()
+
+
+def _through_comm_modes(name: str, run: Any) -> Any:
+    """A group call, seen by torch's ``CommDebugMode`` when one is active.
+
+    On a real group, ``dist.all_reduce`` reaches the backend through torch's dispatcher (``c10d.allreduce_``),
+    where a ``TorchDispatchMode`` sees it: ``CommDebugMode`` counts it, per module.  A simulated group's
+    calls are Python methods the dispatcher never runs, so the active ``CommDebugMode`` is handed the op
+    here (only that mode: others, such as a fake-tensor mode, never see c10d ops on a real run either).
+    """
+    debug = sys.modules.get("torch.distributed.tensor.debug._comm_mode")
+    if debug is None or name not in _C10D_OPS:
+        return run()
+    modes = [m for m in _python_dispatch._get_current_dispatch_mode_stack() if isinstance(m, debug.CommDebugMode)]
+    if not modes:
+        return run()
+    packet = getattr(torch.ops.c10d, _C10D_OPS[name])
+    for m in modes[:-1]:  # (nested modes each count it; the innermost runs it)
+        m.__torch_dispatch__(_C10dOp(packet, lambda: None), (), ())
+    return modes[-1].__torch_dispatch__(_C10dOp(packet, run), (), ())
 
 
 def _nccl_devices(args: tuple) -> None:

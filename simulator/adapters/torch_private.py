@@ -107,6 +107,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "does not have)"),
     _P(f"{_PG}._set_sequence_number_for_group", "adapters.process_group", "overrides",
        "starts the count above"),
+    _P("torch.utils._python_dispatch", "adapters.process_group_work", "reads",
+       "the module holding torch's dispatch-mode stack (below)"),
+    _P("torch.utils._python_dispatch._get_current_dispatch_mode_stack", "adapters.process_group_work", "reads",
+       "whether a CommDebugMode watches: a simulated group's calls never pass torch's dispatcher, so the mode is "
+       "handed each call's c10d op (c10d.allreduce_, ...) as a real group's dispatcher would"),
+    _P("torch.utils._python_dispatch._disable_current_modes", "adapters.process_group_work", "reads",
+       "runs the call itself with the modes off, as the c10d op's kernel runs on a real group"),
+    _P("torch.distributed.tensor.debug._comm_mode", "adapters.process_group_work", "reads",
+       "where CommDebugMode is defined (looked up in sys.modules only: a program that never imported it pays "
+       "nothing)"),
     _P(f"{_C10D}._create_process_group_wrapper", "adapters.torch_native, adapters.torch_globals", "patches",
        "TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper over a real gloo helper group: a simulated group is left "
        "unwrapped (the simulator checks every collective's match itself)"),
