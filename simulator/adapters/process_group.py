@@ -269,10 +269,19 @@ class SimProcessGroup(tdist.ProcessGroup):
         rules.layouts_match(tensors)
         if tensors[0].layout != torch.strided:
             raise rules.fail("unsupported layout", "pass dense tensors (t.to_dense())", layout=str(tensors[0].layout))
-        op = reduce_op(opts)
-        work = SimWork([tpd.all_reduce(t, op=op, group=self._g, async_op=True) for t in tensors], tensors)
-        work._refuse = _autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors)
-        return work
+        # gloo flattens the tensors into one buffer, reduces it once and copies the parts back (a tensor given twice
+        # is reduced once)
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+
+        def copy_back() -> None:
+            offset = 0
+            with torch.no_grad():
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+        return SimWork([tpd.all_reduce(flat, op=reduce_op(opts), group=self._g, async_op=True)], tensors,
+                       after=copy_back, refuse=_autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors))
 
     def broadcast(self, tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
         tensors = tensor_list(tensors)

@@ -218,6 +218,21 @@ class GlooGroupCases(MultiProcessTestCase):
             fut.wait()
             self.assertEqual(fut.value()[0], torch.tensor([i * w + w * (w - 1) // 2]))
 
+    def test_coalesced_async_with_a_tensor_given_twice(self) -> None:
+        c10d.init_process_group("gloo", store=c10d.FileStore(self.file_name, self.world_size), rank=self.rank,
+                                world_size=self.world_size)
+        w = self.world_size
+        xs = [2 * [torch.tensor([i + self.rank])] for i in range(2)]  # one tensor object, twice in the list
+        futs = [c10d.all_reduce_coalesced(x, async_op=True) for x in xs]
+        torch.futures.wait_all(futs)
+        for i, fut in enumerate(futs):  # reduced once, as gloo's flattened buffer is
+            self.assertEqual(fut.wait(), 2 * [torch.tensor([i * w + w * (w - 1) // 2])])
+        yys = [[[torch.zeros_like(x) for x in xx] for _ in range(w)] for xx in xs]
+        futs = [c10d.all_gather_coalesced(yy, xx, async_op=True) for xx, yy in zip(xs, yys)]
+        torch.futures.wait_all(futs)
+        self.assertEqual(yys[1][w - 1], 2 * [torch.tensor([w + w * (w - 1) // 2])])
+        c10d.destroy_process_group()
+
     def test_init_process_group_names_its_backend(self) -> None:
         c10d.init_process_group("gloo", store=c10d.FileStore(self.file_name, self.world_size), rank=self.rank,
                                 world_size=self.world_size)
