@@ -215,6 +215,32 @@ def test_comm_debug_mode_counts_c10d_calls_as_on_gloo(isolation, in_module) -> N
                          timeout=120) == [([1, 1, 1, 3], True)] * 2
 
 
+def _two_of_three_on_a_file_store(path: str) -> object:
+    """Ranks 0 and 1 make a 2-rank default group, each opening its own FileStore on one file (as a
+    MultiProcessTestCase does); rank 2 stays out."""
+    import tensorplay.distributed as tpd
+
+    r = tpd.get_rank()
+    if r == 2:
+        return None
+    tdist.init_process_group("gloo", store=tdist.FileStore(path, 2), rank=1 - r, world_size=2)
+    t = torch.tensor([10.0 * (r + 1)])
+    tdist.all_reduce(t)
+    return (tdist.get_rank(), tdist.get_world_size(), t.item())
+
+
+def test_a_group_over_some_ranks_meets_on_a_file_store_each_rank_opens(tmp_path) -> None:
+    # the file names the rendezvous (each rank's FileStore is an object of its own); ranks claim 1 - r
+    assert simulator.run(_two_of_three_on_a_file_store, 3, args=(str(tmp_path / "store"),), timeout=60) == [
+        (1, 2, 30.0), (0, 2, 30.0), None]
+
+
+def test_a_group_over_some_ranks_in_rank_processes_is_refused_naming_thread_ranks(tmp_path) -> None:
+    with pytest.raises(tdist_errors.DistValueError, match=r"isolation='process'.*Fix: run with thread ranks"):
+        simulator.run(_two_of_three_on_a_file_store, 3, args=(str(tmp_path / "store"),), isolation="process",
+                      timeout=60)
+
+
 def test_unsupported_torch_version_is_refused_with_a_clear_message() -> None:
     with pytest.raises(RuntimeError, match="not supported.*supported="):
         torch_native.check_torch_version("2.99.0")

@@ -506,7 +506,7 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         if group_size != -1 and group_size < st.world_size and group_rank != -1:
             # a group over some of the simulated ranks: its members are whoever claims its ranks at this rendezvous
             if where is None:  # init_process_group(store=...): the store is the rendezvous
-                where = ("store", id(getattr(store, "underlying_store", store)))
+                where = _store_key(store)
             members = torch_groups.join(st.backend.world_key(), where, group_rank, group_size, st.rank,
                                         st.world_size)
         else:

@@ -81,9 +81,11 @@ def join(world_key: Any, key: Any, rank: int, world_size: int, sim_rank: int, si
     if rs is None:
         raise DistValueError(format_message(
             "torch.distributed.init_process_group", "a process group over part of the simulated world can only be "
-            "created on a rank thread of the simulator",
+            "created on a rank thread of the simulator (rank processes, isolation='process', do not support it yet: "
+            "its members meet in the scheduler of the ranks' one process)",
             values={"world_size": world_size, "simulated_world_size": sim_world_size},
-            fix="call init_process_group from the simulated rank itself, or use world_size=WORLD_SIZE"))
+            fix="run with thread ranks (isolation='thread', the default of python -m simulator; --sim-harness "
+                "thread for the pytest plugin), or give the group every rank (world_size=WORLD_SIZE)"))
     sched = rs.run.sched
     with sched.lock:
         r = _open.get((id(world_key), key))
