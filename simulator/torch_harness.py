@@ -108,6 +108,11 @@ class _Harness:
             seed=0 if seed is None else seed, mode=config.getoption("sim_mode", None) or "coop",
             timeout=config.getoption("sim_timeout", None),
             stall_timeout=config.getoption("sim_stall_timeout", None) or DEFAULT_STALL_TIMEOUT)
+        self._undo_continuous: Any = None  # MultiProcContinuousTest's workers as thread ranks, once one runs
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self._undo_continuous is not None:
+            self._undo_continuous()
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         s = self.settings
@@ -117,6 +122,11 @@ class _Harness:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        if self.isolation == "thread" and self._undo_continuous is None and _is_continuous_test(item):
+            # here, not at the top: it imports torch's harness (see the module's docstring)
+            from simulator import torch_harness_continuous
+
+            self._undo_continuous = torch_harness_continuous.install(sys.modules[_HARNESS_MODULE], self.settings)
         if not _is_harness_test(item):
             return (yield)
         with _simulated(item, self.settings, self.replay(item), self.isolation):
@@ -154,6 +164,14 @@ def _is_harness_test(item: pytest.Item) -> bool:
     harness = sys.modules.get(_HARNESS_MODULE)
     cls = getattr(item, "cls", None)
     return harness is not None and isinstance(cls, type) and issubclass(cls, harness.MultiProcessTestCase)
+
+
+def _is_continuous_test(item: pytest.Item) -> bool:
+    """A test method of a MultiProcContinuousTest subclass (workers that live across the tests of a class)."""
+    harness = sys.modules.get(_HARNESS_MODULE)
+    cls = getattr(item, "cls", None)
+    base = getattr(harness, "MultiProcContinuousTest", None)
+    return base is not None and isinstance(cls, type) and issubclass(cls, base)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,127 @@
+"""``MultiProcContinuousTest`` on simulated thread ranks (part of :mod:`simulator.torch_harness`).
+
+torch's ``MultiProcContinuousTest`` starts its worker processes once per class (``_spawn_processes``); each
+worker initialises a process group, then loops: it takes a test id from its task queue, runs that test and puts
+the outcome on its completion queue, while the parent waits on the completion queues
+(``retrieve_result_from_completion_queue``).  With the switch on (``--sim-harness thread``), the workers are
+ranks of a simulated world instead, one world per test: when the parent first waits for a test's outcome, every
+rank runs torch's own ``_worker_loop`` for that test (its process group set up, the test run, the outcome put on
+its completion queue, the group destroyed).  Each rank sees a subclass of the test class of its own, so the
+class attributes a worker sets (``rank``, ``pg``) are its own, as a process's would be.
+
+What differs from real workers: the process group is set up afresh for each test rather than once per class (a
+test that relies on state an earlier test of the class left on the workers sees none).  Rank processes
+(``--sim-harness process``) leave the class to real processes, as before.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+from typing import Any
+
+__all__ = ["install"]
+
+
+class _Worker:
+    """Stands for a worker ``Process`` of the class: the world that runs its tests lives in the parent."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.name = f"process {rank}"
+        self.exitcode: int | None = None
+        self.pid = -1 - rank  # (no process of the OS has it)
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.exitcode = 0
+
+    def terminate(self) -> None:
+        self.exitcode = 0
+
+    kill = terminate
+
+
+class _Completion:
+    """A worker's completion queue: the parent's first wait for a test's outcome runs the world for that test."""
+
+    def __init__(self, cls: type, rank: int) -> None:
+        self._cls = cls
+        self._rank = rank
+        self.results: queue.Queue = queue.Queue()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self.results.empty():
+            _run_pending(self._cls)
+        return self.results.get(block, timeout)
+
+    def empty(self) -> bool:
+        return self.results.empty()
+
+    def put(self, item: Any) -> None:
+        self.results.put(item)
+
+
+def _spawn(settings: Any) -> Any:
+    def _spawn_processes(cls: type, world_size: int) -> None:
+        cls.processes = [_Worker(r) for r in range(int(world_size))]
+        cls.task_queues = [queue.Queue() for _ in range(int(world_size))]
+        cls.completion_queues = [_Completion(cls, r) for r in range(int(world_size))]
+        cls._tp_sim_settings = settings
+        fd, cls.rdvz_file = tempfile.mkstemp(prefix="tp-continuous-")
+        os.close(fd)
+
+    return classmethod(_spawn_processes)
+
+
+def _run_pending(cls: type) -> None:
+    """Run the world for the test id each rank's task queue holds (a ``None`` task: the class is over)."""
+    import simulator  # (imports torch: this module loads with the plugin)
+    import tensorplay.distributed as tpd
+
+    tasks = []
+    for q in cls.task_queues:
+        try:
+            tasks.append(q.get_nowait())
+        except queue.Empty:
+            tasks.append(None)
+    if all(t is None for t in tasks):
+        return
+    world_size = len(cls.task_queues)
+    fd, rdvz = tempfile.mkstemp(prefix="tp-continuous-")  # a fresh rendezvous for each test's world
+    os.close(fd)
+    os.unlink(rdvz)
+
+    def rank_main() -> None:
+        rank = tpd.get_rank()
+        own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        tq: queue.Queue = queue.Queue()
+        tq.put(tasks[rank])
+        tq.put(None)
+        own._worker_loop(rank, world_size, rdvz, tq, cls.completion_queues[rank].results)
+
+    s = cls._tp_sim_settings
+    try:
+        simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
+                      stall_timeout=s.stall_timeout)
+    except Exception as e:  # noqa: BLE001  the world failed (a deadlock, a rank that raised): each rank's outcome
+        for c in cls.completion_queues:
+            if c.results.empty():
+                c.results.put(RuntimeError(f"Exception in worker process (simulated rank {c._rank}):\n{e}"))
+    finally:
+        if os.path.exists(rdvz):
+            os.unlink(rdvz)
+
+
+def install(harness: Any, settings: Any) -> Any:
+    """Make ``MultiProcContinuousTest``'s workers simulated thread ranks; returns the undo."""
+    base = harness.MultiProcContinuousTest
+    saved = base.__dict__["_spawn_processes"]
+    base._spawn_processes = _spawn(settings)
+
+    def undo() -> None:
+        base._spawn_processes = saved
+
+    return undo

@@ -1,0 +1,45 @@
+"""MultiProcContinuousTest: workers that live across the tests of a class (thread ranks with the switch on)."""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_utils import run_tests
+
+class ContinuousCases(MultiProcContinuousTest):
+    world_size = 2
+    @classmethod
+    def backend_str(cls): return "gloo"
+    @classmethod
+    def device_type(cls): return "cpu"
+    def test_1_ranks_are_what_the_switch_says(self):
+        # TP_EXPECT_SIMULATED=1: the test that runs this case simulated checks the workers are simulated ranks
+        if os.environ.get("TP_EXPECT_SIMULATED") == "1":
+            from simulator.core._actor import current_rank_state
+
+            self.assertIsNotNone(current_rank_state())
+    def test_2_all_reduce(self):
+        t = torch.tensor(self.rank + 1)
+        dist.all_reduce(t)
+        self.assertEqual(t, 3)
+    def test_3_rank_and_group(self):
+        self.assertEqual(dist.get_rank(), self.rank)
+        self.assertEqual(self.pg.size(), 2)
+        x = [None, None]
+        dist.all_gather_object(x, self.rank * 5)
+        self.assertEqual(x, [0, 5])
+
+class ContinuousFailure(MultiProcContinuousTest):
+    world_size = 3
+    @classmethod
+    def backend_str(cls): return "gloo"
+    @classmethod
+    def device_type(cls): return "cpu"
+    def test_a_fails_on_rank_1(self):
+        dist.barrier()
+        self.assertNotEqual(self.rank, 1)
+    def test_b_after_failure(self):
+        dist.barrier()
+
+if __name__ == "__main__":
+    run_tests()
