@@ -22,8 +22,9 @@ state; ``time.sleep`` on a rank lets the other ranks run (see :mod:`simulator.ad
 
 The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin`): ``--sim-seed``,
 ``--sim-mode``, ``--sim-timeout`` (default: torch's per-test timeout, ``get_timeout``) and
-``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` (process-isolated ranks) is not
-available yet: it says so.  A failed test's report ends with a section that says how it ran, how to
+``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` gives each rank a process of its own.
+``MultiProcContinuousTest``'s workers are thread ranks with ``--sim-harness thread``
+(:mod:`simulator.torch_harness_continuous`).  A failed test's report ends with a section that says how it ran, how to
 replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
 
 Loading this module costs a session with the switch off nothing: it imports pytest (and the simulator's
