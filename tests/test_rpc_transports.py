@@ -323,6 +323,7 @@ def test_worker_failure_fails_calls_at_once_and_shutdown_returns():
     raised, recorded = _recorded(world.run, main)
     assert isinstance(raised, C.Boom), raised
     out = world.results[0]
+    assert out is not None, f"worker0 did not return: {world.errors[0]!r}"  # (says why, should it ever happen)
     out["warnings"] = _warnings_of(recorded, "worker0")
     assert all(e is not None and "worker1" in e and "Boom" in e for e in out["errors"]), out
     assert out["elapsed"] < 1.0 and out["alive"] == 3
