@@ -46,7 +46,7 @@ def reduce_op(opts: Any = None, op: Any = None) -> Any:
     or SUM (the overloads' default)."""
     x = op if op is not None else opts
     if x is None:
-        return tdist.ReduceOp.SUM.op if hasattr(tdist.ReduceOp.SUM, "op") else tdist.ReduceOp.SUM
+        return tdist.ReduceOp.SUM
     if hasattr(x, "reduceOp"):
         x = x.reduceOp
     return getattr(x, "op", x)  # torch's ReduceOp wraps a RedOpType; tensorplay understands the latter
@@ -85,13 +85,15 @@ class GlooRules:
     adds the call, the rank, the values and a fix.
     """
 
-    def __init__(self, call: str, rank: int, size: int) -> None:
+    def __init__(self, call: str, rank: int, group: Any) -> None:
         self.call = f"torch.distributed.ProcessGroupGloo.{call}"
         self.rank = rank
-        self.size = size
+        self.group = list(group)  # the group's ranks (global), named in every message
+        self.size = len(self.group)
 
     def fail(self, problem: str, fix: str, **values: Any) -> DistBackendError:
-        return DistBackendError(format_message(self.call, problem, rank=self.rank, values=values or None, fix=fix))
+        return DistBackendError(format_message(self.call, problem, group=self.group, rank=self.rank,
+                                               values=values or None, fix=fix))
 
     def root_rank(self, root: int) -> None:
         if not 0 <= root < self.size:

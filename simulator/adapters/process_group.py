@@ -203,19 +203,19 @@ class SimProcessGroup(tdist.ProcessGroup):
         self._tp_seq = self.__dict__.get("_tp_seq", 0)
 
     def _rules(self, call: str) -> GlooRules:
-        return GlooRules(call, self._g.rank(), self._g.size())
+        return GlooRules(call, self._g.rank(), self._g.ranks)
 
     def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)
         op = reduce_op(opts, op)
+        if len(tensors) == 1 and tensors[0].layout == torch.strided:  # torch's front door: nothing left to check
+            return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
         rules = self._rules("allreduce")
         rules.non_empty(tensors)
         rules.layouts_match(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, op, rules)
         rules.type_and_sizes(tensors)
-        if len(tensors) == 1:
-            return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
         # several inputs: gloo reduces this rank's inputs together, then across the ranks, into every input
         folded = combine(tensors, op)
         return SimWork([tpd.all_reduce(folded, op=op, group=self._g, async_op=True)], tensors,
@@ -479,7 +479,8 @@ class SimProcessGroup(tdist.ProcessGroup):
                           input_split_sizes: list[int], opts: Any = None) -> SimWork:
         if not input.is_contiguous():  # (torch raises this ValueError for gloo and NCCL alike)
             raise ValueError(format_message(
-                "torch.distributed.all_to_all_single", "Tensors must be contiguous", rank=self._g.rank(),
+                "torch.distributed.all_to_all_single", "Tensors must be contiguous", group=self._g.ranks,
+                rank=self._g.rank(),
                 values={"input.shape": tuple(input.shape), "input.stride": input.stride()},
                 fix="pass input.contiguous()"))
         w = tpd.all_to_all_single(output, input, list(output_split_sizes) or None,

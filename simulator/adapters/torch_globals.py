@@ -431,13 +431,14 @@ def _store_wait(name: str) -> Any:
             ready = bool(self.check(wanted))
         except Exception:  # noqa: BLE001  a store without check(): wait as torch does
             ready = False
+        if ready:
+            return original(self, keys, *args, **kwargs)
         frame = sys._getframe(1)
         site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         what = f"Store.{name}({wanted!r}) before any rank set it"
         if rs is None:  # a rank process: its main thread asks the coordinator
-            return original(self, keys, *args, **kwargs) if ready else wait_in_os(
-                what, site, lambda: original(self, keys, *args, **kwargs))
-        if ready or not sleep_out(rs, 1.0, site, what=what):
+            return wait_in_os(what, site, lambda: original(self, keys, *args, **kwargs))
+        if not sleep_out(rs, 1.0, site, what=what):
             return original(self, keys, *args, **kwargs)
         try:
             return original(self, keys, *args, **kwargs)
@@ -449,17 +450,14 @@ def _store_wait(name: str) -> Any:
     return call
 
 
-_DEBUG_LEVELS = {"OFF": "OFF", "INFO": "INFO", "DETAIL": "DETAIL"}
-
-
 def _set_debug_level_from_env() -> None:
     """``set_debug_level_from_env`` reads the C environment, which rank threads share; a simulated rank's
     ``TORCH_DISTRIBUTED_DEBUG`` is its own ``os.environ``'s (the level itself stays torch's, process-wide)."""
     if _sim_state() is None:
         return _saved["set_debug_level_from_env"]()
     value = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
-    level = _DEBUG_LEVELS.get(value.upper())
-    if level is None:
+    level = value.upper()
+    if level not in ("OFF", "INFO", "DETAIL"):
         raise ValueError(format_message(
             "torch.distributed.set_debug_level_from_env", f"The value of TORCH_DISTRIBUTED_DEBUG must be OFF, INFO, "
             f"or DETAIL, but got {value}", values={"TORCH_DISTRIBUTED_DEBUG": value},
