@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import simulator
+import simulator.core.seeds  # noqa: F401  (the tests patch it: loaded here, not by whichever test ran first)
 import tensorplay as tp
 from simulator.isolation import ISOLATIONS
 import tensorplay.distributed as dist
@@ -215,6 +216,61 @@ def test_rng_swap_moves_the_whole_state(fast):
         assert parked.getstate() == random.getstate() == expected.getstate()
     finally:
         random.setstate(saved)
+
+
+def _torch_draws(interleave: bool) -> list[torch.Tensor]:
+    """Draws of every kind from the default generator; scalar-sized normals leave a cached sample behind."""
+    out = [torch.randn(1)]  # a normal pair's second value stays cached in the generator
+    for _ in range(3):
+        if interleave:
+            dist.all_reduce(torch.ones(2))  # the other ranks draw in between (a wait: the baton moves here)
+        out += [torch.randn(1, dtype=torch.float64), torch.randn(3), torch.rand(5), torch.randint(0, 2**40, (2,)),
+                torch.empty(1).normal_()]  # (ends with one normal cached again)
+    if not interleave:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+    return out
+
+
+@pytest.mark.parametrize("isolation,seed", [("thread", 0), ("thread", 9), ("process", 0)])
+def test_torch_random_streams_survive_hand_offs(isolation, seed):
+    """A rank's torch stream (its cached normal samples included) is the same whether or not other ranks draw
+    between its draws, differs between ranks, and is the same on thread ranks and in rank processes."""
+    alone = simulator.run(_torch_draws, 4, args=(False,), seed=seed, isolation=isolation)
+    mixed = simulator.run(_torch_draws, 4, args=(True,), seed=seed, isolation=isolation)
+    for a, m in zip(alone, mixed):
+        assert len(a) == len(m) and all(torch.equal(x, y) for x, y in zip(a, m))
+    assert len({tuple(torch.cat([t.double() for t in d]).tolist()) for d in mixed}) == 4
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_torch_rng_swap_moves_the_whole_state(fast):
+    from simulator.core._handoff import _TorchRngSwap
+
+    swap = _TorchRngSwap()
+    if not fast:
+        swap._span = None  # the serialising get_state/set_state path
+    elif swap._span is None:
+        pytest.skip("this build's CPU generator layout is not the one the fast path recognises")
+    saved = torch.get_rng_state()
+    try:
+        mine = torch.Generator().manual_seed(11)
+        torch.randn(1, generator=mine)  # leaves the pair's second normal cached in the generator
+        cached_at = 24 + 8 * 624 + 24  # normal_is_valid in the serialised state (CPUGeneratorImpl's legacy layout)
+        assert mine.get_state()[cached_at] == 1
+        expected = torch.Generator()
+        expected.set_state(mine.get_state())
+        swap.load(mine)
+        assert torch.equal(torch.get_rng_state(), expected.get_state())
+        for draw in (lambda **g: torch.randn(1, **g), lambda **g: torch.randn(1, dtype=torch.float64, **g),
+                     lambda **g: torch.rand(9, **g), lambda **g: torch.randint(0, 99, (4,), **g)):
+            assert torch.equal(draw(), draw(generator=expected))
+        parked = torch.Generator().manual_seed(0)
+        swap.save(parked)
+        assert torch.equal(parked.get_state(), torch.get_rng_state())
+        assert torch.equal(parked.get_state(), expected.get_state())
+    finally:
+        torch.set_rng_state(saved)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is a Linux API")

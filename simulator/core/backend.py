@@ -159,9 +159,10 @@ class SimBackend(Backend):
         return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
 
     # -- the common path ----------------------------------------------------
-    def _enter(self, rs: RankState, name: str, site: str) -> None:
-        """Scheduling point, compute accounting and fault injection at the start of an operation."""
-        rs.run.sched.point(rs)
+    def _enter(self, rs: RankState, name: str, site: str, switch: bool = True) -> None:
+        """Scheduling point, compute accounting and fault injection at the start of an operation (``switch``:
+        see :meth:`simulator.core.sched.CoopScheduler.point`)."""
+        rs.run.sched.point(rs, switch)
         charge_compute(rs)
         rs.ops += 1
         rs.last_site = site
@@ -185,7 +186,7 @@ class SimBackend(Backend):
         rs = caller(self._rs)
         site = call_site(3)
         try:
-            self._enter(rs, name, site)
+            self._enter(rs, name, site, switch=False)
         except BaseException:
             done_with(rs)
             raise

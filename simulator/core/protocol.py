@@ -49,8 +49,9 @@ class Scheduler(Protocol):
     def enter_rank(self, rs: "RankState") -> None:
         """``rs``'s thread starts: wait for its first turn."""
 
-    def point(self, rs: "RankState") -> None:
-        """A scheduling point at the start of every operation (coop: another actor may run first)."""
+    def point(self, rs: "RankState", switch: bool = True) -> None:
+        """A scheduling point at the start of every operation (coop: another actor may run first; with
+        ``switch=False``, an operation whose outcome no interleaving can change, the actor may run on)."""
 
     def block(self, rs: "RankState", w: Waitable) -> None:
         """Wait until ``w.done``, or until an incident for ``rs`` (raised as ``rs``'s own exception).

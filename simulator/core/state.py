@@ -76,9 +76,9 @@ class RankState:
 
     __slots__ = (
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
-        "vt", "cpu_mark", "ops", "faults", "torch_rng", "py_rng", "result", "exc", "env", "device",
+        "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp",
+        "on_complete", "stamp", "run_on",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -96,7 +96,8 @@ class RankState:
         self.cpu_mark = 0.0
         self.ops = 0
         self.faults: list[Fault] | None = None
-        self.torch_rng: torch.Tensor | None = None
+        #: the rank's own torch CPU generator (coop mode swaps it with the default one at hand-offs)
+        self.torch_gen: torch.Generator | None = None
         self.py_rng: Any = None
         self.result: Any = None
         self.exc: BaseException | None = None
@@ -111,6 +112,8 @@ class RankState:
         self.where: Callable[[], list[tuple[str, int, str]]] | None = None
         self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
         self.steered = False
+        #: coop: collectives this actor entered in a row without handing the baton on (see CoopScheduler.point)
+        self.run_on = 0
         #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)
         self.parent: RankState | None = None
         #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
@@ -121,6 +124,17 @@ class RankState:
         self.on_complete: Any = None
         #: ``run.clock()`` when this actor last entered an operation or ended a wait (see simulator.core.progress)
         self.stamp = run.clock()
+
+    @property
+    def torch_rng(self) -> torch.Tensor | None:
+        """The rank's torch RNG state as ``torch.get_rng_state()`` gives it (None before the world set it)."""
+        return None if self.torch_gen is None else self.torch_gen.get_state()
+
+    @torch_rng.setter
+    def torch_rng(self, state: torch.Tensor) -> None:
+        if self.torch_gen is None:
+            self.torch_gen = torch.Generator()
+        self.torch_gen.set_state(state)
 
     @property
     def label(self) -> str:
@@ -318,6 +332,9 @@ class Run:
         """Fail every actor that has not ended with ``inc`` and wake it (under the scheduler's lock)."""
         self.fatal = inc
         self.aborted = True
+        relay = getattr(self.sched, "relay", None)  # threads mode: every actor is released below, none by its relay
+        if relay:
+            relay.clear()
         for rs in self.actors:
             if rs.state != DONE:
                 rs.pending = inc

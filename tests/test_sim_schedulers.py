@@ -1,0 +1,103 @@
+"""The two schedulers' hand-off paths (simulator/core/sched.py): threads mode's wake-up relay and coop mode's
+run-on at collective entries keep every result and bound what a rank can starve.
+
+The speed these paths buy is measured in ``bench/bench_sim.py`` (never here); these tests check that the
+shortcuts do not change what a program computes or let a rank starve the others.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import simulator
+import tensorplay.distributed as dist
+from simulator.core import progress
+from simulator.core.sched import RUN_ON
+
+
+def _mixed_collectives(rounds: int) -> list[torch.Tensor]:
+    r, w = dist.get_rank(), dist.get_world_size()
+    out = []
+    for i in range(rounds):
+        x = torch.tensor([float(r * 100 + i), float(r - i)])
+        dist.all_reduce(x)
+        parts = [torch.zeros(1) for _ in range(w)]
+        dist.all_gather(parts, torch.tensor([float(r * r + i)]))
+        out += [x, torch.cat(parts)]
+    return out
+
+
+def _expected(rounds: int, w: int) -> list[torch.Tensor]:
+    out = []
+    for i in range(rounds):
+        out.append(torch.tensor([float(sum(r * 100 + i for r in range(w))), float(sum(r - i for r in range(w)))]))
+        out.append(torch.tensor([float(r * r + i) for r in range(w)]))
+    return out
+
+
+def test_threads_relay_survives_wait_slices_that_end_while_queued(monkeypatch):
+    """A woken thread waits in the relay until the one woken before it resumes; with waits sliced very thin,
+    slices run out while threads are queued there (the path that takes a thread out of the relay).  Every
+    result must still be right and the run must not stall."""
+    real = progress.wait_slice
+    monkeypatch.setattr(progress, "wait_slice", lambda run, rs: min(real(run, rs), 2e-4))
+    w, rounds = 48, 12
+    res = simulator.run(_mixed_collectives, w, args=(rounds,), mode="threads", timeout=120)
+    want = _expected(rounds, w)
+    for got in res:
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mode", ["threads", "coop"])
+def test_many_ranks_woken_at_once_all_resume(mode):
+    """One collective completes for every member at once (each wake-up goes through the relay in threads
+    mode); the results are the reference's on every rank."""
+    w, rounds = 96, 3
+    res = simulator.run(_mixed_collectives, w, args=(rounds,), mode=mode, timeout=120)
+    want = _expected(rounds, w)
+    assert all(all(torch.equal(a, b) for a, b in zip(got, want)) for got in res)
+
+
+def test_threads_deadlock_is_still_reported_at_once():
+    """The rank that finds every other rank blocked wakes them all (itself included) without the relay."""
+    def fn():
+        if dist.get_rank() == 0:
+            dist.recv(torch.zeros(1), src=1)
+        else:
+            dist.barrier(group=dist.new_group([1, 2]))
+            dist.recv(torch.zeros(1), src=0)
+
+    with pytest.raises(simulator.DeadlockError):
+        simulator.run(fn, 3, mode="threads", timeout=60)
+    # the same world runs on afterwards: no relay was left half-done
+    got = simulator.run(_mixed_collectives, 3, args=(2,), mode="threads")[2]
+    assert all(torch.equal(a, b) for a, b in zip(got, _expected(2, 3)))
+
+
+def test_coop_rank_issuing_only_async_collectives_hands_the_baton_on():
+    """Coop mode lets a rank run on through collective entries, but not indefinitely: after ``RUN_ON`` in a
+    row it takes its turn like any operation.  Here rank 0 checks, between async issues, whether rank 1
+    (which only runs when given the baton) has completed a barrier of their subgroup."""
+    n = RUN_ON * 3
+
+    def fn():
+        sub, solo = dist.new_group([0, 1]), dist.new_group([0])
+        if dist.get_rank() == 0:
+            x = torch.ones(1)
+            works, seen = [], None
+            b = dist.barrier(group=sub, async_op=True)
+            for i in range(n):
+                works.append(dist.all_reduce(x, group=solo, async_op=True))
+                if seen is None and b.is_completed():
+                    seen = i
+            for wk in works:
+                wk.wait()
+            b.wait()
+            return seen
+        if dist.get_rank() == 1:
+            dist.barrier(group=sub)
+        return None
+
+    for seed in range(3):
+        seen = simulator.run(fn, 3, mode="coop", seed=seed)[0]
+        assert seen is not None, f"seed {seed}: rank 1 never ran while rank 0 issued {n} async collectives"
