@@ -18,7 +18,7 @@ Example::
     >>> simulator.run(f, 4, seed=3, mode="threads")[0]     # free-running threads, the same result
     tensor([ 6., 10., 14.])
     >>> simulator.explore(f, 4, seeds=range(20))     # many schedules (raises ExploreError naming a failing seed)
-    ExploreReport(seeds=20, distinct_schedules=14)
+    ExploreReport(seeds=20, distinct_schedules=13)
 
 Command line (torchrun-style scripts)::
 

@@ -1,5 +1,5 @@
 """The two schedulers' hand-off paths (simulator/core/sched.py): threads mode's wake-up relay and coop mode's
-run-on at collective entries keep every result and bound what a rank can starve.
+blocking-collective entries keep every result and let no rank starve the others.
 
 The speed these paths buy is measured in ``bench/bench_sim.py`` (never here); these tests check that the
 shortcuts do not change what a program computes or let a rank starve the others.
@@ -12,7 +12,6 @@ import torch
 import simulator
 import tensorplay.distributed as dist
 from simulator.core import progress
-from simulator.core.sched import RUN_ON
 
 
 def _mixed_collectives(rounds: int) -> list[torch.Tensor]:
@@ -74,11 +73,12 @@ def test_threads_deadlock_is_still_reported_at_once():
     assert all(torch.equal(a, b) for a, b in zip(got, _expected(2, 3)))
 
 
-def test_coop_rank_issuing_only_async_collectives_hands_the_baton_on():
-    """Coop mode lets a rank run on through collective entries, but not indefinitely: after ``RUN_ON`` in a
-    row it takes its turn like any operation.  Here rank 0 checks, between async issues, whether rank 1
-    (which only runs when given the baton) has completed a barrier of their subgroup."""
-    n = RUN_ON * 3
+def test_coop_async_collective_entries_stay_scheduling_points():
+    """Coop mode lets a rank run on through a blocking collective's entry (it waits right after), but an
+    async collective's entry is still a seeded choice: a rank that only issues async collectives does not keep
+    the baton.  Here rank 0 checks, between async issues, whether rank 1 (which runs only when given the
+    baton) has completed a barrier of their subgroup."""
+    n = 48
 
     def fn():
         sub, solo = dist.new_group([0, 1]), dist.new_group([0])

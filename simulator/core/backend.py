@@ -186,7 +186,7 @@ class SimBackend(Backend):
         rs = caller(self._rs)
         site = call_site(3)
         try:
-            self._enter(rs, name, site, switch=False)
+            self._enter(rs, name, site, switch=async_op)  # a blocking one waits right after: the choice is made there
         except BaseException:
             done_with(rs)
             raise

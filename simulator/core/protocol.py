@@ -51,7 +51,7 @@ class Scheduler(Protocol):
 
     def point(self, rs: "RankState", switch: bool = True) -> None:
         """A scheduling point at the start of every operation (coop: another actor may run first; with
-        ``switch=False``, an operation whose outcome no interleaving can change, the actor may run on)."""
+        ``switch=False``, a blocking collective, whose wait follows at once, the actor runs on)."""
 
     def block(self, rs: "RankState", w: Waitable) -> None:
         """Wait until ``w.done``, or until an incident for ``rs`` (raised as ``rs``'s own exception).

@@ -120,10 +120,6 @@ class _SchedulerBase:
             raise self.run.over_error(rs)
 
 
-#: coop: collectives an actor may enter in a row without a scheduling choice (see CoopScheduler.point)
-RUN_ON = 64
-
-
 class CoopScheduler(_SchedulerBase):
     """One rank runs at a time; a seeded RNG picks the next one at every scheduling point."""
 
@@ -319,29 +315,25 @@ class CoopScheduler(_SchedulerBase):
 
     # -- scheduling points ------------------------------------------------
     def point(self, rs: "RankState", switch: bool = True) -> None:
-        """A scheduling point.  ``switch=False`` (a collective's entry): the baton holder runs on until it blocks.
+        """A scheduling point.  ``switch=False`` (a blocking collective's entry): the baton holder runs on.
 
-        Which member enters a collective first cannot change its outcome (it completes when the last one
-        arrives, and every member sees the same slot), so handing the baton on there only doubled the
-        hand-offs per collective (one to enter, one to wait: at 1024 ranks, 0.1 ms each).  The interleavings
-        that can matter are still drawn from the seed: at every wait, at every point-to-point operation (an
-        any-source receive's match depends on them) and after ``RUN_ON`` collectives in a row (a rank that only
-        issues async operations would otherwise keep the baton indefinitely).
+        Which member enters a blocking collective first cannot change its outcome (it completes when the
+        last one arrives, and every member reads the same slot), and the member waits for it right after
+        entering, where the next actor is drawn anyway: handing the baton on at the entry too only doubled
+        the hand-offs per collective (at 1024 ranks, about 0.1 ms each).  Every other operation's entry
+        (point-to-point, whose any-source matches depend on the interleaving; an async collective, after
+        which the rank runs on) stays a seeded choice.
         """
         rs.stamp = self.clock()
         if rs.state == FREE:
             self._join(rs)
         if self.requests or self.timeouts:
             self._drain()
-        if len(self.runnable) > 1:
-            if switch or rs.run_on >= RUN_ON:
-                rs.run_on = 0
-                nxt = self._pick()
-                if nxt is not rs:
-                    self._handoff(rs, nxt)
-                    rs.stamp = self.clock()  # it computes again from now (a rank waiting for its turn is not computing)
-            else:
-                rs.run_on += 1
+        if switch and len(self.runnable) > 1:
+            nxt = self._pick()
+            if nxt is not rs:
+                self._handoff(rs, nxt)
+                rs.stamp = self.clock()  # it computes again from now (a rank waiting for its turn is not computing)
         self.check(rs)
 
     def block(self, rs: "RankState", w: Any) -> None:
@@ -352,7 +344,6 @@ class CoopScheduler(_SchedulerBase):
                 break
             rs.state = BLOCKED
             rs.waiting = w
-            rs.run_on = 0
             self.blocked += 1
             self._remove(rs)
             if not self.runnable and not self._park_or_deadlock():

@@ -78,7 +78,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp", "run_on",
+        "on_complete", "stamp",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -112,8 +112,6 @@ class RankState:
         self.where: Callable[[], list[tuple[str, int, str]]] | None = None
         self.tid = 0  # the OS thread id, once the rank's thread runs (coop mode steers it by this id)
         self.steered = False
-        #: coop: collectives this actor entered in a row without handing the baton on (see CoopScheduler.point)
-        self.run_on = 0
         #: for a thread the rank started: the rank's own state (this object is then an extra actor of that rank)
         self.parent: RankState | None = None
         #: the run ends only after this actor ended (ranks, and the non-daemon threads they start)
