@@ -12,6 +12,9 @@ Three parts (``python bench/bench_sim.py``; ``--quick`` for a smaller run):
    all_reduces of 1e3 float32 (first rank out of the barrier before it -> last
    rank leaving; the first one and the median of five), peak resident memory
    and the growth per rank.
+   Beside it, the floor of the design: W bare Python threads passing a lock
+   round a ring (a coop hand-off's OS wake-up and GIL hand-off, and nothing
+   else) plus the simulator's per-call cost at W=1, times W.
 3. **large all_reduce**: 16 MiB per rank at W=8 vs the memory-copy bound: the
    bytes the reference must move (read W inputs, write W outputs = copying
    W x 16 MiB) divided by the bandwidth of copying W separate 16 MiB buffers,
@@ -151,6 +154,45 @@ def _scale(sizes: list[int], modes: list[str]) -> list[dict]:
     return out
 
 
+def _floor_child(w: int, rounds: int = 4) -> dict:
+    """What this design cannot go below: ``w`` bare Python threads passing one lock-baton round a ring (each
+    pass is one OS wake-up and one GIL hand-off, as a coop hand-off is), and the simulator's own per-call cost
+    with nobody to wait for (one rank)."""
+    import threading
+
+    threading.stack_size(256 << 10)  # as the simulator's rank threads above 64 ranks
+    locks = [threading.Lock() for _ in range(w)]
+    for lk in locks:
+        lk.acquire()
+
+    def ring(i: int) -> None:
+        for _ in range(rounds):
+            locks[i].acquire()
+            locks[(i + 1) % w].release()
+
+    ts = [threading.Thread(target=ring, args=(i,)) for i in range(w)]
+    for t in ts:
+        t.start()
+    time.sleep(0.2 + w / 4096)  # every thread asleep on its lock
+    t0 = time.perf_counter()
+    locks[0].release()
+    for t in ts:
+        t.join()
+    per_pass = (time.perf_counter() - t0) / (w * rounds)
+
+    def one_rank(n: int) -> float:
+        x = torch.ones(1000)
+        for _ in range(200):
+            dist.all_reduce(x)
+        t = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x)
+        return (time.perf_counter() - t) / n
+
+    call = simulator.run(one_rank, 1, args=(5000,))[0]
+    return {"world_size": w, "handoff_s": per_pass, "call_s": call, "floor_s": w * (per_pass + call)}
+
+
 # ---------------------------------------------------------------------------
 # 3. large all_reduce vs the memory-copy bound
 # ---------------------------------------------------------------------------
@@ -201,9 +243,13 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--skip-gloo", action="store_true")
     ap.add_argument("--scale-child", nargs=2, metavar=("W", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--floor-child", type=int, metavar="W", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.scale_child:
         print(json.dumps(_scale_child(int(ns.scale_child[0]), ns.scale_child[1])))
+        return
+    if ns.floor_child:
+        print(json.dumps(_floor_child(ns.floor_child)))
         return
 
     calls = 200 if ns.quick else 1000
@@ -238,6 +284,23 @@ def main() -> None:
               f"{r['all_reduce_median_s']:>14.4f} s {r['peak_rss_mib']:>6.0f} MiB {r['base_rss_mib']:>5.0f} MiB "
               f"{r['kib_per_rank']:>5.0f} KiB")
     figures["scale"] = rows
+
+    print("\nfloor of this design (W bare threads passing a lock round a ring: one OS wake-up and GIL hand-off "
+          "each; plus the per-call cost at W=1):")
+    floors = []
+    for w in sizes:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--floor-child", str(w)],
+                           capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            print(f"{w:>6} failed: {p.stderr.strip().splitlines()[-1:]}")
+            continue
+        f = json.loads(p.stdout.strip().splitlines()[-1])
+        floors.append(f)
+        coop = next((r for r in rows if r.get("world_size") == w and r.get("mode") == "coop" and "error" not in r), None)
+        vs = f"   coop median = {coop['all_reduce_median_s'] / f['floor_s']:.2f}x the floor" if coop else ""
+        print(f"{w:>6} hand-off {f['handoff_s'] * 1e6:>5.1f} us + call {f['call_s'] * 1e6:>5.1f} us per rank "
+              f"= {f['floor_s']:.4f} s per collective{vs}")
+    figures["floor"] = floors
 
     print("\n## 3. all_reduce of 16 MiB per rank, W=8, vs the memory-copy bound")
     large = _large(reps=3 if ns.quick else 5)
