@@ -31,6 +31,7 @@ ever complete, so the world reports a :class:`DeadlockError` at once.
 """
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections import deque
@@ -419,7 +420,8 @@ class ThreadScheduler(_SchedulerBase):
         self.blocked = 0
         #: woken actors whose threads are not released yet (see wake): each released one releases the next
         self.relay: deque["RankState"] = deque()
-        self.relaying = False
+        self.released = 0  # released threads that have not resumed yet: at most `width` at a time
+        self.width = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self.awake: "RankState | None" = None  # the actor that wakes the others while it has not slept yet
 
     def prepare(self, ranks: list["RankState"]) -> None:
@@ -503,10 +505,10 @@ class ThreadScheduler(_SchedulerBase):
     def wake(self, rs: "RankState") -> None:
         """``rs`` may run (the caller holds ``lock``).
 
-        It counts as running at once, but its thread is released by a relay: the first woken thread is
-        released now, and each released thread releases the next as it resumes.  A collective's completion
-        wakes every member; releasing them all at once had them all wake on the OS and fight for the GIL, one
-        winning at a time (a 1024-rank all_reduce: 0.28 s); the relay hands them on one by one.
+        It counts as running at once, but its thread is released by a relay: at most ``width`` (the CPUs)
+        released threads are on their way back at a time, and each one that resumes releases the next.  A
+        collective's completion wakes every member; releasing them all at once had them all wake on the OS
+        and fight for the GIL, one winning at a time (a 1024-rank all_reduce: 0.28 s, 0.09 s with the relay).
         """
         if rs.sleeping:
             rs.sleeping = False
@@ -514,22 +516,23 @@ class ThreadScheduler(_SchedulerBase):
             self.blocked -= 1
             if rs is self.awake:
                 return
-            if self.relaying:
-                self.relay.append(rs)
-            else:
-                self.relaying = True
+            if self.released < self.width:
+                self.released += 1
                 rs.wake.release()
+            else:
+                self.relay.append(rs)
 
     def _pass_relay(self) -> None:
-        """A released thread resumes (under ``lock``): release the next woken one, or end the relay."""
+        """A released thread resumes (under ``lock``): release the next woken one, if any."""
+        if self.released > 0:
+            self.released -= 1
         relay = self.relay
-        while relay:
+        while relay and self.released < self.width:
             try:
                 relay.popleft().wake.release()
-                return
+                self.released += 1
             except RuntimeError:  # released already (an abort releases every actor itself)
                 continue
-        self.relaying = False
 
     def wake_all_blocked(self, ranks: list["RankState"]) -> None:
         for rs in ranks:
