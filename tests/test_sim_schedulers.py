@@ -101,3 +101,30 @@ def test_coop_async_collective_entries_stay_scheduling_points():
     for seed in range(3):
         seen = simulator.run(fn, 3, mode="coop", seed=seed)[0]
         assert seen is not None, f"seed {seed}: rank 1 never ran while rank 0 issued {n} async collectives"
+
+
+def test_large_world_gc_tuning_is_undone_and_leaves_a_program_freeze_alone():
+    """From ``_GC_TUNED_FROM`` ranks the run freezes the objects that existed before it and collects less often;
+    after the run the thresholds and the freeze count are the caller's again (a freeze of the caller's own
+    included: it is neither undone nor doubled)."""
+    import gc
+
+    from simulator.world import _GC_TUNED_FROM
+
+    def seen() -> tuple:
+        return gc.get_threshold()[0], gc.get_freeze_count() > 0
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        during = simulator.run(seen, _GC_TUNED_FROM, mode="threads")
+        assert during[0] == (10 * _GC_TUNED_FROM, True)
+        assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own freeze
+        frozen = gc.get_freeze_count()
+        simulator.run(seen, _GC_TUNED_FROM, mode="threads")
+        assert gc.get_freeze_count() == frozen and gc.get_threshold() == (700, 10, 10)
+        assert simulator.run(seen, 4)[0][0] == 700  # small worlds: untouched
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
