@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import gc
 import math
 import os
 import queue
@@ -38,7 +37,7 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -48,6 +47,7 @@ from tensorplay.distributed.errors import DistTypeError, DistValueError, format_
 
 from simulator.adapters import _environ, installed, torch_native
 from simulator.core.backend import SimBackend
+from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
 from simulator.core.report import _where, describe_world, needs_cuda, per_process_state
@@ -244,7 +244,7 @@ class World:
 
             adapters.enter_context(standin.enabled(gpus_per_node=self.gpus_per_node))
         adapters.enter_context(installed.enabled())  # torch's own APIs in the ranks run on this world too
-        adapters.enter_context(_gc_for_world(self.world_size))
+        adapters.enter_context(gc_for_world(self.world_size))
         try:
             for t in threads:
                 t.start()
@@ -500,37 +500,6 @@ def _check_arguments(args: Any, kwargs: Any) -> None:
         raise DistTypeError(format_message(
             "simulator.run", "kwargs must be a dict of fn's keyword arguments",
             values={"kwargs": type(kwargs).__name__}, fix="pass kwargs={'name': value}"))
-
-
-#: from this many ranks, the cyclic GC is tuned for the run (see _gc_for_world)
-_GC_TUNED_FROM = 512
-
-
-@contextlib.contextmanager
-def _gc_for_world(world_size: int) -> Iterator[None]:
-    """Large worlds: the objects that exist before the run are frozen out of the cyclic GC, and a young
-    collection waits for ``10 * world_size`` allocations, both until the run ends.
-
-    Every rank-call allocates a few tracked objects, so collections come W times as often as in one rank's
-    program, and with thousands of rank threads alive each full collection walks all of their frames and
-    states: at 4096 ranks, 0.5-0.8 s of a 4.4 s run went to 680 collections (5 full ones).  Neither change
-    alters what the program computes: garbage is still collected, in fewer and larger batches.  A process
-    that froze objects itself is left as it is (unfreezing would undo its freeze).
-    """
-    if world_size < _GC_TUNED_FROM:
-        yield
-        return
-    freeze = gc.get_freeze_count() == 0
-    thresholds = gc.get_threshold()
-    if freeze:
-        gc.freeze()
-    gc.set_threshold(max(thresholds[0], 10 * world_size), *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        if freeze:
-            gc.unfreeze()
 
 
 def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,

@@ -109,7 +109,7 @@ def test_large_world_gc_tuning_is_undone_and_leaves_a_program_freeze_alone():
     included: it is neither undone nor doubled)."""
     import gc
 
-    from simulator.world import _GC_TUNED_FROM
+    from simulator.core.collector import GC_TUNED_FROM as _GC_TUNED_FROM
 
     def seen() -> tuple:
         return gc.get_threshold()[0], gc.get_freeze_count() > 0

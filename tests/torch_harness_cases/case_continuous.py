@@ -6,12 +6,15 @@ import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import run_tests
 
-class ContinuousCases(MultiProcContinuousTest):
-    world_size = 2
+class _GlooOnCpu:
+    """Both classes run on gloo and the CPU (a mixin, not a test class: it starts no workers itself)."""
     @classmethod
     def backend_str(cls): return "gloo"
     @classmethod
     def device_type(cls): return "cpu"
+
+class ContinuousCases(_GlooOnCpu, MultiProcContinuousTest):
+    world_size = 2
     def test_1_ranks_are_what_the_switch_says(self):
         # TP_EXPECT_SIMULATED=1: the test that runs this case simulated checks the workers are simulated ranks
         if os.environ.get("TP_EXPECT_SIMULATED") == "1":
@@ -29,12 +32,8 @@ class ContinuousCases(MultiProcContinuousTest):
         dist.all_gather_object(x, self.rank * 5)
         self.assertEqual(x, [0, 5])
 
-class ContinuousFailure(MultiProcContinuousTest):
+class ContinuousFailure(_GlooOnCpu, MultiProcContinuousTest):
     world_size = 3
-    @classmethod
-    def backend_str(cls): return "gloo"
-    @classmethod
-    def device_type(cls): return "cpu"
     def test_a_fails_on_rank_1(self):
         dist.barrier()
         self.assertNotEqual(self.rank, 1)
