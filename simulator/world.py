@@ -269,6 +269,7 @@ class World:
             else:
                 for t in threads:
                     t.join(timeout=5.0)
+                _let_daemons_end(run)
         finally:
             adapters.close()
             if env_installed:
@@ -307,6 +308,26 @@ class World:
                 env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes per node
         env.update(self.env)
         return env
+
+
+#: how long the end of a run waits, in all, for the daemon threads its ranks started
+DAEMON_GRACE_S = 1.0
+
+
+def _let_daemons_end(run: Run) -> None:
+    """A process's daemon threads end with it.  A rank's cannot be stopped, so the run gives those still going a
+    moment (bounded) to end on their own before the launcher reports the rank's exit: a thread that was told to
+    stop just before the rank ended (torch's test harness signals its pipe listener, then joins it; a rank released
+    from that join by another rank's failure leaves it running) must not see what the parent does next (closing its
+    end of the pipe: an ``EOFError`` in the listener, whose traceback pytest formats on that thread)."""
+    deadline = time.monotonic() + DAEMON_GRACE_S
+    for child in run.children:
+        t = child.thread  # (None, or a stand-in never started, for a thread of a rank process)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        if t is not None and t.is_alive():
+            t.join(timeout=left)
 
 
 def _warn_still_running(run: Run) -> None:

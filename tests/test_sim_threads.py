@@ -214,6 +214,44 @@ def test_run_does_not_wait_for_daemon_threads(mode, isolation):
     assert time.monotonic() - t0 < 10.0  # a process exits without waiting for its daemon threads
 
 
+_LISTENERS: dict[int, threading.Thread] = {}
+
+
+def _listener_signalled_then_released_from_its_join():
+    """torch's MultiProcessTestCase.run_test, in small: a daemon thread waits on a pipe; the rank signals it, then
+    joins it; rank 1 fails meanwhile, so rank 0 is released from its join while the thread is still ending."""
+    import os
+    import time
+
+    dist.init_process_group("sim")
+    r_fd, w_fd = os.pipe()
+
+    def listen():
+        os.read(r_fd, 1)  # an OS wait, outside the schedule
+        time.sleep(0.3)   # still ending when the rank is released
+        os.close(r_fd)
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    _LISTENERS[dist.get_rank()] = t
+    os.write(w_fd, b"x")
+    os.close(w_fd)
+    if dist.get_rank() == 1:
+        time.sleep(0.1)  # (coop: steps out of the schedule, so rank 0 is in its join when rank 1 fails)
+        raise ValueError("rank 1 fails while rank 0 joins its listener")
+    t.join()
+
+
+def test_a_daemon_thread_told_to_stop_has_ended_when_the_run_returns():
+    """A real process's daemon threads end with it; a rank's get a bounded moment to end before the run returns,
+    so that what the launcher does next (torch's harness closes the pipe the thread listens on) is not seen by it."""
+    _LISTENERS.clear()
+    with pytest.raises(ValueError, match="rank 1 fails"):
+        simulator.run(_listener_signalled_then_released_from_its_join, 2, mode="coop", seed=0, timeout=30)
+    assert set(_LISTENERS) == {0, 1}
+    assert not any(t.is_alive() for t in _LISTENERS.values())
+
+
 def test_threads_outside_a_world_are_untouched():
     seen = []
     t = threading.Thread(target=lambda: seen.append(simulator.current_rank_state()))
