@@ -69,12 +69,42 @@ def test_every_composite_aten_factory_is_registered():
     assert found <= set(COMPOSITE_FACTORIES), sorted(found - set(COMPOSITE_FACTORIES))
 
 
-def test_an_out_overload_that_would_resize_a_stand_in_is_refused(two_gpus):
+def test_an_out_overload_resizes_a_stand_in_as_on_a_gpu(two_gpus):
     out = torch.empty(0, device="cuda")
-    with pytest.raises(standin.StandInError, match="arange.start_out.*new_shape=\\[5\\].*Fix:"):
-        torch.arange(0, 5, 1, out=out)
-    right = torch.empty(5, device="cuda")
-    assert torch.equal(torch.arange(5.0, out=right).cpu(), torch.arange(5.0))  # the right size: fine
+    torch.arange(0, 5, 1, out=out)
+    assert isinstance(out, StandInTensor) and out.device == torch.device("cuda", torch.cuda.current_device())
+    assert torch.equal(out.cpu(), torch.arange(0, 5, 1).to(out.dtype))
+
+
+def test_in_place_reshaping_operators_keep_the_tensor_and_give_the_cpu_values(two_gpus):
+    """t_, unsqueeze_, resize_ and set_ change the tensor itself (its identity, version and autograd state stay),
+    as on a GPU; FullyShardedDataParallel (FSDP1) swaps its flat parameter's data with set_."""
+    base = torch.arange(12.0).reshape(3, 4)
+    for op in (lambda t: t.t_(), lambda t: t.unsqueeze_(1), lambda t: t.resize_(2, 6),
+               lambda t: t.set_(t[1:].clone()), lambda t: t.as_strided_((2, 2), (1, 4))):
+        on_gpu, on_cpu = base.to("cuda"), base.clone()
+        same = op(on_gpu)
+        op(on_cpu)
+        assert same is on_gpu and isinstance(on_gpu, StandInTensor) and on_gpu.device == base.to("cuda").device
+        assert on_gpu.shape == on_cpu.shape and on_gpu.stride() == on_cpu.stride()
+        assert torch.equal(on_gpu.cpu(), on_cpu)
+    donor = torch.arange(10.0, device="cuda")
+    p = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+    with torch.no_grad():
+        p.set_(donor[2:6])
+    assert p.data_ptr() == donor[2:].data_ptr() and p.storage_offset() == 2
+    (p * torch.arange(4.0, device="cuda")).sum().backward()
+    assert torch.equal(p.grad.cpu(), torch.arange(4.0)) and p.grad.device == donor.device
+
+
+def test_record_stream_with_torch_dispatch_disabled(two_gpus):
+    """FSDP1 records a freed buffer's stream under no_dispatch(): the call reaches the device key itself."""
+    from torch.utils._mode_utils import no_dispatch
+
+    t = torch.ones(3, device="cuda")
+    with no_dispatch():
+        t.record_stream(torch.cuda.current_stream())
+    assert torch.equal(t.cpu(), torch.ones(3))
 
 
 # -- uninitialised memory ---------------------------------------------------------------------------------
@@ -303,22 +333,42 @@ def test_tensor_parallel_attention_shards_by_heads():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _fsdp1_wrap():
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def _fsdp1_steps(device: str, steps: int):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    tdist.init_process_group("nccl")
+    tdist.init_process_group("nccl" if device == "cuda" else "gloo")
     r = tdist.get_rank()
-    torch.cuda.set_device(r)
-    FullyShardedDataParallel(torch.nn.Linear(4, 4).to(r))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    if device == "cuda":  # as GPU programs write it
+        torch.cuda.set_device(r)
+        model = FSDP(model.to(r))
+    else:  # as CPU programs on gloo must write it
+        model = FSDP(model, device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + r)  # data made on the CPU, then moved: the same on both
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(5, 6, generator=g).to(device)).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(model):
+        weights = [p.detach().cpu().clone() for p in model.parameters()]
+    return losses, weights
 
 
-def test_fsdp1_is_refused_with_fsdp2_as_the_fix():
-    """FSDP1 swaps its flat parameter's data with set_, which a stand-in's fixed shape cannot follow."""
-    with pytest.raises(Exception) as info:
-        simulator.run(_fsdp1_wrap, 2, devices="cuda", timeout=TIMEOUT)
-    text = str(info.value)
-    assert "aten::set_" in text and "shape=[20]" in text and "new_shape=[10]" in text, text
-    assert "use FSDP2 (torch.distributed.fsdp.fully_shard)" in text, text
+def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks():
+    """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank)) gives what the same model
+    gives on CPU ranks over gloo, step for step (it shards and gathers its flat parameter with set_)."""
+    steps = 3
+    gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps), devices="cuda", timeout=TIMEOUT)
+    cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps), timeout=TIMEOUT)
+    for (gl, gw), (cl, cw) in zip(gpu, cpu):
+        assert gl == cl and len(gl) == steps and gl[0] != gl[-1]
+        for a, b in zip(gw, cw):
+            assert torch.equal(a, b)
 
 
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------

@@ -81,6 +81,10 @@ def _factory_kernel(op: Any) -> Callable[..., Any]:
     return kernel
 
 
+def _record_stream_kernel(tensor: torch.Tensor, stream: Any) -> None:
+    return None
+
+
 def _overload(name: str) -> Any:
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
@@ -100,6 +104,9 @@ def _register_once() -> None:
         op = _overload(name)
         for key in ("CUDA", "PrivateUse1"):
             lib.impl(op, _factory_kernel(op), key)
+    # FSDP1 records its freed flat parameter's stream with torch dispatch disabled (_no_dispatch_record_stream):
+    # the call reaches the device key, not the stand-in's __torch_dispatch__; stand-in memory is never reused early
+    lib.impl(torch.ops.aten.record_stream.default, _record_stream_kernel, "PrivateUse1")
     _libraries.extend([fallback, lib, *amp.register(), *attention.register()])
 
 

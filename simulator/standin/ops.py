@@ -15,8 +15,9 @@ __all__ = ["copy_from", "factory", "device_of", "COMPOSITE_FACTORIES"]
 
 #: aten's factories (no tensor argument, a ``device=``) whose kernel is composite: registered for every device,
 #: they would build a stand-in through several operators, and some (``arange``, ``eye``, ``range``) allocate an
-#: empty tensor and resize it through an ``out=`` overload, which a wrapper's fixed shape cannot follow.  The
-#: stand-in registers :func:`factory` for them on the ``CUDA`` and ``PrivateUse1`` keys: one CPU call, then wrapped.
+#: empty tensor and resize it through an ``out=`` overload (a wrapper follows, but at several dispatches' cost).
+#: The stand-in registers :func:`factory` for them on the ``CUDA`` and ``PrivateUse1`` keys: one CPU call, then
+#: wrapped.
 #: (tests/test_sim_standin_programs.py checks that this list holds every such aten factory.)
 COMPOSITE_FACTORIES = (
     "arange", "arange.start", "arange.start_step", "range", "range.step", "eye", "eye.m", "linspace", "logspace",

@@ -48,7 +48,7 @@ _NO_KWARGS: dict = {}
 #: operators that may combine a stand-in with a CPU tensor or another device, as they may on CUDA
 _CROSS_DEVICE = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
                  "_index_put_impl_", "_unsafe_index", "_unsafe_index_put", "lift_fresh", "set_"}
-#: in-place operators that may change the tensor's shape (a wrapper's shape is fixed at creation)
+#: in-place operators that may change the tensor's shape (the wrapper follows: see _follow)
 _RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
               "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
 #: allocators whose memory is uninitialised (see _Spec.uninitialized)
@@ -410,7 +410,7 @@ def rewrap(out: Any, idx: int, owners: Any, sp: _Spec, pos: int) -> Any:
             if out is inner:  # an in-place or out= result: the wrapper the caller holds
                 if sp.reshaping and (out.shape != w.shape or out.stride() != w.stride()
                                      or out.storage_offset() != w.storage_offset()):
-                    raise _reshaped(sp, w, out)
+                    _follow(sp, w, out, idx)
                 return w
         new = sp.fresh[pos] if pos < len(sp.fresh) else sp.fresh[-1]
         return fresh(out, idx) if new else wrap(out, idx)
@@ -418,6 +418,19 @@ def rewrap(out: Any, idx: int, owners: Any, sp: _Spec, pos: int) -> Any:
     if t is tuple or t is list:
         return t([rewrap(o, idx, owners, sp, i if t is tuple else pos) for i, o in enumerate(out)])
     return out
+
+
+def _follow(spec: _Spec, w: StandInTensor, out: torch.Tensor, idx: int) -> None:
+    """An in-place operator changed the shape, strides or offset of ``w``'s CPU tensor (``set_``, ``resize_``,
+    ``t_``...): the wrapper takes them on, keeping its identity, version counter and autograd state, as the tensor
+    itself would on a GPU.  FullyShardedDataParallel (FSDP1) swaps its flat parameter between the sharded and the
+    gathered data this way.  (``.data =`` is torch's own in-place change of a tensor's metadata.)"""
+    try:
+        with torch._C._DisableTorchDispatch():
+            w.data = wrap(out, idx)
+    except RuntimeError as e:  # a tensor torch will not let change (made by .data or .detach() of a view...)
+        raise _reshaped(spec, w, out) from e
+    w._inner = out  # (the wrapper's Python state is its own: .data= changes only its metadata)
 
 
 def _reshaped(spec: _Spec, w: StandInTensor, out: torch.Tensor) -> StandInError:
