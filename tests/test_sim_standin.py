@@ -329,6 +329,32 @@ def test_state_dict_round_trip(two_gpus):
     assert torch.equal(fresh.weight.cpu(), model[0].weight.cpu()) and fresh.weight.is_cuda
 
 
+def _rounded_once(op, *tensors, **kw):
+    """The product of fp16 values accumulated in fp32 and rounded to fp16 once (cuBLAS's fp16 default)."""
+    return op(*(t.half().float() for t in tensors), **kw).half()
+
+
+K, M = 96, 64  # at these sizes the CPU's own fp16 matrix kernels round differently from one rounding of an fp32 sum
+
+
+@pytest.mark.parametrize("op,shapes", [
+    (torch.mm, [(M, K), (K, M)]), (torch.bmm, [(2, M, K), (2, K, M)]), (torch.mv, [(M, K), (K,)]),
+    (torch.dot, [(K,), (K,)]), (torch.addmm, [(M,), (M, K), (K, M)]),
+    (torch.baddbmm, [(2, M, M), (2, M, K), (2, K, M)]), (torch.addmv, [(M,), (M, K), (K,)]),
+    (torch.addbmm, [(M, M), (2, M, K), (2, K, M)])])
+def test_fp16_products_accumulate_in_fp32_and_round_once(two_gpus, op, shapes):
+    g = torch.Generator().manual_seed(len(shapes) * 10 + len(shapes[0]))
+    cpu = [torch.randn(*s, generator=g) * 3 for s in shapes]
+    got = op(*(t.half().cuda() for t in cpu))
+    assert got.dtype == torch.float16 and got.is_cuda
+    assert torch.equal(got.cpu(), _rounded_once(op, *cpu))
+    kw = {"beta": 0.5, "alpha": 2.0} if op in (torch.addmm, torch.baddbmm, torch.addmv, torch.addbmm) else {}
+    if kw:
+        assert torch.equal(op(*(t.half().cuda() for t in cpu), **kw).cpu(), _rounded_once(op, *cpu, **kw))
+    with pytest.raises(RuntimeError):  # mixed dtypes: the CPU's own error, as a GPU refuses them
+        op(*(t.cuda() if i else t.half().cuda() for i, t in enumerate(cpu)))
+
+
 def test_autocast_computes_in_bf16_on_the_cpu(two_gpus):
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     ga, gb = a.cuda(), b.cuda()
