@@ -395,35 +395,37 @@ def test_what_cannot_be_faithful_is_refused(two_gpus):
     assert torch.ones(2).pin_memory().device.type == "cpu"  # pinning is a no-op
 
 
+_SEEN: dict[int, list[str]] = {}
+
+
 def _functional_all_reduce():
     import torch.distributed._functional_collectives as fc
 
     tdist.init_process_group("nccl")
     r = tdist.get_rank()
     torch.cuda.set_device(r)
-    seen = []
-    pg = tdist.group.WORLD
-    original = type(pg).allreduce
+    out = fc.all_reduce(torch.full((2,), float(r + 1), device="cuda"), "sum", tdist.group.WORLD)
+    out = out.wait() if hasattr(out, "wait") else out
+    return str(out.device), out.cpu().tolist()
+
+
+def test_device_of_names_the_standin_device_inside_functional_collectives(monkeypatch):
+    from simulator.adapters.process_group import SimProcessGroup
+
+    original = SimProcessGroup.allreduce
 
     def spy(self, tensors, opts=None):  # what the process group is handed, as a backend check would see it
-        seen.extend(str(standin.device_of(t)) for t in tensors)
+        _SEEN.setdefault(simulator.current_rank_state().rank, []).extend(str(standin.device_of(t)) for t in tensors)
         return original(self, tensors, opts)
 
-    type(pg).allreduce = spy
-    try:
-        out = fc.all_reduce(torch.full((2,), float(r + 1), device="cuda"), "sum", pg)
-        out = out.wait() if hasattr(out, "wait") else out
-    finally:
-        type(pg).allreduce = original
-    return str(out.device), out.cpu().tolist(), seen
-
-
-def test_device_of_names_the_standin_device_inside_functional_collectives():
+    _SEEN.clear()
+    monkeypatch.setattr(SimProcessGroup, "allreduce", spy)  # (once for every rank: thread ranks share the class)
     with standin.enabled(gpus_per_node=2):
         out = simulator.run(_functional_all_reduce, 2)
         assert standin.device_of(torch.ones(1, device="cuda:1")) == torch.device("cuda", 1)
     assert standin.device_of(torch.ones(1)) == torch.device("cpu")
-    assert out == [("cuda:0", [3.0, 3.0], ["cuda:0"]), ("cuda:1", [3.0, 3.0], ["cuda:1"])]
+    assert out == [("cuda:0", [3.0, 3.0]), ("cuda:1", [3.0, 3.0])]
+    assert _SEEN == {0: ["cuda:0"], 1: ["cuda:1"]}
 
 
 # -- simulated ranks ------------------------------------------------------------------------------------

@@ -371,6 +371,34 @@ def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks():
             assert torch.equal(a, b)
 
 
+def _full_tensors():
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    mesh = init_device_mesh("cuda", (2,))
+    d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    full = d.full_tensor()  # redistribute(async_op=False): waited inside, as on a GPU
+    lazy = d.redistribute(mesh, [Replicate()], async_op=True).to_local()  # waited on first use
+    dropped = d.full_tensor()
+    del dropped  # (FSDP2's example drops the full tensors of rank 1)
+    return (type(full).__name__, full.cpu(), isinstance(lazy, AsyncCollectiveTensor), (lazy * 1).cpu(),
+            torch._C._distributed_c10d._get_work_registry_size())
+
+
+def test_functional_collectives_wait_as_on_a_gpu():
+    """A functional collective's result is an AsyncCollectiveTensor over the stand-in (not a stand-in over one):
+    DTensor waits for it where it must, and none is left in torch's registry of unwaited collectives (torch warns
+    of each at exit)."""
+    got = simulator.run(_full_tensors, 2, devices="cuda", timeout=TIMEOUT)
+    for kind, full, lazy_is_async, lazy, unwaited in got:
+        assert kind == "StandInTensor" and torch.equal(full, torch.arange(8.0).reshape(4, 2))
+        assert lazy_is_async and torch.equal(lazy, torch.arange(8.0).reshape(4, 2))
+        assert unwaited == 0
+
+
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------
 def _tensor_parallel_steps(steps: int):
     from torch.distributed.device_mesh import init_device_mesh

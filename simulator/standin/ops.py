@@ -70,9 +70,19 @@ def _is_pinned(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _wrap_async(func: Any, args: tuple, kwargs: dict) -> Any:
+    # funcol's _wrap_tensor_autograd puts a collective's result in an AsyncCollectiveTensor, whose first use (or
+    # DTensor's redistribute(async_op=False)) waits for it: the stand-in goes inside that wrapper, as a GPU tensor
+    # does, not the other way round (a stand-in over an AsyncCollectiveTensor is never waited by DTensor, and
+    # torch warns at exit of every collective left unwaited in its registry)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor(args[0] if args else kwargs["input"])
+
+
 _SPECIAL.update({
     "copy_": _copy, "_copy_from": copy_from, "_copy_from_and_resize": copy_from, "_to_copy": _to_copy,
-    "record_stream": _record_stream, "is_pinned": _is_pinned,
+    "record_stream": _record_stream, "is_pinned": _is_pinned, "_wrap_tensor_autograd": _wrap_async,
 })
 
 

@@ -334,12 +334,30 @@ def _unwrap(a: Any, seen: list) -> Any:
         return a
     if t is list or t is tuple:
         return t([_unwrap(x, seen) for x in a])
-    if isinstance(a, torch.Tensor) and (a.dim() != 0 or a.device.type != "cpu"):
-        # CUDA accepts 0-dim CPU tensors as scalars; any other tensor is a device (a wrapper over a stand-in,
-        # such as a DTensor, reports cuda:i: the stand-ins' device i)
-        d = a.device
-        _note(seen, d.index if d.type == "cuda" and d.index is not None else d)
+    if isinstance(a, torch.Tensor):
+        if t is not torch.Tensor and _has_own_dispatch(t):
+            raise _Foreign  # (see dispatch)
+        if a.dim() != 0 or a.device.type != "cpu":
+            # CUDA accepts 0-dim CPU tensors as scalars; any other tensor is a device
+            d = a.device
+            _note(seen, d.index if d.type == "cuda" and d.index is not None else d)
     return a
+
+
+class _Foreign(Exception):
+    """An argument is another tensor subclass with a ``__torch_dispatch__`` of its own (an AsyncCollectiveTensor
+    over a stand-in, a DTensor): by torch's protocol the stand-in returns NotImplemented and lets that subclass
+    unwrap itself first; the operator then comes back with stand-ins."""
+
+
+_OWN_DISPATCH: dict[type, bool] = {}
+
+
+def _has_own_dispatch(t: type) -> bool:
+    own = _OWN_DISPATCH.get(t)
+    if own is None:
+        own = _OWN_DISPATCH[t] = t.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    return own
 
 
 def _from_collective_code() -> bool:
@@ -374,15 +392,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if sp.special is not None:
         return sp.special(func, args, kwargs)
     seen = [None, None, None, [] if sp.mutates else None]
-    uargs = [_unwrap(a, seen) for a in args]
+    try:
+        uargs = [_unwrap(a, seen) for a in args]
+        ukw = {k: _unwrap(v, seen) for k, v in kwargs.items()} if kwargs else kwargs
+    except _Foreign:
+        return NotImplemented
     if kwargs:
-        ukw = {k: _unwrap(v, seen) for k, v in kwargs.items()}
         dev = ukw.get("device")
         if dev is not None:  # a factory-like operator (new_empty, zeros_like...): the device named wins
             seen[2] = target(dev)
             ukw["device"] = CPU if seen[2] is not None else dev
-    else:
-        ukw = kwargs
     if seen[1] is not None and not sp.cross and not _from_collective_code():
         raise RuntimeError(_SAME_DEVICE.format(*seen[1]))
     idx = seen[2]
