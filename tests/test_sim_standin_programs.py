@@ -399,6 +399,60 @@ def test_functional_collectives_wait_as_on_a_gpu():
         assert unwaited == 0
 
 
+def test_pinned_host_memory_is_ordinary_memory_on_stand_ins(two_gpus):
+    """torch asks the accelerator for its pinned allocator (pin_memory=True factories, DDP's unused-parameter map);
+    on a CPU that is ordinary memory, and every host tensor counts as pinned."""
+    x = torch.arange(6.0, pin_memory=True).reshape(2, 3)
+    y = torch.empty(4, pin_memory=True)
+    assert x.is_pinned() and y.is_pinned() and x.device.type == "cpu"
+    moved = x.to("cuda", non_blocking=True)
+    assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.used, self.unused = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2), torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.used(torch.relu(self.body(x)))  # self.unused gets no gradient
+
+
+def _ddp_unused_parameters(device: str, static_graph: bool):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tdist.init_process_group("nccl" if device == "cuda" else "gloo")
+    r = tdist.get_rank()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    if device == "cuda":
+        torch.cuda.set_device(r)
+        model = DDP(model.to(r), device_ids=[r], find_unused_parameters=not static_graph, static_graph=static_graph)
+    else:
+        model = DDP(model, find_unused_parameters=not static_graph, static_graph=static_graph)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7 + r)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(5, 4, generator=g).to(device)).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_ddp_with_unused_parameters_on_stand_ins_trains_as_on_cpu_ranks(static_graph):
+    """DDP(find_unused_parameters=True) and DDP(static_graph=True) stage their used-parameter map in pinned memory
+    on an accelerator: on stand-ins they train as on CPU ranks over gloo, step for step."""
+    gpu = simulator.run(_ddp_unused_parameters, 2, args=("cuda", static_graph), devices="cuda", timeout=TIMEOUT)
+    cpu = simulator.run(_ddp_unused_parameters, 2, args=("cpu", static_graph), timeout=TIMEOUT)
+    for (gl, gw), (cl, cw) in zip(gpu, cpu):
+        assert gl == cl and gl[0] != gl[-1]
+        assert all(torch.equal(a, b) for a, b in zip(gw, cw))
+
+
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------
 def _tensor_parallel_steps(steps: int):
     from torch.distributed.device_mesh import init_device_mesh

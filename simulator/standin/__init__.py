@@ -61,8 +61,9 @@ PRIVATE_TORCH_NAMES = tuple(p.name for p in PRIVATE_NAMES if "standin" in p.user
 #: the public torch names replaced while a stand-in is enabled
 PATCHED_PUBLIC = _install.PATCHED_PUBLIC
 
-#: the libc10 symbols the stand-in calls through ctypes (see simulator/standin/_native.py)
-NATIVE_SYMBOLS = _install._native.NATIVE_SYMBOLS
+#: the native symbols the stand-in uses through ctypes: libc10's (simulator/standin/_native.py), then those of
+#: libtorch_python's symbol table and libc10 behind pinned host memory (simulator/standin/_pinned.py)
+NATIVE_SYMBOLS = _install._native.NATIVE_SYMBOLS + _install._native._pinned.SYMBOLS
 
 
 def enabled(gpus_per_node: int | None = None, total_memory: int = DEFAULT_TOTAL_MEMORY) -> ContextManager[None]:

@@ -34,6 +34,7 @@ import torch
 
 from tensorplay.distributed.errors import format_message
 
+from simulator.standin import _pinned
 from simulator.standin.errors import StandInError
 
 __all__ = ["install", "uninstall", "NATIVE_SYMBOLS"]
@@ -145,8 +146,9 @@ def _setup_once() -> None:
         raise _refuse("torch refused the stand-in's device guard")
     if not torch._C._acc.register_python_privateuseone_hook(hooks):
         raise _refuse("torch refused the stand-in's PrivateUse1 hooks (another backend registered its own)")
+    pinned = _pinned.patch(hooks, lambda: _Hooks.active)  # (False: pin_memory=True keeps torch's error)
     _state.update(registry=registry, put=put, cuda_pointer=cuda_pointer, byte=byte, query=query,
-                  keep=(cuda_guard, pu_guard, hooks))
+                  keep=(cuda_guard, pu_guard, hooks), pinned=pinned)
 
 
 def install() -> None:
