@@ -8,8 +8,8 @@ memory and asserts ``is_pinned()``).  torch's Python-registered hooks cannot ans
 which raises ``NotImplementedError``.
 
 On a CPU "pinned" memory is ordinary memory, so the stand-in gives the hooks object two answers of its own:
-the pinned allocator is the CPU allocator, and every host pointer counts as pinned (as ``Tensor.pin_memory()``
-is already a no-op on stand-ins).  The object's virtual table is copied and the two entries replaced; the
+the pinned allocator is the CPU allocator, and a host pointer torch asks about counts as pinned while the
+stand-in is on (``Tensor.pin_memory()`` is a no-op on stand-ins, and its result reports ``is_pinned()``).  The object's virtual table is copied and the two entries replaced; the
 entries are found by the addresses of torch's own functions (read from ``libtorch_python.so``'s symbol table)
 and nothing is written unless both are found where the copy will be taken from.  Any surprise leaves torch's
 behaviour (the error) as it was: :func:`patch` returns False.
