@@ -453,6 +453,60 @@ def test_ddp_with_unused_parameters_on_stand_ins_trains_as_on_cpu_ranks(static_g
         assert all(torch.equal(a, b) for a, b in zip(gw, cw))
 
 
+def _sync_batch_norm(x_all: torch.Tensor):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tdist.init_process_group("nccl")
+    r, w = tdist.get_rank(), tdist.get_world_size()
+    torch.cuda.set_device(r)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    model = DDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).cuda(), device_ids=[r])
+    rows = len(x_all) // w
+    x = x_all[r * rows:(r + 1) * rows].cuda().requires_grad_()
+    y = model(x)
+    (y * torch.linspace(-1, 2, y[0].numel(), device="cuda").reshape(y[0].shape)).sum().backward()
+    bn = model.module[1]
+    return [t.detach().cpu() for t in (y, x.grad, bn.weight.grad, bn.running_mean, bn.running_var)]
+
+
+def test_sync_batch_norm_normalises_over_every_rank_s_batch():
+    """SyncBatchNorm's CUDA-only operators run on stand-ins: two ranks with three samples each give what one
+    BatchNorm gives over all six (DDP averages the parameter gradients over the two ranks)."""
+    x_all = torch.randn(6, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    got = simulator.run(_sync_batch_norm, 2, args=(x_all,), devices="cuda", timeout=TIMEOUT)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    xr = x_all.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * torch.linspace(-1, 2, yr[0].numel()).reshape(yr[0].shape)).sum().backward()
+    for r, (y, xg, wg, rm, rv) in enumerate(got):
+        rows = slice(3 * r, 3 * r + 3)
+        torch.testing.assert_close(y, yr.detach()[rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(xg, xr.grad[rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wg, ref[1].weight.grad / 2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rm, ref[1].running_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rv, ref[1].running_var, rtol=1e-6, atol=1e-6)
+
+
+def _flat_all_gather(numel: int):
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    out = torch.empty(1, numel, device="cuda")
+    tdist.all_gather_into_tensor(out, torch.arange(3.0, device="cuda") + 10 * r)
+    return out.cpu()
+
+
+def test_nccl_all_gather_into_tensor_takes_any_buffer_of_the_right_size():
+    """NCCL sees flat buffers: a (1, W * n) output is filled rank after rank (SyncBatchNorm relies on it); a buffer
+    of another size is refused with NCCL's words."""
+    got = simulator.run(_flat_all_gather, 2, args=(6,), devices="cuda", timeout=TIMEOUT)
+    assert all(torch.equal(t, torch.tensor([[0.0, 1, 2, 10, 11, 12]])) for t in got)
+    with pytest.raises(Exception, match="output tensor size must be equal to world_size times input tensor size"):
+        simulator.run(_flat_all_gather, 2, args=(5,), devices="cuda", timeout=TIMEOUT)
+
+
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------
 def _tensor_parallel_steps(steps: int):
     from torch.distributed.device_mesh import init_device_mesh

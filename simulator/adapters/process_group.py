@@ -405,23 +405,34 @@ class SimProcessGroup(tdist.ProcessGroup):
         flat = [t for outs in output_lists for t in outs]
         return SimWork(works, flat, refuse=_autograd_refusal("all_gather_coalesced", self._g.rank(), flat))
 
-    def _gloo_layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> None:
-        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0); NCCL also the stacked one."""
-        if self._named == "nccl":
-            return
+    def _layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> torch.Tensor:
+        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0).  NCCL sees flat buffers:
+        any contiguous ``flat`` of ``W`` times ``part``'s elements (SyncBatchNorm gathers into a ``(1, W * n)``
+        tensor), handed on as a view in the concatenated layout."""
         w = self._g.size()
         rows = part.shape[0] if part.dim() else 1
         want = (w * rows, *part.shape[1:])
+        if self._named == "nccl":
+            if tuple(flat.shape) == want or tuple(flat.shape) == (w, *part.shape) or not flat.is_contiguous():
+                return flat
+            if flat.numel() != w * part.numel():
+                raise DistBackendError(format_message(
+                    f"torch.distributed.{name}", f"{what} tensor size must be equal to world_size times "
+                    f"{'input' if what == 'output' else 'output'} tensor size (ProcessGroupNCCL)", rank=self._g.rank(),
+                    values={f"{what}.numel()": flat.numel(), "world_size": w, "part.numel()": part.numel()},
+                    fix=f"allocate the {what} with {w * part.numel()} elements, e.g. shape {want}"))
+            return flat.view(want)
         if tuple(flat.shape) != want:
             raise DistBackendError(format_message(
                 f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
                 f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
                 rank=self._g.rank(), values={f"{what}.shape": tuple(flat.shape), "expected": want},
                 fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
+        return flat
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
-        self._gloo_layout("all_gather_into_tensor", output, input, "output")
-        return SimWork([tpd.all_gather_into_tensor(output, input, group=self._g, async_op=True)], [output],
+        laid = self._layout("all_gather_into_tensor", output, input, "output")
+        return SimWork([tpd.all_gather_into_tensor(laid, input, group=self._g, async_op=True)], [output],
                        refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output]))
 
     _allgather_base = all_gather_single
@@ -462,8 +473,8 @@ class SimProcessGroup(tdist.ProcessGroup):
                         for o, ins in zip(output_tensors, input_tensors)], list(output_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
-        self._gloo_layout("reduce_scatter_tensor", input, output, "input")
-        return SimWork([tpd.reduce_scatter_tensor(output, input, op=reduce_op(opts), group=self._g, async_op=True)],
+        laid = self._layout("reduce_scatter_tensor", input, output, "input")
+        return SimWork([tpd.reduce_scatter_tensor(output, laid, op=reduce_op(opts), group=self._g, async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
     _reduce_scatter_base = reduce_scatter_single

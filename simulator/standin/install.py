@@ -37,7 +37,7 @@ import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
-from simulator.standin import _native, amp, attention, cuda_api as api, ranks
+from simulator.standin import _native, amp, attention, cuda_api as api, ranks, syncbn  # noqa: F401  (syncbn: its operators)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
 from simulator.standin.serialization import deserialize_cuda, patched_load, registry_entry
