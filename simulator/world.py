@@ -104,7 +104,7 @@ class World:
         devices: ``"cpu"`` (default) or ``"cuda"``: each rank sees CUDA devices backed by the CPU
             (:mod:`simulator.standin`), so a program written for GPUs runs unmodified on a machine without one:
             ``torch.cuda.is_available()`` is True, ``set_device``, ``.to(local_rank)``, ``init_process_group("nccl")``
-            and ``DDP(device_ids=[r])`` work, and every operator computes on the CPU (thread ranks only).
+            and ``DDP(device_ids=[r])`` work, and every operator computes on the CPU.
         gpus_per_node: stand-in GPUs per node, ``torch.cuda.device_count()`` on each rank (default: the world
             size); ranks per node for torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` too.
         hash_seed: what the rank processes' ``PYTHONHASHSEED`` values derive from (default: ``seed``).  Fix it to
@@ -581,10 +581,6 @@ def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation:
         raise DistValueError(format_message("simulator.run", "gpus_per_node must be a positive int or None",
                                             values={"gpus_per_node": gpus_per_node}, fix="pass e.g. gpus_per_node=8"))
     if devices == "cuda":
-        if isolation != "thread":
-            raise DistValueError(format_message(
-                "simulator.run", "the CUDA stand-in runs on thread ranks only (for now)",
-                values={"devices": devices, "isolation": isolation}, fix="pass isolation='thread'"))
         from simulator import standin  # (lazy: the stand-in's import is heavy, and only devices="cuda" needs it)
 
         # inside an enclosing stand-in (a launcher's), torch.cuda.is_available() is the stand-in's answer

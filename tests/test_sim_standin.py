@@ -532,14 +532,18 @@ def test_fsdp2_on_standins_equals_fsdp2_on_the_cpu(move_first):
 # the world's and the command line's switch: simulator.run(devices="cuda"), python -m simulator --devices cuda
 # ---------------------------------------------------------------------------------------------------------------
 def _per_rank_devices() -> tuple:
-    r = simulator.current_rank_state().rank
+    import tensorplay.distributed as tpd
+
+    tpd.init_process_group("sim")
+    r = tpd.get_rank()
     torch.cuda.set_device(r)
     x = torch.arange(4.0, device="cuda") * (r + 1)
     return torch.cuda.is_available(), torch.cuda.device_count(), str(x.device), x.cpu().tolist()
 
 
-def test_the_world_switch_gives_each_rank_its_stand_in_devices():
-    got = simulator.run(_per_rank_devices, 3, devices="cuda", gpus_per_node=4)
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_the_world_switch_gives_each_rank_its_stand_in_devices(isolation):
+    got = simulator.run(_per_rank_devices, 3, devices="cuda", gpus_per_node=4, isolation=isolation)
     assert got == [(True, 4, f"cuda:{r}", [0.0, r + 1.0, 2 * (r + 1.0), 3 * (r + 1.0)]) for r in range(3)]
     assert not torch.cuda.is_available()  # restored after the run
 
@@ -547,7 +551,7 @@ def test_the_world_switch_gives_each_rank_its_stand_in_devices():
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(devices="tpu"), "devices='tpu'"),
     (dict(devices="cuda", gpus_per_node=0), "gpus_per_node=0"),
-    (dict(devices="cuda", isolation="process"), "isolation='process'"),
+    (dict(devices="cuda", gpus_per_node=True), "gpus_per_node=True"),
 ])
 def test_the_world_switch_is_validated_before_anything_runs(kwargs, needle):
     from tensorplay.distributed.errors import DistValueError

@@ -507,6 +507,18 @@ def test_nccl_all_gather_into_tensor_takes_any_buffer_of_the_right_size():
         simulator.run(_flat_all_gather, 2, args=(5,), devices="cuda", timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("program,args", [(_ddp_unused_parameters, ("cuda", False)), (_fsdp1_steps, ("cuda", 2))],
+                         ids=["ddp_unused_parameters", "fsdp1"])
+def test_stand_ins_in_rank_processes_give_what_thread_ranks_give(program, args):
+    """devices='cuda' with isolation='process': each rank process has its own stand-in devices, and what its
+    collectives stage in and copy back is the stand-ins' CPU data; the results are the thread ranks', bit for bit."""
+    threads = simulator.run(program, 2, args=args, devices="cuda", timeout=TIMEOUT)
+    processes = simulator.run(program, 2, args=args, devices="cuda", isolation="process", timeout=TIMEOUT)
+    for (tl, tw), (pl, pw) in zip(threads, processes):
+        assert tl == pl
+        assert all(torch.equal(a, b) for a, b in zip(tw, pw))
+
+
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------
 def _tensor_parallel_steps(steps: int):
     from torch.distributed.device_mesh import init_device_mesh

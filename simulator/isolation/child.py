@@ -11,6 +11,7 @@ function's RESULT, its EXIT, or its exception (RAISE, FORWARDED).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib
 import os
@@ -27,7 +28,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing import spawn
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -151,7 +152,7 @@ def main(fd: int | None = None) -> None:
     install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
     rank_threads.install(backend, coop=setup.mode == "coop")
-    with torch_native.enabled():
+    with _devices(setup), torch_native.enabled():
         _own_c10d(backend, setup)
         _honest_clock(backend)
         _wire.send(conn, (READY,))  # start-up done: the run's timeout counts from every rank's READY
@@ -170,6 +171,16 @@ def main(fd: int | None = None) -> None:
             _wire.send(conn, msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
+
+
+def _devices(setup: Setup) -> ContextManager[Any]:
+    """The rank's devices: with devices="cuda", CPU-backed stand-ins of CUDA devices for the whole process (one
+    rank per process: the process's device state is the rank's)."""
+    if setup.devices != "cuda":
+        return contextlib.nullcontext()
+    from simulator import standin  # (lazy: heavy, and only devices="cuda" needs it)
+
+    return standin.enabled(gpus_per_node=setup.gpus_per_node)
 
 
 def _run(fn: Callable[..., Any], args: Any, kwargs: Any, backend: ClientBackend, rank: int) -> tuple:

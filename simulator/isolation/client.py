@@ -103,10 +103,11 @@ class ClientBackend(SimBackend):
         return None
 
     def supports_device(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+        # (CUDA: the stand-in's devices, when the run gives ranks devices="cuda"; this build has no other)
+        return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
 
     def device_for(self, kind: str) -> torch.device:
-        return torch.device(kind)  # a rank process has no simulated device of its own (CPU ranks only)
+        return torch.device(kind)  # a rank process has no simulated device of its own (CPU, or the stand-in's)
 
     # -- the channel ------------------------------------------------------
     def _request(self, msg: tuple, fds: Sequence[int] = ()) -> Any:

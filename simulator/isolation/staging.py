@@ -59,6 +59,17 @@ def _full(call: str, rank: int, path: str, free: int, need: int) -> DistRuntimeE
         fix="enlarge /dev/shm (docker run --shm-size=...) or use isolation='thread'"))
 
 
+def _host(a: Any) -> Any:
+    """A CUDA stand-in (simulator.standin, devices="cuda") as the CPU tensor that holds its data (the same storage,
+    shape and strides: what is staged in and copied back is the stand-in's); lists and tuples element-wise."""
+    if isinstance(a, torch.Tensor):
+        inner = getattr(a, "_inner", None) if a.device.type == "cuda" else None
+        return inner if isinstance(inner, torch.Tensor) else a
+    if isinstance(a, (list, tuple)):
+        return type(a)(_host(x) for x in a) if any(isinstance(x, torch.Tensor) for x in a) else a
+    return a
+
+
 class Staging:
     """The arenas of one rank process, their live regions, and the program's shared storages the proxy maps.
 
@@ -83,6 +94,7 @@ class Staging:
         """Copy the tensors of call ``name``'s ``args`` into an arena; return the arguments with tensors replaced by
         places (lists and tuples as lists).  The tensors of the arguments at ``outputs`` are noted in ``staged`` to
         be copied back."""
+        args = tuple(_host(a) for a in args)
         tensors = [t for a in args for t in _flatten(a)]
         spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
         shared: dict[int, int] = {}  # storage address -> id, for storages already in shared memory (not copied)
