@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import functools
 import math
 import os
 import queue
@@ -154,6 +155,8 @@ class World:
             raise DistValueError(format_message("simulator.run", "device='cuda' but no GPU is available",
                                                 values={"device": device}, fix="pass device='cpu'"))
         self.devices, self.gpus_per_node = _check_devices(devices, gpus_per_node, world_size, self.isolation, dev)
+        #: what a rank process runs inside (isolation='process'): the stand-in's devices with devices="cuda"
+        self.device_context = _device_context(self.devices, self.gpus_per_node)
         if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int)):
             raise DistTypeError(format_message("simulator.run", "hash_seed must be an int or None",
                                                values={"hash_seed": hash_seed}, fix="pass e.g. hash_seed=0"))
@@ -567,6 +570,15 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
               trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed,
               devices=devices, gpus_per_node=gpus_per_node)
     return w.run(fn, args, kwargs)
+
+
+def _device_context(devices: str, gpus_per_node: int) -> Callable[[], Any] | None:
+    """A picklable factory of the context a rank process runs inside: the stand-in for devices="cuda"."""
+    if devices != "cuda":
+        return None
+    from simulator import standin  # (lazy: see _check_devices)
+
+    return functools.partial(standin.enabled, gpus_per_node=gpus_per_node)
 
 
 def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation: str,

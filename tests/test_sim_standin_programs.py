@@ -384,8 +384,10 @@ def _full_tensors():
     lazy = d.redistribute(mesh, [Replicate()], async_op=True).to_local()  # waited on first use
     dropped = d.full_tensor()
     del dropped  # (FSDP2's example drops the full tensors of rank 1)
+    out = torch.ops._c10d_functional.all_reduce(torch.ones(2, device="cuda"), "sum", tdist.group.WORLD.group_name)
+    same = torch.ops._c10d_functional.wait_tensor(out) is out  # wait_tensor returns its argument, as on a GPU
     return (type(full).__name__, full.cpu(), isinstance(lazy, AsyncCollectiveTensor), (lazy * 1).cpu(),
-            torch._C._distributed_c10d._get_work_registry_size())
+            torch._C._distributed_c10d._get_work_registry_size(), same)
 
 
 def test_functional_collectives_wait_as_on_a_gpu():
@@ -393,10 +395,10 @@ def test_functional_collectives_wait_as_on_a_gpu():
     DTensor waits for it where it must, and none is left in torch's registry of unwaited collectives (torch warns
     of each at exit)."""
     got = simulator.run(_full_tensors, 2, devices="cuda", timeout=TIMEOUT)
-    for kind, full, lazy_is_async, lazy, unwaited in got:
+    for kind, full, lazy_is_async, lazy, unwaited, same in got:
         assert kind == "StandInTensor" and torch.equal(full, torch.arange(8.0).reshape(4, 2))
         assert lazy_is_async and torch.equal(lazy, torch.arange(8.0).reshape(4, 2))
-        assert unwaited == 0
+        assert unwaited == 0 and same
 
 
 def test_pinned_host_memory_is_ordinary_memory_on_stand_ins(two_gpus):

@@ -174,13 +174,9 @@ def main(fd: int | None = None) -> None:
 
 
 def _devices(setup: Setup) -> ContextManager[Any]:
-    """The rank's devices: with devices="cuda", CPU-backed stand-ins of CUDA devices for the whole process (one
-    rank per process: the process's device state is the rank's)."""
-    if setup.devices != "cuda":
-        return contextlib.nullcontext()
-    from simulator import standin  # (lazy: heavy, and only devices="cuda" needs it)
-
-    return standin.enabled(gpus_per_node=setup.gpus_per_node)
+    """The rank's devices, as the world hands them in (devices="cuda": the stand-in's, for the whole process, one
+    rank per process: the process's device state is the rank's); none: the CPU."""
+    return setup.device_context() if setup.device_context is not None else contextlib.nullcontext()
 
 
 def _run(fn: Callable[..., Any], args: Any, kwargs: Any, backend: ClientBackend, rank: int) -> tuple:

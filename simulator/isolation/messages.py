@@ -124,8 +124,9 @@ class Setup(NamedTuple):
     rpc_port: int  #: where ``init_rpc`` meets (see .rpc_process)
     mode: str  #: the scheduler's mode ("coop" or "threads")
     rpc_secret: Any  #: the run's RPC secret (str or None)
-    devices: str = "cpu"  #: "cuda": the rank sees CPU-backed stand-ins of CUDA devices (simulator.standin)
-    gpus_per_node: int = 1  #: with devices="cuda": torch.cuda.device_count()
+    #: what the whole rank runs inside (a picklable factory of a context manager, handed in by the world: the
+    #: CUDA stand-in's devices with devices="cuda"), or None
+    device_context: Any = None
 
 
 #: the one-byte payloads that carry descriptors (``socket.send_fds``), right after what they belong to

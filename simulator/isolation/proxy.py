@@ -140,8 +140,8 @@ class ProcessRanks(ProxyHandlers):
                                        passed=len(passed), torch_rng=rng_states[r], arena_dir=self.arena_dir,
                                        timeout=world.pg_timeout, store=("127.0.0.1", self.store.port),
                                        learn=isinstance(proc, warm.Forked), rpc_port=rpc_port, mode=world.mode,
-                                       rpc_secret=rpc_secret, devices=world.devices,
-                                       gpus_per_node=world.gpus_per_node))
+                                       rpc_secret=rpc_secret,
+                                       device_context=getattr(world, "device_context", None)))
                 ask, answer = socket.socketpair()
                 with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
                     socket.send_fds(raw, [FDS_WHERE], [answer.fileno()])

@@ -80,9 +80,19 @@ def _wrap_async(func: Any, args: tuple, kwargs: dict) -> Any:
     return AsyncCollectiveTensor(args[0] if args else kwargs["input"])
 
 
+def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
+    # waits for the collective that writes the CPU data, and returns the very tensor it was given (as on a GPU)
+    t = args[0] if args else kwargs["tensor"]
+    if type(t) is not StandInTensor:
+        return NotImplemented  # (another subclass with its own dispatch unwraps first)
+    func(t._inner)
+    return t
+
+
 _SPECIAL.update({
     "copy_": _copy, "_copy_from": copy_from, "_copy_from_and_resize": copy_from, "_to_copy": _to_copy,
     "record_stream": _record_stream, "is_pinned": _is_pinned, "_wrap_tensor_autograd": _wrap_async,
+    "wait_tensor": _wait_tensor,
 })
 
 
