@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import functools
 import math
 import os
 import queue
@@ -58,6 +57,7 @@ from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (
 from simulator.core.state import (Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
                                   current_rank_state, rank_device)
 from simulator.timing.cost import CostModel, resolve_cost
+from simulator.world_devices import check_devices, device_context
 from simulator.core.trace import DEFAULT_TRACE_LIMIT, EventLog, Trace
 from simulator.isolation import check_isolation, run_processes
 
@@ -154,9 +154,9 @@ class World:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DistValueError(format_message("simulator.run", "device='cuda' but no GPU is available",
                                                 values={"device": device}, fix="pass device='cpu'"))
-        self.devices, self.gpus_per_node = _check_devices(devices, gpus_per_node, world_size, self.isolation, dev)
+        self.devices, self.gpus_per_node = check_devices(devices, gpus_per_node, world_size, dev)
         #: what a rank process runs inside (isolation='process'): the stand-in's devices with devices="cuda"
-        self.device_context = _device_context(self.devices, self.gpus_per_node)
+        self.device_context = device_context(self.devices, self.gpus_per_node)
         if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int)):
             raise DistTypeError(format_message("simulator.run", "hash_seed must be an int or None",
                                                values={"hash_seed": hash_seed}, fix="pass e.g. hash_seed=0"))
@@ -570,35 +570,3 @@ def run(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), kw
               trace_limit=trace_limit, isolation=isolation, compute_scale=compute_scale, hash_seed=hash_seed,
               devices=devices, gpus_per_node=gpus_per_node)
     return w.run(fn, args, kwargs)
-
-
-def _device_context(devices: str, gpus_per_node: int) -> Callable[[], Any] | None:
-    """A picklable factory of the context a rank process runs inside: the stand-in for devices="cuda"."""
-    if devices != "cuda":
-        return None
-    from simulator import standin  # (lazy: see _check_devices)
-
-    return functools.partial(standin.enabled, gpus_per_node=gpus_per_node)
-
-
-def _check_devices(devices: Any, gpus_per_node: Any, world_size: int, isolation: str,
-                   device: torch.device) -> tuple[str, int]:
-    """``devices=`` and ``gpus_per_node=`` of :class:`World`, checked before anything runs."""
-    if devices not in ("cpu", "cuda"):
-        raise DistValueError(format_message(
-            "simulator.run", "devices must be 'cpu' or 'cuda'", values={"devices": devices},
-            fix="pass devices='cuda' to give every rank CPU-backed stand-ins of CUDA devices, or leave the default"))
-    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
-                                      or gpus_per_node < 1):
-        raise DistValueError(format_message("simulator.run", "gpus_per_node must be a positive int or None",
-                                            values={"gpus_per_node": gpus_per_node}, fix="pass e.g. gpus_per_node=8"))
-    if devices == "cuda":
-        from simulator import standin  # (lazy: the stand-in's import is heavy, and only devices="cuda" needs it)
-
-        # inside an enclosing stand-in (a launcher's), torch.cuda.is_available() is the stand-in's answer
-        if device.type == "cuda" or (torch.cuda.is_available() and not standin.is_active()):
-            raise DistValueError(format_message(
-                "simulator.run", "devices='cuda' stands in for GPUs on a machine without one, and this one has "
-                "CUDA", values={"devices": devices, "device": str(device)},
-                fix="use the real GPUs: pass device='cuda' and leave devices at its default"))
-    return devices, gpus_per_node if gpus_per_node is not None else world_size

@@ -418,7 +418,8 @@ class SimProcessGroup(tdist.ProcessGroup):
             if flat.numel() != w * part.numel():
                 raise DistBackendError(format_message(
                     f"torch.distributed.{name}", f"{what} tensor size must be equal to world_size times "
-                    f"{'input' if what == 'output' else 'output'} tensor size (ProcessGroupNCCL)", rank=self._g.rank(),
+                    f"{'input' if what == 'output' else 'output'} tensor size (ProcessGroupNCCL)", group=self._g.ranks,
+                    rank=self._g.rank(),
                     values={f"{what}.numel()": flat.numel(), "world_size": w, "part.numel()": part.numel()},
                     fix=f"allocate the {what} with {w * part.numel()} elements, e.g. shape {want}"))
             return flat.view(want)
@@ -426,7 +427,8 @@ class SimProcessGroup(tdist.ProcessGroup):
             raise DistBackendError(format_message(
                 f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
                 f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
-                rank=self._g.rank(), values={f"{what}.shape": tuple(flat.shape), "expected": want},
+                group=self._g.ranks, rank=self._g.rank(),
+                values={f"{what}.shape": tuple(flat.shape), "expected": want},
                 fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
         return flat
 

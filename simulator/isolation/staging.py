@@ -94,8 +94,10 @@ class Staging:
         """Copy the tensors of call ``name``'s ``args`` into an arena; return the arguments with tensors replaced by
         places (lists and tuples as lists).  The tensors of the arguments at ``outputs`` are noted in ``staged`` to
         be copied back."""
-        args = tuple(_host(a) for a in args)
         tensors = [t for a in args for t in _flatten(a)]
+        if any(type(t) is not torch.Tensor for t in tensors):  # (a CUDA stand-in stages the CPU data it holds)
+            args = tuple(_host(a) for a in args)
+            tensors = [t for a in args for t in _flatten(a)]
         spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
         shared: dict[int, int] = {}  # storage address -> id, for storages already in shared memory (not copied)
         for t in tensors:

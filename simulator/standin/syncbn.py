@@ -26,8 +26,10 @@ from simulator.standin.tensor import _SPECIAL, StandInTensor, fresh
 __all__ = ["OPERATORS"]
 
 
-def _parts(args: tuple) -> tuple[list[Any], int]:
-    """The arguments with each stand-in replaced by its CPU tensor, and the stand-ins' device index."""
+def _parts(args: tuple, kwargs: dict) -> tuple[list[Any], int]:
+    """The arguments (positional, then keyword, in schema order) with each stand-in replaced by its CPU tensor,
+    and the stand-ins' device index."""
+    args = (*args, *kwargs.values())
     idx = next((a._idx for a in args if type(a) is StandInTensor), 0)
     return [a._inner if type(a) is StandInTensor else a for a in args], idx
 
@@ -45,7 +47,7 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _stats(func: Any, args: tuple, kwargs: dict) -> Any:
-    (x, eps), idx = _parts(tuple(args) + tuple(kwargs.values()))
+    (x, eps), idx = _parts(args, kwargs)
     xa = _acc(x)
     mean = xa.mean(_channels(x))
     var = xa.var(_channels(x), unbiased=False)
@@ -53,8 +55,7 @@ def _stats(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _gather(func: Any, args: tuple, kwargs: dict) -> Any:
-    (x, means, invstds, running_mean, running_var, momentum, eps, counts), idx = \
-        _parts(tuple(args) + tuple(kwargs.values()))
+    (x, means, invstds, running_mean, running_var, momentum, eps, counts), idx = _parts(args, kwargs)
     c = counts.to(means.dtype).reshape(-1, 1)
     total = c.sum()
     mean = (c * means).sum(0) / total
@@ -69,7 +70,7 @@ def _gather(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _elemt(func: Any, args: tuple, kwargs: dict) -> Any:
-    (x, weight, bias, mean, invstd, eps), idx = _parts(tuple(args) + tuple(kwargs.values()))
+    (x, weight, bias, mean, invstd, eps), idx = _parts(args, kwargs)
     y = (_acc(x) - _per_channel(mean, x)) * _per_channel(invstd, x)
     if weight is not None:
         y = y * _per_channel(_acc(weight), x)
@@ -79,7 +80,7 @@ def _elemt(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _backward_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
-    (dy, x, mean, invstd, weight, input_g, weight_g, bias_g), idx = _parts(tuple(args) + tuple(kwargs.values()))
+    (dy, x, mean, invstd, weight, input_g, weight_g, bias_g), idx = _parts(args, kwargs)
     dya, dims = _acc(dy), _channels(x)
     sum_dy = dya.sum(dims)
     sum_dy_xmu = (dya * (_acc(x) - _per_channel(mean, x))).sum(dims)
@@ -93,7 +94,7 @@ def _backward_reduce(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _backward_elemt(func: Any, args: tuple, kwargs: dict) -> Any:
-    (dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count), idx = _parts(tuple(args) + tuple(kwargs.values()))
+    (dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count), idx = _parts(args, kwargs)
     total = count.to(sum_dy.dtype).sum()
     k = _per_channel(invstd, x)
     xmu = _acc(x) - _per_channel(mean, x)

@@ -269,8 +269,9 @@ _GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "at
 def _fp32_accumulating(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call`` for float16 operands: computed in fp32 from the fp16 values, then rounded to fp16 once."""
     def product(*args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in args if type(a) is torch.Tensor]
-        if tensors and all(t.dtype is torch.float16 for t in tensors):  # (mixed dtypes: the CPU's own error)
+        # (every one of these operators takes a tensor first; mixed dtypes get the CPU's own error)
+        if args and getattr(args[0], "dtype", None) is torch.float16 and \
+                all(a.dtype is torch.float16 for a in args if type(a) is torch.Tensor):
             return call(*[a.float() if type(a) is torch.Tensor else a for a in args], **kwargs).half()
         return call(*args, **kwargs)
 
@@ -475,11 +476,6 @@ def _follow(spec: _Spec, w: StandInTensor, out: torch.Tensor, idx: int) -> None:
 def _reshaped(spec: _Spec, w: StandInTensor, out: torch.Tensor) -> StandInError:
     fix = ("use the out-of-place form (y = x.t() instead of x.t_(); a correctly sized out= tensor; "
            "torch.empty(new_shape, device=x.device) instead of x.resize_(...))")
-    if spec.name.startswith("aten::set_"):
-        # FullyShardedDataParallel (FSDP1) shards and gathers its flat parameter with set_
-        fix = ("if this is FullyShardedDataParallel (FSDP1, which swaps its flat parameter's data with set_), use "
-               "FSDP2 (torch.distributed.fsdp.fully_shard), which runs on stand-ins, or run this program on plain "
-               "CPU ranks (--devices cpu, with the program's devices and backend edited for the CPU); otherwise " + fix)
     return StandInError(format_message(
         "simulator.standin", "an in-place operator changed a stand-in tensor's shape or strides, which a "
         "stand-in cannot follow", values={"operator": spec.name, "shape": list(w.shape), "new_shape": list(out.shape)},
