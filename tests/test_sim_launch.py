@@ -401,9 +401,10 @@ def _subset_text():
     return text.replace("{", "{{").replace("}", "}}")  # (_write formats it once more)
 
 
-def test_default_groups_over_part_of_the_spawned_ranks_run_ddp_beside_rpc(tmp_path):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_default_groups_over_part_of_the_spawned_ranks_run_ddp_beside_rpc(tmp_path, isolation):
     script = _write(tmp_path, "subset_demo.py", _subset_text())
-    p = _sim(tmp_path, script)
+    p = _sim(tmp_path, "--isolation", isolation, script)
     assert p.returncode == 0, p.stderr
     lines = _lines(p.stdout)
     assert "rank 2 rpc=[1, 2, 3, 4]" in lines, p.stdout

@@ -711,22 +711,25 @@ def _subset_groups(kind: str) -> object:
     return None
 
 
-@pytest.mark.parametrize("mode", ["coop", "threads"])
-def test_default_groups_over_part_of_the_simulated_ranks(mode: str) -> None:
-    got = simulator.World(4, torchrun_env=True, mode=mode, timeout=120).run(_subset_groups, ("two_groups",))
+@pytest.mark.parametrize("mode,isolation", [("coop", "thread"), ("threads", "thread"), ("coop", "process")])
+def test_default_groups_over_part_of_the_simulated_ranks(mode: str, isolation: str) -> None:
+    def world() -> simulator.World:
+        return simulator.World(4, torchrun_env=True, mode=mode, timeout=120, isolation=isolation)
+
+    got = world().run(_subset_groups, ("two_groups",))
     assert got == [(0, 2, 1.0, 1.0), (1, 2, 1.0, 1.0), (1, 2, 5.0, 1.0), (0, 2, 5.0, 1.0)], got
     for kind, pattern in (("same_rank", r"simulated ranks (0 and 1|1 and 0) both claim rank 0 of the rendezvous at "
                                         r"localhost:29500.*Fix: give each process"),
                           ("rank_too_big", r"rank 2 is outside the rendezvous at localhost:29500's world_size: "
                                            r"rank=2, world_size=2")):
-        w = simulator.World(4, torchrun_env=True, mode=mode, timeout=120)
+        w = world()
         with pytest.raises(BaseException):
             w.run(_subset_groups, (kind,))
         assert [isinstance(e, ValueError) for e in w.errors] == [kind == "same_rank", True, False, False], w.errors
         assert re.search(pattern, str(next(e for e in w.errors if e is not None))), w.errors
     with pytest.raises(simulator.DeadlockError, match=r"rank 0 waits in init_process_group's rendezvous at "
                                                       r"localhost:29500 .*no rank has claimed \[1\]"):
-        simulator.World(4, torchrun_env=True, mode=mode, timeout=120).run(_subset_groups, ("one_missing",))
+        world().run(_subset_groups, ("one_missing",))
 
 
 def _sparse_sum() -> torch.Tensor:

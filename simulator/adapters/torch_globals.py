@@ -303,9 +303,7 @@ def _rendezvous_handler(scheme: str) -> Any:
         if size != -1 and size < st.world_size and rank != -1:
             where = torch_groups.rendezvous_key(url)
             _tls.rendezvous = where  # the helper joins the group's members there
-            with _lock:  # one store per rendezvous: two subset groups never see each other's keys
-                store = _stores.setdefault((key, "rendezvous", where), tdist.HashStore())
-            yield store, rank, size
+            yield _rendezvous_store(key, where), rank, size
         else:
             for what, given in (("rank", rank), ("world_size", size)):
                 if given != -1 and given != (st.rank if what == "rank" else st.world_size):
@@ -320,6 +318,19 @@ def _rendezvous_handler(scheme: str) -> Any:
 
     handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
     return handler
+
+
+def _rendezvous_store(key: int, where: Any) -> Any:
+    """The store of one subset rendezvous: two groups never see each other's keys; its members share it."""
+    with _lock:
+        store = _stores.get((key, "rendezvous", where))
+        if store is None:
+            world = _stores.get(key)
+            # rank processes share the run's real TCPStore (torch_native.rank_process); rank threads a HashStore
+            store = (tdist.PrefixStore(f"tensorplay-rendezvous/{where!r}", world)
+                     if world is not None and not isinstance(world, tdist.HashStore) else tdist.HashStore())
+            _stores[(key, "rendezvous", where)] = store
+        return store
 
 
 class _StoreClassMeta(type):
@@ -369,10 +380,16 @@ class _GlooClassMeta(type):
 
 
 def _store_key(store: Any) -> Any:
-    """Which rendezvous a store stands for: a file store by its file (each rank opens its own), else the store."""
+    """Which rendezvous a store stands for: a file store by its file, a TCP store by its address (each rank, or
+    rank process, opens its own), else the store itself."""
     inner = getattr(store, "underlying_store", store)
     path = getattr(inner, "path", None)
-    return ("file", path) if isinstance(path, str) else ("store", id(inner))
+    if isinstance(path, str):
+        return ("file", path)
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        return ("addr", host, str(port))
+    return ("store", id(inner))
 
 
 class _ProcessGroupGloo(metaclass=_GlooClassMeta):

@@ -9,6 +9,8 @@ the same rendezvous (the same ``init_method`` / ``MASTER_ADDR:MASTER_PORT``
 / store) become its members, in the order of the ranks they claimed.  Waiting
 for the other members is a wait the scheduler sees (:meth:`sched.block`), so
 a member that never comes is the simulator's deadlock report, never a hang.
+A rank process claims its rank through the coordinator (its backend's
+``rendezvous``), so its members meet in the same scheduler.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tensorplay.distributed.errors import DistValueError, format_message
+
+from tensorplay.distributed import state as dist_state
 
 from simulator.core._actor import current_rank_state
 
@@ -79,13 +83,15 @@ def join(world_key: Any, key: Any, rank: int, world_size: int, sim_rank: int, si
             fix="claim a rank in 0..world_size-1"))
     rs = current_rank_state()
     if rs is None:
-        raise DistValueError(format_message(
-            "torch.distributed.init_process_group", "a process group over part of the simulated world can only be "
-            "created on a rank thread of the simulator (rank processes, isolation='process', do not support it yet: "
-            "its members meet in the scheduler of the ranks' one process)",
-            values={"world_size": world_size, "simulated_world_size": sim_world_size},
-            fix="run with thread ranks (isolation='thread', the default of python -m simulator; --sim-harness "
-                "thread for the pytest plugin), or give the group every rank (world_size=WORLD_SIZE)"))
+        # a rank process: its members meet in the coordinator's scheduler, which the rank's backend asks
+        st = dist_state.current()
+        ask = getattr(st.backend, "rendezvous", None) if st is not None else None
+        if ask is None:  # pragma: no cover  (every simulated rank is a rank thread or a rank process)
+            raise DistValueError(format_message(
+                "torch.distributed.init_process_group", "a process group over part of the simulated world needs "
+                "a simulated rank", values={"world_size": world_size, "simulated_world_size": sim_world_size},
+                fix="call it on a rank of simulator.run or python -m simulator"))
+        return tuple(ask(key, rank, world_size))
     sched = rs.run.sched
     with sched.lock:
         r = _open.get((id(world_key), key))

@@ -34,7 +34,7 @@ from simulator.core.callsite import call_site
 from simulator.isolation import _wire
 from simulator.isolation._wire import OUTPUTS
 from simulator.isolation.messages import (
-    ANSWERS, CALL, COMPLETED, FDS_REQUEST, GROUP, SHARE, SOURCE, STEP, SUCCESS, WAIT, handler_table,
+    ANSWERS, CALL, COMPLETED, FDS_REQUEST, GROUP, RENDEZVOUS, SHARE, SOURCE, STEP, SUCCESS, WAIT, handler_table,
 )
 from simulator.isolation.remote_errors import rebuild
 from simulator.isolation.staging import Staged, Staging
@@ -94,6 +94,15 @@ class ClientBackend(SimBackend):
 
     def member_group_handle(self, ranks: tuple[int, ...]) -> int:
         return self._group("member_group_handle", ranks)
+
+    def rendezvous(self, key: Any, rank: int, size: int) -> tuple[int, ...]:
+        """Claim ``rank`` of the ``size``-rank group over part of the world meeting at ``key``, in the coordinator
+        (where the ranks meet): its members' simulated ranks, in its ranks' order."""
+        self._own_process("init_process_group")
+        try:
+            return tuple(self._exchange((RENDEZVOUS, key, rank, size, self._cpu_delta())))
+        finally:
+            self._cpu.mark = time.thread_time()
 
     def world_key(self) -> object:
         """One object per simulated world; this process holds one rank of one world."""

@@ -19,7 +19,7 @@ import struct
 from typing import Any, Callable, Iterable, NamedTuple
 
 __all__ = [
-    "CALL", "GROUP", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
+    "CALL", "GROUP", "RENDEZVOUS", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
     "SLEEP", "WAKE", "FREE", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
     "REQUESTS", "NOTES", "FINAL", "SERVED", "ANSWERS", "Setup", "FDS_REQUEST", "FDS_WHERE", "FDS_PASSED",
     "WARM_RECORD", "WARM_READY", "WARM_FORKED", "WARM_EXITED", "WARM_TAINTED", "WARM_LOADED", "handler_table",
@@ -35,6 +35,10 @@ CALL = "call"
 #: ``(GROUP, method, ranks, site, cpu)``: ``new_group_handle`` or ``member_group_handle`` over ``ranks``;
 #: answers the group's id (None: not a member)
 GROUP = "group"
+#: ``(RENDEZVOUS, key, rank, size, cpu)``: claim ``rank`` of the ``size``-rank process group over part of the
+#: world that meets at ``key`` (``init_process_group(rank=r, world_size=k)``, see
+#: :mod:`simulator.adapters.torch_groups`); answers its members' simulated ranks, in its ranks' order
+RENDEZVOUS = "rendezvous"
 #: ``(WAIT, wid, cpu, timeout, asked_at)``: wait for work ``wid`` (``timeout`` counted from ``asked_at``,
 #: ``time.time()`` in the rank process); answers True
 WAIT = "wait"
@@ -95,7 +99,7 @@ OK = "ok"
 ERR = "err"
 
 #: what a thread of the rank process sends and waits for the answer to
-REQUESTS = frozenset({CALL, GROUP, WAIT, COMPLETED, SUCCESS, SOURCE, STEP, SHARE, THREAD, JOIN, LEAVE, REJOIN,
+REQUESTS = frozenset({CALL, GROUP, RENDEZVOUS, WAIT, COMPLETED, SUCCESS, SOURCE, STEP, SHARE, THREAD, JOIN, LEAVE, REJOIN,
                       SLEEP, WAKE, FREE})
 #: what the rank process sends without waiting (its channel goes on)
 NOTES = frozenset({MODULES})

@@ -29,7 +29,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError
 from tensorplay.distributed.group import ProcessGroup
 
-from simulator.adapters import threads
+from simulator.adapters import threads, torch_groups
 from simulator.adapters.clock_hooks import mark_step
 from simulator.core.sched import CoopScheduler
 from simulator.isolation import _wire, warm
@@ -211,6 +211,11 @@ class ProxyHandlers:
         if h.gid not in me.groups:
             me.groups[h.gid] = ProcessGroup(h.ranks, backend, h, group_id=h.gid)
         return h.gid
+
+    def handle_rendezvous(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> tuple[int, ...]:
+        _, key, rank, size, cpu = msg
+        rs.cpu_mark = time.thread_time() - cpu
+        return torch_groups.join(rs.backend.world_key(), key, rank, size, me.rank, len(self.ranks))
 
     def handle_wait(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> bool:
         _, wid, cpu, bound, asked = msg
