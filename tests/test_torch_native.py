@@ -691,6 +691,30 @@ def test_destroying_a_subgroup_then_making_another_works(isolation) -> None:
     assert simulator.run(_destroy_a_subgroup_then_make_another, 2, isolation=isolation, timeout=120) == [[4.0, 2.0]] * 2
 
 
+def _file_rendezvous(path: str) -> float:
+    r = int(__import__("os").environ["RANK"])
+    tdist.init_process_group("gloo", init_method=f"file://{path}", rank=r, world_size=2)
+    t = torch.tensor([float(r + 1)])
+    tdist.all_reduce(t)
+    tdist.destroy_process_group()
+    return t.item()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_file_rendezvous_leaves_no_file_behind_as_a_file_store_does(tmp_path, isolation) -> None:
+    # torch's FileStore removes its file when its last user ends; MultiProcessTestCase relies on it (an
+    # empty NamedTemporaryFile(delete=False) for every test); a file the program filled stays
+    used, filled = tmp_path / "rdzv", tmp_path / "kept"
+    used.touch()
+    filled.write_text("mine")
+    assert simulator.run(_file_rendezvous, 2, torchrun_env=True, isolation=isolation,
+                         timeout=120, args=(str(used),)) == [3.0, 3.0]
+    assert not used.exists()
+    assert simulator.run(_file_rendezvous, 2, torchrun_env=True, isolation=isolation,
+                         timeout=120, args=(str(filled),)) == [3.0, 3.0]
+    assert filled.read_text() == "mine"
+
+
 def _subset_groups(kind: str) -> object:
     r = int(__import__("os").environ["RANK"])
     if kind == "two_groups":  # ranks 0, 1 at one address, ranks 3, 2 (claiming 0, 1) at another

@@ -266,6 +266,9 @@ _lock = threading.Lock()
 #: what the installation replaced (torch_native's _install): the stand-ins fall back to it off simulated ranks
 _saved: dict[str, Any] = {}
 _stores: dict[Any, Any] = {}  # world -> rendezvous store; (world, host, port) -> TCPStore stand-in
+#: the files of file:// rendezvous (torch's FileStore removes its file when its last user ends: the simulator's
+#: stand-in for it never opened it, so it removes the file, left empty, when the adapter is uninstalled)
+rendezvous_files: set[str] = set()
 _SCHEMES = ("env", "tcp", "file")
 
 
@@ -296,7 +299,10 @@ def _rendezvous_handler(scheme: str) -> Any:
             return
         # explicit rank/world_size (init_process_group(rank=..., world_size=...) or the URL) must be this rank's,
         # or claim a rank of a smaller group over some of the simulated ranks (torch_groups)
-        query = tdist_rendezvous._query_to_dict(urlparse(url).query)
+        parsed = urlparse(url)
+        if parsed.scheme == "file" and parsed.path:
+            rendezvous_files.add(parsed.path)
+        query = tdist_rendezvous._query_to_dict(parsed.query)
         size = int(query.get("world_size", -1))
         rank = int(query.get("rank", -1))
         key = id(st.backend.world_key())

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from datetime import timedelta
 from typing import Any, ContextManager, Iterator
@@ -58,7 +59,8 @@ from simulator.adapters.process_group_work import SimWork
 from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
                                               _RankWorld, _TCPStore, _create_process_group_wrapper,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
-                                              _saved, _set_debug_level_from_env, _store_wait, _stores)
+                                              _saved, _set_debug_level_from_env, _store_wait, _stores,
+                                              rendezvous_files)
 from simulator.adapters.torch_private import SUPPORTED_TORCH, check_torch_version
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
@@ -133,6 +135,13 @@ def _uninstall() -> None:
     _set_thread_isolation_mode(False)
     _stores.clear()
     torch_groups.reset()
+    for path in rendezvous_files:
+        try:
+            if os.path.getsize(path) == 0:  # (a file the program filled is not the rendezvous's to remove)
+                os.remove(path)
+        except OSError:
+            pass
+    rendezvous_files.clear()
 
 
 _INSTALLATION = Installation(_install, _uninstall)
