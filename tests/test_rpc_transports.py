@@ -326,10 +326,11 @@ def test_worker_failure_fails_calls_at_once_and_shutdown_returns():
     assert out is not None, f"worker0 did not return: {world.errors[0]!r}"  # (says why, should it ever happen)
     out["warnings"] = _warnings_of(recorded, "worker0")
     assert all(e is not None and "worker1" in e and "Boom" in e for e in out["errors"]), out
-    assert out["elapsed"] < 1.0 and out["alive"] == 3
-    assert out["shutdown_s"] < 1.0
+    # "at once": far below the 60 s an RPC would wait for its timeout (margins for a loaded 2-core machine)
+    assert out["elapsed"] < 5.0 and out["alive"] == 3, out
+    assert out["shutdown_s"] < 5.0, out
     assert any("worker1" in w and "ended without shutdown" in w for w in out["warnings"]), out["warnings"]
-    assert world.results[2]["shutdown_s"] < 2.0
+    assert world.results[2]["shutdown_s"] < 5.0, world.results[2]
 
 
 def test_calls_to_a_worker_that_returned_without_shutdown_fail():
