@@ -422,6 +422,45 @@ def test_an_async_handler_nobody_completes_is_reported_as_a_deadlock_naming_the_
         simulator.run(main, 2, timeout=30)
 
 
+def add_through_nested_callbacks(to: str, x: torch.Tensor, y: float, z: float) -> torch.Tensor:
+    """A handler waiting on a plain torch future that an RPC's callback chain completes (torch's rpc_test)."""
+    out: torch.futures.Future = torch.futures.Future()
+
+    def first_done(fut1):
+        rpc.rpc_async(to, torch.add, args=(fut1.wait(), z)).then(lambda fut2: out.set_result(fut2.wait()))
+
+    rpc.rpc_async(to, torch.add, args=(x, y)).then(first_done)
+    return out.wait()
+
+
+def wait_for_a_future_nobody_completes() -> None:
+    torch.futures.Future().wait()
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_a_torch_future_completed_by_rpc_callbacks_is_waited_for_in_turn(mode):
+    def main():
+        me, n = tpd.get_rank(), tpd.get_world_size()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=n)
+        got = rpc.rpc_sync(f"worker{(me + 1) % n}", add_through_nested_callbacks,
+                           args=(f"worker{(me + 2) % n}", torch.full((2,), float(me)), 1.0, 2.0))
+        rpc.shutdown()
+        return got.tolist()
+
+    assert simulator.run(main, 3, mode=mode, timeout=60) == [[r + 3.0] * 2 for r in range(3)]
+    # a wait nobody can end is a named deadlock, not a hang (before, the rank blocked in C++ holding its turn)
+    def stuck():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        if me == 0:
+            rpc.rpc_sync("worker1", wait_for_a_future_nobody_completes)
+        rpc.shutdown()
+
+    with pytest.raises(DeadlockError, match=r"(?s)rank 1 \(thread 'rpc-rpc_sync-from-worker0-\d+'\) waits in "
+                                            r"torch\.futures\.Future\.wait\(\)"):
+        simulator.run(stuck, 2, mode=mode, timeout=30)
+
+
 def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():
     """The server's rank starts the trainers by RPC; each trainer's rpc_sync waits for the whole batch."""
     for mode in ("coop", "threads"):

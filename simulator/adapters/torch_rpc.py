@@ -62,6 +62,7 @@ from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOp
 from tensorplay.distributed.rpc import RRef as TpRRef
 from tensorplay.distributed.rpc import api
 from tensorplay.distributed.rpc import transport as rpc_transport
+from tensorplay.distributed.rpc import futures as tp_futures
 from tensorplay.distributed.rpc.futures import Future as TpFuture
 
 from simulator.adapters.after_import import when_imported
@@ -331,6 +332,21 @@ def _collect_all(original: Callable[..., Any]) -> Callable[..., Any]:
     return collect_all
 
 
+def _torch_future_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wait(self: Any) -> Any:
+        # a future a program made itself (torch.futures.Future(), completed by an RPC's callback) would block the
+        # rank in C++ where no other rank can run: wait for it as for tensorplay's (a scheduler wait, named in a
+        # deadlock report)
+        if not self.done() and _on_sim():
+            hook = tp_futures.coop_wait
+            if hook is not None:
+                hook(self, None)
+        return original(self)
+
+    wait.__doc__ = original.__doc__
+    return wait
+
+
 # ---------------------------------------------------------------------------
 # installing
 # ---------------------------------------------------------------------------
@@ -389,6 +405,7 @@ def _install() -> None:
     _undo.append(when_imported("torch.distributed.nn.api.remote_module",
                                              lambda m: _route_new(m.RemoteModule, _remote_module)))
     _set(torch._C, "_collect_all", _collect_all(torch._C._collect_all))
+    _set(torch.futures.Future, "wait", _torch_future_wait(torch.futures.Future.wait))
 
 
 def _uninstall() -> None:

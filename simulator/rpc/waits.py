@@ -69,7 +69,7 @@ def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     if rs is None:
         return False
     sched = rs.run.sched
-    w = FutureWait(fut._what)
+    w = FutureWait(getattr(fut, "_what", "torch.futures.Future"))  # (torch's own futures too: see torch_rpc)
 
     def wake(_: Any) -> None:
         with sched.lock:
