@@ -38,8 +38,8 @@ from tensorplay.testing import free_port
 # ---------------------------------------------------------------------------
 # remote functions and classes (module level: both transports send them by reference)
 # ---------------------------------------------------------------------------
-def raise_key(k: str) -> None:
-    raise KeyError(k)
+def raise_kind(kind: type, text: str) -> None:
+    raise kind(text)
 
 
 class Counter:
@@ -116,14 +116,19 @@ def basic_program(rank: int, world_size: int, init_method: str) -> dict:
         out["async_static"] = rpc.rpc_sync("worker1", AsyncOps.static_add, args=(last, x, 5))
         out["async_class"] = rpc.rpc_async("worker1", AsyncOps.class_add, args=(last, x, 6)).wait()
         out["async_bound"] = rpc.remote("worker1", AsyncOps).rpc_sync().bound_add(x, 7)
-        for how in ("sync", "async"):
-            try:
-                if how == "sync":
-                    rpc.rpc_sync("worker1", raise_key, args=("missing",))
-                else:
-                    rpc.rpc_async("worker1", raise_key, args=("missing",)).wait()
-            except RuntimeError as e:  # torch's RPC raises a remote KeyError as "RuntimeError: KeyError: ..."
-                out[f"remote_exception_{how}"] = (type(e).__name__, str(e).split(":")[0], "name=worker1" in str(e))
+        # torch's RPC raises a remote KeyError as "RuntimeError: KeyError: '...'", a ValueError or TypeError (and
+        # their subclasses) as themselves, "ValueError: On WorkerInfo(...)..."
+        for kind in (KeyError, ValueError, TypeError, UnicodeError, ZeroDivisionError):
+            for how in ("sync", "async"):
+                try:
+                    if how == "sync":
+                        rpc.rpc_sync("worker1", raise_kind, args=(kind, "missing"))
+                    else:
+                        rpc.rpc_async("worker1", raise_kind, args=(kind, "missing")).wait()
+                except Exception as e:  # noqa: BLE001
+                    out.setdefault("remote_exceptions", []).append(
+                        (kind.__name__, how, type(e).__name__, str(e).split(" ")[:2], "name=worker1" in str(e),
+                         "missing" in str(e)))
         me, other = rpc.get_worker_info(), rpc.get_worker_info("worker1")
         out["infos"] = (me.name, me.id, other.name, other.id)
     rpc.shutdown()
@@ -322,7 +327,11 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
     assert torch.equal(out["async_fn_remote"], (x + 4) * 2)
     assert torch.equal(out["async_static"], x + 5) and torch.equal(out["async_class"], x + 106)
     assert torch.equal(out["async_bound"], x + 7)
-    assert out["remote_exception_sync"] == out["remote_exception_async"] == ("RuntimeError", "KeyError", True)
+    assert out["remote_exceptions"] == [
+        (kind, how, raised, [f"{kind}:", "'On" if kind == "KeyError" else "On"], True, True)
+        for kind, raised in (("KeyError", "RuntimeError"), ("ValueError", "ValueError"), ("TypeError", "TypeError"),
+                             ("UnicodeError", "ValueError"), ("ZeroDivisionError", "RuntimeError"))
+        for how in ("sync", "async")]
     assert out["infos"] == ("worker0", 0, "worker1", 1)
 
 

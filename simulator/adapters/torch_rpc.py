@@ -114,8 +114,10 @@ def _timeout(timeout: Any) -> Any:
 
 
 def _as_torch_error(e: BaseException) -> BaseException:
-    """A remote exception as torch's RPC raises it from ``rpc_sync``/``Future.wait``: a RuntimeError
-    whose message starts with the remote type's name and names the worker (the original is its cause)."""
+    """A remote exception as torch's RPC raises it from ``rpc_sync``/``Future.wait`` (measured on TensorPipe):
+    torch re-creates the remote type from the message ``On WorkerInfo(...):\n<repr>\n<traceback>``, and its C++
+    layer re-raises that as ``"<Type>: <str(re-created)>"``, a ValueError or TypeError for those types and
+    their subclasses, else a RuntimeError (the original exception is its cause here)."""
     worker = getattr(e, "remote_worker", None)
     if worker is None:  # not raised by the remote function: the transport's own error
         return e
@@ -123,8 +125,13 @@ def _as_torch_error(e: BaseException) -> BaseException:
     a = rpc_transport.current()
     if a is not None:
         wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
-    err = RuntimeError(f"{type(e).__name__}: On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n"
-                       f"{getattr(e, 'remote_traceback', '')}")
+    text = f"On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n{getattr(e, 'remote_traceback', '')}"
+    try:
+        text = str(type(e)(text))  # (a KeyError's str quotes its message, as torch's does)
+    except Exception:  # noqa: BLE001  a type that cannot be made from one string: its message as it is
+        pass
+    kind = ValueError if isinstance(e, ValueError) else TypeError if isinstance(e, TypeError) else RuntimeError
+    err = kind(f"{type(e).__name__}: {text}")
     err.__cause__ = e
     return err
 
