@@ -24,7 +24,8 @@ The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin
 ``--sim-mode``, ``--sim-timeout`` (default: torch's per-test timeout, ``get_timeout``) and
 ``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` gives each rank a process of its own.
 ``MultiProcContinuousTest``'s workers are thread ranks with ``--sim-harness thread``
-(:mod:`simulator.torch_harness_continuous`).  A failed test's report ends with a section that says how it ran, how to
+(:mod:`simulator.torch_harness_continuous`).  Tests of torch's RPC test fixtures (``RpcAgentTestFixture``: they
+test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so.  A failed test's report ends with a section that says how it ran, how to
 replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
 
 Loading this module costs a session with the switch off nothing: it imports pytest (and the simulator's
@@ -55,6 +56,25 @@ _SHARED_PROCESS_SIGNS = (
      "torch's module trackers (ModTracker, CommDebugMode's tracker, torch.utils.module_tracker) register their "
      "hooks for every module of the process; on thread ranks each rank's tracker sees the other ranks' modules"),
 )
+
+
+#: test classes that run on rank processes under ``--sim-harness thread``: (module, class, why)
+_PROCESS_ONLY = (
+    ("torch.testing._internal.distributed.rpc.rpc_agent_test_fixture", "RpcAgentTestFixture",
+     "torch's RPC test fixtures test torch's own RPC agent (TorchScript RPC, its RRef, autograd and profiler "
+     "internals, its error texts), which the simulator's RPC on thread ranks stands in for but does not "
+     "reproduce; a rank process runs torch's own agent"),
+)
+
+
+def _process_only(item: pytest.Item) -> str | None:
+    """Why ``item`` runs on rank processes whatever the switch says, or None."""
+    cls = getattr(item, "cls", None)
+    for module, name, why in _PROCESS_ONLY:
+        base = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base):
+            return why
+    return None
 
 
 def _message(call: str, problem: str, values: dict[str, Any], fix: str) -> str:
@@ -110,6 +130,7 @@ class _Harness:
             timeout=config.getoption("sim_timeout", None),
             stall_timeout=config.getoption("sim_stall_timeout", None) or DEFAULT_STALL_TIMEOUT)
         self._undo_continuous: Any = None  # MultiProcContinuousTest's workers as thread ranks, once one runs
+        self._moved: dict[str, str] = {}  # tests run on rank processes under --sim-harness thread -> why
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self._undo_continuous is not None:
@@ -130,8 +151,26 @@ class _Harness:
             self._undo_continuous = torch_harness_continuous.install(sys.modules[_HARNESS_MODULE], self.settings)
         if not _is_harness_test(item):
             return (yield)
-        with _simulated(item, self.settings, self.replay(item), self.isolation):
+        with _simulated(item, self.settings, self.replay(item), self.isolation_of(item)):
             return (yield)
+
+    def isolation_of(self, item: pytest.Item) -> str:
+        """The isolation ``item`` runs in: the switch's, or rank processes for the classes that need them."""
+        if self.isolation == "thread":
+            why = _process_only(item)
+            if why is not None:
+                self._moved[item.nodeid] = why
+                return "process"
+        return self.isolation
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self._moved:
+            return
+        for why in sorted(set(self._moved.values())):
+            n = sum(1 for w in self._moved.values() if w == why)
+            terminalreporter.write_line(
+                f"simulator.torch_harness: {n} test(s) ran on rank processes (as --sim-harness process) although "
+                f"--sim-harness thread was asked for: {why}")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -143,18 +182,19 @@ class _Harness:
     def replay(self, item: pytest.Item) -> str:
         s = self.settings
         load = "" if self.config.pluginmanager.get_plugin(__name__) is None else f" -p {__name__}"
-        return (f"python -m pytest '{item.nodeid}'{load} --sim-harness {self.isolation} --sim-seed {s.seed} "
-                f"--sim-mode {s.mode}")
+        return (f"python -m pytest '{item.nodeid}'{load} --sim-harness {self.isolation_of(item)} --sim-seed "
+                f"{s.seed} --sim-mode {s.mode}")
 
     def explain(self, item: pytest.Item, report: pytest.TestReport) -> str:
         s = self.settings
-        what = "threads of this process" if self.isolation == "thread" else "processes"
+        isolation = self.isolation_of(item)
+        what = "threads of this process" if isolation == "thread" else "processes"
         lines = [f"The ranks of this test ran as simulated {what} (seed={s.seed}, mode={s.mode}).",
                  f"Replay: {self.replay(item)}",
                  f"On real processes: python -m pytest '{item.nodeid}' --sim-harness off"]
         text = report.longreprtext
         for signs, why in _SHARED_PROCESS_SIGNS:
-            if self.isolation == "thread" and any(sign in text for sign in signs):
+            if isolation == "thread" and any(sign in text for sign in signs):
                 lines.append(f"This failure is a known effect of thread ranks sharing one process: {why}. Fix: run "
                              f"it with --sim-harness process (simulated ranks with a process each)")
         return "\n".join(lines)

@@ -77,11 +77,15 @@ C10D_COMMON = {t: "passed" for t in (
 # failing test poisons the rest of its class, as torch's harness does
 CONTINUOUS = {"test_1_ranks_are_what_the_switch_says": "passed", "test_2_all_reduce": "passed",
               "test_3_rank_and_group": "passed", "test_a_fails_on_rank_1": "failed", "test_b_after_failure": "skipped"}
+# torch's RPC test fixtures: torch's own agent, its RRef context, a torch future completed by RPC callbacks
+RPC = {"test_rpc_sync_and_pid": "passed", "test_nested_callbacks_and_errors": "passed",
+       "test_rref_context_is_torchs": "passed"}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
                "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE,
-               "case_c10d_gloo.py": C10D_GLOO, "case_c10d_common.py": C10D_COMMON, "case_continuous.py": CONTINUOUS}
+               "case_c10d_gloo.py": C10D_GLOO, "case_c10d_common.py": C10D_COMMON, "case_continuous.py": CONTINUOUS,
+               "case_rpc.py": RPC}
 #: cases whose run on gloo processes takes a minute or more (start-ups): in the slow tier
-SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py")
+SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py", "case_rpc.py")
 
 
 class Outcome:
@@ -195,6 +199,14 @@ def test_a_groups_own_methods_follow_gloo_on_simulated_ranks(tmp_path: Path, iso
 def test_c10d_behaviour_that_its_common_tests_observe_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_c10d_common.py", sim=isolation)
     assert out.verdicts == _want(C10D_COMMON, isolation), out.output[-8000:]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_rpc.py", sim=isolation)
+    assert out.verdicts == _want(RPC, isolation), out.output[-8000:]
+    note = "3 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked for"
+    assert (note in out.output) == (isolation == "thread"), out.output[-3000:]
 
 
 def test_continuous_test_workers_are_thread_ranks_with_torchs_verdicts(tmp_path: Path) -> None:

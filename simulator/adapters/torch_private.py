@@ -144,8 +144,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "rpc_sync & co. are its wrappers: what each wraps (its closure cell) is routed on simulated ranks"),
     _P("torch.distributed.rpc.api._is_current_rpc_agent_set", "adapters.torch_rpc", "patches",
        "the wrappers' 'is an agent set?' check answers for the simulated worker"),
-    _P("torch.distributed.rpc._init_rpc_backend", "adapters.torch_rpc", "patches",
-       "init_rpc, imported by name before the world started, reaches the simulated agent through it"),
+    _P("torch.distributed.rpc._init_rpc_backend", "adapters.torch_rpc, isolation.rpc_process", "patches",
+       "init_rpc, imported by name before the world started, reaches the simulated agent through it; in a coop "
+       "rank process torch's own agent starts outside the schedule"),
     _P("torch.distributed.rpc._set_profiler_node_id", "adapters.torch_rpc", "patches", "skipped on simulated ranks"),
     _P("torch.distributed.autograd._init", "adapters.torch_rpc", "patches", "skipped on simulated ranks"),
     _P("torch.distributed.autograd._new_context", "adapters.torch_rpc", "patches",
@@ -190,6 +191,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # -- PyTorch's own test harness (torch_harness, harness_diff) ------------------------------------------------
     _P("torch.testing._internal.common_distributed.MultiProcessTestCase", "torch_harness", "reads",
        "the harness whose rank processes become simulated ranks", static=True),
+    _P("torch.testing._internal.distributed.rpc.rpc_agent_test_fixture.RpcAgentTestFixture", "torch_harness",
+       "reads", "tests of torch's RPC test fixtures test torch's own agent: they run on rank processes"),
     _P("torch.testing._internal.common_distributed.get_timeout", "torch_harness", "reads",
        "the harness's bound on one test", static=True),
     _P("torch.testing._internal.common_distributed.TEST_SKIPS", "torch_harness", "reads",

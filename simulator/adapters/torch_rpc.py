@@ -28,8 +28,9 @@ done before the world started does not escape:
   ``@async_execution`` calls that have not answered yet.
 
 A remote function's exception reaches ``rpc_sync`` and ``Future.wait`` as torch
-raises it: a ``RuntimeError`` whose message starts with the original type's
-name (``"KeyError: On WorkerInfo(id=1, name=worker1): ..."``), the original
+raises it: a ``ValueError`` or ``TypeError`` for those types (and subclasses),
+else a ``RuntimeError``, whose message starts with the original type's name
+(``"KeyError: 'On WorkerInfo(id=1, name=worker1): ..."``), the original
 exception as its ``__cause__``.  (tensorplay's own API keeps the type.)
 
 What cannot be routed fails at once, never hangs: torch's C++ functions

@@ -152,6 +152,7 @@ def main(fd: int | None = None) -> None:
     install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
     rank_threads.install(backend, coop=setup.mode == "coop")
+    rpc_process.torch_rpc_leaves_the_schedule(coop=setup.mode == "coop")
     with _devices(setup), torch_native.enabled():
         _own_c10d(backend, setup)
         _honest_clock(backend)

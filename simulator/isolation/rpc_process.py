@@ -46,7 +46,7 @@ from tensorplay.distributed.rpc.errors import rpc_message
 
 from simulator.isolation import rank_threads
 
-__all__ = ["WHERE", "USAGE", "claims_caller", "default_rank_and_size", "start"]
+__all__ = ["WHERE", "USAGE", "claims_caller", "default_rank_and_size", "start", "torch_rpc_leaves_the_schedule"]
 
 WHERE = "in a process-isolated simulated rank"
 USAGE = "call init_rpc inside simulator.run(fn, world_size, isolation='process')"
@@ -73,6 +73,22 @@ def default_rank_and_size() -> tuple[int, int | None]:
     """The simulated rank and world size (what ``init_rpc`` takes when the program leaves them out)."""
     rank, size, _, _ = _mine("init_rpc")
     return rank, size
+
+
+def torch_rpc_leaves_the_schedule(coop: bool) -> None:
+    """In a rank process torch's own RPC (``torch.distributed.rpc.init_rpc``) is torch's, as in any process: in
+    ``coop`` mode its agent's waits (the workers' all-gather at start, ``rpc_sync``, ``shutdown``) are invisible to
+    the scheduler, so the rank leaves the seeded schedule for its compute before the agent starts, as a rank
+    does for tensorplay's (:func:`start`)."""
+    if not coop:
+        return
+    original = trpc._init_rpc_backend
+
+    def _init_rpc_backend(*args: Any, **kwargs: Any) -> Any:
+        rank_threads.free_running()
+        return original(*args, **kwargs)
+
+    trpc._init_rpc_backend = _init_rpc_backend  # (torch's init_rpc looks it up in its module when called)
 
 
 def start(name: str, rank: int, world_size: int, options: Any, *, default_timeout: float | None = None) -> Any:
