@@ -229,16 +229,33 @@ def _two_of_three_on_a_file_store(path: str) -> object:
     return (tdist.get_rank(), tdist.get_world_size(), t.item())
 
 
-def test_a_group_over_some_ranks_meets_on_a_file_store_each_rank_opens(tmp_path) -> None:
-    # the file names the rendezvous (each rank's FileStore is an object of its own); ranks claim 1 - r
-    assert simulator.run(_two_of_three_on_a_file_store, 3, args=(str(tmp_path / "store"),), timeout=60) == [
-        (1, 2, 30.0), (0, 2, 30.0), None]
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_group_over_some_ranks_meets_on_a_file_store_each_rank_opens(tmp_path, isolation) -> None:
+    # the file names the rendezvous (each rank's FileStore is an object of its own, in a process of its own on
+    # rank processes, whose members meet through the coordinator); ranks claim 1 - r
+    assert simulator.run(_two_of_three_on_a_file_store, 3, args=(str(tmp_path / "store"),), timeout=60,
+                         isolation=isolation) == [(1, 2, 30.0), (0, 2, 30.0), None]
 
 
-def test_a_group_over_some_ranks_in_rank_processes_is_refused_naming_thread_ranks(tmp_path) -> None:
-    with pytest.raises(tdist_errors.DistValueError, match=r"isolation='process'.*Fix: run with thread ranks"):
-        simulator.run(_two_of_three_on_a_file_store, 3, args=(str(tmp_path / "store"),), isolation="process",
-                      timeout=60)
+def _url_without(what: str, path: str) -> str:
+    return {"rank": f"file://{path}?world_size=2", "world_size": f"file://{path}?rank=0",
+            "port": "tcp://127.0.0.1?rank=0&world_size=2", "path": "file://?rank=0&world_size=2"}[what]
+
+
+def _init_at_url_without(what: str, path: str) -> None:
+    tdist.init_process_group("gloo", init_method=_url_without(what, path))
+
+
+@pytest.mark.parametrize("what, message", [("rank", "file:// rendezvous: rank parameter missing"),
+                                           ("world_size", "file:// rendezvous: world size parameter missing"),
+                                           ("port", "tcp:// rendezvous: port number missing"),
+                                           ("path", "file:// rendezvous: path missing")])
+def test_a_rendezvous_url_without_what_torch_needs_fails_as_torch_fails(tmp_path, what, message) -> None:
+    # torch's own errors (ValueError), before any exchange; a simulated rank does not fill in what the URL lacks
+    with pytest.raises(ValueError, match=re.escape(message)):
+        simulator.run(_init_at_url_without, 2, args=(what, str(tmp_path / "f")), timeout=60)
+    with pytest.raises(ValueError, match=re.escape(message)):  # torch's own handler, outside a world
+        next(tdist.rendezvous(_url_without(what, str(tmp_path / "f"))))
 
 
 def test_unsupported_torch_version_is_refused_with_a_clear_message() -> None:
@@ -703,16 +720,18 @@ def _file_rendezvous(path: str) -> float:
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_file_rendezvous_leaves_no_file_behind_as_a_file_store_does(tmp_path, isolation) -> None:
     # torch's FileStore removes its file when its last user ends; MultiProcessTestCase relies on it (an
-    # empty NamedTemporaryFile(delete=False) for every test); a file the program filled stays
-    used, filled = tmp_path / "rdzv", tmp_path / "kept"
+    # empty NamedTemporaryFile(delete=False) for every test). Rank processes open torch's FileStore on it;
+    # thread ranks never open it, and remove it only if it is still empty
+    used = tmp_path / "rdzv"
     used.touch()
-    filled.write_text("mine")
     assert simulator.run(_file_rendezvous, 2, torchrun_env=True, isolation=isolation,
                          timeout=120, args=(str(used),)) == [3.0, 3.0]
     assert not used.exists()
-    assert simulator.run(_file_rendezvous, 2, torchrun_env=True, isolation=isolation,
-                         timeout=120, args=(str(filled),)) == [3.0, 3.0]
-    assert filled.read_text() == "mine"
+    if isolation == "thread":
+        filled = tmp_path / "kept"
+        filled.write_text("mine")
+        assert simulator.run(_file_rendezvous, 2, torchrun_env=True, timeout=120, args=(str(filled),)) == [3.0, 3.0]
+        assert filled.read_text() == "mine"
 
 
 def _subset_groups(kind: str) -> object:

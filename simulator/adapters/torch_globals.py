@@ -303,20 +303,28 @@ def _rendezvous_handler(scheme: str) -> Any:
         if parsed.scheme == "file" and parsed.path:
             rendezvous_files.add(parsed.path)
         query = tdist_rendezvous._query_to_dict(parsed.query)
+        _check_url(scheme, parsed, query)
         size = int(query.get("world_size", -1))
         rank = int(query.get("rank", -1))
         key = id(st.backend.world_key())
+        # a rank process is a process: its file rendezvous is torch's FileStore on that file, as on gloo (a
+        # FileStore's operations interleave where the run's TCPStore client serialises them: torch's dynamic
+        # RPC waits on a key in one thread while its handler reads the store in another)
+        on_file = parsed.scheme == "file" and bool(parsed.path) and _in_rank_process(key)
         if size != -1 and size < st.world_size and rank != -1:
             where = torch_groups.rendezvous_key(url)
             _tls.rendezvous = where  # the helper joins the group's members there
-            yield _rendezvous_store(key, where), rank, size
+            yield tdist.FileStore(parsed.path, size) if on_file else _rendezvous_store(key, where), rank, size
         else:
             for what, given in (("rank", rank), ("world_size", size)):
                 if given != -1 and given != (st.rank if what == "rank" else st.world_size):
                     raise _mismatch("init_process_group", what, given, st)
-            # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
-            with _lock:
-                store = _stores.setdefault(key, tdist.HashStore())
+            if on_file:
+                store = tdist.FileStore(parsed.path, st.world_size)
+            else:
+                # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
+                with _lock:
+                    store = _stores.setdefault(key, tdist.HashStore())
             yield store, st.rank, st.world_size
         raise DistRuntimeError(format_message(
             "init_process_group", "a simulated rank cannot re-rendezvous", values={"init_method": url},
@@ -326,15 +334,33 @@ def _rendezvous_handler(scheme: str) -> Any:
     return handler
 
 
+def _check_url(scheme: str, parsed: Any, query: dict[str, str]) -> None:
+    """torch's own checks of a file:// or tcp:// rendezvous URL, with its errors: such a URL carries the rank and
+    the world size (init_process_group and init_rpc add them when given), a simulated rank's included."""
+    if scheme not in ("file", "tcp"):
+        return  # (env:// takes them from the environment torchrun sets, and the simulator stands in for torchrun)
+    missing = ("path" if scheme == "file" and not parsed.path else
+               "port number" if scheme == "tcp" and parsed.port is None else
+               "rank parameter" if "rank" not in query else
+               "world size parameter" if "world_size" not in query else None)
+    if missing is not None:
+        raise tdist_rendezvous._rendezvous_error(f"{scheme}:// rendezvous: {missing} missing")
+
+
+def _in_rank_process(key: int) -> bool:
+    """The world ``key`` is served by the run's real TCPStore: this is a rank process (torch_native.rank_process)."""
+    world = _stores.get(key)
+    return world is not None and not isinstance(world, tdist.HashStore)
+
+
 def _rendezvous_store(key: int, where: Any) -> Any:
     """The store of one subset rendezvous: two groups never see each other's keys; its members share it."""
     with _lock:
         store = _stores.get((key, "rendezvous", where))
         if store is None:
-            world = _stores.get(key)
             # rank processes share the run's real TCPStore (torch_native.rank_process); rank threads a HashStore
-            store = (tdist.PrefixStore(f"tensorplay-rendezvous/{where!r}", world)
-                     if world is not None and not isinstance(world, tdist.HashStore) else tdist.HashStore())
+            store = (tdist.PrefixStore(f"tensorplay-rendezvous/{where!r}", _stores[key])
+                     if _in_rank_process(key) else tdist.HashStore())
             _stores[(key, "rendezvous", where)] = store
         return store
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import os
 import pickle
@@ -158,6 +159,9 @@ def main(fd: int | None = None) -> None:
         _honest_clock(backend)
         _wire.send(conn, (READY,))  # start-up done: the run's timeout counts from every rank's READY
         msg = _run(fn, args, kwargs, backend, rank)
+        # what an interpreter's end collects: objects in reference cycles whose destructors act (torch's FileStore
+        # removes its file when its last user ends), which a rank process ending by os._exit would never run
+        gc.collect()
         # the rank's end: its proxy stops serving the main channel, so the interpreter's own end (atexit joins
         # of executor threads, non-daemon threads) waits as a real process does
         backend.main_returned()
