@@ -266,8 +266,8 @@ _lock = threading.Lock()
 #: what the installation replaced (torch_native's _install): the stand-ins fall back to it off simulated ranks
 _saved: dict[str, Any] = {}
 _stores: dict[Any, Any] = {}  # world -> rendezvous store; (world, host, port) -> TCPStore stand-in
-#: the files of file:// rendezvous (torch's FileStore removes its file when its last user ends: the simulator's
-#: stand-in for it never opened it, so it removes the file, left empty, when the adapter is uninstalled)
+#: the files of file:// rendezvous (torch's FileStore removes its file when its last user ends: thread ranks never
+#: open it, so the file, left empty, is removed when the adapter is uninstalled; rank processes open a FileStore)
 rendezvous_files: set[str] = set()
 _SCHEMES = ("env", "tcp", "file")
 
