@@ -344,7 +344,7 @@ def _check_url(scheme: str, parsed: Any, query: dict[str, str]) -> None:
                "rank parameter" if "rank" not in query else
                "world size parameter" if "world_size" not in query else None)
     if missing is not None:
-        raise tdist_rendezvous._rendezvous_error(f"{scheme}:// rendezvous: {missing} missing")
+        raise ValueError(f"{scheme}:// rendezvous: {missing} missing")  # (torch's text and type)
 
 
 def _in_rank_process(key: int) -> bool:

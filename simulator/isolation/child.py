@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
-from simulator.adapters import torch_native
+from simulator.adapters import torch_globals, torch_native
 from simulator.adapters.clock_hooks import timed_imports
 from simulator.isolation import _wire, cleanup, mark_rank_process, pickling, rank_threads, rpc_process, warm
 from simulator.isolation.client import ClientBackend
@@ -159,9 +159,10 @@ def main(fd: int | None = None) -> None:
         _honest_clock(backend)
         _wire.send(conn, (READY,))  # start-up done: the run's timeout counts from every rank's READY
         msg = _run(fn, args, kwargs, backend, rank)
-        # what an interpreter's end collects: objects in reference cycles whose destructors act (torch's FileStore
-        # removes its file when its last user ends), which a rank process ending by os._exit would never run
-        gc.collect()
+        if torch_globals.rendezvous_files:
+            # what an interpreter's end collects: a FileStore in a reference cycle, whose destructor removes its
+            # file when its last user ends, which a rank process ending by os._exit would never run
+            gc.collect()
         # the rank's end: its proxy stops serving the main channel, so the interpreter's own end (atexit joins
         # of executor threads, non-daemon threads) waits as a real process does
         backend.main_returned()
