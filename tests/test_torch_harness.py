@@ -62,7 +62,8 @@ DISTRIBUTED_TEST = {
 DEVICE_TYPE = {"test_all_reduce_cpu": "passed", "test_comm_debug_mode_around_a_module_collective_cpu": "passed"}
 # a group's own methods as c10d's gloo tests call them (ProcessGroupGloo(store, ...), several tensors, gloo's checks)
 C10D_GLOO = {t: "passed" for t in (
-    "test_several_inputs_reduce_into_each", "test_broadcast_root_tensor_and_overload",
+    "test_several_inputs_reduce_into_each", "test_reduce_scatter_with_a_size_per_rank",
+    "test_broadcast_root_tensor_and_overload",
     "test_allgather_several_inputs_and_future_value", "test_argument_checks_match_gloo",
     "test_scatter_and_gather_checks_and_values", "test_sparse_several_inputs_sum", "test_options_timeout_and_stress",
     "test_coalesced_async_with_a_tensor_given_twice", "test_init_process_group_names_its_backend",

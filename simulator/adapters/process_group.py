@@ -23,6 +23,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistBackendError, DistError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
+from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
 from simulator.adapters.gloo_rules import GlooRules, combine, reduce_op, root_of, tensor_list
 from simulator.adapters.process_group_work import SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
@@ -214,59 +215,22 @@ class SimProcessGroup(tdist.ProcessGroup):
         rules.non_empty(tensors)
         rules.layouts_match(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, op, rules)
+            return SimWork([], sparse_allreduce(self._g, self._named, tensors, op, rules))
         rules.type_and_sizes(tensors)
         # several inputs: gloo reduces this rank's inputs together, then across the ranks, into every input
         folded = combine(tensors, op)
         return SimWork([tpd.all_reduce(folded, op=op, group=self._g, async_op=True)], tensors,
                        after=lambda: [t.copy_(folded) for t in tensors])
 
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any, rules: GlooRules) -> SimWork:
-        """gloo's sparse all_reduce: each rank's (indices, values) gathered, summed, coalesced, written back in
-        place.  gloo reduces sparse tensors with SUM only; NCCL none."""
-        if self._named == "nccl" or getattr(op, "name", None) != "SUM":
-            raise DistBackendError(format_message(
-                "torch.distributed.all_reduce", f"unsupported reduction operation: backend {self._named} does not "
-                "reduce sparse tensors with this op", rank=self._g.rank(),
-                values={"op": op, "backend": self._named, "group": list(self._g.ranks)},
-                fix="use ReduceOp.SUM on a gloo group, or reduce the dense tensor (t.to_dense())"))
-        for t in tensors:
-            if t.shape != tensors[0].shape:
-                raise rules.fail("invalid tensor size", "pass sparse tensors of one shape",
-                                 shape=tuple(t.shape), expected=tuple(tensors[0].shape))
-        g, w = self._g, self._g.size()
-        # several inputs on a rank are summed with the other ranks' as gloo does
-        c = tensors[0].coalesce()
-        for t in tensors[1:]:
-            c = (c + t).coalesce()
-        idx, val = c.indices(), c.values()
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(w)]
-        tpd.all_gather(counts, torch.tensor([idx.shape[1]]), group=g)
-        m = int(max(int(n) for n in counts))
-        pad_idx = idx.new_zeros((idx.shape[0], m))
-        pad_idx[:, :idx.shape[1]] = idx
-        pad_val = val.new_zeros((m, *val.shape[1:]))
-        pad_val[:val.shape[0]] = val
-        all_idx = [torch.empty_like(pad_idx) for _ in range(w)]
-        all_val = [torch.empty_like(pad_val) for _ in range(w)]
-        tpd.all_gather(all_idx, pad_idx, group=g)
-        tpd.all_gather(all_val, pad_val, group=g)
-        n = [int(k) for k in counts]
-        total = torch.sparse_coo_tensor(torch.cat([a[:, :k] for a, k in zip(all_idx, n)], dim=1),
-                                        torch.cat([v[:k] for v, k in zip(all_val, n)]), c.shape).coalesce()
-        for t in tensors:
-            t.copy_(total)
-        return SimWork([], tensors)
-
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         tensors = list(tensors)
         rules = self._rules("allreduce_coalesced")
         rules.non_empty(tensors)
+        rules.layouts_match(tensors)  # (gloo checks the layouts first: a sparse int64 among dense floats is a layout error)
         for t in tensors:
             if t.dtype != tensors[0].dtype:
                 raise rules.fail("tensors must all have the same type", "pass tensors of one dtype",
                                  dtype=str(t.dtype), expected=str(tensors[0].dtype))
-        rules.layouts_match(tensors)
         if tensors[0].layout != torch.strided:
             raise rules.fail("unsupported layout", "pass dense tensors (t.to_dense())", layout=str(tensors[0].layout))
         # gloo flattens the tensors into one buffer, reduces it once and copies the parts back (a tensor given twice
@@ -471,6 +435,10 @@ class SimProcessGroup(tdist.ProcessGroup):
         if isinstance(output_tensors, torch.Tensor):  # the overload reduce_scatter(tensor, input_list, op)
             output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
         op = reduce_op(opts, op)
+        if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
+            sized = [list(ins) for ins in input_tensors]
+            return SimWork([], reduce_scatter_sized(self._g, list(output_tensors), sized, op,
+                                                    self._rules("reduce_scatter")))
         return SimWork([tpd.reduce_scatter(o, list(ins), op=op, group=self._g, async_op=True)
                         for o, ins in zip(output_tensors, input_tensors)], list(output_tensors))
 

@@ -79,6 +79,17 @@ class GlooGroupCases(MultiProcessTestCase):
         pg.allreduce(x).wait()
         self.assertEqual(x, torch.tensor([w * (w + 1) / 2]))
 
+    def test_reduce_scatter_with_a_size_per_rank(self) -> None:
+        c10d.init_process_group("gloo", store=c10d.FileStore(self.file_name, self.world_size), rank=self.rank,
+                                world_size=self.world_size)
+        # rank j gets j + 1 elements: every rank's input_list[j], reduced (test_c10d_gloo's shape, values per rank)
+        for op, fold in ((c10d.ReduceOp.SUM, lambda x: x.sum(0)), (c10d.ReduceOp.MAX, lambda x: x.max(0).values)):
+            inputs = [torch.arange(j + 1.0) * (self.rank + 1) + 10 * j for j in range(self.world_size)]
+            out = torch.empty(self.rank + 1)
+            c10d.reduce_scatter(out, inputs, op=op, async_op=True).wait()
+            sent = [torch.arange(self.rank + 1.0) * (r + 1) + 10 * self.rank for r in range(self.world_size)]
+            self.assertEqual(out, fold(torch.stack(sent)))
+
     def test_broadcast_root_tensor_and_overload(self) -> None:
         pg = self._group()
         for root in range(self.world_size):
@@ -134,6 +145,8 @@ class GlooGroupCases(MultiProcessTestCase):
         sparse = torch.sparse_coo_tensor([[0]], [1.0], size=(1,))
         expect("tensors must all have the same type", lambda: pg.allreduce_coalesced([t1, t2]))
         expect("invalid tensor layout at index", lambda: pg.allreduce_coalesced([t1, sparse]))
+        long_sparse = torch.sparse_coo_tensor([[0]], [1], size=(1,))  # (gloo names the layout before the type)
+        expect("invalid tensor layout at index", lambda: pg.allreduce_coalesced([t1, long_sparse]))
         expect("unsupported layout", lambda: pg.allreduce_coalesced([sparse, sparse.clone()]))
 
         def ropts(root, tensor=0):
