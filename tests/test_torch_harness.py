@@ -346,6 +346,30 @@ def test_a_rank_waiting_on_a_store_key_lets_the_rank_that_sets_it_run_in_coop_mo
                              isolation=isolation) == ["set", "yes"]
 
 
+def _spin_on_a_store_counter(path: str) -> object:
+    """Rank 0 spins on ``store.add(key, 0)`` until the others have added (torch's c10d tests' DummyProcessGroup
+    barrier): on coop thread ranks it must let them run, without a sleep of its own."""
+    import torch.distributed as tdist
+
+    import tensorplay.distributed as dist
+
+    store = tdist.FileStore(path, 3)
+    if dist.get_rank() == 0:
+        n, polls = 0, 0
+        while n < 2:
+            n = store.add("arrived", 0)
+            polls += 1
+        return polls >= 1
+    store.add("arrived", 1)
+    return getattr(current_rank_state().run, "deterministic", True)  # type: ignore[union-attr]
+
+
+def test_a_rank_spinning_on_a_store_counter_lets_the_others_run_in_coop_mode(tmp_path: Path) -> None:
+    for seed in range(3):  # rank 0 may run first
+        got = simulator.run(_spin_on_a_store_counter, 3, args=(str(tmp_path / f"s{seed}"),), seed=seed, timeout=60)
+        assert got[0] is True and len(got) == 3, got
+
+
 def _no_sleep() -> object:
     x = torch.ones(2)
     import tensorplay.distributed as dist

@@ -234,6 +234,37 @@ def _sleep(seconds: float) -> None:
         sleep_in(rs)
 
 
+#: consecutive calls of one store method at one call site with the same arguments that make a spin-poll
+SPIN_POLLS = 32
+
+
+def store_poll(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Store.<name>`` (``add``, ``check``, ``compare_set``) while a world runs: a coop rank that calls it in a
+    loop with the same arguments (``while store.add(key, 0) < n: pass``, as torch's c10d tests do) is polling
+    for another rank, which only runs if this one lets it; from the ``SPIN_POLLS``-th call on, each such call
+    sleeps a millisecond outside the schedule, as a sleep-polling rank does.  A program that does not spin
+    keeps its seeded schedule."""
+    def call(self: Any, *args: Any) -> Any:
+        rs = current_rank_state()
+        if rs is None:
+            return original(self, *args)
+        frame = sys._getframe(1)
+        spot = (name, frame.f_code, frame.f_lineno, repr(args)[:200])
+        n = rs.store_polls[1] + 1 if rs.store_polls is not None and rs.store_polls[0] == spot else 1
+        rs.store_polls = (spot, n)
+        if n >= SPIN_POLLS:
+            site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            if sleep_out(rs, 0.001, site, what=f"Store.{name}{args!r} in a polling loop"):
+                try:
+                    _REAL["sleep"](0.001)
+                finally:
+                    sleep_in(rs)
+        return original(self, *args)
+
+    call.__name__ = name
+    return call
+
+
 def _getpid() -> int:
     """``os.getpid`` while a world runs: a launched rank's own pid on its threads (see the module docstring)."""
     real = _REAL["getpid"]()

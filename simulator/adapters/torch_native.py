@@ -53,6 +53,7 @@ from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 from simulator.adapters import torch_groups
 from simulator.adapters._patch import Installation
+from simulator.adapters.threads import store_poll
 from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
@@ -95,6 +96,9 @@ def _install() -> None:
     _saved["store_waits"] = {name: getattr(tdist.Store, name) for name in ("get", "wait")}
     for name in _saved["store_waits"]:
         setattr(tdist.Store, name, _store_wait(name))
+    _saved["store_polls"] = {name: getattr(tdist.Store, name) for name in ("add", "check", "compare_set")}
+    for name, original in _saved["store_polls"].items():
+        setattr(tdist.Store, name, store_poll(name, original))
     # a CPU build of torch has no NCCL default timeout (None), and init_process_group("nccl") warns for it: NCCL's own
     # default (10 minutes) while the simulator binds "nccl" to its world
     _saved["nccl_timeout"] = getattr(c10d, "default_pg_nccl_timeout", None)
@@ -126,7 +130,7 @@ def _uninstall() -> None:
         tdist.set_debug_level_from_env = _saved.pop("set_debug_level_from_env")
     if "pg_wrapper" in _saved:
         c10d._create_process_group_wrapper = _saved.pop("pg_wrapper")
-    for name, original in _saved.pop("store_waits", {}).items():
+    for name, original in {**_saved.pop("store_waits", {}), **_saved.pop("store_polls", {})}.items():
         setattr(tdist.Store, name, original)
     if "nccl_timeout" in _saved:
         c10d.default_pg_nccl_timeout = _saved.pop("nccl_timeout")

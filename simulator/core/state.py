@@ -78,7 +78,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp",
+        "on_complete", "stamp", "store_polls",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -122,6 +122,8 @@ class RankState:
         self.on_complete: Any = None
         #: ``run.clock()`` when this actor last entered an operation or ended a wait (see simulator.core.progress)
         self.stamp = run.clock()
+        #: ``(call, count)``: the rank's last store call and how many times in a row it was made (a spin-poll)
+        self.store_polls: tuple[Any, int] | None = None
 
     @property
     def torch_rng(self) -> torch.Tensor | None:
