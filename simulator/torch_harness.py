@@ -241,7 +241,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
-        per_process = (_own_class_state(), _one_profiler_per_process(item.nodeid)) if isolation == "thread" else ()
+        per_process = ((_own_class_state(), _one_profiler_per_process(item.nodeid), _test_process_registries())
+                       if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:
             for cm in per_process:  # (rank processes have these of their own)
@@ -312,6 +313,29 @@ def _device_type_tls() -> Any:
             self.rel_tol = TestCase._rel_tol
 
     return _ImportedTls()
+
+
+@contextlib.contextmanager
+def _test_process_registries() -> Iterator[None]:
+    """What a test's processes register process-wide ends with them: torch's backend registry
+    (``Backend.register_backend``) and c10d's debug level are put back as they were after a test on thread ranks,
+    so the next test sees what fresh processes see."""
+    import torch.distributed as tdist  # (imports torch: see _simulated)
+
+    b = tdist.Backend
+    tables = {name: getattr(b, name) for name in ("_plugins", "backend_list", "default_device_backend_map",
+                                                   "backend_capability", "backend_type_map")}
+    copies = {name: type(t)(t) for name, t in tables.items()}
+    attrs, level = set(vars(b)), tdist.get_debug_level()
+    try:
+        yield
+    finally:
+        for name, t in tables.items():
+            t.clear()  # (in place: torch's functions hold these objects)
+            t.extend(copies[name]) if isinstance(t, list) else t.update(copies[name])
+        for name in set(vars(b)) - attrs:  # register_backend's Backend.<NAME> = "<name>"
+            delattr(b, name)
+        tdist.set_debug_level(level)
 
 
 @contextlib.contextmanager

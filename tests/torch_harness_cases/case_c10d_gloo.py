@@ -263,6 +263,12 @@ class GlooGroupCases(MultiProcessTestCase):
         self.assertEqual(x, torch.ones(2) * 9)  # the dummy's meaning, not a sum over the ranks
         c10d.destroy_process_group()
 
+    def test_zz_what_a_test_registered_ended_with_its_processes(self) -> None:
+        # (runs after test_a_backend_...: unittest sorts a class's tests by name) fresh processes know no "dummy"
+        self.assertNotIn("dummy", c10d.Backend.backend_list)
+        self.assertFalse(c10d.is_backend_available("dummy"))
+        self.assertEqual(c10d.get_debug_level(), c10d.DebugLevel.OFF)
+
 
 if __name__ == "__main__":
     run_tests()
