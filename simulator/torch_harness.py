@@ -67,14 +67,21 @@ _PROCESS_ONLY = (
 )
 
 
+#: test classes that start no process: torch's LocalTensor tests run every rank in the test's own process (a "fake"
+#: group, LocalTensorMode), so there is nothing to simulate
+_ONE_PROCESS = (("torch.testing._internal.distributed._tensor.common_dtensor", "LocalDTensorTestBase"),
+                ("torch.testing._internal.distributed._tensor.common_dtensor", "LocalDTensorContinuousTestBase"))
+
+
+def _subclass_of_any(item: pytest.Item, bases: Any) -> bool:
+    cls = getattr(item, "cls", None)
+    return isinstance(cls, type) and any(isinstance(b, type) and issubclass(cls, b) for b in (
+        getattr(sys.modules.get(module), name, None) for module, name, *_ in bases))
+
+
 def _process_only(item: pytest.Item) -> str | None:
     """Why ``item`` runs on rank processes whatever the switch says, or None."""
-    cls = getattr(item, "cls", None)
-    for module, name, why in _PROCESS_ONLY:
-        base = getattr(sys.modules.get(module), name, None)
-        if isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base):
-            return why
-    return None
+    return next((why for module, name, why in _PROCESS_ONLY if _subclass_of_any(item, [(module, name)])), None)
 
 
 def _message(call: str, problem: str, values: dict[str, Any], fix: str) -> str:
@@ -144,6 +151,8 @@ class _Harness:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        if _subclass_of_any(item, _ONE_PROCESS):
+            return (yield)
         if self.isolation == "thread" and self._undo_continuous is None and _is_continuous_test(item):
             # here, not at the top: it imports torch's harness (see the module's docstring)
             from simulator import torch_harness_continuous
@@ -204,7 +213,8 @@ def _is_harness_test(item: pytest.Item) -> bool:
     """A test method of a MultiProcessTestCase subclass (its module imported torch's harness already)."""
     harness = sys.modules.get(_HARNESS_MODULE)
     cls = getattr(item, "cls", None)
-    return harness is not None and isinstance(cls, type) and issubclass(cls, harness.MultiProcessTestCase)
+    return (harness is not None and isinstance(cls, type) and issubclass(cls, harness.MultiProcessTestCase)
+            and not _subclass_of_any(item, _ONE_PROCESS))
 
 
 def _is_continuous_test(item: pytest.Item) -> bool:

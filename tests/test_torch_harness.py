@@ -81,10 +81,12 @@ CONTINUOUS = {"test_1_ranks_are_what_the_switch_says": "passed", "test_2_all_red
 # torch's RPC test fixtures: torch's own agent, its RRef context, a torch future completed by RPC callbacks
 RPC = {"test_rpc_sync_and_pid": "passed", "test_nested_callbacks_and_errors": "passed",
        "test_rref_context_is_torchs": "passed"}
+# torch's LocalTensor tests: no process started, all ranks in the test's process ("fake" group): run as torch runs them
+LOCAL_TENSOR = {"test_shard_to_replicate": "passed"}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
                "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE,
                "case_c10d_gloo.py": C10D_GLOO, "case_c10d_common.py": C10D_COMMON, "case_continuous.py": CONTINUOUS,
-               "case_rpc.py": RPC}
+               "case_rpc.py": RPC, "case_local_tensor.py": LOCAL_TENSOR}
 #: cases whose run on gloo processes takes a minute or more (start-ups): in the slow tier
 SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py", "case_rpc.py")
 
@@ -203,6 +205,12 @@ def test_c10d_behaviour_that_its_common_tests_observe_on_simulated_ranks(tmp_pat
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_torchs_local_tensor_tests_run_in_the_tests_process_as_torch_runs_them(tmp_path: Path, isolation: str) -> None:
+    out = _run(tmp_path, "case_local_tensor.py", sim=isolation)
+    assert out.verdicts == _want(LOCAL_TENSOR, isolation), out.output[-8000:]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_rpc.py", sim=isolation)
     assert out.verdicts == _want(RPC, isolation), out.output[-8000:]
@@ -265,7 +273,8 @@ def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Pa
     real = _run(tmp_path, case, sim=None)
     assert real.verdicts == _want(CASE_TABLES[case], "gloo"), real.output[-8000:]
     pids = {int(p) for p in _PIDS.findall(real.output)}
-    if case != "case_continuous.py":  # (MultiProcContinuousTest logs its workers' pids at debug level only)
+    # (MultiProcContinuousTest logs its workers' pids at debug level only; LocalTensor tests start no process)
+    if case not in ("case_continuous.py", "case_local_tensor.py"):
         assert pids and max(pids) <= _pid_max(), pids  # real processes, this time
     walls = []
     for isolation in ISOLATIONS:

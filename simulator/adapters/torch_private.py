@@ -191,6 +191,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # -- PyTorch's own test harness (torch_harness, harness_diff) ------------------------------------------------
     _P("torch.testing._internal.common_distributed.MultiProcessTestCase", "torch_harness", "reads",
        "the harness whose rank processes become simulated ranks", static=True),
+    _P("torch.testing._internal.distributed._tensor.common_dtensor.LocalDTensorTestBase", "torch_harness", "reads",
+       "torch's LocalTensor tests run every rank in the test's process: nothing to simulate"),
+    _P("torch.testing._internal.distributed._tensor.common_dtensor.LocalDTensorContinuousTestBase", "torch_harness",
+       "reads", "likewise, for its continuous tests"),
     _P("torch.testing._internal.distributed.rpc.rpc_agent_test_fixture.RpcAgentTestFixture", "torch_harness",
        "reads", "tests of torch's RPC test fixtures test torch's own agent: they run on rank processes"),
     _P("torch.testing._internal.common_distributed.get_timeout", "torch_harness", "reads",
