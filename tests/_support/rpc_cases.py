@@ -489,7 +489,8 @@ def timeout_case() -> dict:
 def check_timeout(out: dict) -> None:
     assert "timeout" in out["sync"] and "timeout=0.2" in out["sync"], out
     assert "timeout" in out["async"], out
-    assert out["sync_s"] < 2.0 and out["after"] == 2
+    # (bounded: far below what waiting out a stuck callee would take; margins for a loaded machine)
+    assert out["sync_s"] < 5.0 and out["after"] == 2, out
 
 
 # ---------------------------------------------------------------------------
