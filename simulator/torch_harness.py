@@ -342,7 +342,10 @@ def _test_process_registries() -> Iterator[None]:
     finally:
         for name, t in tables.items():
             t.clear()  # (in place: torch's functions hold these objects)
-            t.extend(copies[name]) if isinstance(t, list) else t.update(copies[name])
+            if isinstance(t, list):
+                t.extend(copies[name])
+            else:
+                t.update(copies[name])
         for name in set(vars(b)) - attrs:  # register_backend's Backend.<NAME> = "<name>"
             delattr(b, name)
         tdist.set_debug_level(level)

@@ -333,6 +333,26 @@ def test_worker_failure_fails_calls_at_once_and_shutdown_returns():
     assert world.results[2]["shutdown_s"] < 5.0, world.results[2]
 
 
+def test_a_call_to_a_live_worker_is_answered_when_another_worker_crashes_meanwhile():
+    # worker0 waits for worker2's answer while worker1 raises: on TensorPipe the call is answered; the
+    # simulator releases every waiting rank when one fails, and must not release a wait for an answer
+    def main():
+        me = dist.get_rank()
+        rpc.init_rpc(f"worker{me}")
+        if me == 1:
+            C.SERVING.wait(10.0)  # worker0 waits for its answer now
+            raise C.Boom("worker1 crashed", 1)
+        out = rpc.rpc_sync("worker2", C.slow_answer, (40 + me,)) if me == 0 else None
+        _quiet_shutdown()
+        return out
+
+    C.SERVING.clear()
+    world = simulator.World(3, mode="threads")
+    raised, _ = _recorded(world.run, main)
+    assert isinstance(raised, C.Boom), raised
+    assert world.results[0] == 40, f"worker0: {world.errors[0]!r}"
+
+
 def test_calls_to_a_worker_that_returned_without_shutdown_fail():
     def main():
         me = dist.get_rank()

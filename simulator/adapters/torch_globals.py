@@ -303,7 +303,7 @@ def _rendezvous_handler(scheme: str) -> Any:
         if parsed.scheme == "file" and parsed.path:
             rendezvous_files.add(parsed.path)
         query = tdist_rendezvous._query_to_dict(parsed.query)
-        _check_url(scheme, parsed, query)
+        torch_groups.check_url(scheme, parsed, query)
         size = int(query.get("world_size", -1))
         rank = int(query.get("rank", -1))
         key = id(st.backend.world_key())
@@ -332,19 +332,6 @@ def _rendezvous_handler(scheme: str) -> Any:
 
     handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
     return handler
-
-
-def _check_url(scheme: str, parsed: Any, query: dict[str, str]) -> None:
-    """torch's own checks of a file:// or tcp:// rendezvous URL, with its errors: such a URL carries the rank and
-    the world size (init_process_group and init_rpc add them when given), a simulated rank's included."""
-    if scheme not in ("file", "tcp"):
-        return  # (env:// takes them from the environment torchrun sets, and the simulator stands in for torchrun)
-    missing = ("path" if scheme == "file" and not parsed.path else
-               "port number" if scheme == "tcp" and parsed.port is None else
-               "rank parameter" if "rank" not in query else
-               "world size parameter" if "world_size" not in query else None)
-    if missing is not None:
-        raise ValueError(f"{scheme}:// rendezvous: {missing} missing")  # (torch's text and type)
 
 
 def _in_rank_process(key: int) -> bool:

@@ -24,7 +24,7 @@ from tensorplay.distributed import state as dist_state
 
 from simulator.core._actor import current_rank_state
 
-__all__ = ["rendezvous_key", "join", "reset"]
+__all__ = ["rendezvous_key", "check_url", "join", "reset"]
 
 _open: dict[tuple[int, Any], "_Rendezvous"] = {}  # (world, key) -> the rendezvous still gathering its members
 
@@ -41,6 +41,19 @@ def rendezvous_key(url: str | None) -> Any:
     if u.scheme == "file":
         return ("file", u.path)
     return ("url", url)
+
+
+def check_url(scheme: str, parsed: Any, query: dict[str, str]) -> None:
+    """torch's own checks of a file:// or tcp:// rendezvous URL, with its errors: such a URL carries the rank and
+    the world size (init_process_group and init_rpc add them when given), a simulated rank's included."""
+    if scheme not in ("file", "tcp"):
+        return  # (env:// takes them from the environment torchrun sets, and the simulator stands in for torchrun)
+    missing = ("path" if scheme == "file" and not parsed.path else
+               "port number" if scheme == "tcp" and parsed.port is None else
+               "rank parameter" if "rank" not in query else
+               "world size parameter" if "world_size" not in query else None)
+    if missing is not None:
+        raise ValueError(f"{scheme}:// rendezvous: {missing} missing")  # (torch's text and type)
 
 
 def _label(key: Any) -> str:

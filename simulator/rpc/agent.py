@@ -47,7 +47,7 @@ from simulator.rpc.codec import Message, decode, encode
 from simulator.rpc.options import SimRpcBackendOptions
 from simulator.rpc.record import RpcRecord
 from simulator.rpc.rref import Dropped, SimRRef, Slot
-from simulator.rpc.waits import Pending, resolve_async, rng_lender
+from simulator.rpc.waits import Answer, Pending, resolve_async, rng_lender
 from simulator.rpc.world import RpcWorld, forget_when_all_out
 
 __all__ = ["SimAgent"]
@@ -193,7 +193,7 @@ class SimAgent(Agent):
         finally:
             rec.sent()
         cid = rpc_autograd.current_context_id()
-        fut: Future[Any] = Future(what=call)
+        fut: Future[Any] = Answer(what=call)
         world = self.world
         sched = world.run.sched
 

@@ -16,10 +16,19 @@ from tensorplay.distributed.rpc import futures as _futures
 from tensorplay.distributed.rpc.transport import RemoteFailure, async_outcome, future_outcome, is_async
 from tensorplay.distributed.rpc.futures import Future
 
+from simulator.core.errors import RankFailedError
 from simulator.core.sched import FREE
 from simulator.core.state import current_rank_state
 
-__all__ = ["Pending", "FutureWait", "rng_lender", "coop_wait", "resolve_async"]
+__all__ = ["Answer", "Pending", "FutureWait", "rng_lender", "coop_wait", "resolve_async"]
+
+
+class Answer(Future):
+    """The future of a call's answer.  Its handler always completes it (with the answer or the failure that
+    ended the handler), so a wait on it outlives another rank's failure: on TensorPipe a call to a live worker
+    is answered whoever else crashed meanwhile."""
+
+    __slots__ = ()
 
 
 class Pending:
@@ -82,7 +91,15 @@ def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     if lender is not None:
         lender.torch_rng = torch.get_rng_state()
     try:
-        sched.block(rs, w)
+        while True:
+            try:
+                sched.block(rs, w)
+                break
+            except RankFailedError:
+                if not isinstance(fut, Answer):
+                    raise
+                if w.done:  # the answer came with the news
+                    break
     finally:
         if lender is not None:
             torch.set_rng_state(lender.torch_rng)

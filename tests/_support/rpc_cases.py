@@ -8,6 +8,7 @@ by reference.  :class:`RpcWorld` runs a case on either transport.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -89,6 +90,17 @@ def rref_info(r):
 
 def sleep_then(seconds, value):
     time.sleep(seconds)
+    return value
+
+
+#: set by a handler once it runs (threads mode: ranks share this module)
+SERVING = threading.Event()
+
+
+def slow_answer(value):
+    """Say the call is being served, then take long enough for another worker to crash meanwhile."""
+    SERVING.set()
+    time.sleep(0.3)
     return value
 
 
