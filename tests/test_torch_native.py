@@ -610,6 +610,36 @@ def test_dtensor_op_handlers_are_per_rank_while_a_world_runs_and_restored_after(
     assert dispatcher._custom_op_handlers is table and table == before
 
 
+@pytest.mark.parametrize("mode", ["threads", "coop"])
+def test_each_rank_thread_plans_its_own_redistributions(mode: str) -> None:
+    # torch caches redistribution plans by mesh; two ranks' meshes over the same devices compared equal on thread
+    # ranks, so a rank took another's plan (with the other's coordinates): the first gather below summed to 510
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    full = torch.arange(35.0).reshape(7, 5)  # 7 and 5: uneven over 2 x 2
+    cases = [((Shard(0), Shard(0)), (Replicate(), Replicate())), ((Shard(0), Shard(1)), (Shard(1), Replicate())),
+             ((Shard(1), Shard(0)), (Replicate(), Shard(0)))]
+
+    def body():
+        tdist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2))
+        locals_ = [distribute_tensor(full, mesh, src).redistribute(mesh, dst).to_local() for src, dst in cases]
+        return locals_, mesh, pickle.loads(pickle.dumps(mesh)) == mesh
+
+    out = simulator.run(body, 4, mode=mode)
+    for r, (locals_, mesh, unpickled_equal) in enumerate(out):
+        want = [full, full.chunk(2, dim=1)[r // 2], full.chunk(2, dim=0)[r % 2]]  # coordinates (r // 2, r % 2)
+        for got, w, case in zip(locals_, want, cases):
+            torch.testing.assert_close(got, w, msg=f"rank {r}, {case}")
+        assert unpickled_equal, f"rank {r}: a mesh unpickled on its rank equals the rank's own"
+    assert out[0][1] != out[1][1], "two ranks' meshes are different processes' meshes"
+    assert _gen_transform_infos.cache_info().currsize == 0, "the world's plans end with it"
+
+
 # ---------------------------------------------------------------------------
 # backend names: a name torch refuses is refused on simulated ranks too (the simulator runs every name it knows)
 # ---------------------------------------------------------------------------

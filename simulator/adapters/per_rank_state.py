@@ -7,6 +7,12 @@ Hydra (``@hydra.main``, pytorch/examples' minGPT): its ``GlobalHydra`` and its o
 ``GlobalHydra is already initialized``.  While a world runs, that table is one per rank (a rank's threads share
 its table, as a process's threads do); outside a rank, the original table.
 
+torch's ``DeviceMesh`` is the other case: meshes are cache keys (DTensor's sharding propagation, its
+redistribution plans), and two ranks' meshes over the same devices compare equal, so one rank thread would take
+another's cached plan, which holds the other rank's mesh and coordinates.  torch's own thread ranks (its
+``threaded`` backend) tell them apart by ``DeviceMesh._thread_id``; a mesh made on a simulated rank gets its
+rank's identity there.  The caches keyed by meshes are emptied when the world ends, as a process's die with it.
+
 What cannot be made per rank this way (a C extension's globals, torch's module trackers) is named by the
 failure's report, which points to ``isolation="process"`` (see :mod:`simulator.core.report`).  The libraries'
 private names it replaces are listed in :mod:`simulator.adapters.torch_private`.
@@ -143,8 +149,66 @@ def _hydra_singletons(module: Any) -> Any:
     return undo
 
 
+def _mesh_per_rank(module: Any) -> Any:
+    """A DeviceMesh made on a simulated rank equals only its own rank's meshes (see the module's docstring)."""
+    cls = module.DeviceMesh
+    init, setstate = cls.__dict__["__init__"], cls.__dict__.get("__setstate__")
+    if getattr(init, "_tp_per_rank", False):  # (installed already: nested worlds)
+        return lambda: None
+
+    def mine(mesh: Any) -> None:
+        rs = current_rank_state()
+        if rs is not None:
+            mesh._thread_id = id(rs.parent or rs)  # a rank's threads share its meshes, as a process's do
+            mesh._hash = None  # (computed lazily from the identity above)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "_thread_id", None) is None:  # (torch's threaded backend set its own)
+            mine(self)
+
+    def __setstate__(self: Any, state: dict) -> None:  # type: ignore[type-arg]
+        setstate(self, state)
+        mine(self)  # a mesh another rank sent equals this rank's, as in a process that unpickles it
+
+    __init__._tp_per_rank = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    if setstate is not None:
+        cls.__setstate__ = __setstate__
+
+    def undo() -> None:
+        cls.__init__ = init
+        if setstate is not None:
+            cls.__setstate__ = setstate
+        _forget_mesh_caches()
+
+    return undo
+
+
+#: torch's process-wide caches keyed by meshes: (module, attribute path to an object with cache_clear() or clear())
+_MESH_CACHES = (("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+                ("torch.distributed.tensor._redistribute", "_planner_cache"),
+                ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+                ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"))
+
+
+def _forget_mesh_caches() -> None:
+    """Empty the caches of :data:`_MESH_CACHES` of the modules a program imported: they hold the world's meshes
+    (and through them its groups) and would hand a later world's ranks this world's plans."""
+    import sys
+
+    for name, path in _MESH_CACHES:
+        obj = sys.modules.get(name)
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        clear = getattr(obj, "cache_clear", None) or getattr(obj, "clear", None)
+        if clear is not None:
+            clear()
+
+
 #: (module, make its table per rank -> undo), each applied when the module is imported
-TABLES = (("hydra.core.singleton", _hydra_singletons),)
+TABLES = (("hydra.core.singleton", _hydra_singletons),
+          ("torch.distributed.device_mesh", _mesh_per_rank))
 
 _undos: list[Any] = []
 

@@ -223,6 +223,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P("torch.autograd.profiler.profile._prepare_trace", "torch_harness", "patches",
        "the profiler is one per process: starting it on a thread rank fails, naming the fix"),
     # -- libraries' process-wide singletons (adapters.per_rank_state) ------------------------------------------
+    _P("torch.distributed.device_mesh.DeviceMesh._thread_id", "adapters.per_rank_state", "patches",
+       "what tells thread ranks' meshes apart in torch (its threaded backend sets it): a simulated rank's identity",
+       static=True),
+    _P("torch.distributed.device_mesh.DeviceMesh._hash", "adapters.per_rank_state", "patches",
+       "the mesh's hash, computed lazily from the identity above: reset after setting it", static=True),
+    _P("torch.distributed.tensor._redistribute._gen_transform_infos", "adapters.per_rank_state", "reads",
+       "a cache keyed by meshes: emptied when a world ends"),
+    _P("torch.distributed.tensor._redistribute._planner_cache", "adapters.per_rank_state", "reads",
+       "a cache keyed by meshes: emptied when a world ends"),
+    _P("torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh", "adapters.per_rank_state", "reads",
+       "a cache keyed by meshes: emptied when a world ends"),
+    _P("torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_cached",
+       "adapters.per_rank_state", "reads", "a cache keyed by meshes' specs: emptied when a world ends"),
     _P("hydra.core.singleton.Singleton._instances", "adapters.per_rank_state", "patches",
        "Hydra's run state (GlobalHydra...) is one per thread rank", optional=True),
     # -- the CUDA stand-in (simulator.standin.PRIVATE_TORCH_NAMES is built from these) ----------------------
@@ -309,15 +322,23 @@ def _resolve(name: str) -> Any:
 
 
 def _defines(body: Sequence[ast.stmt], attr: str) -> ast.AST | None:
-    """The statement of ``body`` that defines ``attr`` (a def, a class, an assignment)."""
+    """The statement of ``body`` that defines ``attr`` (a def, a class, an assignment), looking into ``if``
+    branches too (torch defines ``DeviceMesh`` under ``if not is_available(): ... else:``); a def or a class
+    before an assignment."""
+    found: ast.AST | None = None
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == attr:
             return node
+        if isinstance(node, ast.If):
+            inner = _defines([*node.body, *node.orelse], attr)
+            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                return inner
+            found = found or inner
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) else []
         if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
-            return node
-    return None
+            found = found or node
+    return found
 
 
 def _sets_on_self(cls: ast.ClassDef, attr: str) -> bool:
