@@ -640,6 +640,31 @@ def test_each_rank_thread_plans_its_own_redistributions(mode: str) -> None:
     assert _gen_transform_infos.cache_info().currsize == 0, "the world's plans end with it"
 
 
+def test_torch_settings_a_world_flips_end_with_it() -> None:
+    # use_min_cost_redistribution_plan sets a module global and puts the old value back on exit: ranks that enter
+    # and leave in turn leave one rank's value behind (it was True after this world), and a suite's next test would
+    # plan its redistributions with it; init_process_group's legacy globals (_backend) likewise
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import _redistribute
+
+    before = (_redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN, c10d._backend, c10d._default_pg_init_method)
+
+    def body():
+        tdist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (4,))
+        with _redistribute.use_min_cost_redistribution_plan(True):
+            out = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        return out.to_local()
+
+    for seed in range(3):
+        for r, got in enumerate(simulator.run(body, 4, seed=seed)):
+            torch.testing.assert_close(got, torch.arange(8.0), msg=f"seed {seed}, rank {r}")
+        after = (_redistribute._FORCE_MIN_COST_REDISTRIBUTION_PLAN, c10d._backend, c10d._default_pg_init_method)
+        assert after == before, f"seed {seed}: {after} != {before}"
+
+
 # ---------------------------------------------------------------------------
 # backend names: a name torch refuses is refused on simulated ranks too (the simulator runs every name it knows)
 # ---------------------------------------------------------------------------

@@ -24,6 +24,8 @@ Example (two thread ranks, each with its own Hydra)::
 from __future__ import annotations
 
 import copy
+import itertools
+import threading
 from typing import Any, ContextManager, Iterator
 
 from simulator.adapters._patch import Installation
@@ -149,6 +151,10 @@ def _hydra_singletons(module: Any) -> Any:
     return undo
 
 
+#: one serial per simulated rank that made a mesh, never reused in this process (see _mesh_per_rank)
+_MESH_SERIALS = itertools.count(1)
+
+
 def _mesh_per_rank(module: Any) -> Any:
     """A DeviceMesh made on a simulated rank equals only its own rank's meshes (see the module's docstring)."""
     cls = module.DeviceMesh
@@ -156,10 +162,20 @@ def _mesh_per_rank(module: Any) -> Any:
     if getattr(init, "_tp_per_rank", False):  # (installed already: nested worlds)
         return lambda: None
 
+    # a rank (its root state: a rank's threads share its meshes, as a process's do) -> its serial; never an id(),
+    # which a later world's rank may reuse: torch keeps tables keyed by meshes beyond the caches emptied below
+    identities: dict[int, tuple[Any, int]] = {}
+    lock = threading.Lock()  # (a rank's threads may make their first meshes at once)
+
     def mine(mesh: Any) -> None:
         rs = current_rank_state()
         if rs is not None:
-            mesh._thread_id = id(rs.parent or rs)  # a rank's threads share its meshes, as a process's do
+            root = rs.parent or rs
+            with lock:
+                known = identities.get(id(root))
+                if known is None or known[0] is not root:
+                    known = identities[id(root)] = (root, next(_MESH_SERIALS))
+            mesh._thread_id = -known[1]  # (negative: never a thread ident, which torch's threaded backend sets)
             mesh._hash = None  # (computed lazily from the identity above)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -180,6 +196,7 @@ def _mesh_per_rank(module: Any) -> Any:
         cls.__init__ = init
         if setstate is not None:
             cls.__setstate__ = setstate
+        identities.clear()
         _forget_mesh_caches()
 
     return undo
@@ -212,14 +229,44 @@ TABLES = (("hydra.core.singleton", _hydra_singletons),
 
 _undos: list[Any] = []
 
+#: the packages whose module-level settings (plain values) a world puts back when it ends
+_SETTINGS_PACKAGES = ("torch.distributed",)
+_SCALARS = (bool, int, float, str, type(None))
+_settings_names: tuple[int, list[tuple[Any, str]]] = (-1, [])  # (len(sys.modules), (module, name) pairs)
+_settings: list[tuple[Any, str, Any]] = []
+
+
+def _setting_names() -> list[tuple[Any, str]]:
+    """The plain module-level values of :data:`_SETTINGS_PACKAGES` (scanned again only when modules came)."""
+    import sys
+
+    global _settings_names
+    if _settings_names[0] != len(sys.modules):
+        pairs = []
+        for name, module in list(sys.modules.items()):
+            if module is None or not any(name == p or name.startswith(p + ".") for p in _SETTINGS_PACKAGES):
+                continue
+            pairs.extend((module, k) for k, v in list(vars(module).items())
+                         if type(v) in _SCALARS and not k.startswith("__"))
+        _settings_names = (len(sys.modules), pairs)
+    return _settings_names[1]
+
 
 def _install() -> None:
+    # torch's settings that a program flips in a `with` (use_min_cost_redistribution_plan sets a module global and
+    # puts the old value back on exit): thread ranks entering and leaving in turn leave another rank's value behind,
+    # and the next world (the next test of a suite) would start with it; a process's settings die with it
+    _settings[:] = [(m, k, vars(m)[k]) for m, k in _setting_names() if k in vars(m)]
     _undos.extend(when_imported(name, apply) for name, apply in TABLES)
 
 
 def _uninstall() -> None:
     while _undos:
         _undos.pop()()
+    for module, name, value in _settings:
+        if vars(module).get(name, value) is not value:
+            setattr(module, name, value)
+    _settings.clear()
 
 
 _INSTALLATION = Installation(_install, _uninstall)
