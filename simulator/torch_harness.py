@@ -23,7 +23,7 @@ state; ``time.sleep`` on a rank lets the other ranks run (see :mod:`simulator.ad
 The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin`): ``--sim-seed``,
 ``--sim-mode``, ``--sim-timeout`` (default: torch's per-test timeout, ``get_timeout``) and
 ``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` gives each rank a process of its own.
-``MultiProcContinuousTest``'s workers are thread ranks with ``--sim-harness thread``
+``MultiProcContinuousTest``'s workers are simulated ranks too, threads or rank processes as the switch says
 (:mod:`simulator.torch_harness_continuous`).  Tests of torch's RPC test fixtures (``RpcAgentTestFixture``: they
 test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so.  A failed test's report ends with a section that says how it ran, how to
 replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
@@ -153,11 +153,12 @@ class _Harness:
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
         if _subclass_of_any(item, _ONE_PROCESS):
             return (yield)
-        if self.isolation == "thread" and self._undo_continuous is None and _is_continuous_test(item):
+        if self._undo_continuous is None and _is_continuous_test(item):
             # here, not at the top: it imports torch's harness (see the module's docstring)
             from simulator import torch_harness_continuous
 
-            self._undo_continuous = torch_harness_continuous.install(sys.modules[_HARNESS_MODULE], self.settings)
+            self._undo_continuous = torch_harness_continuous.install(sys.modules[_HARNESS_MODULE], self.settings,
+                                                                     self.isolation)
         if not _is_harness_test(item):
             return (yield)
         with _simulated(item, self.settings, self.replay(item), self.isolation_of(item)):

@@ -9,12 +9,15 @@ rank runs torch's own ``_worker_loop`` for that test (its process group set up, 
 its completion queue, the group destroyed).  Each rank sees a subclass of the test class of its own, so the
 class attributes a worker sets (``rank``, ``pg``) are its own, as a process's would be.
 
+With ``--sim-harness process`` the ranks are rank processes (``isolation="process"``): each imports the test's
+module and runs the same loop, and hands its completion-queue items back as its result.
+
 What differs from real workers: the process group is set up afresh for each test rather than once per class (a
-test that relies on state an earlier test of the class left on the workers sees none).  Rank processes
-(``--sim-harness process``) leave the class to real processes, as before.
+test that relies on state an earlier test of the class left on the workers sees none).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import tempfile
@@ -64,12 +67,13 @@ class _Completion:
         self.results.put(item)
 
 
-def _spawn(settings: Any) -> Any:
+def _spawn(settings: Any, isolation: str) -> Any:
     def _spawn_processes(cls: type, world_size: int) -> None:
         cls.processes = [_Worker(r) for r in range(int(world_size))]
         cls.task_queues = [queue.Queue() for _ in range(int(world_size))]
         cls.completion_queues = [_Completion(cls, r) for r in range(int(world_size))]
         cls._tp_sim_settings = settings
+        cls._tp_sim_isolation = isolation
         fd, cls.rdvz_file = tempfile.mkstemp(prefix="tp-continuous-")
         os.close(fd)
 
@@ -79,7 +83,7 @@ def _spawn(settings: Any) -> Any:
 def _run_pending(cls: type) -> None:
     """Run the world for the test id each rank's task queue holds (a ``None`` task: the class is over)."""
     import simulator  # (imports torch: this module loads with the plugin)
-    import tensorplay.distributed as tpd
+    from simulator.core.state import current_rank_state
 
     tasks = []
     for q in cls.task_queues:
@@ -95,17 +99,21 @@ def _run_pending(cls: type) -> None:
     os.unlink(rdvz)
 
     def rank_main() -> None:
-        rank = tpd.get_rank()
-        own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        tq: queue.Queue = queue.Queue()
-        tq.put(tasks[rank])
-        tq.put(None)
-        own._worker_loop(rank, world_size, rdvz, tq, cls.completion_queues[rank].results)
+        rank = current_rank_state().rank
+        _loop(cls, tasks[rank], world_size, rdvz, cls.completion_queues[rank].results)
 
     s = cls._tp_sim_settings
     try:
-        simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
-                      stall_timeout=s.stall_timeout)
+        if cls._tp_sim_isolation == "process":
+            outcomes = simulator.run(_rank_process_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
+                                     stall_timeout=s.stall_timeout, isolation="process",
+                                     args=(cls.__module__, cls.__qualname__, tasks, world_size, rdvz))
+            for c, items in zip(cls.completion_queues, outcomes):
+                for item in items:
+                    c.results.put(item)
+        else:
+            simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
+                          stall_timeout=s.stall_timeout)
     except Exception as e:  # noqa: BLE001  the world failed (a deadlock, a rank that raised): each rank's outcome
         for c in cls.completion_queues:
             if c.results.empty():
@@ -115,11 +123,36 @@ def _run_pending(cls: type) -> None:
             os.unlink(rdvz)
 
 
-def install(harness: Any, settings: Any) -> Any:
-    """Make ``MultiProcContinuousTest``'s workers simulated thread ranks; returns the undo."""
+def _loop(cls: type, task: Any, world_size: int, rdvz: str, completion: Any) -> None:
+    """torch's worker loop for one task, on a subclass of ``cls`` of the rank's own (its class attributes)."""
+    import tensorplay.distributed as tpd  # (imports torch: this module loads with the plugin)
+
+    own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    tq: queue.Queue = queue.Queue()
+    tq.put(task)
+    tq.put(None)
+    own._worker_loop(tpd.get_rank(), world_size, rdvz, tq, completion)
+
+
+def _rank_process_main(module: str, qualname: str, tasks: list, world_size: int, rdvz: str) -> list:
+    """A rank process: the test's class from its module, one task of torch's loop; the completion-queue items
+    (a test id, a ``SkipTest``, the worker's ``RuntimeError`` with its traceback text) are the rank's result."""
+    import tensorplay.distributed as tpd
+
+    cls: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    done: queue.Queue = queue.Queue()
+    _loop(cls, tasks[tpd.get_rank()], world_size, rdvz, done)
+    return [done.get() for _ in range(done.qsize())]  # (an exception pickles without its cause: its text has it)
+
+
+def install(harness: Any, settings: Any, isolation: str = "thread") -> Any:
+    """Make ``MultiProcContinuousTest``'s workers simulated ranks (``isolation``: threads or rank processes);
+    returns the undo."""
     base = harness.MultiProcContinuousTest
     saved = base.__dict__["_spawn_processes"]
-    base._spawn_processes = _spawn(settings)
+    base._spawn_processes = _spawn(settings, isolation)
 
     def undo() -> None:
         base._spawn_processes = saved

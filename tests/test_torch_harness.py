@@ -218,9 +218,10 @@ def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path:
     assert (note in out.output) == (isolation == "thread"), out.output[-3000:]
 
 
-def test_continuous_test_workers_are_thread_ranks_with_torchs_verdicts(tmp_path: Path) -> None:
-    out = _run_case(tmp_path, "case_continuous.py", sim="thread", env={"TP_EXPECT_SIMULATED": "1"})
-    assert out.verdicts == _want(CONTINUOUS, "thread"), out.output[-8000:]
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_continuous_test_workers_are_simulated_ranks_with_torchs_verdicts(tmp_path: Path, isolation: str) -> None:
+    out = _run_case(tmp_path, "case_continuous.py", sim=isolation, env={"TP_EXPECT_SIMULATED": "1"})
+    assert out.verdicts == _want(CONTINUOUS, isolation), out.output[-8000:]
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
