@@ -111,9 +111,9 @@ def _run_pending(cls: type) -> None:
             for c, items in zip(cls.completion_queues, outcomes):
                 for item in items:
                     c.results.put(item)
-        else:
+        else:  # each rank: its own copy of the parent's environment, as a spawned worker has (_init_pg sets LOCAL_RANK)
             simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
-                          stall_timeout=s.stall_timeout)
+                          stall_timeout=s.stall_timeout, env=dict(os.environ))
     except Exception as e:  # noqa: BLE001  the world failed (a deadlock, a rank that raised): each rank's outcome
         for c in cls.completion_queues:
             if c.results.empty():

@@ -1,10 +1,13 @@
 """MultiProcContinuousTest: workers that live across the tests of a class (simulated ranks with the switch on)."""
 import os
+import unittest
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import run_tests
+
+_PARENT_LOCAL_RANK = os.environ.get("LOCAL_RANK")  # the test process's, before any worker ran
 
 class _GlooOnCpu:
     """Both classes run on gloo and the CPU (a mixin, not a test class: it starts no workers itself)."""
@@ -27,6 +30,9 @@ class ContinuousCases(_GlooOnCpu, MultiProcContinuousTest):
         t = torch.tensor(self.rank + 1)
         dist.all_reduce(t)
         self.assertEqual(t, 3)
+    def test_2b_environment_is_the_workers_own(self):
+        # torch's _init_pg sets LOCAL_RANK in each worker: a worker's environment, not the parent's
+        self.assertEqual(os.environ.get("LOCAL_RANK"), str(self.rank))
     def test_3_rank_and_group(self):
         self.assertEqual(dist.get_rank(), self.rank)
         self.assertEqual(self.pg.size(), 2)
@@ -41,6 +47,11 @@ class ContinuousFailure(_GlooOnCpu, MultiProcContinuousTest):
         self.assertNotEqual(self.rank, 1)
     def test_b_after_failure(self):
         dist.barrier()
+
+class ContinuousParentAfterwards(unittest.TestCase):
+    def test_parent_environment_untouched(self):
+        # (runs in the test's process, after the classes above) the workers' LOCAL_RANK stayed theirs
+        self.assertEqual(os.environ.get("LOCAL_RANK"), _PARENT_LOCAL_RANK)
 
 if __name__ == "__main__":
     run_tests()
