@@ -328,20 +328,25 @@ def _device_type_tls() -> Any:
 
 @contextlib.contextmanager
 def _test_process_registries() -> Iterator[None]:
-    """What a test's processes register process-wide ends with them: torch's backend registry
-    (``Backend.register_backend``) and c10d's debug level are put back as they were after a test on thread ranks,
-    so the next test sees what fresh processes see."""
+    """What a test's processes register process-wide is their own and ends with them: torch's backend registry
+    (``Backend.register_backend``) is one per rank while a test runs on thread ranks, and it and c10d's debug level
+    are put back as they were after the test, so the next test sees what fresh processes see."""
     import torch.distributed as tdist  # (imports torch: see _simulated)
+
+    from simulator.adapters.per_rank_state import PerRankDict, PerRankList
 
     b = tdist.Backend
     tables = {name: getattr(b, name) for name in ("_plugins", "backend_list", "default_device_backend_map",
                                                    "backend_capability", "backend_type_map")}
     copies = {name: type(t)(t) for name, t in tables.items()}
     attrs, level = set(vars(b)), tdist.get_debug_level()
+    for name, t in tables.items():  # while the test runs, each rank registers in a copy of its own
+        setattr(b, name, (PerRankList if isinstance(t, list) else PerRankDict)(t))
     try:
         yield
     finally:
         for name, t in tables.items():
+            setattr(b, name, t)
             t.clear()  # (in place: torch's functions hold these objects)
             if isinstance(t, list):
                 t.extend(copies[name])

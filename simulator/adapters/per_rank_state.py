@@ -32,7 +32,7 @@ from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
 from simulator.core.state import current_rank_state
 
-__all__ = ["PerRankTable", "enabled", "TABLES"]
+__all__ = ["PerRankTable", "PerRankDict", "PerRankList", "enabled", "TABLES"]
 
 
 class PerRankTable(dict):  # type: ignore[type-arg]
@@ -131,6 +131,43 @@ class PerRankTable(dict):  # type: ignore[type-arg]
 
     def __reduce__(self) -> Any:
         return dict, (self.view(),)
+
+
+class _RankCopies:
+    """Mixin: each rank (with its threads) works on a copy of ``original`` made at its first touch; outside a rank,
+    the original itself."""
+
+    def __init__(self, original: Any) -> None:
+        super().__init__()
+        self._original = original
+        self._copies: dict[Any, Any] = {}
+
+    def _mine(self) -> Any:
+        rs = current_rank_state()
+        if rs is None:
+            return self._original
+        root = rs.parent or rs
+        mine = self._copies.get(root)
+        if mine is None:
+            mine = self._copies[root] = type(self._original)(self._original)
+        return mine
+
+
+def _delegating(base: type, names: tuple[str, ...]) -> type:
+    """A ``base`` subclass (``isinstance`` holds) whose ``names`` act on the calling rank's copy."""
+    def forward(name: str) -> Any:
+        return lambda self, *a, **k: getattr(self._mine(), name)(*a, **k)
+
+    attrs: dict[str, Any] = {n: forward(n) for n in names}
+    attrs["__hash__"] = None
+    return type(f"PerRank{base.__name__.title()}", (_RankCopies, base), attrs)
+
+
+_COMMON = ("__contains__", "__iter__", "__len__", "__getitem__", "__setitem__", "__delitem__", "__repr__", "__eq__",
+           "__bool__", "copy", "clear", "pop")
+#: a dict / a list each rank has a copy of (torch's backend registry: a test's ranks each register their own)
+PerRankDict = _delegating(dict, _COMMON + ("get", "setdefault", "keys", "values", "items", "update"))
+PerRankList = _delegating(list, _COMMON + ("append", "extend", "insert", "remove", "index", "count", "sort"))
 
 
 #: Hydra's singletons that hold one run's state (initialised by each @hydra.main), as opposed to its registries

@@ -228,5 +228,15 @@ class CommonCases(MultiProcessTestCase):
             self.assertEqual(pg.name(), str(expected))
             dist.destroy_process_group()
 
+    def test_registered_backend_is_the_registering_ranks(self):
+        # Backend.register_backend fills class-level tables: a process's own
+        store = dist.FileStore(self.file_name, self.world_size)
+        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, store=store)
+        if self.rank == 0:
+            dist.Backend.register_backend("tpregprobe", lambda *args: None)
+        dist.barrier()
+        self.assertEqual(dist.is_backend_available("tpregprobe"), self.rank == 0)
+        dist.destroy_process_group()
+
 if __name__ == "__main__":
     run_tests()
