@@ -333,7 +333,7 @@ def _test_process_registries() -> Iterator[None]:
     are put back as they were after the test, so the next test sees what fresh processes see."""
     import torch.distributed as tdist  # (imports torch: see _simulated)
 
-    from simulator.adapters.per_rank_state import PerRankDict, PerRankList
+    from simulator.adapters.per_rank_state import PerRankDict, PerRankList  # (imports torch: see _simulated)
 
     b = tdist.Backend
     tables = {name: getattr(b, name) for name in ("_plugins", "backend_list", "default_device_backend_map",

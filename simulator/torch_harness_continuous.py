@@ -23,6 +23,8 @@ import queue
 import tempfile
 from typing import Any
 
+from simulator.core._actor import current_rank_state  # (light: no torch)
+
 __all__ = ["install"]
 
 
@@ -83,7 +85,6 @@ def _spawn(settings: Any, isolation: str) -> Any:
 def _run_pending(cls: type) -> None:
     """Run the world for the test id each rank's task queue holds (a ``None`` task: the class is over)."""
     import simulator  # (imports torch: this module loads with the plugin)
-    from simulator.core.state import current_rank_state
 
     tasks = []
     for q in cls.task_queues:

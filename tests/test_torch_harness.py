@@ -74,7 +74,7 @@ C10D_COMMON = {t: "passed" for t in (
     "test_broadcast_coalesced", "test_new_group_local_sync_dup", "test_new_group_ordered", "test_rank_membership",
     "test_seq_num", "test_dtype_mismatch", "test_complex_and_bool", "test_debug_level", "test_local_rank",
     "test_a2a_contiguous", "test_ignored_output_unused", "test_all_backends_names",
-    "test_registered_backend_is_the_registering_ranks")}
+    "test_registered_backend_is_the_registering_ranks", "test_rank_zero_spins_on_the_default_store_until_the_others_add")}
 # MultiProcContinuousTest: thread ranks with the switch on (a world per test), real workers under "process"; a
 # failing test poisons the rest of its class, as torch's harness does
 CONTINUOUS = {"test_1_ranks_are_what_the_switch_says": "passed", "test_2_all_reduce": "passed",

@@ -236,6 +236,11 @@ def _sleep(seconds: float) -> None:
 
 #: consecutive calls of one store method at one call site with the same arguments that make a spin-poll
 SPIN_POLLS = 32
+#: in a coop rank process (no rank state in it): ``(what, site)`` steps its main thread out of the schedule for a
+#: millisecond (set by :mod:`simulator.isolation.rank_threads`); its store is a real TCPStore that the other rank
+#: processes serve only while they run
+poll_in_os: Callable[[str, str], None] | None = None
+_process_polls: list[Any] = [None]  # a rank process's last store call and its count in a row (its main thread's)
 
 
 def store_poll(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -246,15 +251,22 @@ def store_poll(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     keeps its seeded schedule."""
     def call(self: Any, *args: Any) -> Any:
         rs = current_rank_state()
-        if rs is None:
+        if rs is None and poll_in_os is None:
             return original(self, *args)
         frame = sys._getframe(1)
         spot = (name, frame.f_code, frame.f_lineno, repr(args)[:200])
-        n = rs.store_polls[1] + 1 if rs.store_polls is not None and rs.store_polls[0] == spot else 1
-        rs.store_polls = (spot, n)
+        last = rs.store_polls if rs is not None else _process_polls[0]
+        n = last[1] + 1 if last is not None and last[0] == spot else 1
+        if rs is not None:
+            rs.store_polls = (spot, n)
+        else:
+            _process_polls[0] = (spot, n)
         if n >= SPIN_POLLS:
             site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-            if sleep_out(rs, 0.001, site, what=f"Store.{name}{args!r} in a polling loop"):
+            what = f"Store.{name}{args!r} in a polling loop"
+            if rs is None:
+                poll_in_os(what, site)  # type: ignore[misc]
+            elif sleep_out(rs, 0.001, site, what=what):
                 try:
                     _REAL["sleep"](0.001)
                 finally:

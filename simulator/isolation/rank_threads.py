@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from simulator.adapters import torch_globals
+from simulator.adapters import threads, torch_globals
 from simulator.isolation import _wire
 from simulator.isolation.messages import END, FREE, JOIN, LEAVE, REJOIN, SLEEP, THREAD, WAKE
 
@@ -59,6 +59,7 @@ def install(backend: Any, coop: bool) -> None:
         _ORIGINAL["sleep"] = time.sleep
         time.sleep = _sleep
         torch_globals.wait_in_os = _wait_in_os
+        threads.poll_in_os = _poll_in_os
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread.join = _join  # type: ignore[method-assign]
@@ -186,6 +187,20 @@ def _sleep(seconds: float) -> None:
         if left:
             b._request((WAKE,))
         _last_sleep = b.exchanges  # (its own two requests are no call of the program's)
+
+
+def _poll_in_os(what: str, site: str) -> None:
+    """The main thread polls a store in a loop (``while store.add(key, 0) < n``; see
+    :func:`simulator.adapters.threads.store_poll`): a millisecond out of the schedule, so the rank it waits for runs."""
+    b = _backend
+    if b is None or not b.on_main_thread():
+        return
+    left = b._request((SLEEP, 0.001, site, what))
+    try:
+        _ORIGINAL["sleep"](0.001)
+    finally:
+        if left:
+            b._request((WAKE,))
 
 
 def _wait_in_os(what: str, site: str, call: Any) -> Any:

@@ -238,5 +238,20 @@ class CommonCases(MultiProcessTestCase):
         self.assertEqual(dist.is_backend_available("tpregprobe"), self.rank == 0)
         dist.destroy_process_group()
 
+    def test_rank_zero_spins_on_the_default_store_until_the_others_add(self):
+        # torch's DummyProcessGroup.barrier: rank 0 polls the default store in a loop with no sleep
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank,
+                                world_size=self.world_size)
+        store = c10d.distributed_c10d._get_default_store()
+        if self.rank == 0:
+            count = 0
+            while count < self.world_size - 1:
+                count = store.add("spin", 0)
+            self.assertEqual(count, self.world_size - 1)
+        else:
+            store.add("spin", 1)
+        dist.barrier()
+        dist.destroy_process_group()
+
 if __name__ == "__main__":
     run_tests()
