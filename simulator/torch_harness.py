@@ -26,7 +26,8 @@ The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin
 ``MultiProcContinuousTest``'s workers are simulated ranks too, threads or rank processes as the switch says
 (:mod:`simulator.torch_harness_continuous`).  Tests of torch's RPC test fixtures (``RpcAgentTestFixture``: they
 test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so.  A failed test's report ends with a section that says how it ran, how to
-replay it, and, where the failure is a known effect of ranks sharing one process, what to do instead.
+replay it, the simulator's report when it stopped the ranks itself (a timeout, a deadlock: torch's harness sees
+exit code 1 only), and, where the failure is a known effect of ranks sharing one process, what to do instead.
 
 Loading this module costs a session with the switch off nothing: it imports pytest (and the simulator's
 light actor lookup) only, and torch and the rest of the simulator are imported when a test of the harness runs
@@ -125,6 +126,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Harness(config, isolation), "simulator-torch-harness")
 
 
+#: where a test's item keeps the simulator's reports of its worlds that failed (timeouts, deadlocks)
+_WORLD_REPORTS = pytest.StashKey[list]()
+_REPORT_CHARS = 6000
+
+
 class _Harness:
     """The switch, on: tests of MultiProcessTestCase run their ranks on a simulated world."""
 
@@ -202,6 +208,8 @@ class _Harness:
         lines = [f"The ranks of this test ran as simulated {what} (seed={s.seed}, mode={s.mode}).",
                  f"Replay: {self.replay(item)}",
                  f"On real processes: python -m pytest '{item.nodeid}' --sim-harness off"]
+        for e in item.stash.get(_WORLD_REPORTS, ()):
+            lines.append(f"The simulator's report ({type(e).__name__}):\n{str(e)[:_REPORT_CHARS]}")
         text = report.longreprtext
         for signs, why in _SHARED_PROCESS_SIGNS:
             if isolation == "thread" and any(sign in text for sign in signs):
@@ -234,6 +242,7 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     # here, not at the top, as the other imports of the simulator below: they import torch, and this plugin
     # loads at every pytest start-up (see the module's docstring)
     from simulator.core.progress import BoundNames
+    from simulator.core.errors import SimError  # (imports torch: see above)
     from simulator.launch import _Launcher, patched  # (imports torch: see above)
 
     harness = sys.modules[_HARNESS_MODULE]
@@ -262,6 +271,9 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                 yield
             finally:
                 launcher.finish()  # ranks started and never joined run now, as a process joins its children
+                # the simulator's own reports (a timeout, a deadlock: who waited where) reach torch's harness as exit
+                # code 1 only; the test's report shows them (see _Harness.explain)
+                item.stash[_WORLD_REPORTS] = [e for e in launcher.failures if isinstance(e, SimError)]
     finally:
         sys.excepthook = hook
         if hasattr(default_ctx, "_actual_context"):

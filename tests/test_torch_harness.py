@@ -238,6 +238,44 @@ def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path
         assert "--sim-harness process" in out.output
 
 
+_STUCK_CASE = """
+import time
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_utils import run_tests
+
+class Stuck(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+    def test_rank_zero_never_arrives(self):
+        if self.rank == 0:
+            for _ in range(100):  # (bounded: a thread rank cannot be stopped from outside)
+                time.sleep(0.05)
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_simulated_timeout_shows_the_simulators_report_in_the_tests_failure(tmp_path: Path, isolation: str) -> None:
+    # torch's harness sees a rank the simulator stopped as exit code 1 and nothing else; the report says who waited
+    work = tmp_path / isolation
+    work.mkdir()
+    (work / "test_stuck.py").write_text(_STUCK_CASE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
+                           "--sim-harness", isolation, "--sim-timeout", "1.5", "test_stuck.py"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed" in out, out[-4000:]
+    assert "The simulator's report (SimTimeoutError)" in out, out[-4000:]
+    assert "timeout" in out.split("The simulator's report (SimTimeoutError)", 1)[1][:2000], out[-4000:]
+
+
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
     out = _run_case(tmp_path, "case_multiprocess.py", sim=None, tests=("HarnessCases::test_all_reduce",),
                     extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
