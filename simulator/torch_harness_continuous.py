@@ -101,7 +101,7 @@ def _run_pending(cls: type) -> None:
 
     def rank_main() -> None:
         rank = current_rank_state().rank
-        _loop(cls, tasks[rank], world_size, rdvz, cls.completion_queues[rank].results)
+        _loop(cls, rank, tasks[rank], world_size, rdvz, cls.completion_queues[rank].results)
 
     s = cls._tp_sim_settings
     try:
@@ -124,27 +124,26 @@ def _run_pending(cls: type) -> None:
             os.unlink(rdvz)
 
 
-def _loop(cls: type, task: Any, world_size: int, rdvz: str, completion: Any) -> None:
+def _loop(cls: type, rank: int, task: Any, world_size: int, rdvz: str, completion: Any) -> None:
     """torch's worker loop for one task, on a subclass of ``cls`` of the rank's own (its class attributes)."""
-    import tensorplay.distributed as tpd  # (imports torch: this module loads with the plugin)
-
     own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     tq: queue.Queue = queue.Queue()
     tq.put(task)
     tq.put(None)
-    own._worker_loop(tpd.get_rank(), world_size, rdvz, tq, completion)
+    own._worker_loop(rank, world_size, rdvz, tq, completion)
 
 
 def _rank_process_main(module: str, qualname: str, tasks: list, world_size: int, rdvz: str) -> list:
     """A rank process: the test's class from its module, one task of torch's loop; the completion-queue items
     (a test id, a ``SkipTest``, the worker's ``RuntimeError`` with its traceback text) are the rank's result."""
-    import tensorplay.distributed as tpd
+    import tensorplay.distributed as tpd  # (imports torch: this module loads with the plugin)
 
     cls: Any = importlib.import_module(module)
     for part in qualname.split("."):
         cls = getattr(cls, part)
     done: queue.Queue = queue.Queue()
-    _loop(cls, tasks[tpd.get_rank()], world_size, rdvz, done)
+    rank = tpd.get_rank()
+    _loop(cls, rank, tasks[rank], world_size, rdvz, done)
     return [done.get() for _ in range(done.qsize())]  # (an exception pickles without its cause: its text has it)
 
 

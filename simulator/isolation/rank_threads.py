@@ -192,24 +192,16 @@ def _sleep(seconds: float) -> None:
 def _poll_in_os(what: str, site: str) -> None:
     """The main thread polls a store in a loop (``while store.add(key, 0) < n``; see
     :func:`simulator.adapters.threads.store_poll`): a millisecond out of the schedule, so the rank it waits for runs."""
-    b = _backend
-    if b is None or not b.on_main_thread():
-        return
-    left = b._request((SLEEP, 0.001, site, what))
-    try:
-        _ORIGINAL["sleep"](0.001)
-    finally:
-        if left:
-            b._request((WAKE,))
+    _wait_in_os(what, site, lambda: _ORIGINAL["sleep"](0.001), seconds=0.001)
 
 
-def _wait_in_os(what: str, site: str, call: Any) -> Any:
+def _wait_in_os(what: str, site: str, call: Any, seconds: float = 1.0) -> Any:
     """A wait of the main thread in the OS that the scheduler cannot see (a store's ``get`` of a key no rank has
     set yet; see :func:`simulator.adapters.torch_globals._store_wait`): step out of the schedule for it."""
     b = _backend
     if b is None or not b.on_main_thread():
         return call()
-    left = b._request((SLEEP, 1.0, site, what))
+    left = b._request((SLEEP, seconds, site, what))
     try:
         return call()
     finally:
