@@ -25,7 +25,9 @@ The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin
 ``--sim-stall-timeout`` (default 300 s).  ``--sim-harness process`` gives each rank a process of its own.
 ``MultiProcContinuousTest``'s workers are simulated ranks too, threads or rank processes as the switch says
 (:mod:`simulator.torch_harness_continuous`).  Tests of torch's RPC test fixtures (``RpcAgentTestFixture``: they
-test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so.  A failed test's report ends with a section that says how it ran, how to
+test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so; so does a test
+that failed on thread ranks for a named reason of their sharing one process (it started torch's profiler on a rank,
+or torch's module trackers saw the other ranks' modules): it runs again on rank processes, whose verdict is its.  A failed test's report ends with a section that says how it ran, how to
 replay it, the simulator's report when it stopped the ranks itself (a timeout, a deadlock: torch's harness sees
 exit code 1 only), and, where the failure is a known effect of ranks sharing one process, what to do instead.
 
@@ -51,7 +53,11 @@ _HARNESS_MODULE = "torch.testing._internal.common_distributed"
 _DIST_TEST_MODULE = "torch.testing._internal.distributed.distributed_test"
 #: torch's MultiProcessTestCase bounds a test at 300 s; a rank that waits that long without progress hangs
 DEFAULT_STALL_TIMEOUT = 300.0
-#: failures that come from ranks sharing one process, and why (the report names the fix)
+#: why a test that starts torch's profiler on a rank runs on rank processes under --sim-harness thread
+PROFILER_WHY = ("torch's profiler is one per process (each thread rank's would record the other ranks' operations, "
+                "and a second rank's start or stop crashes the process); the test started it on a rank")
+#: failures that come from ranks sharing one process, and why (the report names the fix; the test runs again on
+#: rank processes)
 _SHARED_PROCESS_SIGNS = (
     (("Module hierarchy tracking", "module hierarchy tracking", "comm_module_operation_counts"),
      "torch's module trackers (ModTracker, CommDebugMode's tracker, torch.utils.module_tracker) register their "
@@ -126,6 +132,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_Harness(config, isolation), "simulator-torch-harness")
 
 
+#: set on a test's item when one of its thread ranks needed a process of its own (why): see _thread_only_failure
+_NEEDS_A_PROCESS = pytest.StashKey[str]()
 #: where a test's item keeps the simulator's reports of its worlds that failed (timeouts, deadlocks)
 _WORLD_REPORTS = pytest.StashKey[list]()
 _REPORT_CHARS = 6000
@@ -167,11 +175,24 @@ class _Harness:
                                                                      self.isolation)
         if not _is_harness_test(item):
             return (yield)
-        with _simulated(item, self.settings, self.replay(item), self.isolation_of(item)):
-            return (yield)
+        isolation = self.isolation_of(item)
+        with _simulated(item, self.settings, self.replay(item), isolation):
+            result = yield
+        why = _thread_only_failure(item) if isolation == "thread" else None
+        if why is not None:
+            # the failure is one of thread ranks sharing this process, named: the test's verdict is that of
+            # ranks with a process each, as gloo's would be (the run's summary says which tests moved, and why)
+            self._moved[item.nodeid] = f"they failed on thread ranks first, for a reason of ranks sharing one process: {why}"
+            item.__dict__.pop("_excinfo", None)  # (pytest's unittest item keeps the failures it reports here)
+            with _simulated(item, self.settings, self.replay(item), "process"):
+                item.runtest()
+        return result
 
     def isolation_of(self, item: pytest.Item) -> str:
-        """The isolation ``item`` runs in: the switch's, or rank processes for the classes that need them."""
+        """The isolation ``item`` runs in: the switch's, or rank processes for the classes that need them and for
+        tests that failed on thread ranks for a named reason of thread ranks sharing one process."""
+        if item.nodeid in self._moved:
+            return "process"
         if self.isolation == "thread":
             why = _process_only(item)
             if why is not None:
@@ -218,6 +239,19 @@ class _Harness:
         return "\n".join(lines)
 
 
+def _thread_only_failure(item: pytest.Item) -> str | None:
+    """Why ``item`` failed on thread ranks because they share one process (a known, named reason), or None: then
+    it runs again on rank processes, whose verdict is the test's."""
+    failures = item.__dict__.get("_excinfo") or ()
+    if not failures:
+        return None
+    why = item.stash.get(_NEEDS_A_PROCESS, None)
+    if why is not None:
+        return why
+    text = "\n".join(str(f.value) for f in failures)
+    return next((why for signs, why in _SHARED_PROCESS_SIGNS if any(sign in text for sign in signs)), None)
+
+
 def _is_harness_test(item: pytest.Item) -> bool:
     """A test method of a MultiProcessTestCase subclass (its module imported torch's harness already)."""
     harness = sys.modules.get(_HARNESS_MODULE)
@@ -261,7 +295,7 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
-        per_process = ((_own_class_state(), _one_profiler_per_process(item.nodeid), _test_process_registries())
+        per_process = ((_own_class_state(), _one_profiler_per_process(item), _test_process_registries())
                        if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:
@@ -401,11 +435,13 @@ def _own_class_state() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
+def _one_profiler_per_process(item: pytest.Item) -> Iterator[None]:
     """torch's profiler (``torch.autograd.profiler.profile``, ``torch.profiler.profile``) is one per process: on
     thread ranks each rank's would record every rank's operations, and a second rank's start or stop crashes the
-    process (a segmentation fault in ``_disable_profiler``).  Starting one on a rank fails instead, naming the fix.
+    process (a segmentation fault in ``_disable_profiler``).  Starting one on a rank fails instead, naming the fix,
+    and marks the test, which then runs again on rank processes (see :func:`_thread_only_failure`).
     """
+    nodeid = item.nodeid
     import torch.autograd.profiler as autograd_profiler
 
     from tensorplay.distributed.errors import format_message  # (imports torch: see _simulated)
@@ -418,6 +454,7 @@ def _one_profiler_per_process(nodeid: str) -> Iterator[None]:
     def _prepare_trace(self: Any) -> Any:
         rs = current_rank_state()
         if rs is not None:
+            item.stash[_NEEDS_A_PROCESS] = PROFILER_WHY
             raise SimError(format_message(
                 "simulator.torch_harness", "torch's profiler was started on a simulated thread rank; the profiler "
                 "is one per process, and thread ranks share this process (each rank would record the others' "

@@ -44,6 +44,8 @@ MULTIPROCESS = {
     "test_file_store": "passed",
     "test_getpid_is_per_rank": "passed",
     "test_sleep_polling_a_file": "passed",
+    # fails on thread ranks with the text of torch's module trackers: runs again on rank processes, as the run says
+    "test_module_tracker_of_the_whole_process": "passed",
 }
 DTENSOR = {"test_redistribute_shard_to_replicate": "passed", "test_wrong_expectation_fails": "failed"}
 DISTRIBUTED_TEST = {
@@ -53,9 +55,10 @@ DISTRIBUTED_TEST = {
     "test_barrier_timeout_global": "passed",
     "test_monitored_barrier_gloo": "passed",
     "test_monitored_barrier_gloo_rank_0_timeout": "passed",
-    # call_dist_op runs the collective under torch's autograd profiler, one per process: refused on thread ranks;
-    # a rank process records the events gloo records (gloo:all_reduce, asynchronous, with the input's shape)
-    "test_all_reduce_sum": {"thread": "failed", "process": "passed", "gloo": "passed"},
+    # call_dist_op runs the collective under torch's autograd profiler, one per process: refused on thread ranks,
+    # where the test runs again on rank processes; a rank process records the events gloo records (gloo:all_reduce,
+    # asynchronous, with the input's shape)
+    "test_all_reduce_sum": "passed",
 }
 # instantiate_device_type_tests' thread-local precision, and torch.nn's global module hooks (CommDebugMode) around a
 # collective that writes into a module's output: per rank on thread ranks, a process's own on rank processes
@@ -179,6 +182,12 @@ def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protoco
     assert "Replay: python -m pytest 'case_multiprocess.py::HarnessCases::test_fails_on_rank_one'" in out.output
     pids = {int(p) for p in _PIDS.findall(out.output)}
     assert pids and min(pids) > _pid_max(), pids  # the launcher's pids: no real process was started
+    # a failure of thread ranks sharing one process (a module tracker's text) ran again on rank processes, and the
+    # run says why; with a process each, nothing ran twice
+    moved = ("1 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked "
+             "for: they failed on thread ranks first, for a reason of ranks sharing one process: torch's module "
+             "trackers")
+    assert (moved in out.output) == (isolation == "thread"), out.output[-8000:]
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
@@ -231,11 +240,12 @@ def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path
     out = _run(tmp_path, "case_distributed_test.py", sim=isolation)
     assert out.verdicts == _want(DISTRIBUTED_TEST, isolation), out.output[-8000:]
     # test_barrier and test_get_rank pass through distributed_test's file barrier: per-rank pids and barrier
-    # counts, and ranks that sleep-poll the barrier files while the others run; the profiler is refused by name
-    # on thread ranks (one per process), with the fix
+    # counts, and ranks that sleep-poll the barrier files while the others run; the profiler is refused on thread
+    # ranks (one per process), and the test that started it ran again on rank processes, as the summary says
+    moved = "1 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked for"
+    assert (moved in out.output) == (isolation == "thread"), out.output[-8000:]
     if isolation == "thread":
-        assert "torch's profiler was started on a simulated thread rank" in out.output
-        assert "--sim-harness process" in out.output
+        assert "torch's profiler is one per process" in out.output
 
 
 _STUCK_CASE = """

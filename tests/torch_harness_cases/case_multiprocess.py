@@ -1,6 +1,7 @@
 """MultiProcessTestCase written as users write it: one process per rank, file:// rendezvous, gloo."""
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -75,6 +76,14 @@ class HarnessCases(MultiProcessTestCase):
                 if time.time() - start > POLL_DEADLINE_S:
                     raise AssertionError(f"rank {self.rank} never saw {flag}")
                 time.sleep(0.05)
+        dist.barrier()
+
+    def test_module_tracker_of_the_whole_process(self) -> None:
+        # torch's module trackers see every module of their process: where ranks share one (threads) a tracker
+        # fails with this text. This rank fails so where it is not its process's main thread, as a tracker would
+        self._init()
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("The Module hierarchy tracking is wrong (another rank's module entered)")
         dist.barrier()
 
 
