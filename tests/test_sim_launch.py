@@ -422,3 +422,57 @@ def test_default_groups_over_part_of_the_spawned_ranks_match_a_real_gloo_run(tmp
     sim = _sim(tmp_path, script)
     assert sim.returncode == 0, sim.stderr
     assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
+
+
+# env:// in a process the program started: it has what it inherited and what it sets, nothing a launcher adds
+ENV_RENDEZVOUS = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def rank_fn(rank, size, given):
+        for name in given.split(","):
+            if name:
+                os.environ[name] = {{"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": "{port}"}}[name]
+        try:
+            dist.init_process_group("gloo")
+        except ValueError as e:
+            print(f"rank {{rank}}: ValueError: {{e}}", flush=True)
+            return
+        x = torch.tensor([rank + 1.0])
+        dist.all_reduce(x)
+        print(f"rank {{rank}}: sum={{x.item()}}", flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_fn, args=(2, sys.argv[1] if len(sys.argv) > 1 else ""), nprocs=2)
+""")
+ENV_CASES = {"": "RANK", "RANK": "WORLD_SIZE", "RANK,WORLD_SIZE": "MASTER_ADDR",
+             "RANK,WORLD_SIZE,MASTER_ADDR": "MASTER_PORT"}
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_env_rendezvous_of_a_spawned_rank_needs_what_a_spawned_process_needs(tmp_path, isolation):
+    # torch's env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a spawned child that set none of them
+    # fails with torch's own error, naming the first one missing (simulator.run and torchrun-style runs set them)
+    script = _write(tmp_path, "env_demo.py", ENV_RENDEZVOUS)
+    for given, missing in ENV_CASES.items():
+        p = _sim(tmp_path, "--isolation", isolation, script, given)
+        assert p.returncode == 0, p.stderr
+        want = [f"rank {r}: ValueError: Error initializing torch.distributed using env:// rendezvous: environment "
+                f"variable {missing} expected, but not set" for r in range(2)]
+        assert _lines(p.stdout) == want, (given, p.stdout, p.stderr[-3000:])
+    p = _sim(tmp_path, "--isolation", isolation, script, "RANK,WORLD_SIZE,MASTER_ADDR,MASTER_PORT")
+    assert p.returncode == 0, p.stderr
+    assert _lines(p.stdout) == ["rank 0: sum=3.0", "rank 1: sum=3.0"], p.stdout
+
+
+@pytest.mark.gloo
+def test_env_rendezvous_of_a_spawned_rank_fails_on_gloo_as_simulated(tmp_path):
+    script = _write(tmp_path, "env_demo.py", ENV_RENDEZVOUS)
+    for given in ("", "RANK,WORLD_SIZE"):  # (fails before any connection: quick on real processes)
+        real, sim = _real(tmp_path, script, given), _sim(tmp_path, script, given)
+        assert real.returncode == sim.returncode == 0, (real.stderr[-3000:], sim.stderr[-3000:])
+        assert _lines(sim.stdout) == _lines(real.stdout) and "ValueError" in real.stdout, (real.stdout, sim.stdout)

@@ -8,6 +8,7 @@ these override are listed in :mod:`simulator.adapters.torch_private`.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 from datetime import timedelta
@@ -23,7 +24,22 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 from simulator.adapters import torch_profiling
 from simulator.adapters.torch_private import check_torch_version
 
-__all__ = ["SimWork"]
+__all__ = ["SimWork", "forget_unwaited"]
+
+#: the works not yet waited for, kept alive here (id -> work). pybind finds the Python overrides (``wait``,
+#: ``get_future``) only while the Python object lives, and a holder in C++ keeps the C++ part alone: DDP's reducer
+#: keeps the forward pass's work under ``join()`` and, in backward, after Python dropped it, calls ``wait`` and
+#: then ``getFuture``; torch's base ``Work.wait`` blocked forever there (a completion the base never gets)
+_UNWAITED: dict[int, "SimWork"] = {}
+#: the works waited for last, kept a while longer for a C++ holder's calls after its wait (``getFuture``); bounded,
+#: so a loop of waited operations holds on to none but these
+_WAITED: collections.deque["SimWork"] = collections.deque(maxlen=64)
+
+
+def forget_unwaited() -> None:
+    """Let go of the works kept alive (when the worlds end: nothing waits on them any more)."""
+    _UNWAITED.clear()
+    _WAITED.clear()
 
 check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
 
@@ -53,6 +69,7 @@ class SimWork(tdist.Work):
         self._fut: torch.futures.Future | None = None
         self._event: Any = None  # the profiler's event of this operation, closed when it is waited for
         self._timeout: timedelta | None = None  # its group's bound on the operation
+        _UNWAITED[id(self)] = self
 
     def wait(self, timeout: Any = None) -> bool:
         """Block (visibly to the simulator) until the operation finished, at most ``timeout`` (default: its group's
@@ -71,6 +88,8 @@ class SimWork(tdist.Work):
                 raise
             finally:
                 self._done = True
+                if _UNWAITED.pop(id(self), None) is not None:
+                    _WAITED.append(self)
                 if self._event is not None:
                     event, self._event = self._event, None
                     torch_profiling.completed(event)

@@ -51,7 +51,7 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _set_thread_isolation_mode
 
-from simulator.adapters import torch_groups
+from simulator.adapters import process_group_work, torch_groups
 from simulator.adapters._patch import Installation
 from simulator.adapters.threads import store_poll
 from simulator.adapters.after_import import when_imported as _when_imported
@@ -137,6 +137,7 @@ def _uninstall() -> None:
     for undo in reversed(_saved.pop("isolated", [])):
         undo()
     _set_thread_isolation_mode(False)
+    process_group_work.forget_unwaited()
     _stores.clear()
     torch_groups.reset()
     for path in rendezvous_files:

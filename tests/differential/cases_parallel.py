@@ -131,6 +131,26 @@ def ddp_no_sync_accumulation(ctx):
     return {"local": local, "synced": _grads(model)}
 
 
+@case(world_sizes=(2, 3), front_doors=TORCH, compare="close")
+def ddp_join_uneven_inputs(ctx):
+    # rank r trains on r + 2 batches; the ranks that run out early shadow the others' all-reduces under join().
+    # divide_by_initial_world_size=False: each backward divides by the ranks still training, read from the work
+    # of the forward pass's all-reduce, which DDP's reducer keeps in C++ and waits on in backward
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_mlp(ctx))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    with model.join(divide_by_initial_world_size=False):
+        for step in range(ctx.rank + 2):
+            x, y = _batch(ctx, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append(_grads(model))
+            opt.step()
+    return {"grads": grads, "params": _params(model)}
+
+
 @case(world_sizes=(2,), front_doors=TORCH, compare="close")
 def ddp_comm_hook_allreduce(ctx):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
