@@ -323,7 +323,8 @@ def test_state_dict_round_trip(two_gpus):
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
-    loaded = torch.load(buf)  # weights_only: saved as the CPU tensors the stand-ins hold
+    loaded = torch.load(buf)  # weights_only: saved tagged "cuda:0", as on a GPU, so loaded onto cuda:0
+    assert all(v.device == torch.device("cuda", 0) for v in loaded.values())
     fresh = torch.nn.Linear(10, 10).cuda()
     fresh.load_state_dict({k[2:]: v for k, v in loaded.items() if k.startswith("0.")})
     assert torch.equal(fresh.weight.cpu(), model[0].weight.cpu()) and fresh.weight.is_cuda
@@ -496,6 +497,32 @@ def test_checkpoints_saved_on_gpus_load_onto_their_devices(two_gpus, monkeypatch
     buf.seek(0)
     moved = torch.load(buf, map_location={"cuda:1": "cuda:0"})
     assert moved["w"].device == torch.device("cuda", 0) and torch.equal(moved["w"].cpu(), torch.arange(3.0))
+
+
+def test_standins_are_saved_as_a_gpus_tensors_are():
+    # torch.save on a GPU tags each storage with its device; torch.load puts it back there, map_location moves it,
+    # and a process without GPUs refuses the file unless told where to put it
+    buf = io.BytesIO()
+    with standin.enabled(gpus_per_node=2):
+        w = torch.arange(6.0).reshape(2, 3).to("cuda:1")
+        torch.save({"w": w, "w_t": w.t(), "cpu": torch.ones(2), "step": 3}, buf)
+        buf.seek(0)
+        back = torch.load(buf)
+        assert back["w"].device == torch.device("cuda", 1) and back["cpu"].device.type == "cpu"
+        assert torch.equal(back["w_t"].cpu(), torch.arange(6.0).reshape(2, 3).t()) and back["step"] == 3
+        buf.seek(0)
+        moved = torch.load(buf, map_location={"cuda:1": "cuda:0"})
+        assert moved["w"].device == torch.device("cuda", 0) and torch.equal(moved["w"].cpu(), w.cpu())
+        pickled = io.BytesIO()
+        torch.save(w, pickled)  # a bare tensor too
+        pickled.seek(0)
+        assert torch.load(pickled).device == torch.device("cuda", 1)
+    buf.seek(0)
+    with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+        torch.load(buf)  # as a GPU's checkpoint on a machine without one
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    assert on_cpu["w"].device.type == "cpu" and torch.equal(on_cpu["w"], torch.arange(6.0).reshape(2, 3))
 
 
 def _fsdp2_step(use_cuda: bool, move_first: bool = True):

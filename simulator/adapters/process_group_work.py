@@ -8,9 +8,9 @@ these override are listed in :mod:`simulator.adapters.torch_private`.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import sys
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -31,15 +31,16 @@ __all__ = ["SimWork", "forget_unwaited"]
 #: keeps the forward pass's work under ``join()`` and, in backward, after Python dropped it, calls ``wait`` and
 #: then ``getFuture``; torch's base ``Work.wait`` blocked forever there (a completion the base never gets)
 _UNWAITED: dict[int, "SimWork"] = {}
-#: the works waited for last, kept a while longer for a C++ holder's calls after its wait (``getFuture``); bounded,
-#: so a loop of waited operations holds on to none but these
-_WAITED: collections.deque["SimWork"] = collections.deque(maxlen=64)
+#: the work each thread waited for last (thread id -> work), kept until that thread's next wait ends, for a C++
+#: holder's calls right after its wait (the reducer's ``getFuture``); one per thread, so a loop of waited
+#: operations holds on to no more than one of them
+_LAST_WAITED: dict[int, "SimWork"] = {}
 
 
 def forget_unwaited() -> None:
     """Let go of the works kept alive (when the worlds end: nothing waits on them any more)."""
     _UNWAITED.clear()
-    _WAITED.clear()
+    _LAST_WAITED.clear()
 
 check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
 
@@ -89,7 +90,7 @@ class SimWork(tdist.Work):
             finally:
                 self._done = True
                 if _UNWAITED.pop(id(self), None) is not None:
-                    _WAITED.append(self)
+                    _LAST_WAITED[threading.get_ident()] = self
                 if self._event is not None:
                     event, self._event = self._event, None
                     torch_profiling.completed(event)

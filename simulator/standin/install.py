@@ -40,7 +40,7 @@ from simulator.adapters._patch import Installation
 from simulator.standin import _native, amp, attention, cuda_api as api, ranks, syncbn  # noqa: F401  (syncbn: its operators)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
-from simulator.standin.serialization import deserialize_cuda, patched_load, registry_entry
+from simulator.standin.serialization import cpu_tagger, deserialize_cuda, patched_load, patched_save, registry_entry
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
 from simulator.standin.tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
@@ -296,7 +296,7 @@ def _table() -> list[tuple[Any, str, Any]]:
               torch.Tensor.new_tensor)), (torch, "compile", compile_guard(torch.compile)),
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
-    t += [(torch, "load", patched_load(torch.load))]
+    t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save))]
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
     t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
@@ -311,7 +311,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
-    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.compile",
+    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save", "torch.compile",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
 
 
@@ -335,6 +335,10 @@ def _install() -> None:
         pos, entry, priority, tagger = registry_entry()
         _saved.append((torch.serialization._package_registry, pos, True, entry))
         torch.serialization._package_registry[pos] = (priority, tagger, deserialize_cuda)
+        # torch.save tags a stand-in's (CPU) storage as its CUDA device's, ahead of CPU's tagger
+        pos, entry, priority, tagger = registry_entry("cpu")
+        _saved.append((torch.serialization._package_registry, pos, True, entry))
+        torch.serialization._package_registry[pos] = (priority, cpu_tagger(tagger), entry[2])
         # torch.device("privateuseone", i) lazily initialises "torch.privateuseone": a module with nothing to start
         _saved.append((sys.modules, "torch.privateuseone", "torch.privateuseone" in sys.modules,
                        sys.modules.get("torch.privateuseone")))

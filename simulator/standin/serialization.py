@@ -1,4 +1,12 @@
-"""``torch.load`` of CUDA tensors on the stand-in: checkpoints saved on GPUs load onto stand-in devices.
+"""``torch.save``/``torch.load`` of CUDA tensors on the stand-in: checkpoints are written and read as on GPUs.
+
+``torch.save`` tags each storage with its device through the taggers of torch's
+storage-location registry; a stand-in's storage is a CPU storage, which CPU's
+tagger would call ``"cpu"``.  While :func:`patched_save` runs, each stand-in the
+pickler reaches notes its storage (``StandInTensor.__reduce_ex__``) and :func:`tag_saved`
+tags it ``"cuda:i"`` ahead of CPU's tagger, so the file says what a GPU's says:
+``torch.load`` with ``map_location={"cuda:0": "cuda:1"}`` moves it, and a process
+without GPUs (and without the stand-in) refuses it as it refuses a GPU's file.
 
 ``torch.load`` restores each storage through the deserializer registered for
 its location tag; CUDA's would copy the storage to a GPU.  While the stand-in
@@ -19,11 +27,33 @@ import torch
 import torch.serialization
 
 from simulator.standin import ranks
-from simulator.standin.tensor import StandInTensor, wrap
+from simulator.standin.tensor import StandInTensor, saving, wrap
 
-__all__ = ["deserialize_cuda", "patched_load", "registry_entry"]
+__all__ = ["deserialize_cuda", "patched_load", "patched_save", "registry_entry", "tag_saved"]
 
 _noted = threading.local()  # per loading thread: storage address -> device index
+
+def tag_saved(storage: Any) -> str | None:
+    """The location tag of a stand-in's storage being saved (``"cuda:i"``), else None (the next tagger decides)."""
+    marks = getattr(saving, "marks", None)
+    if not marks:
+        return None
+    idx = marks.get(getattr(storage, "_cdata", None))
+    return None if idx is None else f"cuda:{idx}"
+
+
+def patched_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.save`` that tags the storages of stand-ins as CUDA's (see the module docstring)."""
+    def save(*args: Any, **kwargs: Any) -> Any:
+        outer = getattr(saving, "marks", None)
+        saving.marks = {}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            saving.marks = outer
+
+    save.__doc__ = original.__doc__
+    return save
 
 
 def deserialize_cuda(obj: Any, location: str) -> Any:
@@ -70,10 +100,18 @@ def patched_load(original: Callable[..., Any]) -> Callable[..., Any]:
     return load
 
 
-def registry_entry() -> tuple[int, Any, int, Any]:
-    """``(position, entry, priority, tagger)`` of CUDA's entry in torch's storage-location registry."""
+def registry_entry(device: str = "cuda") -> tuple[int, Any, int, Any]:
+    """``(position, entry, priority, tagger)`` of ``device``'s entry in torch's storage-location registry."""
     for i, entry in enumerate(torch.serialization._package_registry):
         tagger = entry[1]
-        if getattr(tagger, "args", None) == ("cuda",):
+        if getattr(tagger, "args", None) == (device,) or getattr(tagger, "__name__", None) == f"_{device}_tag":
             return i, entry, entry[0], tagger
-    raise LookupError("torch.serialization has no deserializer for cuda locations")
+    raise LookupError(f"torch.serialization has no entry for {device} locations")
+
+
+def cpu_tagger(cpu: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """CPU's tagger, asking :func:`tag_saved` first (a stand-in's storage is a CPU storage)."""
+    def tag(storage: Any) -> str | None:
+        return tag_saved(storage) or cpu(storage)
+
+    return tag

@@ -185,9 +185,18 @@ class StandInTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        # saved as the CPU tensor it holds: torch.load (weights_only too) reads it back on the CPU
+        # pickled as the CPU tensor it holds; under torch.save its storage is tagged with this stand-in's device
+        # (see simulator.standin.serialization), so torch.load reads it back as a GPU's
+        marks = getattr(saving, "marks", None)
+        if marks is not None:
+            marks[self._inner.untyped_storage()._cdata] = self._idx
         return self._inner.__reduce_ex__(proto)
 
+
+#: set by torch.save while the stand-in is enabled (simulator.standin.serialization.patched_save): storage address ->
+#: device index of each stand-in pickled, whose storage is then tagged "cuda:i"; a pickle elsewhere (one sent
+#: between processes) carries the CPU tensor a stand-in holds
+saving = threading.local()
 
 _TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float64: "torch.cuda.DoubleTensor",
                torch.float16: "torch.cuda.HalfTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
