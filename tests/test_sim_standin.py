@@ -323,8 +323,8 @@ def test_state_dict_round_trip(two_gpus):
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
-    loaded = torch.load(buf)  # weights_only: saved tagged "cuda:0", as on a GPU, so loaded onto cuda:0
-    assert all(v.device == torch.device("cuda", 0) for v in loaded.values())
+    loaded = torch.load(buf)  # weights_only: saved tagged "cuda:i", as on a GPU, so loaded onto cuda:i
+    assert all(v.device == model[0].weight.device for v in loaded.values())
     fresh = torch.nn.Linear(10, 10).cuda()
     fresh.load_state_dict({k[2:]: v for k, v in loaded.items() if k.startswith("0.")})
     assert torch.equal(fresh.weight.cpu(), model[0].weight.cpu()) and fresh.weight.is_cuda
@@ -644,3 +644,42 @@ def test_without_the_switch_a_gpu_script_fails_with_the_fix(tmp_path):
     proc = _cli(tmp_path, "gpu.py", gpu)
     assert proc.returncode == 1
     assert "pass --devices cuda" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_cuda_generators_of_the_programs_own(two_gpus):
+    # torch.Generator(device="cuda") needs a GPU build; on the stand-in it is a generator of the program's own
+    torch.cuda.set_device(1)
+    g = torch.Generator(device="cuda")
+    assert g.device == torch.device("cuda", 1) and isinstance(g, torch.Generator)
+    assert torch.Generator("cuda:0").device == torch.device("cuda", 0)
+    cpu = torch.Generator()
+    assert type(cpu) is torch._C.Generator and isinstance(cpu, torch.Generator) and cpu.device.type == "cpu"
+    draws = []
+    for _ in range(2):
+        g.manual_seed(11)
+        draws.append((torch.randn(4, device="cuda", generator=g), torch.randperm(6, device="cuda", generator=g),
+                      torch.empty(3, device="cuda").normal_(generator=g)))
+    assert all(t.device == torch.device("cuda", 1) for t in draws[0])
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(*draws))  # seeded alike, drawn alike
+    assert not torch.equal(draws[0][0].cpu(), torch.randn(4, device="cuda", generator=g).cpu())  # the stream moves on
+    with pytest.raises(Exception, match="invalid device ordinal|device"):
+        torch.Generator(device="cuda:5")
+
+
+def test_legacy_cuda_tensor_types(two_gpus):
+    torch.cuda.set_device(1)
+    Tensor = torch.cuda.FloatTensor  # the old scripts' way: Tensor = torch.cuda.FloatTensor if cuda else ...
+    t = Tensor(2, 3).fill_(2.0)
+    assert t.device == torch.device("cuda", 1) and t.dtype == torch.float32 and t.shape == (2, 3)
+    assert isinstance(t, torch.cuda.FloatTensor) and not isinstance(t, torch.cuda.LongTensor)
+    assert not isinstance(torch.ones(2), torch.cuda.FloatTensor) and t.type() == "torch.cuda.FloatTensor"
+    assert torch.equal(torch.cuda.LongTensor([3, 4]).cpu(), torch.tensor([3, 4]))
+    assert torch.cuda.DoubleTensor(torch.Size([4])).shape == (4,) and torch.cuda.ByteTensor().numel() == 0
+    assert torch.cuda.HalfTensor(2, device="cuda:0").device == torch.device("cuda", 0)
+    # Tensor.type with their names or classes moves between devices as on a GPU
+    assert t.type(torch.cuda.LongTensor).dtype == torch.int64 and t.type(torch.cuda.LongTensor).is_cuda
+    assert t.type("torch.FloatTensor").device.type == "cpu" and t.type(torch.DoubleTensor).dtype == torch.float64
+    moved = torch.arange(3.0).type(torch.cuda.DoubleTensor)
+    assert moved.device == torch.device("cuda", 1) and moved.dtype == torch.float64
+    assert torch.ones(2).type("torch.cuda.HalfTensor").dtype == torch.float16
+    assert torch.ones(2).type(torch.float64).device.type == "cpu"  # dtypes as before

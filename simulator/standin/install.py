@@ -37,7 +37,7 @@ import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
-from simulator.standin import _native, amp, attention, cuda_api as api, ranks, syncbn  # noqa: F401  (syncbn: its operators)
+from simulator.standin import _native, amp, attention, cuda_api as api, legacy, ranks, rng, syncbn  # noqa: F401  (syncbn: its operators)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
 from simulator.standin.serialization import cpu_tagger, deserialize_cuda, patched_load, patched_save, registry_entry
@@ -296,7 +296,10 @@ def _table() -> list[tuple[Any, str, Any]]:
               torch.Tensor.new_tensor)), (torch, "compile", compile_guard(torch.compile)),
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
-    t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save))]
+    t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save)),
+          (torch, "Generator", rng.generator_class(torch.Generator)),
+          (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
+    t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
     t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
@@ -305,13 +308,13 @@ def _table() -> list[tuple[Any, str, Any]]:
 
 
 #: the public torch names the stand-in replaces while enabled (the private ones: PRIVATE_TORCH_NAMES)
-PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *_RANDOM)} | {
+PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *_RANDOM, *legacy.NAMES)} | {
     "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
-    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save", "torch.compile",
+    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save", "torch.Generator", "torch.Tensor.type", "torch.compile",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
 
 

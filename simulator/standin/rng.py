@@ -29,9 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from simulator.standin.ranks import DeviceState, device_count, state
+from simulator.standin.ranks import DeviceState, device_count, resolve_index, state
 
-__all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator"]
+__all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator",
+           "generator_class", "CudaGenerator"]
 
 _MASK = (1 << 64) - 1
 
@@ -143,3 +144,50 @@ class StandInGenerator:
 def all_devices() -> range:
     """Every device index of a node."""
     return range(device_count())
+
+
+class CudaGenerator(torch.Generator):
+    """``torch.Generator(device="cuda:i")`` on the stand-in: a generator of the program's own (not the device's
+    default), on ``cuda:i`` for the program, whose numbers come from the CPU generator it is underneath.
+
+    Seeded alike, two of them draw alike; they draw other numbers than a GPU's Philox generator (see
+    docs/deviations.md).  Its state is the CPU generator's (``get_state``/``set_state`` round-trip).
+    """
+
+    def __new__(cls, idx: int) -> "CudaGenerator":
+        g = super().__new__(cls)  # (a CPU generator underneath: the stand-in computes on the CPU)
+        g._tp_idx = idx
+        return g
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._tp_idx)
+
+    def __repr__(self) -> str:
+        return f"<torch.Generator on the stand-in of cuda:{self._tp_idx}>"
+
+
+def generator_class(original: type) -> type:
+    """``torch.Generator`` while the stand-in is enabled: ``torch.Generator(device="cuda")`` makes a
+    :class:`CudaGenerator` (torch's own needs a GPU build), any other device torch's own; ``isinstance`` and
+    ``issubclass`` answer for torch's generators as before."""
+
+    class _GeneratorType(type):
+        def __call__(cls, device: Any = None) -> Any:
+            d = torch.device(device) if isinstance(device, str) else device
+            if isinstance(d, torch.device) and d.type == "cuda":
+                return CudaGenerator(resolve_index(d, "torch.Generator"))
+            return original() if device is None else original(device)
+
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, original)
+
+        def __subclasscheck__(cls, sub: Any) -> bool:
+            return isinstance(sub, type) and issubclass(sub, original)
+
+    class Generator(metaclass=_GeneratorType):
+        pass
+
+    Generator.__doc__ = original.__doc__
+    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+    return Generator

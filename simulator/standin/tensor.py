@@ -33,6 +33,7 @@ from tensorplay.distributed.errors import format_message
 
 from simulator.standin import ranks, rng
 from simulator.standin.errors import StandInError
+from simulator.standin.legacy import convert
 
 __all__ = ["StandInTensor", "wrap", "fresh", "is_standin", "dispatch", "rewrap", "spec", "target",
            "PU_DEVICES", "CUDA_DEVICES", "CPU", "cuda_device"]
@@ -127,8 +128,9 @@ class StandInTensor(torch.Tensor):
         """``torch.cuda.FloatTensor``-style names, as a CUDA tensor reports them."""
         if dtype is None:
             return _TYPE_NAMES.get(self.dtype, "torch.cuda.Tensor")
-        if isinstance(dtype, str):
-            dtype = _NAME_TYPES.get(dtype.replace(".cuda.", "."), None) or dtype
+        out = convert(self, dtype, non_blocking)  # a legacy name or class: its device type and dtype
+        if out is not None:
+            return out
         return self.to(dtype=dtype, non_blocking=non_blocking) if isinstance(dtype, torch.dtype) \
             else torch.Tensor.type(self, dtype, non_blocking, **kwargs)
 
@@ -203,7 +205,6 @@ _TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float64: "torch.cu
                torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
                torch.int16: "torch.cuda.ShortTensor", torch.int8: "torch.cuda.CharTensor",
                torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor"}
-_NAME_TYPES = {name.replace(".cuda.", "."): dt for dt, name in _TYPE_NAMES.items()}
 
 
 def is_standin(t: Any) -> bool:
