@@ -683,3 +683,30 @@ def test_legacy_cuda_tensor_types(two_gpus):
     assert moved.device == torch.device("cuda", 1) and moved.dtype == torch.float64
     assert torch.ones(2).type("torch.cuda.HalfTensor").dtype == torch.float16
     assert torch.ones(2).type(torch.float64).device.type == "cpu"  # dtypes as before
+
+
+def test_data_parallel_over_one_processs_standin_gpus(two_gpus):
+    # nn.DataParallel scatters the batch over the process's GPUs, replicates the module, gathers on cuda:0 and
+    # sums the replicas' gradients; the reference is the same module on the CPU on the whole batch
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = copy.deepcopy(ref)
+    dp = torch.nn.DataParallel(model).cuda()
+    x = torch.randn(7, 4)
+    out = dp(x.cuda())
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    assert out.device == torch.device("cuda", 0) and out.shape == (7, 3)
+    assert torch.allclose(out.cpu(), ref(x), atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.device == torch.device("cuda", 0) and torch.allclose(p.grad.cpu(), q.grad, atol=1e-5)
+    # the copies themselves, as torch.nn.parallel.comm gives them
+    from torch.nn.parallel import comm
+
+    t = torch.arange(6.0).reshape(3, 2).cuda()
+    a, b = comm.broadcast(t, [0, 1])
+    assert a is t and b.device == torch.device("cuda", 1) and torch.equal(b.cpu(), t.cpu())
+    parts = comm.scatter(t, [0, 1], chunk_sizes=[1, 2])
+    assert [p.device.index for p in parts] == [0, 1] and [p.shape[0] for p in parts] == [1, 2]
+    assert torch.equal(comm.gather(parts, destination=-1), t.cpu())
+    assert torch.equal(comm.reduce_add([t, t.to("cuda:1")], destination=1).cpu(), 2 * t.cpu())

@@ -57,6 +57,8 @@ class PrivateName(NamedTuple):
     static: bool = False
     #: a library a program may use, not a dependency (checked when it is installed)
     optional: bool = False
+    #: a binding only torch's CUDA builds have (checked where torch was built with CUDA)
+    cuda_build: bool = False
 
 
 _P = PrivateName
@@ -250,6 +252,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                    "_accelerator_synchronizeDevice", "_accelerator_getStream", "_accelerator_setStream",
                    "_accelerator_emptyCache", "_accelerator_getDeviceStats", "_accelerator_resetPeakStats",
                    "_accelerator_resetAccumulatedStats", "_accelerator_getMemoryInfo")),
+    *(_P(f"torch._C.{name}", "standin.install, standin.multi_gpu", "patches",
+         "nn.DataParallel's copies between one process's GPUs (CUDA builds only: absent from CPU builds)",
+         cuda_build=True)
+      for name in ("_broadcast", "_broadcast_out", "_broadcast_coalesced", "_scatter", "_scatter_out", "_gather",
+                   "_gather_out")),
     _P("torch.autograd._engine_run_backward", "standin.install", "patches",
        "backward runs on the calling rank thread, never on a device thread"),
     _P("torch.autograd.graph._engine_run_backward", "standin.install", "patches",
@@ -375,6 +382,10 @@ def _defined_in_source(name: str) -> bool:
     return True
 
 
+def _cuda_build() -> bool:
+    return bool(torch.backends.cuda.is_built())
+
+
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name.split(".")[0]) is not None
 
@@ -383,7 +394,7 @@ def missing_private_names(names: Sequence[PrivateName] = PRIVATE_NAMES) -> list[
     """The records of ``names`` that the installed packages lack (an optional library not installed: skipped)."""
     out = []
     for p in names:
-        if p.optional and not _installed(p.name):
+        if (p.optional and not _installed(p.name)) or (p.cuda_build and not _cuda_build()):
             continue
         if p.static:
             found = _defined_in_source(p.name)

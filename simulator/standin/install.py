@@ -37,7 +37,7 @@ import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
-from simulator.standin import _native, amp, attention, cuda_api as api, legacy, ranks, rng, syncbn  # noqa: F401  (syncbn: its operators)
+from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng, syncbn  # noqa: F401  (syncbn: its operators)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
 from simulator.standin.serialization import cpu_tagger, deserialize_cuda, patched_load, patched_save, registry_entry
@@ -274,7 +274,10 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
           (torch.cuda.nvtx, "_nvtx", NvtxStub()),
           # torch's c10d logger asks for NCCL's version when a collective of an "nccl" group fails
-          (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION)]
+          (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION),
+          # (DataParallel's reduce_add asks; stand-ins have no NCCL of their own: torch's adds, without the CPU
+          # build's warning that NCCL is missing)
+          (torch.cuda.nccl, "is_available", lambda tensors: False)]
     c = torch._C
     # (torch._C._cuda_* stay absent: torch modules import CUDA-only bindings when they see one of them)
     t += [(c, "_get_accelerator", _current_accelerator), (c, "_accelerator_getAccelerator", _current_accelerator),
@@ -300,6 +303,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch, "Generator", rng.generator_class(torch.Generator)),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
+    t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
     t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
@@ -312,6 +316,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
+    "torch.cuda.nccl.is_available",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save", "torch.Generator", "torch.Tensor.type", "torch.compile",
