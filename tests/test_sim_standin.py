@@ -688,6 +688,7 @@ def test_legacy_cuda_tensor_types(two_gpus):
 def test_data_parallel_over_one_processs_standin_gpus(two_gpus):
     # nn.DataParallel scatters the batch over the process's GPUs, replicates the module, gathers on cuda:0 and
     # sums the replicas' gradients; the reference is the same module on the CPU on the whole batch
+    torch.cuda.set_device(0)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     model = copy.deepcopy(ref)
