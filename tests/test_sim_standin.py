@@ -376,13 +376,29 @@ def test_autocast_computes_in_bf16_on_the_cpu(two_gpus):
 
 
 # -- refusals -------------------------------------------------------------------------------------------
-def test_what_cannot_be_faithful_is_refused(two_gpus):
+def test_compiled_code_runs_eagerly_on_standins(two_gpus, monkeypatch):
+    # a GPU-written script compiles by default (nanoGPT): on stand-ins the model keeps a compiled module's shape
+    # (torch's OptimizedModule, _orig_mod, prefixed state_dict keys) and computes eagerly, saying so once
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from simulator.standin import refuse
+
+    monkeypatch.setattr(refuse, "_warned", [False])
     model = _mlp().cuda()
-    with pytest.raises(StandInError, match="torch.compile.*Fix: run the model eagerly"):
-        torch.compile(model)
-    compiled = torch.compile(lambda t: t * 2)
-    with pytest.raises(StandInError, match="stand-in tensor was passed"):
-        compiled(torch.ones(2, device="cuda"))
+    x = torch.randn(3, 10, device="cuda")
+    with pytest.warns(RuntimeWarning, match="torch.compile: the CUDA stand-in runs compiled code eagerly"):
+        compiled = torch.compile(model, mode="max-autotune")
+    assert isinstance(compiled, OptimizedModule) and compiled._orig_mod is model
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    assert torch.equal(compiled(x).cpu(), model(x).cpu())
+    ddp_shape = compiled(x).sum()
+    ddp_shape.backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.is_cuda
+    double = torch.compile(lambda t: t * 2)  # compiled before it ever sees a stand-in: runs eagerly when it does
+    assert torch.equal(double(torch.ones(2, device="cuda")).cpu(), torch.full((2,), 2.0))
+
+
+def test_what_cannot_be_faithful_is_refused(two_gpus):
     for graph_call in (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle):
         with pytest.raises(StandInError, match="CUDA graph"):
             graph_call()

@@ -257,6 +257,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
          cuda_build=True)
       for name in ("_broadcast", "_broadcast_out", "_broadcast_coalesced", "_scatter", "_scatter_out", "_gather",
                    "_gather_out")),
+    _P("torch._dynamo.eval_frame.OptimizedModule", "standin.refuse", "reads",
+       "torch.compile of a stand-in model: torch's compiled-module wrapper, its calls run eagerly"),
+    _P("torch._dynamo.eval_frame.DisableContext", "standin.refuse", "reads",
+       "torch.compile of a stand-in model: the wrapper's dynamo context, disabled"),
     _P("torch.autograd._engine_run_backward", "standin.install", "patches",
        "backward runs on the calling rank thread, never on a device thread"),
     _P("torch.autograd.graph._engine_run_backward", "standin.install", "patches",

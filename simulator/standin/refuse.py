@@ -1,32 +1,47 @@
-"""What the CUDA stand-in refuses, with the fix: ``torch.compile`` on stand-in tensors; and NVTX as no-ops.
+"""``torch.compile`` on the CUDA stand-in runs eagerly; NVTX ranges are no-ops.
 
-``torch.compile`` would trace stand-ins as ``privateuseone`` tensors and
-generate kernels for a device that does not exist.  While the stand-in is
-enabled, compiling a module that holds stand-in parameters or buffers fails at
-once, and a compiled function fails on its first call with a stand-in argument;
-anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``;
-operators with GPU kernels only, such as custom CUDA extensions and Triton
-kernels registered as operators, in ``tensor``.)
+``torch.compile`` would trace stand-ins as ``privateuseone`` tensors and generate kernels for a device that does
+not exist.  Compiling is an optimisation whose results are the eager model's (to rounding), and GPU-written
+scripts compile by default (nanoGPT's ``compile = True``), so while the stand-in is enabled a module that holds
+stand-in parameters or buffers "compiles" to torch's own ``OptimizedModule`` with dynamo disabled (so
+``_orig_mod``, its ``state_dict`` keys and ``DDP`` around it are as after a real compile) and runs eagerly; a
+compiled module or function called with stand-ins runs its original eagerly.  The first time, a warning says
+so.  Anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``; operators with GPU kernels
+only, such as custom CUDA extensions and Triton kernels registered as operators, in ``tensor``.)
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from tensorplay.distributed.errors import format_message
 
-from simulator.standin.errors import StandInError
 from simulator.standin.tensor import StandInTensor
 
 __all__ = ["compile_guard", "NvtxStub"]
 
 
-def _refusal(what: str) -> StandInError:
-    return StandInError(format_message(
-        "torch.compile", f"cannot compile for the CPU stand-in of a CUDA device ({what})",
-        fix="run the model eagerly when simulating (skip torch.compile, e.g. behind a flag), or run on real GPUs"))
+_warned: list[bool] = [False]
+
+
+def _eagerly(what: str) -> None:
+    """Say once per process that compiled code runs eagerly on stand-ins."""
+    if not _warned[0]:
+        _warned[0] = True
+        warnings.warn(format_message(
+            "torch.compile", f"the CUDA stand-in runs compiled code eagerly ({what}); results are the eager "
+            "model's, to rounding, and no kernels are generated", fix="nothing to do to simulate; on real GPUs the "
+            "same program compiles"), RuntimeWarning, stacklevel=3)
+
+
+def _eager_module(model: torch.nn.Module) -> torch.nn.Module:
+    """torch's ``OptimizedModule`` around ``model`` with dynamo disabled: a compiled module's shape, eager calls."""
+    from torch._dynamo.eval_frame import DisableContext, OptimizedModule  # (imports dynamo: only when compiling)
+
+    return OptimizedModule(model, DisableContext())
 
 
 def _holds_standin(obj: Any) -> bool:
@@ -49,14 +64,15 @@ def _any_standin(args: tuple, kwargs: dict) -> bool:
 
 
 def compile_guard(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` that refuses stand-in modules and stand-in arguments (see the module docstring)."""
+    """``torch.compile`` that runs stand-in modules and calls with stand-ins eagerly (see the module docstring)."""
 
     @functools.wraps(original)
     def compile(model: Any = None, **kwargs: Any) -> Any:  # noqa: A001  (torch's name)
         if model is None:  # @torch.compile(mode=...) decorator form
             return lambda m: compile(m, **kwargs)
         if _holds_standin(model):
-            raise _refusal(f"{type(model).__name__} has parameters or buffers on a stand-in device")
+            _eagerly(f"{type(model).__name__} has parameters or buffers on a stand-in device")
+            return _eager_module(model)
         compiled = original(model, **kwargs)
         if isinstance(compiled, torch.nn.Module):
             inner_forward = compiled.forward
@@ -64,7 +80,8 @@ def compile_guard(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(inner_forward)
             def forward(*args: Any, **kw: Any) -> Any:
                 if _any_standin(args, kw) or _holds_standin(model):
-                    raise _refusal("a stand-in tensor reached the compiled module")
+                    _eagerly("a stand-in tensor reached the compiled module")
+                    return model(*args, **kw)
                 return inner_forward(*args, **kw)
 
             compiled.forward = forward
@@ -73,7 +90,8 @@ def compile_guard(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(model)
         def call(*args: Any, **kw: Any) -> Any:
             if _any_standin(args, kw):
-                raise _refusal("a stand-in tensor was passed to the compiled function")
+                _eagerly("a stand-in tensor was passed to the compiled function")
+                return model(*args, **kw)
             return compiled(*args, **kw)
 
         return call
