@@ -333,14 +333,17 @@ def test_tensor_parallel_attention_shards_by_heads():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _fsdp1_steps(device: str, steps: int):
+def _fsdp1_steps(device: str, steps: int, by_device_id: bool = False):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     tdist.init_process_group("nccl" if device == "cuda" else "gloo")
     r = tdist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    if device == "cuda":  # as GPU programs write it
+    if device == "cuda" and by_device_id:  # as PyTorch's FSDP tutorial writes it: a CPU model, a device index
+        torch.cuda.set_device(r)
+        model = FSDP(model, device_id=torch.cuda.current_device())
+    elif device == "cuda":  # as GPU programs write it
         torch.cuda.set_device(r)
         model = FSDP(model.to(r))
     else:  # as CPU programs on gloo must write it
@@ -359,11 +362,13 @@ def _fsdp1_steps(device: str, steps: int):
     return losses, weights
 
 
-def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks():
-    """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank)) gives what the same model
-    gives on CPU ranks over gloo, step for step (it shards and gathers its flat parameter with set_)."""
+@pytest.mark.parametrize("by_device_id", [False, True], ids=["moved", "device_id"])
+def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(by_device_id):
+    """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model and
+    device_id=torch.cuda.current_device()) gives what the same model gives on CPU ranks over gloo, step for step
+    (it shards and gathers its flat parameter with set_)."""
     steps = 3
-    gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps), devices="cuda", timeout=TIMEOUT)
+    gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, by_device_id), devices="cuda", timeout=TIMEOUT)
     cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps), timeout=TIMEOUT)
     for (gl, gw), (cl, cw) in zip(gpu, cpu):
         assert gl == cl and len(gl) == steps and gl[0] != gl[-1]

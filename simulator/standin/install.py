@@ -17,6 +17,7 @@ Three kinds of change, all undone when the last ``enabled()`` exits:
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -37,6 +38,7 @@ import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
+from simulator.adapters.after_import import when_imported
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng, syncbn  # noqa: F401  (syncbn: its operators)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
@@ -323,6 +325,35 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
 
 
+def _fsdp1_device_id(module: Any) -> Callable[[], None]:
+    """``FullyShardedDataParallel(device_id=torch.cuda.current_device())``: a bare index names this process's GPU
+    ``cuda:i``, but torch makes ``torch.device(i)`` of the stand-in's ``privateuseone:i`` underneath, which FSDP
+    then finds inconsistent with its ``cuda:i`` parameters; the index becomes ``cuda:i`` first. Returns the undo."""
+    cls = module.FullyShardedDataParallel
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        dev = kwargs.get("device_id")
+        if isinstance(dev, int) and not isinstance(dev, bool):
+            kwargs["device_id"] = torch.device("cuda", dev)
+        elif isinstance(dev, torch.device) and dev.type == "privateuseone":
+            kwargs["device_id"] = torch.device("cuda", dev.index)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+    def undo() -> None:
+        cls.__init__ = init
+
+    return undo
+
+
+#: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
+_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),)
+_import_undos: list[Callable[[], None]] = []
+
+
 def _set(owner: Any, name: str, value: Any) -> None:
     had = name in vars(owner)
     _saved.append((owner, name, had, vars(owner).get(name)))
@@ -351,12 +382,15 @@ def _install() -> None:
         _saved.append((sys.modules, "torch.privateuseone", "torch.privateuseone" in sys.modules,
                        sys.modules.get("torch.privateuseone")))
         sys.modules["torch.privateuseone"] = types.ModuleType("torch.privateuseone")
+        _import_undos.extend(when_imported(name, patch) for name, patch in _ON_IMPORT)
         _active[0] = True
 
 
 def _uninstall() -> None:
     with _lock:
         _active[0] = False
+        while _import_undos:
+            _import_undos.pop()()
         while _saved:
             owner, name, had, old = _saved.pop()
             if isinstance(owner, list):
