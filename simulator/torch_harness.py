@@ -27,9 +27,10 @@ The schedule's options are the simulator plugin's (:mod:`simulator.pytest_plugin
 (:mod:`simulator.torch_harness_continuous`).  Tests of torch's RPC test fixtures (``RpcAgentTestFixture``: they
 test torch's own RPC agent) run on rank processes whatever the switch says, and the run says so; so does a test
 that failed on thread ranks for a named reason of their sharing one process (it started torch's profiler on a rank,
-or torch's module trackers saw the other ranks' modules): it runs again on rank processes, whose verdict is its.  A failed test's report ends with a section that says how it ran, how to
-replay it, the simulator's report when it stopped the ranks itself (a timeout, a deadlock: torch's harness sees
-exit code 1 only), and, where the failure is a known effect of ranks sharing one process, what to do instead.
+or torch's module trackers saw the other ranks' modules): it runs again on rank processes, whose verdict is its.
+A failed test's report ends with a section that says how it ran, how to replay it, the simulator's report when
+it stopped the ranks itself (a timeout, a deadlock: torch's harness sees exit code 1 only), and, where the failure
+is a known effect of ranks sharing one process, what to do instead.
 
 Loading this module costs a session with the switch off nothing: it imports pytest (and the simulator's
 light actor lookup) only, and torch and the rest of the simulator are imported when a test of the harness runs
@@ -182,7 +183,8 @@ class _Harness:
         if why is not None:
             # the failure is one of thread ranks sharing this process, named: the test's verdict is that of
             # ranks with a process each, as gloo's would be (the run's summary says which tests moved, and why)
-            self._moved[item.nodeid] = f"they failed on thread ranks first, for a reason of ranks sharing one process: {why}"
+            self._moved[item.nodeid] = ("they failed on thread ranks first, for a reason of ranks sharing one "
+                                        f"process: {why}")
             item.__dict__.pop("_excinfo", None)  # (pytest's unittest item keeps the failures it reports here)
             with _simulated(item, self.settings, self.replay(item), "process"):
                 item.runtest()

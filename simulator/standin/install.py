@@ -39,7 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
-from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng, syncbn  # noqa: F401  (syncbn: its operators)
+from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng  # noqa: F401
+from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
 from simulator.standin.serialization import cpu_tagger, deserialize_cuda, patched_load, patched_save, registry_entry
@@ -321,7 +322,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.nccl.is_available",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
-    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save", "torch.Generator", "torch.Tensor.type", "torch.compile",
+    "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
+    "torch.Generator", "torch.Tensor.type", "torch.compile",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
 
 
