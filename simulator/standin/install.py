@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
-from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng  # noqa: F401
+from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.refuse import NvtxStub, compile_guard
