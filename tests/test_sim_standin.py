@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -680,6 +681,11 @@ def test_cuda_generators_of_the_programs_own(two_gpus):
     assert not torch.equal(draws[0][0].cpu(), torch.randn(4, device="cuda", generator=g).cpu())  # the stream moves on
     with pytest.raises(Exception, match="invalid device ordinal|device"):
         torch.Generator(device="cuda:5")
+    g.manual_seed(5)
+    copy_of_g = pickle.loads(pickle.dumps(g))  # (a sampler's generator sent to a spawned DataLoader worker)
+    assert copy_of_g.device == torch.device("cuda", 1)
+    assert torch.equal(torch.randn(3, device="cuda", generator=copy_of_g).cpu(),
+                       torch.randn(3, device="cuda", generator=g).cpu())
 
 
 def test_legacy_cuda_tensor_types(two_gpus):

@@ -166,6 +166,16 @@ class CudaGenerator(torch.Generator):
     def __repr__(self) -> str:
         return f"<torch.Generator on the stand-in of cuda:{self._tp_idx}>"
 
+    def __reduce__(self) -> Any:
+        # pickled (a DataLoader's sampler sent to spawned workers) as what it is: a generator on cuda:i, its state
+        return _rebuild_cuda_generator, (self._tp_idx, self.get_state())
+
+
+def _rebuild_cuda_generator(idx: int, state: torch.Tensor) -> CudaGenerator:
+    g = CudaGenerator(idx)
+    g.set_state(state)
+    return g
+
 
 def generator_class(original: type) -> type:
     """``torch.Generator`` while the stand-in is enabled: ``torch.Generator(device="cuda")`` makes a
