@@ -171,7 +171,7 @@ class _Launcher:
                           gpus_per_node=self.gpus_per_node, env=dict(os.environ), p2p=self.p2p,
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
-            world.launched = True  # its ranks stand for processes the program started (see torch_globals)
+            world.launched = True  # ranks for processes the program started (adapters.started_processes)
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
             for r, p in enumerate(batch):

@@ -34,7 +34,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.validation import backend_name_refusal
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
-from simulator.adapters import torch_groups
+from simulator.adapters import started_processes, torch_groups
 from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core._actor import current_rank_state
@@ -304,8 +304,8 @@ def _rendezvous_handler(scheme: str) -> Any:
             rendezvous_files.add(parsed.path)
         query = tdist_rendezvous._query_to_dict(parsed.query)
         torch_groups.check_url(scheme, parsed, query)
-        if scheme == "env" and started_by_the_program():
-            _env_as_a_process_has_it(url, query, kwargs)
+        if scheme == "env" and started_processes.started_by_the_program():
+            started_processes.require_env(url, query, _saved["rdzv"]["env"], kwargs)
         size = int(query.get("world_size", -1))
         rank = int(query.get("rank", -1))
         key = id(st.backend.world_key())
@@ -334,29 +334,6 @@ def _rendezvous_handler(scheme: str) -> Any:
 
     handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
     return handler
-
-
-#: set in a rank process that stands for a process the program started itself (simulator.isolation.launched)
-launched_process = False
-
-
-def started_by_the_program() -> bool:
-    """The calling rank stands for a process the program started (``mp.spawn``, ``Process``, torch's test harness),
-    not for one a torchrun-style launch or ``simulator.run`` made: its environment is only what it inherited."""
-    if launched_process:
-        return True
-    rs = current_rank_state()
-    return bool(getattr(getattr(getattr(rs, "run", None), "world", None), "launched", False))
-
-
-def _env_as_a_process_has_it(url: str, query: dict[str, str], kwargs: dict[str, Any]) -> None:
-    """env:// on a rank the program started: what torch's handler needs from the environment must be there, as in
-    the process it stands for (torchrun would have set RANK and the rest; a spawned child has what it inherited).
-    A missing one fails with torch's own error, raised by torch's handler before it connects anywhere."""
-    needed = [v for v, q in (("RANK", "rank"), ("WORLD_SIZE", "world_size")) if q not in query]
-    if any(not os.environ.get(v) for v in (*needed, "MASTER_ADDR", "MASTER_PORT")):
-        next(_saved["rdzv"]["env"](url, **kwargs))  # raises torch's "environment variable X expected" ValueError
-        raise AssertionError("unreachable: torch's env:// handler accepted a missing variable")  # pragma: no cover
 
 
 def _in_rank_process(key: int) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from simulator.adapters import torch_globals
+from simulator.adapters import started_processes
 from simulator.core.errors import RankExitError
 from simulator.isolation import run_processes
 
@@ -46,7 +46,7 @@ def rank_process(proc: Any, clean_codes: frozenset[int]) -> int:
     A non-zero ``sys.exit`` is a rank failure (the other ranks are released, as torchrun's peers see a child die)
     unless the code is one of ``clean_codes`` (the launcher's "skipped" codes), which ends the rank quietly.
     """
-    torch_globals.launched_process = True  # (its env:// rendezvous needs what the started process would have)
+    started_processes.launched_process = True  # (its env:// rendezvous needs what the started process would have)
     try:
         proc.run()
     except SystemExit as e:

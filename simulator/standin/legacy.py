@@ -28,7 +28,7 @@ import torch
 
 from simulator.standin.ranks import resolve_index
 
-__all__ = ["LegacyCudaType", "legacy_types", "conversion", "patched_type"]
+__all__ = ["NAMES", "LegacyCudaType", "legacy_types", "conversion", "convert", "patched_type"]
 
 #: the legacy type names and their dtypes (torch.cuda.<name> and torch.<name>)
 NAMES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
@@ -70,13 +70,13 @@ def conversion(spec: Any) -> tuple[str, torch.dtype] | None:
     """What ``Tensor.type(spec)`` asks for, ``(device type, dtype)``, when ``spec`` names a legacy type; else None."""
     if isinstance(spec, LegacyCudaType):
         return "cuda", spec.dtype
-    name = spec if isinstance(spec, str) else getattr(spec, "__module__", "") + "." + getattr(spec, "__name__", "") \
-        if isinstance(spec, type) else None
-    if not name:
+    if isinstance(spec, type):  # torch.FloatTensor & co.: named by their module and name
+        spec = f"{spec.__module__}.{spec.__name__}"
+    if not isinstance(spec, str):
         return None
     for prefix, device in (("torch.cuda.", "cuda"), ("torch.", "cpu")):
-        if name.startswith(prefix) and name[len(prefix):] in NAMES:
-            return device, NAMES[name[len(prefix):]]
+        if spec.startswith(prefix) and spec[len(prefix):] in NAMES:
+            return device, NAMES[spec[len(prefix):]]
     return None
 
 

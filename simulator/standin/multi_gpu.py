@@ -28,8 +28,14 @@ def _on(idx: int) -> torch.device:
     return torch.device("cuda", resolve_index(idx, "torch.nn.parallel.comm"))
 
 
+def _copy_to(t: torch.Tensor, idx: int) -> torch.Tensor:
+    """``t`` on device ``idx``: itself where it already is (as CUDA's broadcast hands the source's back), else a copy."""
+    where = _on(idx)
+    return t if t.device == where else t.to(where)
+
+
 def _broadcast(tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
-    return [tensor if tensor.device == _on(d) else tensor.to(_on(d)) for d in devices]
+    return [_copy_to(tensor, d) for d in devices]
 
 
 def _broadcast_out(tensor: torch.Tensor, out_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -41,7 +47,7 @@ def _broadcast_out(tensor: torch.Tensor, out_tensors: Sequence[torch.Tensor]) ->
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], devices: Sequence[int], buffer_size: int
                          ) -> list[list[torch.Tensor]]:
     # (buffer_size only sizes CUDA's copies; the values are the same)
-    return [[t if t.device == _on(d) else t.to(_on(d)) for t in tensors] for d in devices]
+    return [[_copy_to(t, d) for t in tensors] for d in devices]
 
 
 def _scatter(tensor: torch.Tensor, devices: Sequence[int], chunk_sizes: Sequence[int] | None = None, dim: int = 0,

@@ -33,6 +33,7 @@ __all__ = ["deserialize_cuda", "patched_load", "patched_save", "registry_entry",
 
 _noted = threading.local()  # per loading thread: storage address -> device index
 
+
 def tag_saved(storage: Any) -> str | None:
     """The location tag of a stand-in's storage being saved (``"cuda:i"``), else None (the next tagger decides)."""
     marks = getattr(saving, "marks", None)

@@ -33,7 +33,7 @@ from tensorplay.distributed.errors import format_message
 
 from simulator.standin import ranks, rng
 from simulator.standin.errors import StandInError
-from simulator.standin.legacy import convert
+from simulator.standin.legacy import NAMES, convert
 
 __all__ = ["StandInTensor", "wrap", "fresh", "is_standin", "dispatch", "rewrap", "spec", "target",
            "PU_DEVICES", "CUDA_DEVICES", "CPU", "cuda_device"]
@@ -200,11 +200,8 @@ class StandInTensor(torch.Tensor):
 #: between processes) carries the CPU tensor a stand-in holds
 saving = threading.local()
 
-_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float64: "torch.cuda.DoubleTensor",
-               torch.float16: "torch.cuda.HalfTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
-               torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
-               torch.int16: "torch.cuda.ShortTensor", torch.int8: "torch.cuda.CharTensor",
-               torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor"}
+#: what ``Tensor.type()`` names a CUDA tensor of each dtype (torch.cuda's legacy type names)
+_TYPE_NAMES = {dt: f"torch.cuda.{name}" for name, dt in NAMES.items()}
 
 
 def is_standin(t: Any) -> bool:
