@@ -188,14 +188,21 @@ def _lines(out: str) -> list[str]:
 
 
 def _both(tmp_path: Path, name: str, template: str) -> tuple[list[str], list[str]]:
-    """Run the program for real (retrying once on a lost port race) and on the simulator; their stdout lines."""
-    for attempt in range(2):
+    """Run the program for real and on the simulator; their stdout lines.
+
+    The real run is retried when it loses a port race. gloo on torch 2.13 sometimes aborts a rank process in
+    its C++ teardown after the program has finished ("terminate called without an active exception", about
+    one run in five of the FSDP1 program here): such a run is retried, and a last one that aborted so is kept
+    as the reference, since its printed lines are all there is to compare. The simulated run is never retried.
+    """
+    teardown_abort = "terminate called without an active exception"
+    for attempt in range(3):
         script = tmp_path / name
         script.write_text(template.replace("{port}", str(free_port())))
         real = _run([sys.executable, str(script)], tmp_path)
-        if real.returncode == 0 or attempt == 1 or "ddress already in use" not in real.stderr:
+        if real.returncode == 0 or ("ddress already in use" not in real.stderr and teardown_abort not in real.stderr):
             break
-    assert real.returncode == 0, real.stderr[-3000:]
+    assert real.returncode == 0 or teardown_abort in real.stderr, real.stderr[-3000:]
     sim = _run([sys.executable, "-m", "simulator", str(script)], tmp_path)
     assert sim.returncode == 0, sim.stderr[-3000:]
     return _lines(real.stdout), _lines(sim.stdout)
