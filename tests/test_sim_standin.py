@@ -50,6 +50,9 @@ def test_device_queries_and_selection(two_gpus):
     torch.cuda.synchronize(1)
     assert torch.accelerator.current_accelerator() == torch.device("cuda")
     assert torch.accelerator.device_count() == 2 and torch.accelerator.is_available()
+    # a CUDA build with NCCL, as programs (and DDP's bf16 hook) ask; torch's c10d module keeps its own answer
+    assert tdist.is_nccl_available() and tdist.is_backend_available("nccl")
+    assert torch.version.cuda == "12.8" and not tdist.distributed_c10d.is_nccl_available()
 
 
 def test_total_memory_and_device_count_are_parameters():
@@ -65,15 +68,17 @@ def test_total_memory_and_device_count_are_parameters():
 
 def test_everything_is_restored_on_exit():
     before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
-              torch._C._get_accelerator(), torch.accelerator.current_accelerator())
+              torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
+              torch.version.cuda)
     with standin.enabled():
         with standin.enabled(gpus_per_node=4):  # nested: the innermost configuration applies
             assert torch.cuda.device_count() == 4
         assert torch.cuda.device_count() == 1
         kept = torch.ones(2, device="cuda")
     after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
-             torch._C._get_accelerator(), torch.accelerator.current_accelerator())
-    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None)
+             torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
+             torch.version.cuda)
+    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None, False, None)
     assert not standin.is_active()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         torch.empty(2, device="cuda")
@@ -408,6 +413,9 @@ def test_what_cannot_be_faithful_is_refused(two_gpus):
         lib.impl("gpu_only", lambda x: x, "CUDA")
         with pytest.raises(StandInError, match="GPU kernel only.*standin_test::gpu_only.*Fix: register a CPU"):
             torch.ops.standin_test.gpu_only(torch.ones(2, device="cuda"))
+    for history_call in (torch.cuda.memory._record_memory_history, torch.cuda.memory._snapshot):
+        with pytest.raises(StandInError, match="no caching allocator.*Fix: read torch.cuda.memory_allocated"):
+            history_call()
     torch.cuda.nvtx.range_push("step")  # profiling annotations are accepted
     torch.cuda.nvtx.range_pop()
     assert torch.ones(2).pin_memory().device.type == "cpu"  # pinning is a no-op
@@ -490,6 +498,36 @@ def test_ddp_on_standins_equals_cpu_ddp(backend):
         assert all(torch.equal(g, w) for (_, g), (_, w) in zip(got[r], want[r]))
     # DDP averaged the two ranks' gradients: both ranks hold the same values
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[0], got[1]))
+
+
+def _bf16_hook_grads():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    ddp = DDP(_mlp().cuda(), device_ids=[r])
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)  # refused on a build without CUDA and NCCL
+    g = torch.Generator().manual_seed(r)
+    x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
+    torch.nn.functional.mse_loss(ddp(x.cuda()), y.cuda()).backward()
+    return [p.grad.cpu() for p in ddp.parameters()]
+
+
+def _local_grads(r: int) -> list[torch.Tensor]:
+    model = _mlp()
+    g = torch.Generator().manual_seed(r)
+    x, y = torch.randn(20, 10, generator=g), torch.randn(20, 5, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_ddp_bf16_compress_hook_on_standins():
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_bf16_hook_grads, 2)
+    # the hook's maths: each rank's gradient in bf16, divided by W, summed in bf16, back to fp32
+    want = [((a.bfloat16() / 2) + (b.bfloat16() / 2)).float() for a, b in zip(_local_grads(0), _local_grads(1))]
+    for r in range(2):
+        assert all(torch.equal(g, w) for g, w in zip(got[r], want))
 
 
 def test_cuda_checkpoints_load_onto_standins(two_gpus):

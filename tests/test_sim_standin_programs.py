@@ -9,6 +9,8 @@ tensors; every rank holds distinct values; every run is bounded by ``simulator.r
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -414,6 +416,24 @@ def test_pinned_host_memory_is_ordinary_memory_on_stand_ins(two_gpus):
     assert x.is_pinned() and y.is_pinned() and x.device.type == "cpu"
     moved = x.to("cuda", non_blocking=True)
     assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+_PIN_FIRST = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from simulator import standin
+with standin.enabled():
+    print(torch.ones(3).pin_memory().is_pinned(),
+          [b.is_pinned() for (b,) in DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, pin_memory=True)])
+"""
+
+
+def test_pinned_copies_report_pinned_from_a_processs_first_use():
+    """On a GPU machine Tensor.pin_memory() (DataLoader(pin_memory=True)'s batches) gives pinned tensors from the
+    first call; torch counts nothing as pinned before its accelerator was initialised, so enabling does that."""
+    out = subprocess.run([sys.executable, "-c", _PIN_FIRST], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "True [True, True]"
 
 
 class _TwoHeads(torch.nn.Module):

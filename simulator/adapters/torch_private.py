@@ -245,6 +245,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
          "torch.cuda's private entry points, which its public functions, torch.cuda.device and DDP/DTensor call")
       for name in ("_lazy_init", "_initialized", "_exchange_device", "_maybe_exchange_device")),
     _P("torch.cuda.nvtx._nvtx", "standin.install", "patches", "NVTX ranges are no-ops on stand-ins"),
+    *(_P(f"torch.cuda.memory.{name}", "standin.install, standin.cuda_api", "patches",
+         "the caching allocator's memory history: refused on stand-ins, naming the counters there are")
+      for name in ("_record_memory_history", "_snapshot", "_dump_snapshot")),
     *(_P(f"torch._C.{name}", "standin.install", "patches",
          "torch.accelerator and torch.distributed ask these which accelerator there is and for its state")
       for name in ("_get_accelerator", "_accelerator_getAccelerator", "_accelerator_getDeviceIndex",

@@ -162,6 +162,11 @@ def install() -> None:
             _state["put"](_CUDA, None)
             raise _refuse("the privateuse1 flag did not read back as set")
         _Hooks.active = True
+        if _state["pinned"]:
+            # torch counts no host pointer as pinned until the accelerator was initialised (which a pin_memory=True
+            # factory does): initialise it now, so Tensor.pin_memory() results (DataLoader(pin_memory=True)'s
+            # batches) report is_pinned() from the first, as on a GPU machine
+            torch.empty(0, pin_memory=True)
 
 
 def uninstall() -> None:

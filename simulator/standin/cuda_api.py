@@ -33,7 +33,8 @@ __all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available",
            "empty_cache", "set_per_process_memory_fraction", "manual_seed", "manual_seed_all", "seed", "seed_all",
            "initial_seed",
            "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "DefaultGenerators",
-           "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "CUDAGraph"]
+           "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "refuse_memory_history",
+           "CUDAGraph"]
 
 #: the name every stand-in device reports (``{}``: its index)
 DEVICE_NAME = "tensorplay CPU stand-in (cuda:{})"
@@ -306,6 +307,14 @@ def refuse_graphs(*args: Any, **kwargs: Any) -> Any:
         "torch.cuda.graphs", "CUDA graph capture and replay cannot run on the CPU stand-in",
         fix="run the captured function eagerly (skip torch.cuda.graph / make_graphed_callables when "
             "simulating), or run on real GPUs"))
+
+
+def refuse_memory_history(*args: Any, **kwargs: Any) -> Any:
+    """``torch.cuda.memory._record_memory_history`` and its snapshots trace the caching allocator's blocks."""
+    raise StandInError(format_message(
+        "torch.cuda.memory._record_memory_history", "the CPU stand-in has no caching allocator whose blocks "
+        "could be recorded", fix="read torch.cuda.memory_allocated() / max_memory_allocated() (they count each "
+        "rank's stand-in tensors), or record the history on real GPUs"))
 
 
 class CUDAGraph:

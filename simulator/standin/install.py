@@ -251,6 +251,9 @@ _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_
 
 #: what ``torch.cuda.nccl.version()`` answers on stand-ins (a release of NCCL's 2.x line; nothing depends on it)
 STANDIN_NCCL_VERSION = (2, 27, 5)
+#: what ``torch.version.cuda`` answers on stand-ins: a CUDA build names its toolkit there, and programs (and DDP's
+#: ``bf16_compress_hook`` check) read "a CUDA build" from it; a 12.x release, as torch's GPU wheels are built with
+STANDIN_CUDA_VERSION = "12.8"
 
 
 def _table() -> list[tuple[Any, str, Any]]:
@@ -270,6 +273,7 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(m, n, api.CUDAGraph if n == "CUDAGraph" else api.refuse_graphs) for m in (cuda, graphs)
           for n in ("CUDAGraph", "graph", "make_graphed_callables", "graph_pool_handle")]
     t += [(m, "is_current_stream_capturing", lambda: False) for m in (cuda, graphs)]
+    t += [(mem, n, api.refuse_memory_history) for n in ("_record_memory_history", "_snapshot", "_dump_snapshot")]
     t += [(cuda, "default_generators", api.DefaultGenerators()), (cuda, "init", api.lazy_init),
           (cuda, "_lazy_init", api.lazy_init), (cuda, "_initialized", True),
           (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
@@ -280,7 +284,10 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION),
           # (DataParallel's reduce_add asks; stand-ins have no NCCL of their own: torch's adds, without the CPU
           # build's warning that NCCL is missing)
-          (torch.cuda.nccl, "is_available", lambda tensors: False)]
+          (torch.cuda.nccl, "is_available", lambda tensors: False),
+          # the "nccl" backend is there for the program (an nccl group is the simulated world's, with NCCL's
+          # rules); torch's own c10d module keeps its answer, as it would otherwise name ProcessGroupNCCL
+          (torch.distributed, "is_nccl_available", lambda: True), (torch.version, "cuda", STANDIN_CUDA_VERSION)]
     c = torch._C
     # (torch._C._cuda_* stay absent: torch modules import CUDA-only bindings when they see one of them)
     t += [(c, "_get_accelerator", _current_accelerator), (c, "_accelerator_getAccelerator", _current_accelerator),
@@ -319,7 +326,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
-    "torch.cuda.nccl.is_available",
+    "torch.cuda.nccl.is_available", "torch.distributed.is_nccl_available", "torch.version.cuda",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
