@@ -112,6 +112,23 @@ def test_streams_and_events(two_gpus):
         torch.cuda.Event(enable_timing=True).elapsed_time(end)
     assert torch.cuda.Stream(device=1).device == torch.device("cuda", 1)
     assert y.item() == 12.0
+    # priorities outside the device's range map to its nearest end, as CUDA does
+    assert torch.cuda.Stream.priority_range() == (0, -5)
+    assert [torch.cuda.Stream(priority=p).priority for p in (3, 0, -1, -9)] == [0, 0, -1, -5]
+
+
+def test_sync_debug_mode_is_kept_and_checked(two_gpus):
+    assert torch.cuda.get_sync_debug_mode() == 0
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        assert torch.cuda.get_sync_debug_mode() == 1
+        torch.cuda.set_sync_debug_mode(2)
+        assert torch.cuda.get_sync_debug_mode() == 2
+        with pytest.raises(RuntimeError, match="expected one of `default`, `warn`, `error`"):
+            torch.cuda.set_sync_debug_mode("loud")
+        assert torch.cuda.get_sync_debug_mode() == 2
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_memory_counters_follow_live_tensors(two_gpus):

@@ -34,7 +34,7 @@ __all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available",
            "initial_seed",
            "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "DefaultGenerators",
            "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "refuse_memory_history",
-           "CUDAGraph"]
+           "CUDAGraph", "set_sync_debug_mode", "get_sync_debug_mode"]
 
 #: the name every stand-in device reports (``{}``: its index)
 DEVICE_NAME = "tensorplay CPU stand-in (cuda:{})"
@@ -301,6 +301,26 @@ class DefaultGenerators(Sequence):
 
 
 # -- CUDA graphs: refused ---------------------------------------------------------------------------------
+_SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}
+_sync_debug_mode = [0]  # one per process, as CUDA's
+
+
+def set_sync_debug_mode(debug_mode: int | str) -> None:
+    """``torch.cuda.set_sync_debug_mode``: kept and answered; no operation synchronises a stand-in, so none warns
+    or raises under ``"warn"``/``"error"`` (docs/deviations.md)."""
+    if isinstance(debug_mode, str):
+        if debug_mode not in _SYNC_DEBUG_MODES:
+            raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+        debug_mode = _SYNC_DEBUG_MODES[debug_mode]
+    lazy_init()
+    _sync_debug_mode[0] = int(debug_mode)
+
+
+def get_sync_debug_mode() -> int:
+    """``torch.cuda.get_sync_debug_mode``: the mode last set (0, ``"default"``, to begin with)."""
+    return _sync_debug_mode[0]
+
+
 def refuse_graphs(*args: Any, **kwargs: Any) -> Any:
     """CUDA graphs replay recorded GPU kernels; the stand-in has none to record."""
     raise StandInError(format_message(

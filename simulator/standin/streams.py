@@ -24,6 +24,9 @@ _CUDA_TYPE = int(torch._C._autograd.DeviceType.CUDA)
 _ids = itertools.count(1)
 
 
+_LEAST_PRIORITY, _GREATEST_PRIORITY = 0, -5
+
+
 class Stream(torch.Stream):
     """``torch.cuda.Stream`` on a stand-in device: an ordering that CPU execution always satisfies.
 
@@ -38,8 +41,14 @@ class Stream(torch.Stream):
             sid, idx = next(_ids), resolve_index(device, "torch.cuda.Stream")
         state().initialized = True
         s = super().__new__(cls, stream_id=sid, device_index=idx, device_type=_CUDA_TYPE)
-        s._priority = priority
+        # as CUDA maps a priority outside the device's range to the range's nearest end
+        s._priority = min(_LEAST_PRIORITY, max(_GREATEST_PRIORITY, int(priority)))
         return s
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) priority, as a Hopper GPU's CUDA reports them: lower numbers run first."""
+        return _LEAST_PRIORITY, _GREATEST_PRIORITY
 
     def query(self) -> bool:
         """True: all work issued to the stream is done."""
