@@ -46,6 +46,7 @@ from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from simulator.adapters import _environ, installed, torch_native
+from simulator.adapters.threads import RankOsExit
 from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
@@ -420,8 +421,9 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
 
 def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
     code = e.code
+    how = "os._exit" if isinstance(e, RankOsExit) else "sys.exit / SystemExit"
     err = RankExitError(format_message(
-        "simulator.run", f"rank {rs.rank} exited with code {code!r} (sys.exit / SystemExit); a process that exits "
+        "simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); a process that exits "
         f"non-zero is a failed rank, as under torchrun", rank=rs.rank,
         values={"exit_code": code, "last_call": rs.last_site},
         fix="return normally (or sys.exit(0)) from every rank, or handle the condition that made this rank exit"))

@@ -290,6 +290,30 @@ def test_sys_exit_in_a_rank_is_a_rank_failure(mode, code):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_os_exit_in_a_rank_ends_that_rank_only(mode):
+    """os._exit(code) ends a rank's process, not its peers': on thread ranks too it ends the one rank (a failure
+    naming os._exit when non-zero, a normal return when 0), and the test process carries on."""
+    import os
+
+    def fn(code):
+        x = tp.ones(1)
+        dist.all_reduce(x)
+        if dist.get_rank() == 1:
+            os._exit(code)
+        if code:
+            dist.all_reduce(x)  # the others wait for rank 1 here, as real processes would
+        return x.item()
+
+    world = simulator.World(3, timeout=20, **_how(mode))
+    with pytest.raises(simulator.RankExitError) as ei:
+        world.run(fn, args=(7,))
+    e = ei.value
+    assert e.rank == 1 and "exited with code 7" in str(e) and "os._exit" in str(e)
+    assert all(isinstance(world.errors[r], simulator.RankFailedError) for r in (0, 2))
+    assert simulator.run(fn, 3, args=(0,), **_how(mode)) == [3.0, None, 3.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_sys_exit_zero_is_a_normal_return(mode):
     import sys
 

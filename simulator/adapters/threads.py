@@ -24,7 +24,10 @@ schedule for its duration, and the run is no longer a pure function of its seed
 schedule).  In a world started by a launcher (simulator/launch.py), where each
 rank stands for a process, ``os.getpid()`` on a rank (and its threads) returns
 the pid of that rank's ``Process`` object, as in the process itself; the
-standard library's ``multiprocessing`` keeps seeing the real pid.
+standard library's ``multiprocessing`` keeps seeing the real pid.  ``os._exit(code)``
+on a rank's own thread ends that rank, as it would end the rank's process, not
+the one process every thread rank shares (the rank's ``finally`` blocks do run;
+docs/deviations.md).
 
 Example (2 ranks, each with a communication thread)::
 
@@ -207,8 +210,8 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
         return _ORIGINAL["cond_wait"](self, timeout)
 
 
-# time.sleep and os.getpid as they were when the adapter was installed (a test may have replaced them)
-_REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid()}
+# time.sleep, os.getpid and os._exit as they were when the adapter was installed (a test may have replaced them)
+_REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit}
 #: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
 _OWN = ("simulator", "tensorplay")
 #: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
@@ -289,6 +292,21 @@ def _getpid() -> int:
     return pids[rs.rank]
 
 
+class RankOsExit(SystemExit):
+    """``os._exit(code)`` called on a thread rank: that rank's "process" ends with ``code`` (the world ends it as
+    a ``SystemExit``: 0 is a normal return, anything else a failed rank), not the process every rank shares."""
+
+
+def _os_exit(code: int) -> None:
+    """``os._exit`` while a world runs: on a thread rank's own thread, ends that rank only (see
+    :class:`RankOsExit`); anywhere else (a thread the rank started, a process forked from a rank, the launcher,
+    a rank process) the real call."""
+    rs = current_rank_state()
+    if rs is None or rs.parent is not None or _REAL["getpid"]() != _REAL["pid"]:
+        _REAL["os_exit"](code)
+    raise RankOsExit(code)
+
+
 def _install() -> None:
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
@@ -299,8 +317,11 @@ def _install() -> None:
     if os.getpid is not _getpid:
         _REAL["getpid"] = os.getpid
         _REAL["pid"] = os.getpid()
+    if os._exit is not _os_exit:
+        _REAL["os_exit"] = os._exit
     time.sleep = _sleep
     os.getpid = _getpid
+    os._exit = _os_exit
 
 
 def _uninstall() -> None:
@@ -310,6 +331,7 @@ def _uninstall() -> None:
     threading.Condition.wait = _ORIGINAL["cond_wait"]  # type: ignore[method-assign]
     time.sleep = _REAL["sleep"]
     os.getpid = _REAL["getpid"]
+    os._exit = _REAL["os_exit"]
 
 
 _INSTALLATION = Installation(_install, _uninstall)
