@@ -258,3 +258,53 @@ def test_threads_outside_a_world_are_untouched():
     t.start()
     t.join()
     assert seen == [None] and not hasattr(t, "_tp_sim_inherited")
+
+
+def _signal_handlers():
+    import signal
+
+    r = dist.get_rank()
+
+    def handler(signum, frame):  # (never called: only installed)
+        pass
+
+    handler.rank = r
+    before = signal.getsignal(signal.SIGUSR1)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    dist.barrier()  # every rank has installed its own before any reads
+    own = signal.getsignal(signal.SIGUSR1)
+    again = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    errors = []
+    for bad in ((signal.SIGKILL, handler), (0, handler), (signal.SIGUSR2, "not a handler")):
+        try:
+            signal.signal(*bad)
+        except (OSError, ValueError, TypeError) as e:
+            errors.append(type(e).__name__)
+    in_thread = []
+
+    def from_a_thread():  # a process's other threads cannot install handlers
+        try:
+            signal.signal(signal.SIGUSR1, handler)
+        except ValueError as e:
+            in_thread.append(str(e))
+
+    t = threading.Thread(target=from_a_thread)
+    t.start()
+    t.join()
+    return (before == previous, getattr(own, "rank", None), getattr(again, "rank", None),
+            signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, errors, in_thread)
+
+
+@isolations
+def test_a_rank_installs_signal_handlers_of_its_own(isolation):
+    """A rank process's main thread installs signal handlers; a thread rank does too (kept per rank, see
+    simulator/adapters/threads.py), and the process's own handlers are as they were after the run."""
+    import signal
+
+    process_handler = signal.getsignal(signal.SIGUSR1)
+    out = simulator.run(_signal_handlers, 2, isolation=isolation, timeout=60)
+    for r, (kept, own, again, ignored, errors, in_thread) in enumerate(out):
+        assert kept and own == r and again == r and ignored
+        assert errors == ["OSError", "ValueError", "TypeError"]
+        assert len(in_thread) == 1 and "main thread" in in_thread[0]
+    assert signal.getsignal(signal.SIGUSR1) == process_handler

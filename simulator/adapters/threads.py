@@ -27,7 +27,11 @@ the pid of that rank's ``Process`` object, as in the process itself; the
 standard library's ``multiprocessing`` keeps seeing the real pid.  ``os._exit(code)``
 on a rank's own thread ends that rank, as it would end the rank's process, not
 the one process every thread rank shares (the rank's ``finally`` blocks do run;
-docs/deviations.md).
+docs/simulator.md, "A rank that exits").  ``signal.signal`` on a rank's own thread
+installs the rank's handler, as a process's main thread may (``getsignal``
+answers it): the handlers are kept per rank and never called, since the signals
+the process gets are the simulator's (a program that must receive them runs
+with ``isolation="process"``).
 
 Example (2 ranks, each with a communication thread)::
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -210,8 +215,9 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
         return _ORIGINAL["cond_wait"](self, timeout)
 
 
-# time.sleep, os.getpid and os._exit as they were when the adapter was installed (a test may have replaced them)
-_REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit}
+# time.sleep, os.getpid, os._exit and signal.signal/getsignal as they were when the adapter was installed (a test may have replaced them)
+_REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit,
+                         "signal": signal.signal, "getsignal": signal.getsignal}
 #: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
 _OWN = ("simulator", "tensorplay")
 #: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
@@ -307,6 +313,39 @@ def _os_exit(code: int) -> None:
     raise RankOsExit(code)
 
 
+def _own_signals(rs: RankState | None) -> bool:
+    """Whether the calling thread is a thread rank's own (where its process's main thread would run it)."""
+    return rs is not None and rs.parent is None and threading.current_thread() is not threading.main_thread()
+
+
+def _signal(signalnum: Any, handler: Any) -> Any:
+    """``signal.signal`` while a world runs: on a thread rank's own thread, the rank's handler (see the module
+    docstring), checked as the real call checks it; anywhere else the real call."""
+    rs = current_rank_state()
+    if not _own_signals(rs):
+        return _REAL["signal"](signalnum, handler)
+    signum = int(signalnum)
+    if not 0 < signum < signal.NSIG:
+        raise ValueError("signal number out of range")
+    if signum in (signal.SIGKILL, signal.SIGSTOP):
+        raise OSError(22, "Invalid argument")
+    if not callable(handler) and handler not in (signal.SIG_IGN, signal.SIG_DFL):
+        raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
+    table = rs.signals if rs.signals is not None else {}
+    rs.signals = table
+    previous = table[signum] if signum in table else _REAL["getsignal"](signum)
+    table[signum] = handler
+    return previous
+
+
+def _getsignal(signalnum: Any) -> Any:
+    """``signal.getsignal`` while a world runs: a thread rank's own handler where it installed one."""
+    rs = current_rank_state()
+    if _own_signals(rs) and rs.signals is not None and int(signalnum) in rs.signals:
+        return rs.signals[int(signalnum)]
+    return _REAL["getsignal"](signalnum)
+
+
 def _install() -> None:
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
@@ -319,6 +358,9 @@ def _install() -> None:
         _REAL["pid"] = os.getpid()
     if os._exit is not _os_exit:
         _REAL["os_exit"] = os._exit
+    if signal.signal is not _signal:
+        _REAL["signal"], _REAL["getsignal"] = signal.signal, signal.getsignal
+    signal.signal, signal.getsignal = _signal, _getsignal
     time.sleep = _sleep
     os.getpid = _getpid
     os._exit = _os_exit
@@ -332,6 +374,7 @@ def _uninstall() -> None:
     time.sleep = _REAL["sleep"]
     os.getpid = _REAL["getpid"]
     os._exit = _REAL["os_exit"]
+    signal.signal, signal.getsignal = _REAL["signal"], _REAL["getsignal"]
 
 
 _INSTALLATION = Installation(_install, _uninstall)

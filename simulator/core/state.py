@@ -78,7 +78,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp", "store_polls",
+        "on_complete", "stamp", "store_polls", "signals",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -124,6 +124,8 @@ class RankState:
         self.stamp = run.clock()
         #: ``(call, count)``: the rank's last store call and how many times in a row it was made (a spin-poll)
         self.store_polls: tuple[Any, int] | None = None
+        #: the signal handlers this thread rank installed (signal number -> handler; adapters.threads)
+        self.signals: dict[int, Any] | None = None
 
     @property
     def torch_rng(self) -> torch.Tensor | None:
