@@ -308,3 +308,51 @@ def test_a_rank_installs_signal_handlers_of_its_own(isolation):
         assert errors == ["OSError", "ValueError", "TypeError"]
         assert len(in_thread) == 1 and "main thread" in in_thread[0]
     assert signal.getsignal(signal.SIGUSR1) == process_handler
+
+
+def _silence_all_but_rank_zero():
+    import builtins
+    import io
+    import os
+    import sys
+
+    r = dist.get_rank()
+    real_print = builtins.print  # the rank's own: the process's print (DETR/DeiT's setup_for_distributed)
+
+    def quiet_print(*args, force=False, **kwargs):
+        if r == 0 or force:
+            real_print(*args, **kwargs)
+
+    builtins.print = quiet_print
+    dist.barrier()  # every rank has replaced it before any prints
+    print(f"rank {r}: only rank 0's line is printed")
+    print(f"rank {r}: forced", force=True)
+    if r != 0:
+        sys.stdout = open(os.devnull, "w")
+    dist.barrier()
+    sys.stdout.write(f"rank {r}: written to its stdout\n")
+    sys.stdout.flush()
+    tee = io.StringIO()
+    seen = sys.stdout
+    sys.stdout = tee  # a rank's own redirection: the others' stdout is untouched
+    dist.barrier()
+    print(f"rank {r}: into its own buffer", force=True)
+    sys.stdout = seen
+    if r != 0:
+        sys.stdout.close()
+    return tee.getvalue(), builtins.print is quiet_print
+
+
+@isolations
+def test_each_rank_has_its_own_stdout_and_print(isolation, capfd):
+    """Silencing every rank but the first (a print that drops non-master lines, sys.stdout sent to os.devnull)
+    silences those ranks only, as on processes; thread ranks used to share the last rank's choice."""
+    import builtins
+
+    process_print = builtins.print
+    out = simulator.run(_silence_all_but_rank_zero, 3, isolation=isolation, timeout=60)
+    assert out == [(f"rank {r}: into its own buffer\n", True) for r in range(3)]
+    printed = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("rank "))
+    assert printed == ["rank 0: forced", "rank 0: only rank 0's line is printed", "rank 0: written to its stdout",
+                       "rank 1: forced", "rank 2: forced"]
+    assert builtins.print is process_print

@@ -10,6 +10,7 @@ torch_native       ``torch.distributed``'s process groups, rendezvous and per-ra
 torch_rpc          ``torch.distributed.rpc`` and its distributed autograd
 clock_hooks        import time (not compute) and ``torch.optim`` steps (the step time)
 per_rank_state     process-global state of libraries (Hydra) kept per rank
+per_rank_streams   ``sys.stdout``, ``sys.stderr`` and ``builtins.print`` kept per rank
 =================  ==========================================================================
 
 The CUDA stand-in (:mod:`simulator.standin`) is installed before these when a world runs with
@@ -20,11 +21,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from simulator.adapters import clock_hooks, per_rank_state, threads, torch_native, torch_rpc
+from simulator.adapters import clock_hooks, per_rank_state, per_rank_streams, threads, torch_native, torch_rpc
 
 __all__ = ["ADAPTERS", "enabled"]
 
-ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state)
+ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state, per_rank_streams)
 
 
 @contextlib.contextmanager

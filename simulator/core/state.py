@@ -78,7 +78,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp", "store_polls", "signals",
+        "on_complete", "stamp", "store_polls", "signals", "own_globals",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -126,6 +126,8 @@ class RankState:
         self.store_polls: tuple[Any, int] | None = None
         #: the signal handlers this thread rank installed (signal number -> handler; adapters.threads)
         self.signals: dict[int, Any] | None = None
+        #: the process-wide names this thread rank set for itself (sys.stdout...; adapters.per_rank_streams)
+        self.own_globals: dict[tuple[int, str], Any] | None = None
 
     @property
     def torch_rng(self) -> torch.Tensor | None:

@@ -1,0 +1,142 @@
+"""``sys.stdout``, ``sys.stderr`` and ``builtins.print``: each thread rank's own, as each process has its own.
+
+Training scripts silence every rank but the first by replacing these for their process: research code bases
+(DETR, DeiT, MAE, DINO...) install a ``print`` that drops what a non-master rank prints unless forced
+(``builtins.print = print`` in their ``setup_for_distributed(is_master)``), others send a rank's
+``sys.stdout`` to ``os.devnull`` or tee it into a log file.  Thread ranks share one interpreter, so without
+this adapter the last rank to replace them decided for every rank, and rank 0's lines vanished.
+
+While a world runs, an assignment to one of these names on a rank (or a thread it started) is that rank's
+own, and reading the name on the rank gives the rank's own value (at first the process's), so a wrapper that
+calls the ``print`` it found calls the real one.  The module dictionaries hold a dispatcher that forwards to
+the calling thread's rank's value: the interpreter's own lookups (``print()`` writing to ``sys.stdout``, a
+bare ``print`` name) go through them.  Outside a rank everything is the process's, and the process's values
+are back in place when the last world ends.  Rank processes are processes: nothing changes in them.
+
+Example (three ranks; only rank 0 prints, as on three processes)::
+
+    import builtins, simulator, tensorplay.distributed as dist
+
+    def fn():
+        real = builtins.print
+        builtins.print = lambda *a, **k: real(*a, **k) if dist.get_rank() == 0 else None
+        print("only rank 0 prints this")
+
+    simulator.run(fn, 3)
+"""
+from __future__ import annotations
+
+import builtins
+import sys
+import types
+from typing import Any, ContextManager
+
+from simulator.adapters._patch import Installation
+from simulator.core.state import current_rank_state
+
+__all__ = ["NAMES", "enabled"]
+
+#: the names made per rank, by module
+NAMES: dict[types.ModuleType, tuple[str, ...]] = {sys: ("stdout", "stderr"), builtins: ("print",)}
+_PROCESS: dict[tuple[int, str], Any] = {}  # (id(module), name) -> the process's value while a world runs
+_CLASSES: dict[int, type] = {}  # id(module) -> its class before the world
+
+
+def _own() -> dict[tuple[int, str], Any] | None:
+    """The calling rank's table of its own values (None outside a rank)."""
+    rs = current_rank_state()
+    if rs is None:
+        return None
+    root = rs.parent or rs
+    if root.own_globals is None:
+        root.own_globals = {}
+    return root.own_globals
+
+
+def _value(module: types.ModuleType, name: str) -> Any:
+    table = _own()
+    key = (id(module), name)
+    if table is not None and key in table:
+        return table[key]
+    return _PROCESS[key]
+
+
+class _PerRankModule(types.ModuleType):
+    """The class ``sys`` and ``builtins`` take while a world runs: the per-rank names read and set per rank."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LOOKED_AFTER and (id(self), name) in _PROCESS:
+            return _value(self, name)
+        return types.ModuleType.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        key = (id(self), name)
+        if name in _LOOKED_AFTER and key in _PROCESS:
+            table = _own()
+            if table is not None:
+                table[key] = value
+            else:
+                _PROCESS[key] = value  # the launcher's thread (pytest's capture, say): the process's value
+            return
+        types.ModuleType.__setattr__(self, name, value)
+
+
+_LOOKED_AFTER = frozenset(n for names in NAMES.values() for n in names)
+
+
+class _Stream:
+    """What ``sys.stdout``/``sys.stderr`` hold in the module's dictionary: forwards to the calling rank's stream."""
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "_name", name)
+
+    def _target(self) -> Any:
+        return _value(sys, object.__getattribute__(self, "_name"))
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._target(), attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._target(), attr, value)
+
+
+def _print(*args: Any, **kwargs: Any) -> None:
+    """What ``builtins.print`` holds in the module's dictionary: calls the calling rank's ``print``."""
+    return _value(builtins, "print")(*args, **kwargs)
+
+
+_DISPATCHERS: dict[str, Any] = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr"), "print": _print}
+
+
+def _install() -> None:
+    for module, names in NAMES.items():
+        for name in names:
+            _PROCESS[(id(module), name)] = module.__dict__[name]
+            module.__dict__[name] = _DISPATCHERS[name]
+        _CLASSES[id(module)] = type(module)
+        module.__class__ = _PerRankModule
+
+
+def _uninstall() -> None:
+    for module, names in NAMES.items():
+        cls = _CLASSES.pop(id(module), None)
+        if cls is not None:
+            module.__class__ = cls  # (through _PerRankModule.__setattr__: not a per-rank name)
+        for name in names:
+            value = _PROCESS.pop((id(module), name), None)
+            if value is not None:
+                module.__dict__[name] = value
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
+    """While active, thread ranks have their own ``sys.stdout``, ``sys.stderr`` and ``builtins.print``."""
+    return _INSTALLATION.enabled()
