@@ -356,3 +356,36 @@ def test_each_rank_has_its_own_stdout_and_print(isolation, capfd):
     assert printed == ["rank 0: forced", "rank 0: only rank 0's line is printed", "rank 0: written to its stdout",
                        "rank 1: forced", "rank 2: forced"]
     assert builtins.print is process_print
+
+
+_LIBRARY_LOG = __import__("logging").getLogger("tests.a_library_imported_before_the_ranks")
+
+
+def _rank_logging():
+    import io
+    import logging
+
+    r = dist.get_rank()
+    buffer = io.StringIO()
+    logging.basicConfig(level=logging.INFO if r == 0 else logging.WARNING, format=f"[rank{r}] %(message)s",
+                        stream=buffer, force=True)
+    dist.barrier()  # every rank has configured logging before any logs
+    logging.getLogger("tests.a_rank_logger").info("info from %d", r)
+    _LIBRARY_LOG.warning("library warning on %d", r)  # a module-level logger reaches the rank's own handler
+    return buffer.getvalue().splitlines(), logging.getLogger().level
+
+
+@isolations
+def test_each_rank_configures_its_own_logging(isolation):
+    """logging.basicConfig(level=INFO on rank 0 else WARNING, format naming the rank), as training scripts do:
+    each rank's root logger is its own, as each process's is, whichever rank the schedule ran first."""
+    import logging
+
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    for seed in (0, 1):
+        out = simulator.run(_rank_logging, 3, isolation=isolation, seed=seed, timeout=60)
+        assert out[0] == (["[rank0] info from 0", "[rank0] library warning on 0"], logging.INFO)
+        for r in (1, 2):
+            assert out[r] == ([f"[rank{r}] library warning on {r}"], logging.WARNING)
+    assert (root.level, list(root.handlers)) == before

@@ -1,4 +1,4 @@
-"""``sys.stdout``, ``sys.stderr`` and ``builtins.print``: each thread rank's own, as each process has its own.
+"""``sys.stdout``, ``sys.stderr``, ``builtins.print`` and logging's configuration: each thread rank's own.
 
 Training scripts silence every rank but the first by replacing these for their process: research code bases
 (DETR, DeiT, MAE, DINO...) install a ``print`` that drops what a non-master rank prints unless forced
@@ -12,6 +12,13 @@ calls the ``print`` it found calls the real one.  The module dictionaries hold a
 the calling thread's rank's value: the interpreter's own lookups (``print()`` writing to ``sys.stdout``, a
 bare ``print`` name) go through them.  Outside a rank everything is the process's, and the process's values
 are back in place when the last world ends.  Rank processes are processes: nothing changes in them.
+
+Logging is configured per process too: ``logging.basicConfig(level=INFO if rank == 0 else WARNING,
+format=f"[rank{rank}] ...")`` gives each process its own root handler and level.  On thread ranks the first
+rank to call it configured the root logger for all of them, whichever the schedule ran first.  While a world
+runs, the fields a rank configures of each ``logging.Logger`` (its level, handlers, ``propagate``, ``disabled``
+and its level cache) are the rank's own, starting from the process's; the logger tree (``getLogger``) stays
+shared, so a library's module-level logger reaches each rank's own handlers, as in each process.
 
 Example (three ranks; only rank 0 prints, as on three processes)::
 
@@ -27,6 +34,7 @@ Example (three ranks; only rank 0 prints, as on three processes)::
 from __future__ import annotations
 
 import builtins
+import logging
 import sys
 import types
 from typing import Any, ContextManager
@@ -113,8 +121,50 @@ def _print(*args: Any, **kwargs: Any) -> None:
 
 _DISPATCHERS: dict[str, Any] = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr"), "print": _print}
 
+#: what a rank configures of each ``logging.Logger`` (``basicConfig``, ``setLevel``, ``addHandler``...): its own
+_LOGGER_FIELDS = ("level", "handlers", "propagate", "disabled", "_cache")
+
+
+class _RankField:
+    """A data descriptor on ``logging.Logger`` for one of :data:`_LOGGER_FIELDS`: on a rank, the rank's own value
+    (at first a copy of the process's: an empty ``_cache``, a copy of ``handlers``); elsewhere the process's, in
+    the logger's ``__dict__`` as before."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, logger: Any, owner: Any = None) -> Any:
+        if logger is None:
+            return self
+        table = _own()
+        try:
+            if table is None:
+                return logger.__dict__[self.name]
+            key = (id(logger), self.name)
+            if key in table:
+                return table[key]
+            value = logger.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        if type(value) is list or type(value) is dict:
+            value = table[key] = [*value] if type(value) is list else {}
+        return value
+
+    def __set__(self, logger: Any, value: Any) -> None:
+        table = _own()
+        if table is None or self.name not in logger.__dict__:
+            # outside a rank, or a logger a rank creates (``getLogger`` of a new name): the tree is the process's,
+            # and so are a new logger's first values
+            logger.__dict__[self.name] = value
+        else:
+            table[(id(logger), self.name)] = value
+
 
 def _install() -> None:
+    for name in _LOGGER_FIELDS:
+        setattr(logging.Logger, name, _RankField(name))
     for module, names in NAMES.items():
         for name in names:
             _PROCESS[(id(module), name)] = module.__dict__[name]
@@ -124,6 +174,9 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
+    for name in _LOGGER_FIELDS:
+        if isinstance(logging.Logger.__dict__.get(name), _RankField):
+            delattr(logging.Logger, name)
     for module, names in NAMES.items():
         cls = _CLASSES.pop(id(module), None)
         if cls is not None:
