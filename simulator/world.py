@@ -94,7 +94,7 @@ class World:
             model's; e.g. 0.1 for a target device ten times faster, 0 for schedule-only virtual time).
         env: extra per-rank environment variables (torchrun-style ``RANK`` & co. are always set while
             ``torchrun_env=True``).
-        per_rank_rng: in coop mode, give each rank its own torch and ``random`` state (default True).
+        per_rank_rng: in coop mode, give each rank its own torch, ``random`` and numpy global state (default True).
         stack_size: thread stack size in bytes (default 256 KiB above 64 ranks, else the platform's).
         trace_limit: events the trace keeps (the last ones: a ring buffer); ``None`` keeps all, ``0`` none.
             Per-rank totals (the summary) always cover every event. Default 100,000 (about 30 MB).

@@ -218,6 +218,75 @@ def test_rng_swap_moves_the_whole_state(fast):
         random.setstate(saved)
 
 
+def _numpy_draws(interleave: bool, seeded: bool) -> list[float]:
+    """Draws of numpy's global generator; ``standard_normal`` of one leaves its pair's second value cached."""
+    import numpy as np
+
+    if seeded:
+        np.random.seed(100 + dist.get_rank())  # np.random.seed(seed + rank), as data pipelines do
+    out = [float(np.random.standard_normal())]
+    for _ in range(3):
+        if interleave:
+            dist.all_reduce(torch.ones(2))  # the other ranks draw in between (the baton moves here)
+        out += [*np.random.rand(3).tolist(), *np.random.randint(0, 2**30, 2).tolist(),
+                float(np.random.standard_normal())]
+    if not interleave:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+    return out
+
+
+@pytest.mark.parametrize("isolation,seed", [("thread", 0), ("thread", 4), ("process", 0)])
+def test_numpy_random_streams_are_each_ranks_own(isolation, seed):
+    """numpy's global generator is one per process: a rank's stream (its cached normal included) is the same
+    whether or not other ranks draw between its draws, seeded or not; unseeded ranks differ from each other, and
+    thread ranks and rank processes start from the same states."""
+    import numpy as np
+
+    for seeded in (True, False):
+        alone = simulator.run(_numpy_draws, 3, args=(False, seeded), seed=seed, isolation=isolation)
+        mixed = simulator.run(_numpy_draws, 3, args=(True, seeded), seed=seed, isolation=isolation)
+        assert mixed == alone and len({tuple(d) for d in mixed}) == 3
+        if seeded:  # what a process that ran np.random.seed(100 + rank) draws
+            for r, drawn in enumerate(mixed):
+                g = np.random.RandomState(100 + r)
+                want = [float(g.standard_normal())]
+                for _ in range(3):
+                    want += [*g.rand(3).tolist(), *g.randint(0, 2**30, 2).tolist(), float(g.standard_normal())]
+                assert drawn == want
+        elif isolation == "process":
+            assert mixed == simulator.run(_numpy_draws, 3, args=(True, False), seed=seed)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_numpy_rng_swap_moves_the_whole_state(fast):
+    import numpy as np
+
+    from simulator.core._handoff import _NumpyRngSwap
+    from simulator.core.state import RankState
+
+    swap = _NumpyRngSwap()
+    if fast:
+        swap._gauss = swap._probe(np.random.RandomState)
+        if swap._gauss is None:
+            pytest.skip("this numpy's RandomState layout is not the one the fast path recognises")
+    else:
+        swap._gauss = None  # the get_state/set_state path
+    saved = np.random.get_state()
+    try:
+        rs = RankState.__new__(RankState)
+        rs.np_rng = np.random.RandomState(7)
+        rs.np_rng.standard_normal()  # leaves a cached value
+        expected = np.random.RandomState(0)
+        expected.set_state(rs.np_rng.get_state())
+        swap.load(rs, seed=1)
+        assert np.random.standard_normal(5).tolist() == expected.standard_normal(5).tolist()
+        swap.save(rs)
+        assert rs.np_rng.rand(700).tolist() == expected.rand(700).tolist() == np.random.rand(700).tolist()
+    finally:
+        np.random.set_state(saved)
+
+
 def _torch_draws(interleave: bool) -> list[torch.Tensor]:
     """Draws of every kind from the default generator; scalar-sized normals leave a cached sample behind."""
     out = [torch.randn(1)]  # a normal pair's second value stays cached in the generator

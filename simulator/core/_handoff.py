@@ -1,19 +1,19 @@
-"""What a coop hand-off carries besides the baton: the states of torch's default CPU generator and of the ``random``
-module, moved to and from each rank's own generators, and the CPU the next rank should wake on (see
+"""What a coop hand-off carries besides the baton: the states of torch's default CPU generator, of the ``random``
+module and of numpy's global generator, moved to and from each rank's own generators, and the CPU the next rank should wake on (see
 :mod:`simulator.core.sched`)."""
 from __future__ import annotations
 
 import os
 import random
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState
 
 import torch
 
-__all__ = ["_PY_RNG", "_TORCH_RNG", "_STEER", "_PyRngSwap", "_TorchRngSwap"]
+__all__ = ["_PY_RNG", "_TORCH_RNG", "_NP_RNG", "_STEER", "_PyRngSwap", "_TorchRngSwap", "_NumpyRngSwap"]
 
 
 class _PyRngSwap:
@@ -177,6 +177,96 @@ class _TorchRngSwap:
 
 
 _TORCH_RNG = _TorchRngSwap()
+
+
+class _NumpyRngSwap:
+    """Moves the state of numpy's legacy global generator (``np.random.seed``, ``np.random.rand``...) to and from
+    a rank's own ``numpy.random.RandomState``, once a program has imported ``numpy.random``.
+
+    Each process has its own; data pipelines seed it per rank (``np.random.seed(seed + rank)``).  Its
+    ``get_state``/``set_state`` cost about 50 us each, so the state is copied: the Mersenne Twister block
+    (``uint32 key[624]; int pos``) at the bit generator's ``ctypes.state_address``, and the cached normal
+    sample (``int has_gauss; double gauss``) of the ``RandomState`` object, found by giving one a recognisable
+    cached value and searching its memory.  The copy is checked once against draws of every kind; on any
+    surprise the ``get_state``/``set_state`` path is used.
+    """
+
+    _KEY_BYTES = 624 * 4 + 4
+    _MARK = 0.6180339887498949
+
+    def __init__(self) -> None:
+        self._gauss: int | None = -1  # -1: not probed yet (numpy.random may never be imported)
+
+    @staticmethod
+    def module_generator() -> Any:
+        """numpy's global RandomState, if the program imported ``numpy.random`` (None otherwise)."""
+        mtrand = sys.modules.get("numpy.random.mtrand")
+        return getattr(mtrand, "_rand", None)
+
+    def _probe(self, cls: type) -> int | None:
+        try:
+            import ctypes
+            import struct
+
+            if sys.implementation.name != "cpython":
+                return None
+            self._memmove = ctypes.memmove
+            a = cls(1)
+            _, key, pos, _, _ = a.get_state()
+            a.set_state(("MT19937", key, pos, 1, self._MARK))
+            raw = ctypes.string_at(id(a), cls.__basicsize__)
+            at = raw.find(struct.pack("d", self._MARK))
+            if at < 8 or raw.find(struct.pack("d", self._MARK), at + 1) != -1 or \
+                    struct.unpack_from("i", raw, at - 8)[0] != 1:
+                return None
+            src, dst = cls(3), cls(4)
+            src.standard_normal()  # leaves a cached normal sample
+            self._copy(dst, src, at - 8)
+            draws = [lambda g: g.standard_normal(5), lambda g: g.rand(700), lambda g: g.randint(0, 1000, 50),
+                     lambda g: g.permutation(20), lambda g: g.uniform(size=3)]
+            if any(not (f(dst) == f(src)).all() for f in draws):
+                return None
+            return at - 8
+        except Exception:  # noqa: BLE001  any surprise means: use the portable path
+            return None
+
+    def _copy(self, dst: Any, src: Any, gauss: int) -> None:
+        # (the bit generator keeps its ctypes view: asking each time costs about 0.1 us, and an address kept by
+        # id() could outlive its generator)
+        self._memmove(dst._bit_generator.ctypes.state_address, src._bit_generator.ctypes.state_address,
+                      self._KEY_BYTES)
+        self._memmove(id(dst) + gauss, id(src) + gauss, 16)  # has_gauss (an int, padded) and gauss
+
+    def save(self, rs: "RankState") -> None:
+        """The global generator's state into the rank's own (made now if the rank had none)."""
+        g = self.module_generator()
+        if g is None:
+            return
+        if self._gauss == -1:
+            self._gauss = self._probe(type(g))
+        if rs.np_rng is None:
+            rs.np_rng = type(g)(0)
+        if self._gauss is None:
+            rs.np_rng.set_state(g.get_state())
+        else:
+            self._copy(rs.np_rng, g, self._gauss)
+
+    def load(self, rs: "RankState", seed: int) -> None:
+        """The rank's own state (a fresh one seeded by ``seed`` at first) into the global generator."""
+        g = self.module_generator()
+        if g is None:
+            return
+        if self._gauss == -1:
+            self._gauss = self._probe(type(g))
+        if rs.np_rng is None:
+            rs.np_rng = type(g)(seed)
+        if self._gauss is None:
+            g.set_state(rs.np_rng.get_state())
+        else:
+            self._copy(g, rs.np_rng, self._gauss)
+
+
+_NP_RNG = _NumpyRngSwap()
 
 
 class _Steer:

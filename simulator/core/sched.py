@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from simulator.core._actor import BLOCKED, DONE, FREE, NOT_STARTED, RUNNABLE
-from simulator.core._handoff import _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
+from simulator.core._handoff import _NP_RNG, _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
+from simulator.core.seeds import numpy_seed
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
@@ -189,6 +190,7 @@ class CoopScheduler(_SchedulerBase):
             if rs.torch_gen is not None:
                 _TORCH_RNG.save(rs.torch_gen)
             _PY_RNG.save(rs.py_rng)
+            _NP_RNG.save(rs)
 
     def _load_rng(self, rs: "RankState") -> None:
         if self.swap_rng and rs.parent is None:
@@ -198,6 +200,7 @@ class CoopScheduler(_SchedulerBase):
                 rs.torch_rng = torch.get_rng_state()
             _TORCH_RNG.load(rs.torch_gen)
             _PY_RNG.load(rs.py_rng)
+            _NP_RNG.load(rs, numpy_seed(self.run.seed, rs.rank))
 
     def _handoff(self, rs: "RankState", nxt: "RankState") -> None:
         self._save_rng(rs)

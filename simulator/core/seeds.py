@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-__all__ = ["rank_seed", "initial_rng_states"]
+__all__ = ["rank_seed", "numpy_seed", "initial_rng_states"]
 
 #: torch's seed when the simulator was imported: a fresh process draws a random 64-bit one
 _BOOT_SEED = torch.initial_seed()
@@ -32,6 +32,12 @@ def rank_seed(run_seed: int, rank: int) -> int:
     """The torch seed a rank of an unseeded program starts from: distinct per rank, a pure function of the run's seed."""
     digest = hashlib.blake2b(f"tensorplay-simulator:{run_seed}:{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") | (1 << 63)  # 64-bit, like the random seed of a fresh process
+
+
+def numpy_seed(run_seed: int, rank: int) -> int:
+    """Where a rank's numpy global generator (``np.random.rand`` & co.) starts: distinct per rank, a pure function
+    of the run's seed, on thread ranks and in rank processes alike."""
+    return rank_seed(run_seed, rank) & 0xFFFFFFFF
 
 
 def _initial_rng_states(run_seed: int, n: int) -> tuple[list[torch.Tensor], list[int]]:

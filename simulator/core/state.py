@@ -76,7 +76,7 @@ class RankState:
 
     __slots__ = (
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
-        "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "result", "exc", "env", "device",
+        "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "np_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
         "on_complete", "stamp", "store_polls", "signals", "own_globals",
     )
@@ -99,6 +99,7 @@ class RankState:
         #: the rank's own torch CPU generator (coop mode swaps it with the default one at hand-offs)
         self.torch_gen: torch.Generator | None = None
         self.py_rng: Any = None
+        self.np_rng: Any = None  # numpy's global generator's state for this rank (coop mode; core._handoff)
         self.result: Any = None
         self.exc: BaseException | None = None
         self.env: dict[str, str] | None = None

@@ -40,6 +40,7 @@ from tensorplay.distributed.errors import DistRuntimeError, format_message
 from simulator.adapters import torch_globals, torch_native
 from simulator.adapters.clock_hooks import timed_imports
 from simulator.isolation import _wire, cleanup, mark_rank_process, pickling, rank_threads, rpc_process, warm
+from simulator.core.seeds import numpy_seed
 from simulator.isolation.client import ClientBackend
 from simulator.isolation.messages import (
     EXIT, FORWARDED, MODULES, READY, RESULT, WARM_EXITED, WARM_FORKED, WARM_LOADED, WARM_READY, WARM_RECORD,
@@ -112,6 +113,15 @@ def _answer_where(conn: Connection, main_ident: int) -> None:
     threading.Thread(target=serve, name="tensorplay-sim-where", daemon=True).start()
 
 
+def _seed_numpy(run_seed: int, rank: int) -> None:
+    """numpy's global generator starts where a thread rank's does (core.seeds.numpy_seed), when numpy is there."""
+    if "numpy" not in sys.modules:  # (torch imports it when it is installed)
+        return
+    import numpy.random  # (in-function: only rank processes of programs with numpy pay for it)
+
+    numpy.random.seed(numpy_seed(run_seed, rank))
+
+
 def _receive_setup(conn: Connection) -> Setup:
     """The proxy's Setup, then the descriptors that follow it; starts answering "where is the program?"."""
     setup: Setup = _wire.recv(conn)
@@ -149,6 +159,7 @@ def main(fd: int | None = None) -> None:
     rpc_process.SECRET = setup.rpc_secret  # (the run's: RPC is authenticated by default)
     torch.set_rng_state(setup.torch_rng)
     random.seed(f"simulator:{setup.seed}:{rank}")
+    _seed_numpy(setup.seed, rank)
     backend = ClientBackend(conn, rank, setup.world_size, setup.arena_dir)
     install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
