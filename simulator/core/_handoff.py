@@ -1,6 +1,6 @@
 """What a coop hand-off carries besides the baton: the states of torch's default CPU generator, of the ``random``
-module and of numpy's global generator, moved to and from each rank's own generators, and the CPU the next rank should wake on (see
-:mod:`simulator.core.sched`)."""
+module and of numpy's global generator, moved to and from each rank's own generators, and the CPU the next rank
+should wake on (see :mod:`simulator.core.sched`)."""
 from __future__ import annotations
 
 import os
@@ -237,22 +237,7 @@ class _NumpyRngSwap:
                       self._KEY_BYTES)
         self._memmove(id(dst) + gauss, id(src) + gauss, 16)  # has_gauss (an int, padded) and gauss
 
-    def save(self, rs: "RankState") -> None:
-        """The global generator's state into the rank's own (made now if the rank had none)."""
-        g = self.module_generator()
-        if g is None:
-            return
-        if self._gauss == -1:
-            self._gauss = self._probe(type(g))
-        if rs.np_rng is None:
-            rs.np_rng = type(g)(0)
-        if self._gauss is None:
-            rs.np_rng.set_state(g.get_state())
-        else:
-            self._copy(rs.np_rng, g, self._gauss)
-
-    def load(self, rs: "RankState", seed: int) -> None:
-        """The rank's own state (a fresh one seeded by ``seed`` at first) into the global generator."""
+    def _move(self, rs: "RankState", seed: int, into_rank: bool) -> None:
         g = self.module_generator()
         if g is None:
             return
@@ -260,10 +245,19 @@ class _NumpyRngSwap:
             self._gauss = self._probe(type(g))
         if rs.np_rng is None:
             rs.np_rng = type(g)(seed)
+        dst, src = (rs.np_rng, g) if into_rank else (g, rs.np_rng)
         if self._gauss is None:
-            g.set_state(rs.np_rng.get_state())
+            dst.set_state(src.get_state())
         else:
-            self._copy(g, rs.np_rng, self._gauss)
+            self._copy(dst, src, self._gauss)
+
+    def save(self, rs: "RankState") -> None:
+        """The global generator's state into the rank's own (made now if the rank had none)."""
+        self._move(rs, 0, into_rank=True)
+
+    def load(self, rs: "RankState", seed: int) -> None:
+        """The rank's own state (a fresh one seeded by ``seed`` at first) into the global generator."""
+        self._move(rs, seed, into_rank=False)
 
 
 _NP_RNG = _NumpyRngSwap()
