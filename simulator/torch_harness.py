@@ -297,8 +297,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
-        per_process = ((_own_class_state(), _one_profiler_per_process(item), _test_process_registries())
-                       if isolation == "thread" else ())
+        per_process = ((_own_class_state(), _one_profiler_per_process(item), _test_process_registries(),
+                        _no_pytest_log_handlers()) if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:
             for cm in per_process:  # (rank processes have these of their own)
@@ -403,6 +403,30 @@ def _test_process_registries() -> Iterator[None]:
         for name in set(vars(b)) - attrs:  # register_backend's Backend.<NAME> = "<name>"
             delattr(b, name)
         tdist.set_debug_level(level)
+
+
+@contextlib.contextmanager
+def _no_pytest_log_handlers() -> Iterator[None]:
+    """A rank process's loggers have the handlers its own imports gave them.  pytest's logging plugin attaches its
+    capture handlers (``_pytest.logging``'s) to every logger that does not propagate, in this process: torch's
+    ``c10d-NullHandler-default``, which torch's ``test_c10d_logger.py`` expects to hold its one ``NullHandler``,
+    showed thread ranks 5.  While a test's ranks are threads of this process, such loggers hold none of pytest's
+    handlers; they get them back after the test (the root logger keeps pytest's: the report still shows what the
+    ranks logged there)."""
+    import logging
+
+    taken: list[tuple[logging.Logger, logging.Handler]] = []
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger) and not logger.propagate:
+            for handler in list(logger.handlers):
+                if type(handler).__module__ == "_pytest.logging":
+                    logger.removeHandler(handler)
+                    taken.append((logger, handler))
+    try:
+        yield
+    finally:
+        for logger, handler in taken:  # (before pytest's own exit takes them off again: this wrapper is inner)
+            logger.addHandler(handler)
 
 
 @contextlib.contextmanager

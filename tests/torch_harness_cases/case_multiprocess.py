@@ -56,6 +56,23 @@ class HarnessCases(MultiProcessTestCase):
         dist.all_gather_object(objs, self.rank * 10)
         self.assertEqual(objs, [0, 10, 20])
 
+    def test_loggers_are_the_processs_own(self) -> None:
+        """A rank process's loggers hold what its imports gave them (torch's c10d logger: its NullHandler, not the
+        test runner's capture handlers), and a rank configures its own root logger (basicConfig per rank)."""
+        import io
+        import logging
+
+        from torch.distributed.c10d_logger import _c10d_logger
+
+        self.assertEqual([type(h).__name__ for h in _c10d_logger.handlers], ["NullHandler"])
+        self._init()
+        buffer = io.StringIO()
+        logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, stream=buffer,
+                            format=f"[rank{self.rank}] %(message)s", force=True)
+        dist.barrier()  # every rank has configured its logging before any logs
+        logging.getLogger("case").info("info")
+        self.assertEqual(buffer.getvalue(), "[rank0] info\n" if self.rank == 0 else "")
+
     def test_getpid_is_per_rank(self) -> None:
         self._init()
         pids = [None] * self.world_size
