@@ -138,6 +138,34 @@ P2P_PROCESS = textwrap.dedent("""
 # torchrun shape, with what only a process has: a communication thread whose collective on its own group
 # overlaps the main thread's, and torch.distributed.checkpoint's async_save (a background thread writes while
 # the main thread goes on), then a load
+# TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps each gloo group in a ProcessGroupWrapper that checks every collective
+# across ranks first and raises its mismatch on every rank at the call (an op type, then a shape that differ)
+DETAIL_MISMATCH = textwrap.dedent("""
+    import os
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    import torch, torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def main(rank, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        for step in range(2):
+            try:
+                if step == 0 and rank == 1:
+                    dist.broadcast(torch.ones(3), 0)
+                else:
+                    dist.all_reduce(torch.ones(3 + rank * step))
+                print(f"rank {rank} step {step} no error", flush=True)
+            except RuntimeError as e:
+                print(f"rank {rank} step {step} {type(e).__name__}: {e}", flush=True)
+        dist.all_reduce(torch.ones(2))
+        print(f"rank {rank} matched collectives still run", flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(main, args=({port},), nprocs=2, join=True)
+""")
+
 THREADS_DCP = textwrap.dedent("""
     import sys, threading
     import torch, torch.distributed as dist
@@ -222,6 +250,16 @@ def test_p2p_tutorial_with_process_ranks_matches_gloo(tmp_path: Path) -> None:
     real, sim = _both(tmp_path, "p2p_process.py", P2P_PROCESS)
     assert "exit codes [0, 0, 0, 0]" in real
     assert "rank 0 ring [60.0, 64.0, 68.0]" in real  # sum over ranks of arange(3) + 10 * rank
+    assert sim == real
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W2")
+def test_debug_detail_mismatches_raise_torchs_errors_as_on_gloo(tmp_path: Path) -> None:
+    real, sim = _both(tmp_path, "detail_mismatch.py", DETAIL_MISMATCH)
+    assert len(real) == 6 and "rank 0 matched collectives still run" in real
+    assert any("Detected mismatch between collectives on ranks" in line and "Op type: ALLREDUCEvs BROADCAST" in line
+               for line in real), real
     assert sim == real
 
 

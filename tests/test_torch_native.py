@@ -867,3 +867,30 @@ def _fake_group() -> tuple[int, int, float]:
 def test_torchs_fake_group_is_torchs_own_on_simulated_ranks(isolation) -> None:
     # the values torch's fake backend gives in a plain process: rank 0 of 4, the tensor untouched
     assert simulator.run(_fake_group, 2, isolation=isolation) == [(0, 4, 10.0)] * 2
+
+
+def _detail_checks() -> tuple:
+    tdist.init_process_group("gloo")
+    r = tdist.get_rank()
+    level = tdist.get_debug_level()
+    try:
+        tdist.all_reduce(torch.ones(2 + r))  # shapes differ: the wrapper's check raises at the call, on every rank
+        return level, None
+    except RuntimeError as e:
+        tdist.all_reduce(torch.ones(2))  # a matched collective after it still runs
+        return level, str(e)
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_debug_detail_wraps_groups_for_the_world_only(isolation) -> None:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL in a rank's environment gives its gloo groups torch's ProcessGroupWrapper
+    checks (tests/test_real_programs.py compares the messages with gloo's); the process's level is as before after."""
+    before = tdist.get_debug_level()
+    out = simulator.run(_detail_checks, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, isolation=isolation)
+    for r, (level, err) in enumerate(out):
+        assert level == tdist.DebugLevel.DETAIL
+        assert err.startswith(f"Detected mismatch between collectives on ranks. Rank {r} is running collective")
+        assert err.endswith(f"Tensor Tensor shapes: {2 + r}vs {3 - r}")
+    assert tdist.get_debug_level() == before

@@ -198,6 +198,9 @@ def _backend_errors(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
+        checks = self.__dict__.get("_tp_wrapper")
+        if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
+            checks(name, args, self.__dict__.get("_tp_seq", 0))
         self._tp_seq = self.__dict__.get("_tp_seq", 0) + 1  # (the group's sequence number counts operations)
         event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:

@@ -34,7 +34,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.validation import backend_name_refusal
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
-from simulator.adapters import started_processes, torch_groups
+from simulator.adapters import pg_wrapper, started_processes, torch_groups
 from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core._actor import current_rank_state
@@ -503,16 +503,6 @@ def _set_debug_level_from_env() -> None:
     tdist.set_debug_level(getattr(tdist.DebugLevel, level))
 
 
-def _create_process_group_wrapper(wrapped_pg: Any, *args: Any, **kwargs: Any) -> Any:
-    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each group in one that checks every collective over a helper gloo
-    group; a simulated group is not wrapped: the simulator checks every collective's match itself, at every
-    debug level, and reports a mismatch naming the calls (a real gloo helper on a rank thread would wait in C++
-    for ranks the scheduler cannot run)."""
-    if isinstance(wrapped_pg, SimProcessGroup) and _sim_state() is not None:
-        return wrapped_pg
-    return _saved["pg_wrapper"](wrapped_pg, *args, **kwargs)
-
-
 def _programs_own(backend: Any) -> bool:
     """A backend torch builds itself on a simulated rank too: ``"fake"``, and every backend a program (or a test
     harness) registered with ``Backend.register_backend`` (a Python process group of its own, like PyTorch's
@@ -553,6 +543,8 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
             group_size, group_rank = st.world_size, st.rank
         # torch wraps sys.excepthook with a "[rank<r>]" prefixer; rank threads would nest them
         _tls.excepthook = sys.excepthook
+        if "TORCH_DISTRIBUTED_DEBUG" in os.environ:  # what a rank process's import of torch.distributed reads
+            _set_debug_level_from_env()
     torch_rank = _torch_rank(st.rank)
     if default or torch_rank in global_ranks_in_group:  # (torch sends a non-member away before it reads the name)
         # every name becomes the simulator below: first refuse, as torch's helper would, a name torch does not know
@@ -574,6 +566,9 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     if default:
         c10d._world.sim_members = members  # torch's ranks -> simulated ranks, for the groups made inside it
     if isinstance(pg, SimProcessGroup):
+        if tdist.get_debug_level() == tdist.DebugLevel.DETAIL and (
+                str(named).split(":")[-1] in ("gloo", "nccl", "xccl", "ucc", "undefined")):
+            pg_wrapper.wrap(pg, pg.options._timeout)  # torch wraps these groups at DETAIL (ProcessGroupWrapper)
         # what a real run records: the backend the program named, and its configuration
         world = c10d._world
         world.pg_map[pg] = (named, world.pg_map[pg][1])

@@ -51,14 +51,14 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _set_thread_isolation_mode
 
-from simulator.adapters import process_group_work, torch_groups
+from simulator.adapters import pg_wrapper, process_group_work, torch_groups
 from simulator.adapters._patch import Installation
 from simulator.adapters.threads import store_poll
 from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
 from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
-                                              _RankWorld, _TCPStore, _create_process_group_wrapper,
+                                              _RankWorld, _TCPStore,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
                                               _saved, _set_debug_level_from_env, _store_wait, _stores,
                                               rendezvous_files)
@@ -90,9 +90,11 @@ def _install() -> None:
     _saved["ProcessGroupGloo"] = tdist.ProcessGroupGloo
     tdist.ProcessGroupGloo = _ProcessGroupGloo  # type: ignore[misc]
     _saved["set_debug_level_from_env"] = tdist.set_debug_level_from_env
+    _saved["debug_level"] = tdist.get_debug_level()  # (process-wide: a rank's TORCH_DISTRIBUTED_DEBUG ends with it)
     tdist.set_debug_level_from_env = _set_debug_level_from_env
-    _saved["pg_wrapper"] = c10d._create_process_group_wrapper
-    c10d._create_process_group_wrapper = _create_process_group_wrapper
+    pg_wrapper.ORIGINAL["pg_wrapper"] = c10d._create_process_group_wrapper
+    # (torch.distributed re-exports it: a program or a test calling it itself reaches that name)
+    c10d._create_process_group_wrapper = tdist._create_process_group_wrapper = pg_wrapper.create_process_group_wrapper
     _saved["store_waits"] = {name: getattr(tdist.Store, name) for name in ("get", "wait")}
     for name in _saved["store_waits"]:
         setattr(tdist.Store, name, _store_wait(name))
@@ -128,8 +130,10 @@ def _uninstall() -> None:
         tdist.ProcessGroupGloo = _saved.pop("ProcessGroupGloo")  # type: ignore[misc]
     if "set_debug_level_from_env" in _saved:
         tdist.set_debug_level_from_env = _saved.pop("set_debug_level_from_env")
-    if "pg_wrapper" in _saved:
-        c10d._create_process_group_wrapper = _saved.pop("pg_wrapper")
+    if "debug_level" in _saved:
+        tdist.set_debug_level(_saved.pop("debug_level"))
+    if "pg_wrapper" in pg_wrapper.ORIGINAL:
+        c10d._create_process_group_wrapper = tdist._create_process_group_wrapper = pg_wrapper.ORIGINAL.pop("pg_wrapper")
     for name, original in {**_saved.pop("store_waits", {}), **_saved.pop("store_polls", {})}.items():
         setattr(tdist.Store, name, original)
     if "nccl_timeout" in _saved:

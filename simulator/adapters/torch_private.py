@@ -119,9 +119,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P("torch.distributed.tensor.debug._comm_mode", "adapters.process_group_work", "reads",
        "where CommDebugMode is defined (looked up in sys.modules only: a program that never imported it pays "
        "nothing)"),
-    _P(f"{_C10D}._create_process_group_wrapper", "adapters.torch_native, adapters.torch_globals", "patches",
-       "TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper over a real gloo helper group: a simulated group is left "
-       "unwrapped (the simulator checks every collective's match itself)"),
+    _P(f"{_C10D}._create_process_group_wrapper", "adapters.torch_native, adapters.pg_wrapper", "patches",
+       "TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper over a real gloo helper group: a simulated group gets the "
+       "wrapper's checks over a simulated helper (adapters.pg_wrapper)"),
+    _P("torch.distributed._create_process_group_wrapper", "adapters.torch_native, adapters.pg_wrapper", "patches",
+       "the same function as torch.distributed re-exports it (what a program calling it itself reaches)"),
     _P(f"{_PG}._start_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._end_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._allgather_base", "adapters.process_group", "overrides", "torch's other name for all_gather_single"),
