@@ -33,6 +33,7 @@ import os
 import queue
 import random
 import re
+import sys
 import threading
 import time
 import warnings
@@ -46,7 +47,7 @@ from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from simulator.adapters import _environ, installed, torch_native
-from simulator.adapters.threads import RankOsExit
+from simulator.adapters.threads import RankOsExit, run_exit_handlers
 from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
@@ -396,7 +397,11 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         install_backend(rs.backend, td, thread_local=True)
         rs.cpu_mark = time.thread_time()
         with torch_native.rank_thread():
-            rs.result = fn(*args, **kwargs)
+            try:
+                rs.result = fn(*args, **kwargs)
+            finally:
+                if not isinstance(sys.exc_info()[1], RankOsExit):  # (os._exit skips them, as in a process)
+                    run_exit_handlers(rs)
     except SystemExit as e:
         if e.code not in (None, 0):  # a process that exits non-zero has failed; 0 is a normal return
             exc = _exit_error(rs, e)

@@ -389,3 +389,46 @@ def test_each_rank_configures_its_own_logging(isolation):
         for r in (1, 2):
             assert out[r] == ([f"[rank{r}] library warning on {r}"], logging.WARNING)
     assert (root.level, list(root.handlers)) == before
+
+
+_EXITS: list = []
+
+
+def _registers_exit_handlers(fail: bool):
+    import atexit
+
+    r = dist.get_rank()
+
+    def first():
+        _EXITS.append((r, "first", tdist.is_initialized()))
+
+    def second(tag):
+        _EXITS.append((r, tag, tdist.is_initialized()))
+        raise RuntimeError("an exit handler that raises is reported, and the next one runs")
+
+    tdist.init_process_group("gloo")
+    atexit.register(first)
+    atexit.register(second, "second")
+    atexit.register(first)
+    atexit.unregister(first)  # (every registration of it)
+    atexit.register(first)
+    tdist.all_reduce(torch.ones(1))
+    if fail and r == 1:
+        raise ValueError("rank 1 fails after registering")
+    return r
+
+
+@isolations
+def test_a_rank_runs_its_atexit_handlers_when_it_ends(isolation, capfd):
+    """A process runs its atexit handlers when its program ends, its process group still there; a thread rank
+    runs those its code registered when its function ends (last first), not the test process at its exit."""
+    _EXITS.clear()
+    assert simulator.run(_registers_exit_handlers, 2, args=(False,), isolation=isolation, timeout=60) == [0, 1]
+    err = capfd.readouterr().err
+    assert err.count("Exception ignored in atexit callback") == 2 and "the next one runs" in err
+    if isolation == "thread":  # (rank processes run theirs in their own process)
+        assert sorted(_EXITS) == [(0, "first", True), (0, "second", True), (1, "first", True), (1, "second", True)]
+        _EXITS.clear()
+        with pytest.raises(ValueError, match="rank 1 fails"):
+            simulator.run(_registers_exit_handlers, 2, args=(True,), timeout=60)
+        assert sorted(e[:2] for e in _EXITS) == [(0, "first"), (0, "second"), (1, "first"), (1, "second")]

@@ -31,7 +31,9 @@ docs/simulator.md, "A rank that exits").  ``signal.signal`` on a rank's own thre
 installs the rank's handler, as a process's main thread may (``getsignal``
 answers it): the handlers are kept per rank and never called, since the signals
 the process gets are the simulator's (a program that must receive them runs
-with ``isolation="process"``).
+with ``isolation="process"``).  ``atexit.register`` on a rank registers a handler
+the rank runs when its function ends (last first, its process group still
+there), as a process runs its handlers at exit; ``os._exit`` skips them.
 
 Example (2 ranks, each with a communication thread)::
 
@@ -48,12 +50,15 @@ Example (2 ranks, each with a communication thread)::
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 from typing import Any, Callable, ContextManager, Iterator
 
 from tensorplay.distributed import state as dist_state
@@ -66,7 +71,7 @@ from simulator.core.state import RankState, _local, current_rank_state
 
 #: (start_actor ... sleep_in are simulator.core.actors', re-exported for the rank-process proxy)
 __all__ = ["enabled", "adopt", "run_adopted", "start_actor", "join_actor", "step_out", "step_in", "start_plain",
-           "sleep_out", "sleep_in"]
+           "sleep_out", "sleep_in", "run_exit_handlers"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
@@ -215,9 +220,11 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
         return _ORIGINAL["cond_wait"](self, timeout)
 
 
-# time.sleep, os.getpid, os._exit and signal.signal/getsignal as they were when the adapter was installed (a test may have replaced them)
+# time.sleep, os.getpid, os._exit, signal.signal/getsignal and atexit.register/unregister as they were when the
+# adapter was installed (a test may have replaced them)
 _REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit,
-                         "signal": signal.signal, "getsignal": signal.getsignal}
+                         "signal": signal.signal, "getsignal": signal.getsignal, "atexit_register": atexit.register,
+                         "atexit_unregister": atexit.unregister}
 #: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
 _OWN = ("simulator", "tensorplay")
 #: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
@@ -346,6 +353,57 @@ def _getsignal(signalnum: Any) -> Any:
     return _REAL["getsignal"](signalnum)
 
 
+#: where installed code lives (the standard library, site-packages): its atexit handlers stay the process's
+_INSTALLED = tuple(sorted({os.path.join(p, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                           if (p := sysconfig.get_paths().get(key))}))
+
+
+def _exit_handlers(rs: RankState) -> list[tuple[Callable[..., Any], tuple, dict]]:
+    root = rs.parent or rs
+    if root.own_globals is None:
+        root.own_globals = {}
+    return root.own_globals.setdefault((0, "atexit"), [])
+
+
+def _atexit_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+    """``atexit.register`` while a world runs: called by the program's code on a thread rank (or a thread it
+    started), a handler the rank runs when its function ends, as a process runs its handlers at exit (see
+    :func:`run_exit_handlers`); called by installed code, the process's."""
+    rs = current_rank_state()
+    caller = sys._getframe(1)
+    if rs is None or _REAL["getpid"]() != _REAL["pid"] or caller.f_code.co_filename.startswith(_INSTALLED) or \
+            (caller.f_globals.get("__name__") or "").split(".", 1)[0] in (*_OWN, "conformance"):
+        # a library's (multiprocessing's, say, imported first by some rank; tensorplay's) stays the process's:
+        # thread ranks share the library, and its handler cleans up for every rank
+        return _REAL["atexit_register"](func, *args, **kwargs)
+    _exit_handlers(rs).append((func, args, kwargs))
+    return func
+
+
+def _atexit_unregister(func: Callable[..., Any]) -> None:
+    """``atexit.unregister`` while a world runs: a thread rank's own handlers (every registration of ``func``)."""
+    rs = current_rank_state()
+    if rs is None or _REAL["getpid"]() != _REAL["pid"]:
+        return _REAL["atexit_unregister"](func)
+    handlers = _exit_handlers(rs)
+    handlers[:] = [h for h in handlers if h[0] != func]
+    return None
+
+
+def run_exit_handlers(rs: RankState) -> None:
+    """Run the handlers a thread rank registered with ``atexit``, last first, on the rank's thread while its
+    process group is still there (an interpreter runs them after the main module, before it tears down); one that
+    raises is reported as CPython reports it and the next one runs."""
+    handlers = _exit_handlers(rs)
+    while handlers:
+        func, args, kwargs = handlers.pop()
+        try:
+            func(*args, **kwargs)
+        except BaseException:  # noqa: BLE001  (as the interpreter: reported, never the rank's outcome)
+            print(f"Exception ignored in atexit callback: {func!r}", file=sys.stderr)
+            traceback.print_exc()
+
+
 def _install() -> None:
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
@@ -360,7 +418,10 @@ def _install() -> None:
         _REAL["os_exit"] = os._exit
     if signal.signal is not _signal:
         _REAL["signal"], _REAL["getsignal"] = signal.signal, signal.getsignal
+    if atexit.register is not _atexit_register:
+        _REAL["atexit_register"], _REAL["atexit_unregister"] = atexit.register, atexit.unregister
     signal.signal, signal.getsignal = _signal, _getsignal
+    atexit.register, atexit.unregister = _atexit_register, _atexit_unregister
     time.sleep = _sleep
     os.getpid = _getpid
     os._exit = _os_exit
@@ -375,6 +436,7 @@ def _uninstall() -> None:
     os.getpid = _REAL["getpid"]
     os._exit = _REAL["os_exit"]
     signal.signal, signal.getsignal = _REAL["signal"], _REAL["getsignal"]
+    atexit.register, atexit.unregister = _REAL["atexit_register"], _REAL["atexit_unregister"]
 
 
 _INSTALLATION = Installation(_install, _uninstall)
