@@ -9,6 +9,7 @@ own, with its own channel to the coordinator).
 from __future__ import annotations
 
 import queue
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -352,7 +353,8 @@ def test_each_rank_has_its_own_stdout_and_print(isolation, capfd):
     process_print = builtins.print
     out = simulator.run(_silence_all_but_rank_zero, 3, isolation=isolation, timeout=60)
     assert out == [(f"rank {r}: into its own buffer\n", True) for r in range(3)]
-    printed = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("rank "))
+    out = re.sub(r"(?<=[^\n])(?=rank \d: )", "\n", capfd.readouterr().out)  # (rank processes' lines interleave)
+    printed = sorted(line for line in out.splitlines() if line.startswith("rank "))
     assert printed == ["rank 0: forced", "rank 0: only rank 0's line is printed", "rank 0: written to its stdout",
                        "rank 1: forced", "rank 2: forced"]
     assert builtins.print is process_print
@@ -432,3 +434,34 @@ def test_a_rank_runs_its_atexit_handlers_when_it_ends(isolation, capfd):
         with pytest.raises(ValueError, match="rank 1 fails"):
             simulator.run(_registers_exit_handlers, 2, args=(True,), timeout=60)
         assert sorted(e[:2] for e in _EXITS) == [(0, "first"), (0, "second"), (1, "first"), (1, "second")]
+
+
+def _rank_warnings():
+    import warnings
+
+    r = dist.get_rank()
+    if r != 0:
+        warnings.filterwarnings("ignore")  # the non-master ranks silence their warnings, as scripts do
+    dist.barrier()
+    warnings.warn(f"careful from rank {r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inside: this rank's warnings raise
+        try:
+            warnings.warn("raised inside catch_warnings")
+            raised = False
+        except UserWarning:
+            raised = True
+    dist.barrier()
+    warnings.warn(f"after catch_warnings from rank {r}")  # the rank's own filters are back
+    return raised
+
+
+@isolations
+def test_each_rank_has_its_own_warning_filters(isolation, recwarn):
+    import warnings
+
+    before = list(warnings.filters)
+    assert simulator.run(_rank_warnings, 3, isolation=isolation, timeout=60) == [True, True, True]
+    if isolation == "thread":  # (rank processes' warnings are their own process's, printed there)
+        assert sorted(str(w.message) for w in recwarn) == ["after catch_warnings from rank 0", "careful from rank 0"]
+    assert warnings.filters == before

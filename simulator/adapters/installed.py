@@ -10,7 +10,7 @@ torch_native       ``torch.distributed``'s process groups, rendezvous and per-ra
 torch_rpc          ``torch.distributed.rpc`` and its distributed autograd
 clock_hooks        import time (not compute) and ``torch.optim`` steps (the step time)
 per_rank_state     process-global state of libraries (Hydra) kept per rank
-per_rank_streams   ``sys.stdout``/``stderr``, ``print``, loggers' settings: kept per rank
+per_rank_streams   ``sys.stdout``/``stderr``, ``print``, warning filters, loggers' settings
 =================  ==========================================================================
 
 The CUDA stand-in (:mod:`simulator.standin`) is installed before these when a world runs with

@@ -1,4 +1,5 @@
-"""``sys.stdout``, ``sys.stderr``, ``builtins.print`` and logging's configuration: each thread rank's own.
+"""``sys.stdout``, ``sys.stderr``, ``builtins.print``, warning filters and logging's configuration: each thread
+rank's own.
 
 Training scripts silence every rank but the first by replacing these for their process: research code bases
 (DETR, DeiT, MAE, DINO...) install a ``print`` that drops what a non-master rank prints unless forced
@@ -12,6 +13,11 @@ calls the ``print`` it found calls the real one.  The module dictionaries hold a
 the calling thread's rank's value: the interpreter's own lookups (``print()`` writing to ``sys.stdout``, a
 bare ``print`` name) go through them.  Outside a rank everything is the process's, and the process's values
 are back in place when the last world ends.  Rank processes are processes: nothing changes in them.
+
+Warning filters are a process's too: ``warnings.filterwarnings("ignore")`` on every rank but the first silences
+those ranks; on thread ranks it silenced rank 0 as well.  A rank's ``filterwarnings``, ``simplefilter``,
+``resetwarnings`` and ``catch_warnings`` act on filters of its own, a copy of the process's made when it first
+changes them, and the interpreter reads the calling rank's when a warning is issued.
 
 Logging is configured per process too: ``logging.basicConfig(level=INFO if rank == 0 else WARNING,
 format=f"[rank{rank}] ...")`` gives each process its own root handler and level.  On thread ranks the first
@@ -37,6 +43,7 @@ import builtins
 import logging
 import sys
 import types
+import warnings
 from typing import Any, ContextManager
 
 from simulator.adapters._patch import Installation
@@ -45,7 +52,8 @@ from simulator.core.state import current_rank_state
 __all__ = ["NAMES", "enabled"]
 
 #: the names made per rank, by module
-NAMES: dict[types.ModuleType, tuple[str, ...]] = {sys: ("stdout", "stderr"), builtins: ("print",)}
+NAMES: dict[types.ModuleType, tuple[str, ...]] = {sys: ("stdout", "stderr"), builtins: ("print",),
+                                                  warnings: ("filters",)}
 _PROCESS: dict[tuple[int, str], Any] = {}  # (id(module), name) -> the process's value while a world runs
 _CLASSES: dict[int, type] = {}  # id(module) -> its class before the world
 
@@ -119,7 +127,44 @@ def _print(*args: Any, **kwargs: Any) -> None:
     return _value(builtins, "print")(*args, **kwargs)
 
 
+#: (``warnings.filters`` keeps the process's list in the module: the interpreter reads it through the attribute)
 _DISPATCHERS: dict[str, Any] = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr"), "print": _print}
+
+
+def _own_filters() -> list[Any]:
+    """The calling rank's warning filters, a copy of the process's made when it first changes them; the process's
+    outside a rank."""
+    table = _own()
+    key = (id(warnings), "filters")
+    if table is None:
+        return _PROCESS[key]
+    if key not in table:
+        table[key] = list(_PROCESS[key])
+    return table[key]
+
+
+def _add_filter(*item: Any, append: bool) -> None:
+    """``warnings._add_filter`` (under ``filterwarnings``/``simplefilter``) on the calling rank's own filters."""
+    filters = _own_filters()
+    if not append:
+        try:
+            filters.remove(item)
+        except ValueError:
+            pass
+        filters.insert(0, item)
+    elif item not in filters:
+        filters.append(item)
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+def resetwarnings() -> None:
+    """``warnings.resetwarnings`` on the calling rank's own filters."""
+    _own_filters()[:] = []
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+_FUNCTIONS = {"_add_filter": _add_filter, "resetwarnings": resetwarnings}
+_ORIGINAL_FUNCTIONS: dict[str, Any] = {}
 
 #: what a rank configures of each ``logging.Logger`` (``basicConfig``, ``setLevel``, ``addHandler``...): its own
 _LOGGER_FIELDS = ("level", "handlers", "propagate", "disabled", "_cache")
@@ -168,12 +213,17 @@ def _install() -> None:
     for module, names in NAMES.items():
         for name in names:
             _PROCESS[(id(module), name)] = module.__dict__[name]
-            module.__dict__[name] = _DISPATCHERS[name]
+            module.__dict__[name] = _DISPATCHERS.get(name, module.__dict__[name])
         _CLASSES[id(module)] = type(module)
         module.__class__ = _PerRankModule
+    for name, function in _FUNCTIONS.items():
+        _ORIGINAL_FUNCTIONS[name] = warnings.__dict__[name]
+        warnings.__dict__[name] = function
 
 
 def _uninstall() -> None:
+    for name in list(_ORIGINAL_FUNCTIONS):
+        warnings.__dict__[name] = _ORIGINAL_FUNCTIONS.pop(name)
     for name in _LOGGER_FIELDS:
         if isinstance(logging.Logger.__dict__.get(name), _RankField):
             delattr(logging.Logger, name)
