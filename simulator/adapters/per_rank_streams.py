@@ -61,12 +61,7 @@ _CLASSES: dict[int, type] = {}  # id(module) -> its class before the world
 def _own() -> dict[tuple[int, str], Any] | None:
     """The calling rank's table of its own values (None outside a rank)."""
     rs = current_rank_state()
-    if rs is None:
-        return None
-    root = rs.parent or rs
-    if root.own_globals is None:
-        root.own_globals = {}
-    return root.own_globals
+    return None if rs is None else rs.own()
 
 
 def _value(module: types.ModuleType, name: str) -> Any:
@@ -78,7 +73,7 @@ def _value(module: types.ModuleType, name: str) -> Any:
 
 
 class _PerRankModule(types.ModuleType):
-    """The class ``sys`` and ``builtins`` take while a world runs: the per-rank names read and set per rank."""
+    """The class of the modules in :data:`NAMES` while a world runs: their per-rank names read and set per rank."""
 
     def __getattribute__(self, name: str) -> Any:
         if name in _LOOKED_AFTER and (id(self), name) in _PROCESS:
@@ -232,9 +227,9 @@ def _uninstall() -> None:
         if cls is not None:
             module.__class__ = cls  # (through _PerRankModule.__setattr__: not a per-rank name)
         for name in names:
-            value = _PROCESS.pop((id(module), name), None)
-            if value is not None:
-                module.__dict__[name] = value
+            key = (id(module), name)
+            if key in _PROCESS:  # (a process's value may be None: sys.stdout under pythonw)
+                module.__dict__[name] = _PROCESS.pop(key)
 
 
 _INSTALLATION = Installation(_install, _uninstall)

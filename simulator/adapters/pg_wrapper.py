@@ -102,9 +102,9 @@ def _diff(mine: tuple, theirs: tuple) -> str:
 class WrapperChecks:
     """The checks one wrapped group runs before each collective (``helper``: a gloo group over its ranks)."""
 
-    def __init__(self, helper: Any, timeout: Any) -> None:
+    def __init__(self, helper: Any, timeout: timedelta) -> None:
         self.helper = helper
-        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.timeout = timeout
 
     def __call__(self, call: str, args: tuple, seq: int) -> None:
         what = _checked(call, args)

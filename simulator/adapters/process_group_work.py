@@ -9,8 +9,8 @@ these override are listed in :mod:`simulator.adapters.torch_private`.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
+from sys import modules as _loaded  # (bound once: while a world runs, sys's attributes are looked up in Python)
 from datetime import timedelta
 from typing import Any
 
@@ -198,10 +198,11 @@ def _backend_errors(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._named == "nccl":
             _nccl_devices(args)
+        seq = self.__dict__.get("_tp_seq", 0)
         checks = self.__dict__.get("_tp_wrapper")
         if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
-            checks(name, args, self.__dict__.get("_tp_seq", 0))
-        self._tp_seq = self.__dict__.get("_tp_seq", 0) + 1  # (the group's sequence number counts operations)
+            checks(name, args, seq)
+        self._tp_seq = seq + 1  # (the group's sequence number counts operations)
         event = torch_profiling.issued(self._named, name, args)  # (None unless a profiler is on)
         try:
             work = _through_comm_modes(name, lambda: method(self, *args, **kwargs))
@@ -252,7 +253,7 @@ def _through_comm_modes(name: str, run: Any) -> Any:
     calls are Python methods the dispatcher never runs, so the active ``CommDebugMode`` is handed the op
     here (only that mode: others, such as a fake-tensor mode, never see c10d ops on a real run either).
     """
-    debug = sys.modules.get("torch.distributed.tensor.debug._comm_mode")
+    debug = _loaded.get("torch.distributed.tensor.debug._comm_mode")
     if debug is None or name not in _C10D_OPS:
         return run()
     modes = [m for m in _python_dispatch._get_current_dispatch_mode_stack() if isinstance(m, debug.CommDebugMode)]
@@ -268,7 +269,7 @@ def _nccl_devices(args: tuple) -> None:
     """NCCL's rule on CUDA stand-ins (``devices="cuda"``): a group the program made with "nccl" takes CUDA tensors
     only, and refuses a CPU tensor with torch's own error (a program that says "nccl" on plain CPU ranks keeps
     running on the simulated world, as before)."""
-    standin = sys.modules.get("simulator.standin")
+    standin = _loaded.get("simulator.standin")
     if standin is None or not standin.is_active():
         return
     stack = list(args)

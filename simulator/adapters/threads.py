@@ -310,12 +310,17 @@ class RankOsExit(SystemExit):
     a ``SystemExit``: 0 is a normal return, anything else a failed rank), not the process every rank shares."""
 
 
+def _forked() -> bool:
+    """The calling process was forked from the one the world runs in (a DataLoader worker of a rank, say)."""
+    return _REAL["getpid"]() != _REAL["pid"]
+
+
 def _os_exit(code: int) -> None:
     """``os._exit`` while a world runs: on a thread rank's own thread, ends that rank only (see
     :class:`RankOsExit`); anywhere else (a thread the rank started, a process forked from a rank, the launcher,
     a rank process) the real call."""
     rs = current_rank_state()
-    if rs is None or rs.parent is not None or _REAL["getpid"]() != _REAL["pid"]:
+    if rs is None or rs.parent is not None or _forked():
         _REAL["os_exit"](code)
     raise RankOsExit(code)
 
@@ -338,8 +343,7 @@ def _signal(signalnum: Any, handler: Any) -> Any:
         raise OSError(22, "Invalid argument")
     if not callable(handler) and handler not in (signal.SIG_IGN, signal.SIG_DFL):
         raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
-    table = rs.signals if rs.signals is not None else {}
-    rs.signals = table
+    table = rs.own().setdefault((0, "signals"), {})
     previous = table[signum] if signum in table else _REAL["getsignal"](signum)
     table[signum] = handler
     return previous
@@ -348,9 +352,8 @@ def _signal(signalnum: Any, handler: Any) -> Any:
 def _getsignal(signalnum: Any) -> Any:
     """``signal.getsignal`` while a world runs: a thread rank's own handler where it installed one."""
     rs = current_rank_state()
-    if _own_signals(rs) and rs.signals is not None and int(signalnum) in rs.signals:
-        return rs.signals[int(signalnum)]
-    return _REAL["getsignal"](signalnum)
+    own = rs.own().get((0, "signals"), {}) if _own_signals(rs) else {}
+    return own[int(signalnum)] if int(signalnum) in own else _REAL["getsignal"](signalnum)
 
 
 #: where installed code lives (the standard library, site-packages): its atexit handlers stay the process's
@@ -359,10 +362,7 @@ _INSTALLED = tuple(sorted({os.path.join(p, "") for key in ("stdlib", "platstdlib
 
 
 def _exit_handlers(rs: RankState) -> list[tuple[Callable[..., Any], tuple, dict]]:
-    root = rs.parent or rs
-    if root.own_globals is None:
-        root.own_globals = {}
-    return root.own_globals.setdefault((0, "atexit"), [])
+    return rs.own().setdefault((0, "atexit"), [])
 
 
 def _atexit_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -371,7 +371,7 @@ def _atexit_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Cal
     :func:`run_exit_handlers`); called by installed code, the process's."""
     rs = current_rank_state()
     caller = sys._getframe(1)
-    if rs is None or _REAL["getpid"]() != _REAL["pid"] or caller.f_code.co_filename.startswith(_INSTALLED) or \
+    if rs is None or _forked() or caller.f_code.co_filename.startswith(_INSTALLED) or \
             (caller.f_globals.get("__name__") or "").split(".", 1)[0] in (*_OWN, "conformance"):
         # a library's (multiprocessing's, say, imported first by some rank; tensorplay's) stays the process's:
         # thread ranks share the library, and its handler cleans up for every rank
@@ -383,7 +383,7 @@ def _atexit_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Cal
 def _atexit_unregister(func: Callable[..., Any]) -> None:
     """``atexit.unregister`` while a world runs: a thread rank's own handlers (every registration of ``func``)."""
     rs = current_rank_state()
-    if rs is None or _REAL["getpid"]() != _REAL["pid"]:
+    if rs is None or _forked():
         return _REAL["atexit_unregister"](func)
     handlers = _exit_handlers(rs)
     handlers[:] = [h for h in handlers if h[0] != func]

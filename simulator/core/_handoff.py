@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import random
 import sys
+from sys import modules as _loaded  # (bound once: while a world runs, sys's attributes are looked up in Python)
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState
 
 import torch
+
+from simulator.core.seeds import numpy_seed
 
 __all__ = ["_PY_RNG", "_TORCH_RNG", "_NP_RNG", "_STEER", "_PyRngSwap", "_TorchRngSwap", "_NumpyRngSwap"]
 
@@ -200,7 +203,7 @@ class _NumpyRngSwap:
     @staticmethod
     def module_generator() -> Any:
         """numpy's global RandomState, if the program imported ``numpy.random`` (None otherwise)."""
-        mtrand = sys.modules.get("numpy.random.mtrand")
+        mtrand = _loaded.get("numpy.random.mtrand")
         return getattr(mtrand, "_rand", None)
 
     def _probe(self, cls: type) -> int | None:
@@ -237,14 +240,14 @@ class _NumpyRngSwap:
                       self._KEY_BYTES)
         self._memmove(id(dst) + gauss, id(src) + gauss, 16)  # has_gauss (an int, padded) and gauss
 
-    def _move(self, rs: "RankState", seed: int, into_rank: bool) -> None:
+    def _move(self, rs: "RankState", into_rank: bool) -> None:
         g = self.module_generator()
         if g is None:
             return
         if self._gauss == -1:
             self._gauss = self._probe(type(g))
-        if rs.np_rng is None:
-            rs.np_rng = type(g)(seed)
+        if rs.np_rng is None:  # (seeded here, once per rank: not on every hand-off)
+            rs.np_rng = type(g)(numpy_seed(rs.run.seed, rs.rank))
         dst, src = (rs.np_rng, g) if into_rank else (g, rs.np_rng)
         if self._gauss is None:
             dst.set_state(src.get_state())
@@ -253,11 +256,12 @@ class _NumpyRngSwap:
 
     def save(self, rs: "RankState") -> None:
         """The global generator's state into the rank's own (made now if the rank had none)."""
-        self._move(rs, 0, into_rank=True)
+        self._move(rs, into_rank=True)
 
-    def load(self, rs: "RankState", seed: int) -> None:
-        """The rank's own state (a fresh one seeded by ``seed`` at first) into the global generator."""
-        self._move(rs, seed, into_rank=False)
+    def load(self, rs: "RankState") -> None:
+        """The rank's own state (at first one seeded by :func:`~simulator.core.seeds.numpy_seed`) into the global
+        generator."""
+        self._move(rs, into_rank=False)
 
 
 _NP_RNG = _NumpyRngSwap()

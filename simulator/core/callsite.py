@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import runpy
-import sys
 import threading
+from sys import _getframe  # (bound once: while a world runs, sys's attributes are looked up in Python)
 
 import torch
 
@@ -40,7 +40,7 @@ def _user_name(filename: str) -> str | None:
 def call_site(depth: int = 2) -> str:
     """``"file.py:123"`` of the first non-library frame above the caller (``"?"`` if none)."""
     try:
-        f = sys._getframe(depth)
+        f = _getframe(depth)
     except ValueError:  # pragma: no cover
         return "?"
     while f is not None:

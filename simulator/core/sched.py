@@ -41,7 +41,6 @@ import torch
 
 from simulator.core._actor import BLOCKED, DONE, FREE, NOT_STARTED, RUNNABLE
 from simulator.core._handoff import _NP_RNG, _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
-from simulator.core.seeds import numpy_seed
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
@@ -200,7 +199,7 @@ class CoopScheduler(_SchedulerBase):
                 rs.torch_rng = torch.get_rng_state()
             _TORCH_RNG.load(rs.torch_gen)
             _PY_RNG.load(rs.py_rng)
-            _NP_RNG.load(rs, numpy_seed(self.run.seed, rs.rank))
+            _NP_RNG.load(rs)
 
     def _handoff(self, rs: "RankState", nxt: "RankState") -> None:
         self._save_rng(rs)

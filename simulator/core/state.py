@@ -78,7 +78,7 @@ class RankState:
         "rank", "run", "backend", "wake", "state", "sleeping", "waiting", "pending", "pos",
         "vt", "cpu_mark", "ops", "faults", "torch_gen", "py_rng", "np_rng", "result", "exc", "env", "device",
         "unflushed", "p2p_seq", "last_site", "thread", "where", "tid", "steered", "parent", "waits_exit",
-        "on_complete", "stamp", "store_polls", "signals", "own_globals",
+        "on_complete", "stamp", "store_polls", "own_globals",
     )
 
     def __init__(self, rank: int, run: "Run") -> None:
@@ -125,10 +125,16 @@ class RankState:
         self.stamp = run.clock()
         #: ``(call, count)``: the rank's last store call and how many times in a row it was made (a spin-poll)
         self.store_polls: tuple[Any, int] | None = None
-        #: the signal handlers this thread rank installed (signal number -> handler; adapters.threads)
-        self.signals: dict[int, Any] | None = None
-        #: the process-wide names this thread rank set for itself (sys.stdout...; adapters.per_rank_streams)
+        #: what this thread rank keeps of a process's own (see :meth:`own`); made on first use
         self.own_globals: dict[tuple[int, str], Any] | None = None
+
+    def own(self) -> dict[tuple[int, str], Any]:
+        """What this rank keeps of a process's own, shared by the threads it started: ``sys.stdout``, warning
+        filters, logger settings (adapters.per_rank_streams), signal and atexit handlers (adapters.threads)."""
+        root = self.parent or self
+        if root.own_globals is None:
+            root.own_globals = {}
+        return root.own_globals
 
     @property
     def torch_rng(self) -> torch.Tensor | None:
