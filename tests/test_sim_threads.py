@@ -465,3 +465,40 @@ def test_each_rank_has_its_own_warning_filters(isolation, recwarn):
     if isolation == "thread":  # (rank processes' warnings are their own process's, printed there)
         assert sorted(str(w.message) for w in recwarn) == ["after catch_warnings from rank 0", "careful from rank 0"]
     assert warnings.filters == before
+
+
+def _rank_chdir(base):
+    import os
+
+    r = dist.get_rank()
+    own = os.path.join(base, f"rank{r}")
+    os.makedirs(own, exist_ok=True)
+    os.chdir(own)  # as a program that writes its outputs under a directory of its own
+    dist.barrier()  # every rank has moved before any writes
+    with open("mine.txt", "w") as f:  # a relative path: the rank's own directory, as in a process
+        f.write(str(r))
+    dist.barrier()
+    with open("mine.txt") as f:
+        return os.path.basename(os.getcwd()), f.read()
+
+
+@pytest.mark.parametrize("isolation, mode", [("thread", "coop"), ("process", "coop"), ("process", "threads")])
+def test_each_rank_has_its_own_working_directory(isolation, mode, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    got = simulator.run(_rank_chdir, 3, args=(str(tmp_path),), isolation=isolation, mode=mode, seed=1, timeout=60)
+    assert got == [("rank0", "0"), ("rank1", "1"), ("rank2", "2")]
+    assert os.getcwd() == str(tmp_path)  # the launcher's directory is its own
+
+
+def test_free_running_thread_ranks_warn_when_their_directories_part(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"os\.chdir \(rank \d\): free-running thread ranks share one working "
+                                            r"directory.*Fix: run with mode='coop'.*isolation='process'") as caught:
+        got = simulator.run(_rank_chdir, 3, args=(str(tmp_path),), mode="threads", timeout=60)
+    assert sum("os.chdir" in str(w.message) for w in caught) == 1  # said once per run
+    assert len({d for d, _ in got}) == 1  # what they share: the last rank's directory
+    assert os.getcwd() == str(tmp_path)

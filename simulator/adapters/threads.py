@@ -34,6 +34,12 @@ the process gets are the simulator's (a program that must receive them runs
 with ``isolation="process"``).  ``atexit.register`` on a rank registers a handler
 the rank runs when its function ends (last first, its process group still
 there), as a process runs its handlers at exit; ``os._exit`` skips them.
+``os.chdir`` on a rank changes that rank's working directory: in ``coop`` mode,
+where one rank runs at a time, each hand-off puts the process in the directory of
+the rank that runs next (:class:`simulator.core._handoff.CwdSwap`); free-running
+thread ranks share one, so the first time their directories part the run warns
+and names the fix (``mode="coop"`` or ``isolation="process"``).  The process's
+directory is back where it was when the last world ends.
 
 Example (2 ranks, each with a communication thread)::
 
@@ -59,12 +65,15 @@ import sysconfig
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, ContextManager, Iterator
 
 from tensorplay.distributed import state as dist_state
+from tensorplay.distributed.errors import format_message
 
 from simulator.adapters import _environ
 from simulator.adapters._patch import Installation
+from simulator.core._handoff import _CWD
 from simulator.core._actor import quiet as _quiet
 from simulator.core.actors import join_actor, sleep_in, sleep_out, start_actor, start_plain, step_in, step_out
 from simulator.core.state import RankState, _local, current_rank_state
@@ -224,7 +233,7 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
 # adapter was installed (a test may have replaced them)
 _REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit,
                          "signal": signal.signal, "getsignal": signal.getsignal, "atexit_register": atexit.register,
-                         "atexit_unregister": atexit.unregister}
+                         "atexit_unregister": atexit.unregister, "chdir": os.chdir}
 #: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
 _OWN = ("simulator", "tensorplay")
 #: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
@@ -325,6 +334,38 @@ def _os_exit(code: int) -> None:
     raise RankOsExit(code)
 
 
+def _chdir(path: Any) -> None:
+    """``os.chdir`` while a world runs: on a thread rank (or a thread it started), that rank's working directory
+    (see the module docstring); anywhere else, and in a process forked from a rank, the real call."""
+    rs = current_rank_state()
+    if rs is None or _forked():
+        return _REAL["chdir"](path)
+    before = os.getcwd()
+    _REAL["chdir"](path)
+    now = os.getcwd()
+    _CWD.start(before)
+    _CWD.moved(now)
+    own = rs.own()
+    own[_CWD.KEY] = now
+    run = rs.run
+    if run.sched.swaps_cwd or getattr(run, "cwd_warned", False):
+        return
+    others = {}
+    for other in run.ranks:
+        if other.parent is None and other is not (rs.parent or rs):
+            where = other.own().get(_CWD.KEY, _CWD.base)
+            if where != now:
+                others[other.rank] = where
+    if others:
+        run.cwd_warned = True
+        warnings.warn(format_message(
+            "os.chdir", "free-running thread ranks share one working directory: this rank changed it, so the "
+            "relative paths of the others now resolve under the new one", rank=rs.rank,
+            values={"cwd": now, "others": others},
+            fix="run with mode='coop' (python -m simulator --mode coop: each rank keeps its own directory) or "
+                "isolation='process' (a process each)"), RuntimeWarning, stacklevel=2)
+
+
 def _own_signals(rs: RankState | None) -> bool:
     """Whether the calling thread is a thread rank's own (where its process's main thread would run it)."""
     return rs is not None and rs.parent is None and threading.current_thread() is not threading.main_thread()
@@ -420,6 +461,9 @@ def _install() -> None:
         _REAL["signal"], _REAL["getsignal"] = signal.signal, signal.getsignal
     if atexit.register is not _atexit_register:
         _REAL["atexit_register"], _REAL["atexit_unregister"] = atexit.register, atexit.unregister
+    if os.chdir is not _chdir:
+        _REAL["chdir"] = _CWD.chdir = os.chdir
+    os.chdir = _chdir
     signal.signal, signal.getsignal = _signal, _getsignal
     atexit.register, atexit.unregister = _atexit_register, _atexit_unregister
     time.sleep = _sleep
@@ -437,6 +481,8 @@ def _uninstall() -> None:
     os._exit = _REAL["os_exit"]
     signal.signal, signal.getsignal = _REAL["signal"], _REAL["getsignal"]
     atexit.register, atexit.unregister = _REAL["atexit_register"], _REAL["atexit_unregister"]
+    os.chdir = _REAL["chdir"]
+    _CWD.stop()  # the process is back in the directory the first rank left
 
 
 _INSTALLATION = Installation(_install, _uninstall)

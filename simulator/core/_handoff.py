@@ -16,7 +16,8 @@ import torch
 
 from simulator.core.seeds import numpy_seed
 
-__all__ = ["_PY_RNG", "_TORCH_RNG", "_NP_RNG", "_STEER", "_PyRngSwap", "_TorchRngSwap", "_NumpyRngSwap"]
+__all__ = ["_PY_RNG", "_TORCH_RNG", "_NP_RNG", "_STEER", "_CWD", "_PyRngSwap", "_TorchRngSwap", "_NumpyRngSwap",
+           "CwdSwap"]
 
 
 class _PyRngSwap:
@@ -265,6 +266,57 @@ class _NumpyRngSwap:
 
 
 _NP_RNG = _NumpyRngSwap()
+
+
+class CwdSwap:
+    """Each rank's working directory in coop mode, where one rank runs at a time: a process has its own.
+
+    Inactive (one attribute test per hand-off) until a rank calls ``os.chdir``
+    (:mod:`simulator.adapters.threads`); from then on a hand-off changes the
+    process's directory to the next rank's when the two differ.  ``base`` is the
+    directory the world started in: a rank that never changed its own is there.
+    """
+
+    __slots__ = ("active", "base", "now", "chdir")
+
+    KEY = (0, "cwd")  # the rank's own directory, in RankState.own()
+
+    def __init__(self) -> None:
+        self.active = False
+        self.base = ""
+        self.now = ""
+        self.chdir = os.chdir  # the real one (the adapter replaces os.chdir while a world runs)
+
+    def start(self, base: str) -> None:
+        """A rank changed directory for the first time in this world (``base``: where every rank was)."""
+        if not self.active:
+            self.active, self.base, self.now = True, base, base
+
+    def moved(self, path: str) -> None:
+        """The process's directory is ``path`` now (the calling rank's ``os.chdir``)."""
+        self.now = path
+
+    def load(self, rs: "RankState") -> None:
+        """``rs`` holds the baton: the process's directory becomes its own."""
+        want = rs.own().get(self.KEY, self.base)
+        if want != self.now:
+            try:
+                self.chdir(want)
+            except OSError:  # removed meanwhile: the rank finds out on its next relative path, as a process would
+                return
+            self.now = want
+
+    def stop(self) -> None:
+        """The last world ended: the process is back where it started."""
+        if self.active:
+            self.active = False
+            try:
+                self.chdir(self.base)
+            except OSError:
+                pass
+
+
+_CWD = CwdSwap()
 
 
 class _Steer:

@@ -39,6 +39,9 @@ class Scheduler(Protocol):
     #: True when only one actor runs at a time, holding a baton (coop): an actor that waits where the
     #: scheduler cannot see it must step out of the schedule, or the others never run
     baton: bool
+    #: True when a hand-off moves the process into the next actor's working directory (each rank keeps its own
+    #: ``os.chdir``; see simulator.core._handoff.CwdSwap)
+    swaps_cwd: bool
 
     def prepare(self, ranks: list["RankState"]) -> None:
         """Before any rank runs: the ranks of the run, in rank order."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from simulator.core._actor import BLOCKED, DONE, FREE, NOT_STARTED, RUNNABLE
-from simulator.core._handoff import _NP_RNG, _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
+from simulator.core._handoff import _CWD, _NP_RNG, _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
 
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
@@ -62,6 +62,9 @@ class _NoLock:
 
 
 class _SchedulerBase:
+    #: whether a hand-off moves the process to the next rank's working directory (only one rank runs at a time)
+    swaps_cwd = False
+
     def __init__(self, run: "Run") -> None:
         self.run = run
         self.clock = run.clock  # progress stamps (see simulator.core.progress): one read and one store per call
@@ -127,6 +130,7 @@ class CoopScheduler(_SchedulerBase):
     lock = _NoLock()
     #: only the baton holder runs: an actor that waits outside the schedule must hand the baton on
     baton = True
+    swaps_cwd = True
 
     def __init__(self, run: "Run", seed: int, swap_rng: bool = True) -> None:
         super().__init__(run)
@@ -192,6 +196,8 @@ class CoopScheduler(_SchedulerBase):
             _NP_RNG.save(rs)
 
     def _load_rng(self, rs: "RankState") -> None:
+        if _CWD.active:  # a rank changed its working directory: each has its own (see _handoff.CwdSwap)
+            _CWD.load(rs)
         if self.swap_rng and rs.parent is None:
             if rs.py_rng is None:  # built on first use: 2.5 KB per rank
                 rs.py_rng = random.Random(f"simulator:{self.run.seed}:{rs.rank}")
