@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -53,6 +54,13 @@ def test_device_queries_and_selection(two_gpus):
     # a CUDA build with NCCL, as programs (and DDP's bf16 hook) ask; torch's c10d module keeps its own answer
     assert tdist.is_nccl_available() and tdist.is_backend_available("nccl")
     assert torch.version.cuda == "12.8" and not tdist.distributed_c10d.is_nccl_available()
+    # and cuDNN, though no operator takes a cuDNN path: an LSTM runs the CPU's kernels, without torch's warning
+    assert torch.backends.cudnn.is_available() and torch.backends.cudnn.version() == 91002
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lstm = torch.nn.LSTM(3, 4).to("cuda:1")
+        out, _ = lstm(torch.ones(2, 1, 3, device="cuda:1"))
+    assert out.device == torch.device("cuda", 1) and not torch.backends.cudnn.is_acceptable(out)
 
 
 def test_total_memory_and_device_count_are_parameters():
@@ -69,7 +77,7 @@ def test_total_memory_and_device_count_are_parameters():
 def test_everything_is_restored_on_exit():
     before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
               torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
-              torch.version.cuda)
+              torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
     with standin.enabled():
         with standin.enabled(gpus_per_node=4):  # nested: the innermost configuration applies
             assert torch.cuda.device_count() == 4
@@ -77,8 +85,8 @@ def test_everything_is_restored_on_exit():
         kept = torch.ones(2, device="cuda")
     after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
              torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
-             torch.version.cuda)
-    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None, False, None)
+             torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
+    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None, False, None, False, None)
     assert not standin.is_active()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         torch.empty(2, device="cuda")

@@ -579,3 +579,33 @@ def test_waited_collectives_release_their_tensors_step_after_step():
     for held, mixed in simulator.run(_tensor_parallel_steps, 2, args=(6,), devices="cuda", timeout=TIMEOUT):
         assert max(held[4:]) <= max(held[:4]), held  # no growth (it grew by every step's buffers)
         assert "mixed torch.Tensor and DTensor" in mixed, mixed
+
+
+# -- recurrent layers: torch's fused CUDA cells, computed on the CPU ----------------------------------------
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "LSTMCell", "GRUCell"])
+def test_recurrent_layers_take_the_fused_cuda_cells_and_give_the_cpu_results(two_gpus, kind, bias):
+    import copy
+
+    torch.manual_seed(3)
+    cell = kind.endswith("Cell")
+    layer = getattr(torch.nn, kind)(3, 5, bias=bias) if cell else getattr(torch.nn, kind)(3, 5, 2, bias=bias)
+    x = torch.randn(2, 3) if cell else torch.randn(4, 2, 3)
+
+    def loss_of(m, inp):
+        out = m(inp)
+        h = out[0] if isinstance(out, tuple) else out
+        # (the LSTM's final cell state too: the fused backward's second incoming gradient)
+        return h, (h * h).sum() + (out[1][1] * 0.5).sum() if kind == "LSTM" else (h * h).sum()
+
+    cpu = copy.deepcopy(layer)
+    h_cpu, loss_cpu = loss_of(cpu, x)
+    loss_cpu.backward()
+    gpu = copy.deepcopy(layer).to("cuda:1")
+    h_gpu, loss_gpu = loss_of(gpu, x.to("cuda:1"))
+    loss_gpu.backward()
+    assert h_gpu.device == torch.device("cuda", 1)
+    torch.testing.assert_close(h_gpu.cpu(), h_cpu)
+    for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
+        assert p_gpu.grad.device == torch.device("cuda", 1), name
+        torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, msg=name)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.autograd
 import torch.autograd.graph
+import torch.backends.cudnn
 import torch.cuda
 import torch.cuda.graphs
 import torch.cuda.memory
@@ -254,6 +255,16 @@ STANDIN_NCCL_VERSION = (2, 27, 5)
 #: what ``torch.version.cuda`` answers on stand-ins: a CUDA build names its toolkit there, and programs (and DDP's
 #: ``bf16_compress_hook`` check) read "a CUDA build" from it; a 12.x release, as torch's GPU wheels are built with
 STANDIN_CUDA_VERSION = "12.8"
+#: what ``torch.backends.cudnn.version()`` answers on stand-ins (a cuDNN 9 release, as GPU wheels bundle; nothing
+#: depends on it: no operator takes a cuDNN path, see :func:`_cudnn_acceptable`)
+STANDIN_CUDNN_VERSION = 91002
+
+
+def _cudnn_acceptable(tensor: Any) -> bool:
+    """``torch.backends.cudnn.is_acceptable``: never, on stand-ins. Their kernels are the CPU's, so torch must take
+    its paths without cuDNN (an LSTM keeps its weights unflattened: ``_cudnn_rnn_flatten_weight`` has no CPU
+    kernel); torch's own answer would warn "compiled without cuDNN" at every RNN built on a stand-in."""
+    return False
 
 
 def _table() -> list[tuple[Any, str, Any]]:
@@ -287,7 +298,11 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.cuda.nccl, "is_available", lambda tensors: False),
           # the "nccl" backend is there for the program (an nccl group is the simulated world's, with NCCL's
           # rules); torch's own c10d module keeps its answer, as it would otherwise name ProcessGroupNCCL
-          (torch.distributed, "is_nccl_available", lambda: True), (torch.version, "cuda", STANDIN_CUDA_VERSION)]
+          (torch.distributed, "is_nccl_available", lambda: True), (torch.version, "cuda", STANDIN_CUDA_VERSION),
+          # a GPU build has cuDNN: programs print its version or assert it is there
+          (torch.backends.cudnn, "is_available", lambda: True),
+          (torch.backends.cudnn, "version", lambda: STANDIN_CUDNN_VERSION),
+          (torch.backends.cudnn, "is_acceptable", _cudnn_acceptable)]
     c = torch._C
     # (torch._C._cuda_* stay absent: torch modules import CUDA-only bindings when they see one of them)
     t += [(c, "_get_accelerator", _current_accelerator), (c, "_accelerator_getAccelerator", _current_accelerator),
@@ -327,6 +342,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
     "torch.cuda.nccl.is_available", "torch.distributed.is_nccl_available", "torch.version.cuda",
+    "torch.backends.cudnn.is_available", "torch.backends.cudnn.version", "torch.backends.cudnn.is_acceptable",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",

@@ -32,6 +32,7 @@ import torch
 from tensorplay.distributed.errors import format_message
 
 from simulator.standin import ranks, rng
+from simulator.standin.cuda_only import CPU_KERNELS
 from simulator.standin.errors import StandInError
 from simulator.standin.legacy import NAMES, convert
 
@@ -251,6 +252,8 @@ class _Spec:
         # only an operator that writes an argument can return one of its inputs
         self.mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         self.call = func._op  # the operator itself, without OpOverload.__call__'s Python frame
+        if self.name in CPU_KERNELS:  # a CUDA-only operator torch reaches for a CUDA tensor: computed on the CPU
+            self.call = CPU_KERNELS[self.name]
         if self.name in _GEMMS:
             self.call = _fp32_accumulating(self.call)
         ns = schema.name.split("::")[0]
