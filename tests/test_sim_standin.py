@@ -166,6 +166,26 @@ def test_memory_counters_follow_live_tensors(two_gpus):
     del c
 
 
+def test_accelerator_memory_functions_answer_as_torch_cuda(two_gpus):
+    """torch.accelerator's memory functions give the stand-in's counters, as torch.cuda's do (on a GPU they are the
+    same allocator's)."""
+    acc = torch.accelerator
+    a, b = torch.empty(1000, device="cuda"), torch.empty(300, device="cuda:1")
+    for dev in (None, 0, 1, "cuda:1", torch.device("cuda", 0)):
+        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+            assert getattr(acc, name)(dev) == getattr(torch.cuda, name)(dev), (name, dev)
+        assert acc.memory_stats(dev) == torch.cuda.memory_stats(dev)
+    assert acc.memory_allocated(1) > 0 and acc.memory_allocated() == torch.cuda.memory_allocated(0) > 0
+    del a
+    acc.empty_cache()
+    assert acc.memory_reserved() == torch.cuda.memory_reserved() < acc.max_memory_reserved()
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() == torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+    acc.reset_accumulated_memory_stats(1)
+    assert acc.memory_stats(1)["allocation.all.allocated"] == 0
+    del b
+
+
 def test_out_of_memory_names_the_limit():
     with standin.enabled(gpus_per_node=1, total_memory=1 << 20):
         keep = torch.empty(200_000, device="cuda")  # 800 kB of 1 MiB
@@ -446,6 +466,25 @@ def test_what_cannot_be_faithful_is_refused(two_gpus):
     assert torch.ones(2).pin_memory().device.type == "cpu"  # pinning is a no-op
 
 
+CUDA_RUNTIME_CALLS = [
+    ("current_blas_handle", lambda: torch.cuda.current_blas_handle(), "cuBLAS handles"),
+    ("caching_allocator_alloc", lambda: torch.cuda.caching_allocator_alloc(64), "caching allocator"),
+    ("jiterator", lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"),
+     "jiterator"),
+    ("tunable", lambda: torch.cuda.tunable.is_enabled(), "TunableOp"),
+    ("MemPool", lambda: torch.cuda.MemPool(), "memory pools"),
+    ("ExternalStream", lambda: torch.cuda.ExternalStream(0), "streams created outside torch"),
+]
+
+
+@pytest.mark.parametrize("call,what", [c[1:] for c in CUDA_RUNTIME_CALLS], ids=[c[0] for c in CUDA_RUNTIME_CALLS])
+def test_cuda_runtime_entry_points_are_refused_with_the_fix(two_gpus, call, what):
+    """torch.cuda's entry points into CUDA's own runtime raise the stand-in's refusal, not a bare AttributeError
+    about a missing torch._C binding."""
+    with pytest.raises(StandInError, match=f"torch\\.cuda\\..*no CUDA runtime for .*{what}.*Fix: "):
+        call()
+
+
 _SEEN: dict[int, list[str]] = {}
 
 
@@ -538,6 +577,38 @@ def _bf16_hook_grads():
     return [p.grad.cpu() for p in ddp.parameters()]
 
 
+def _fp16_hook_steps(device: str, builtin: bool):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    tdist.init_process_group("nccl" if device == "cuda" else "gloo")
+    r = tdist.get_rank()
+    if device == "cuda":
+        torch.cuda.set_device(r)
+    ddp = DDP(_mlp().to(device), device_ids=[r] if device == "cuda" else None)
+    if builtin:  # c10d's C++ hook: it reads the allreduce future's value as a TensorList
+        ddp._register_builtin_comm_hook(tdist.BuiltinCommHookType.FP16_COMPRESS)
+    else:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(r)
+    for _ in range(3):
+        x, y = torch.randn(20, 10, generator=g).to(device), torch.randn(20, 5, generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().cpu() for p in ddp.parameters()]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_ddp_builtin_fp16_compress_hook_trains_as_the_python_hook(device):
+    """DDP's built-in FP16_COMPRESS hook (C++) gives, step for step, what torch's Python fp16_compress_hook gives,
+    on CPU ranks (gloo) and on stand-ins (nccl), as real gloo processes do."""
+    builtin, python = (simulator.run(_fp16_hook_steps, 2, args=(device, b), devices=device) for b in (True, False))
+    assert not torch.equal(builtin[0][0], _mlp()[0].weight)  # trained
+    for got, want in zip(builtin, python):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(builtin[0], builtin[1]))  # the ranks agree
+
+
 def _local_grads(r: int) -> list[torch.Tensor]:
     model = _mlp()
     g = torch.Generator().manual_seed(r)
@@ -564,6 +635,23 @@ def test_cuda_checkpoints_load_onto_standins(two_gpus):
     assert torch.equal(loaded["w"].cpu(), torch.arange(3.0))
     buf.seek(0)
     assert torch.load(buf)["w"].device.type == "cpu"  # no map_location: where it was saved
+
+
+def test_checkpoints_load_through_a_map_location_moving_storages(two_gpus):
+    """map_location=lambda storage, loc: storage.cuda(gpu) (PyTorch's ImageNet example) loads onto cuda:gpu."""
+    state = {"w": torch.arange(3.0), "steps": [torch.tensor([4, 5])]}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location=lambda storage, loc: storage.cuda(1))
+    for got, want in ((loaded["w"], state["w"]), (loaded["steps"][0], state["steps"][0])):
+        assert isinstance(got, StandInTensor) and got.device == torch.device("cuda", 1)
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    storage = torch.arange(4.0).untyped_storage()
+    copy = storage.cuda()  # outside torch.load: a copy (a stand-in's storage is a CPU storage)
+    assert copy.data_ptr() != storage.data_ptr() and bytes(copy) == bytes(storage)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        storage.cuda(2)
 
 
 def test_checkpoints_saved_on_gpus_load_onto_their_devices(two_gpus, monkeypatch):

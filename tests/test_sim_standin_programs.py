@@ -335,16 +335,20 @@ def test_tensor_parallel_attention_shards_by_heads():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _fsdp1_steps(device: str, steps: int, by_device_id: bool = False):
+def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     tdist.init_process_group("nccl" if device == "cuda" else "gloo")
     r = tdist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    if device == "cuda" and by_device_id:  # as PyTorch's FSDP tutorial writes it: a CPU model, a device index
+    if device == "cuda" and how == "device_id":  # as PyTorch's FSDP tutorial writes it: a CPU model, a device index
         torch.cuda.set_device(r)
         model = FSDP(model, device_id=torch.cuda.current_device())
+    elif device == "cuda" and how == "cpu_module":  # a CPU model, no device_id: FSDP computes on the current GPU
+        torch.cuda.set_device(r)
+        model = FSDP(model)
+        assert model.compute_device == torch.device("cuda", r)
     elif device == "cuda":  # as GPU programs write it
         torch.cuda.set_device(r)
         model = FSDP(model.to(r))
@@ -364,13 +368,13 @@ def _fsdp1_steps(device: str, steps: int, by_device_id: bool = False):
     return losses, weights
 
 
-@pytest.mark.parametrize("by_device_id", [False, True], ids=["moved", "device_id"])
-def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(by_device_id):
-    """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model and
-    device_id=torch.cuda.current_device()) gives what the same model gives on CPU ranks over gloo, step for step
-    (it shards and gathers its flat parameter with set_)."""
+@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module"])
+def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(how):
+    """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model with
+    device_id=torch.cuda.current_device() or without a device_id) gives what the same model gives on CPU ranks over
+    gloo, step for step (it shards and gathers its flat parameter with set_)."""
     steps = 3
-    gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, by_device_id), devices="cuda", timeout=TIMEOUT)
+    gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, how), devices="cuda", timeout=TIMEOUT)
     cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps), timeout=TIMEOUT)
     for (gl, gw), (cl, cw) in zip(gpu, cpu):
         assert gl == cl and len(gl) == steps and gl[0] != gl[-1]
@@ -609,3 +613,52 @@ def test_recurrent_layers_take_the_fused_cuda_cells_and_give_the_cpu_results(two
     for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
         assert p_gpu.grad.device == torch.device("cuda", 1), name
         torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, msg=name)
+
+
+# -- torch.tensor: TorchScript, and stand-ins inside the data ------------------------------------------------
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_scripted_functions_calling_torch_tensor_compile_and_run(two_gpus):
+    """A scripted function calling torch.tensor/as_tensor compiles while stand-ins are on (the wrappers compile as
+    the aten operators they stand for) and gives the CPU result, on CPU and stand-in inputs."""
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(2.0) + torch.as_tensor(1.5)
+
+    scripted = torch.jit.script(shift)
+    want = torch.arange(3.0) * 2 + 1.5
+    assert torch.equal(scripted(torch.arange(3.0)), want)
+    got = scripted(torch.arange(3.0, device="cuda:1"))
+    assert got.device == torch.device("cuda", 1) and torch.equal(got.cpu(), want)
+
+
+_OPTIM_IMPORT = """
+from simulator import standin
+with standin.enabled():
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # scripts functions calling torch.tensor on import
+    print(ZeroRedundancyOptimizer.__name__)
+"""
+
+
+def test_torch_distributed_optim_imports_first_under_stand_ins():
+    out = subprocess.run([sys.executable, "-c", _OPTIM_IMPORT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "ZeroRedundancyOptimizer"
+
+
+TENSOR_DATA = [  # (name, make(a 0-d tensor on the device, the device), whether it names the device)
+    ("list_on_device", lambda a, d: torch.tensor([a, 1.0], dtype=torch.float32, device=torch.device(d)), True),
+    ("list", lambda a, d: torch.tensor([a, a]), False), ("as_tensor", lambda a, d: torch.as_tensor([a, 2.0]), False),
+    ("nested_on_device", lambda a, d: torch.as_tensor([[a], (a * 2,)], device=d), True),
+    ("int", lambda a, d: torch.tensor([a.long(), 2]), False),
+    ("asarray", lambda a, d: torch.asarray([a, 5.0], device=d), True),
+]
+
+
+@pytest.mark.parametrize("make,on_device", [c[1:] for c in TENSOR_DATA], ids=[c[0] for c in TENSOR_DATA])
+def test_torch_tensor_of_stand_ins_in_a_list_gives_the_cpu_values(two_gpus, make, on_device):
+    """torch.tensor([cuda_0d, 1.0]) reads the elements' values, as on a GPU (pytorch/examples' AverageMeter does
+    it); the result is on the device named (cuda:1, the current one, for a bare "cuda"), else on the CPU."""
+    torch.cuda.set_device(1)
+    want = make(torch.tensor(3.0), "cpu")
+    got = make(torch.tensor(3.0, device="cuda"), "cuda")
+    assert got.device == (torch.device("cuda", 1) if on_device else torch.device("cpu"))
+    assert got.dtype == want.dtype and torch.equal(got.cpu(), want)

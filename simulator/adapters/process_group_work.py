@@ -146,11 +146,26 @@ class SimWork(tdist.Work):
         for here, visibly, first.
         """
         if self._fut is None:
-            self._fut = completed_future(self.wait, lambda: self._result)
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001  wait() raises it again: delivered through the future, as c10d does
+                self._fut = completed_future(self.wait, list)
+            else:
+                self._fut = _typed_future(self._result)
         return self._fut
 
     def synchronize(self) -> None:
         self.wait()
+
+
+def _typed_future(result: list[Any]) -> torch.futures.Future:
+    """A future completed with ``result`` typed as TorchScript infers it (a list of tensors is a ``TensorList``), as a
+    C++ backend's future is: c10d's built-in DDP hooks (``FP16_COMPRESS``) require that type, while a Python
+    ``Future()`` holds any Python object. (``torch._C.fork`` calls the function at once, outside TorchScript.)"""
+    try:
+        return torch._C.fork(list, result)
+    except RuntimeError:  # a type TorchScript cannot infer (an empty list): any object will do
+        return completed_future(lambda: None, lambda: result)
 
 
 _LEAF_INPLACE = "a leaf Variable that requires grad is being used in an in-place operation"

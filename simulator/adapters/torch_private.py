@@ -124,6 +124,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "wrapper's checks over a simulated helper (adapters.pg_wrapper)"),
     _P("torch.distributed._create_process_group_wrapper", "adapters.torch_native, adapters.pg_wrapper", "patches",
        "the same function as torch.distributed re-exports it (what a program calling it itself reaches)"),
+    _P("torch._C.fork", "adapters.process_group_work", "reads",
+       "a completed future typed as a C++ backend's (a TensorList), which c10d's built-in DDP hooks require"),
     _P(f"{_PG}._start_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._end_coalescing", "adapters.process_group", "overrides", "refused as gloo refuses it"),
     _P(f"{_PG}._allgather_base", "adapters.process_group", "overrides", "torch's other name for all_gather_single"),
@@ -256,7 +258,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                    "_accelerator_setDeviceIndex", "_accelerator_exchangeDevice", "_accelerator_maybeExchangeDevice",
                    "_accelerator_synchronizeDevice", "_accelerator_getStream", "_accelerator_setStream",
                    "_accelerator_emptyCache", "_accelerator_getDeviceStats", "_accelerator_resetPeakStats",
-                   "_accelerator_resetAccumulatedStats", "_accelerator_getMemoryInfo")),
+                   "_accelerator_resetAccumulatedStats", "_accelerator_getMemoryInfo",
+                   "_accelerator_isAllocatorInitialized")),
     *(_P(f"torch._C.{name}", "standin.install, standin.multi_gpu", "patches",
          "nn.DataParallel's copies between one process's GPUs (CUDA builds only: absent from CPU builds)",
          cuda_build=True)
@@ -315,6 +318,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                  "_scaled_dot_product_attention_math")),
     _P("torch.ops.aten._copy_from", "standin.install", "patches", "copies to and from stand-in devices"),
     _P("torch.ops.aten._copy_from_and_resize", "standin.install", "patches", "copies to and from stand-in devices"),
+    *(_P(f"torch.cuda.jiterator.{name}", "standin.refuse, standin.install", "patches",
+         "jiterator's entry points: refused on stand-ins, naming the fix") for name in (
+        "_create_jit_fn", "_create_multi_output_jit_fn")),
+    _P("torch.jit._builtins", "standin.install", "reads", "the module of TorchScript's builtin table (below)"),
+    _P("torch.jit._builtins._find_builtin", "standin.install", "reads",
+       "the aten operator TorchScript compiles torch.tensor (as_tensor, asarray) to"),
+    _P("torch.jit._builtins._register_builtin", "standin.install", "reads",
+       "the stand-in's torch.tensor (as_tensor, asarray) compiles as that operator: a *args wrapper cannot"),
 )
 
 

@@ -33,6 +33,7 @@ import torch.cuda.memory
 import torch.cuda.nvtx
 import torch.cuda.random
 import torch.cuda.streams
+import torch.jit._builtins
 import torch.overrides
 import torch.serialization
 import torch.utils._device
@@ -43,8 +44,9 @@ from simulator.adapters.after_import import when_imported
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
-from simulator.standin.refuse import NvtxStub, compile_guard
-from simulator.standin.serialization import cpu_tagger, deserialize_cuda, patched_load, patched_save, registry_entry
+from simulator.standin.refuse import CUDA_ONLY, NvtxStub, compile_guard, cuda_only_table
+from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
+                                             registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
 from simulator.standin.tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
@@ -151,15 +153,38 @@ def _patched_cuda(original_to: Callable[..., Any]) -> Callable[..., Any]:
     return cuda
 
 
+def _cpu_elements(data: Any) -> Any:
+    """``data`` with each stand-in inside its (nested) lists and tuples replaced by its CPU tensor: torch reads the
+    elements of ``torch.tensor([cuda_0d, 1.0])`` below the dispatcher, where a stand-in has no kernel (an internal
+    assert); a GPU reads their values."""
+    if not isinstance(data, (list, tuple)):
+        return data._inner if isinstance(data, StandInTensor) else data
+    out = [_cpu_elements(x) for x in data]
+    return out if any(a is not b for a, b in zip(out, data)) else data
+
+
+@functools.cache  # one wrapper per original, for the process: TorchScript knows it by id (below)
 def _patched_constructor(original: Callable[..., Any]) -> Callable[..., Any]:
     def construct(*args: Any, **kwargs: Any) -> Any:
         # torch.tensor(data, device="cuda") resolves a missing index through a guard that knows no rank
         if kwargs.get("device") is not None:
             kwargs["device"] = _pu(kwargs["device"])
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError:
+            # (read on failure only: scanning every list made torch.tensor of a long list 3x slower)
+            data = _cpu_elements(args[0]) if args and isinstance(args[0], (list, tuple)) else None
+            if data is None or data is args[0]:
+                raise
+        return original(data, *args[1:], **kwargs)
 
     construct.__name__ = original.__name__
     construct.__doc__ = original.__doc__
+    # a scripted function calling torch.tensor compiles the wrapper as the aten operator it stands for (a
+    # *args function cannot be scripted; torch.distributed.optim scripts such functions on import)
+    builtin = torch.jit._builtins._find_builtin(original)
+    if builtin is not None:
+        torch.jit._builtins._register_builtin(construct, builtin)
     return construct
 
 
@@ -311,6 +336,8 @@ def _table() -> list[tuple[Any, str, Any]]:
           (c, "_accelerator_synchronizeDevice", lambda idx=None: None),
           (c, "_accelerator_getStream", api.current_stream), (c, "_accelerator_setStream", api.set_stream),
           (c, "_accelerator_emptyCache", api.empty_cache), (c, "_accelerator_getDeviceStats", api.memory_stats),
+          # (torch.accelerator's memory functions ask it first: torch's would assert on the privateuseone allocator)
+          (c, "_accelerator_isAllocatorInitialized", lambda: True),
           (c, "_accelerator_resetPeakStats", api.reset_peak_memory_stats),
           (c, "_accelerator_resetAccumulatedStats", api.reset_accumulated_memory_stats),
           (c, "_accelerator_getMemoryInfo", api.mem_get_info)]
@@ -325,10 +352,12 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
     t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save)),
+          (torch.UntypedStorage, "to", storage_to(torch.UntypedStorage.to)),
           (torch, "Generator", rng.generator_class(torch.Generator)),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
+    t += cuda_only_table()  # CUDA runtime entry points: refused, naming the fix
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
     t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
@@ -346,24 +375,34 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
+    "torch.UntypedStorage.to",
     "torch.Generator", "torch.Tensor.type", "torch.compile",
-    "torch.set_autocast_enabled", "torch.set_autocast_dtype"}))
+    "torch.set_autocast_enabled", "torch.set_autocast_dtype"} | {
+    f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
 
 
 def _fsdp1_device_id(module: Any) -> Callable[[], None]:
     """``FullyShardedDataParallel(device_id=torch.cuda.current_device())``: a bare index names this process's GPU
     ``cuda:i``, but torch makes ``torch.device(i)`` of the stand-in's ``privateuseone:i`` underneath, which FSDP
-    then finds inconsistent with its ``cuda:i`` parameters; the index becomes ``cuda:i`` first. Returns the undo."""
+    then finds inconsistent with its ``cuda:i`` parameters; the index becomes ``cuda:i`` first. Without a
+    ``device_id`` (or one without an index) FSDP computes on ``torch.device(current_device())``, privateuseone
+    too: a module not on a GPU yet is then given the current ``cuda:i`` as its ``device_id``, and so moved there
+    now (a GPU moves it when the program does: a CPU parameter cannot become a stand-in in place once FSDP holds
+    views of it). Returns the undo."""
     cls = module.FullyShardedDataParallel
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         dev = kwargs.get("device_id")
+        wrapped = kwargs.get("module", args[0] if args else None)
         if isinstance(dev, int) and not isinstance(dev, bool):
             kwargs["device_id"] = torch.device("cuda", dev)
         elif isinstance(dev, torch.device) and dev.type == "privateuseone":
             kwargs["device_id"] = torch.device("cuda", dev.index)
+        elif isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is None or dev is None and \
+                isinstance(wrapped, torch.nn.Module) and not any(p.is_cuda for p in wrapped.parameters()):
+            kwargs["device_id"] = torch.device("cuda", api.current_device())
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__

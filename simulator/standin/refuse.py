@@ -8,20 +8,31 @@ stand-in parameters or buffers "compiles" to torch's own ``OptimizedModule`` wit
 compiled module or function called with stand-ins runs its original eagerly.  The first time, a warning says
 so.  Anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``; operators with GPU kernels
 only, such as custom CUDA extensions and Triton kernels registered as operators, in ``tensor``.)
+
+``torch.cuda``'s entry points into CUDA's own runtime (cuBLAS handles, raw allocator blocks, memory pools,
+external streams, jiterator, TunableOp) are refused with :class:`StandInError` naming the fix
+(:data:`CUDA_ONLY`): torch would fail on the missing binding with a bare ``AttributeError``.
 """
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any, Callable
 
 import torch
+import torch.cuda
+import torch.cuda.jiterator
+import torch.cuda.memory
+import torch.cuda.streams
+import torch.cuda.tunable
 
 from tensorplay.distributed.errors import format_message
 
+from simulator.standin.errors import StandInError
 from simulator.standin.tensor import StandInTensor
 
-__all__ = ["compile_guard", "NvtxStub"]
+__all__ = ["compile_guard", "NvtxStub", "CUDA_ONLY", "cuda_only_table"]
 
 
 _warned: list[bool] = [False]
@@ -122,3 +133,43 @@ class NvtxStub:
 
     def deviceRangeEnd(self, range_handle: Any, stream: Any) -> None:  # noqa: N802
         return None
+
+
+#: torch.cuda's APIs that need CUDA's runtime: (modules, names, what they are, the fix)
+CUDA_ONLY = (
+    (("cuda",), ("current_blas_handle",), "cuBLAS handles",
+     "compute through torch's operators (torch.matmul, ...) when simulating, or run on real GPUs"),
+    (("cuda", "cuda.memory"), ("caching_allocator_alloc", "caching_allocator_delete"),
+     "raw blocks of CUDA's caching allocator", "allocate a tensor instead (torch.empty(n, dtype=torch.uint8, "
+     "device='cuda')), or run on real GPUs"),
+    (("cuda", "cuda.memory"), ("MemPool", "use_mem_pool"), "CUDA memory pools",
+     "allocate from the default pool when simulating (leave out MemPool / use_mem_pool), or run on real GPUs"),
+    (("cuda", "cuda.streams"), ("ExternalStream",), "streams created outside torch (a cudaStream_t)",
+     "use torch.cuda.Stream() when simulating, or run on real GPUs"),
+    (("cuda.jiterator",), ("_create_jit_fn", "_create_multi_output_jit_fn"),
+     "jiterator kernels (CUDA C++ compiled at run time)",
+     "compute the same with torch operators when simulating, or run on real GPUs"),
+    (("cuda.tunable",), tuple(torch.cuda.tunable.__all__), "TunableOp (GEMM kernels tuned on the GPU)",
+     "leave TunableOp off when simulating (it tunes speed, not results), or run on real GPUs"),
+)
+
+
+def _refusal(call: str, what: str, fix: str, cls: bool) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise StandInError(format_message(call, f"the CPU stand-in has no CUDA runtime for {what}", fix=fix))
+
+    name = call.rsplit(".", 1)[1]
+    if cls:  # (a class stays a class: isinstance checks against it keep working)
+        return type(name, (), {"__new__": lambda c, *a, **k: refuse(), "__doc__": f"Refused on stand-ins: {what}."})
+    refuse.__name__ = name
+    return refuse
+
+
+def cuda_only_table() -> list[tuple[Any, str, Any]]:
+    """(owner, name, refusal) for each name of :data:`CUDA_ONLY`, in each module that holds it."""
+    out = []
+    for modules, names, what, fix in CUDA_ONLY:
+        for name in names:
+            refusal = _refusal(f"torch.{modules[0]}.{name}", what, fix, name[0].isupper())
+            out += [(sys.modules[f"torch.{m}"], name, refusal) for m in modules]
+    return out

@@ -29,7 +29,7 @@ import torch.serialization
 from simulator.standin import ranks
 from simulator.standin.tensor import StandInTensor, saving, wrap
 
-__all__ = ["deserialize_cuda", "patched_load", "patched_save", "registry_entry", "tag_saved"]
+__all__ = ["deserialize_cuda", "patched_load", "patched_save", "registry_entry", "storage_to", "tag_saved"]
 
 _noted = threading.local()  # per loading thread: storage address -> device index
 
@@ -66,6 +66,26 @@ def deserialize_cuda(obj: Any, location: str) -> Any:
     if marks is not None:
         marks[obj._cdata] = idx
     return obj
+
+
+def storage_to(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``UntypedStorage.to(device="cuda:i")`` (and ``.cuda(i)``, which calls it): torch cannot make a storage on a
+    stand-in device. Inside ``torch.load`` (``map_location=lambda storage, loc: storage.cuda(i)``) the storage is
+    noted with its device, as :func:`deserialize_cuda` notes it, so the tensors over it load as stand-ins on
+    ``cuda:i``; elsewhere the copy is a CPU storage, as a stand-in's own storage is."""
+    def to(self: Any, *, device: Any, non_blocking: bool = False) -> Any:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+        if dev.type not in ("cuda", "privateuseone"):
+            return original(self, device=device, non_blocking=non_blocking)
+        idx = ranks.resolve_index(dev, "UntypedStorage.to")
+        marks = getattr(_noted, "marks", None)
+        if marks is None:
+            return self.clone()
+        marks[self._cdata] = idx
+        return self
+
+    to.__doc__ = original.__doc__
+    return to
 
 
 def _convert(obj: Any, marks: dict[int, int]) -> Any:
