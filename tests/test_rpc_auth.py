@@ -377,34 +377,34 @@ def test_members_must_share_one_secret(secrets: list) -> None:
 
 
 # ---------------------------------------------------------------------------
-# process-isolated simulated ranks (TensorPipe between the rank processes)
+# process-isolated simulated ranks (every message through the coordinator)
 # ---------------------------------------------------------------------------
-def _process_rank_attacked(side: str) -> tuple[list[str] | None, bool]:
-    """A rank process of a world whose program sets no secret: rank 0 sends the attacker at rank 1."""
+def _process_rank_rpc(side: str) -> tuple[list, bool, bool]:
+    """A rank process of a world whose program sets no secret: its worker listens on no port (its messages go
+    through its own socket to the coordinator), seals what it sends, and the run's secret is not in its
+    environment."""
+    from _support.net import listening
     from simulator.isolation import rpc_process
 
     rpc.init_rpc(f"worker{dist.get_rank()}")
     leaked = _auth.ENV_SECRET in os.environ
-    lines = None
+    sealed = isinstance(_agent.current(), rpc_process.ProcAgent) and _agent.current().auth is not None
     if dist.get_rank() == 0:
-        lines = _attack(rpc_process.RANK[2], Path(side))  # the run's rendezvous port, as any local user can find
-        assert rpc.rpc_sync("worker1", _append_line, args=(side + ".member", "member")) == 1  # members still work
+        assert rpc.rpc_sync("worker1", _append_line, args=(side + ".member", "member")) == 1  # members work
+    sockets = listening()
     rpc.shutdown()
-    return lines, leaked
+    return sockets, leaked, sealed
 
 
-@pytest.mark.gloo
-@pytest.mark.xdist_group("rpc-auth")
-def test_process_ranks_authenticate_rpc_by_default(tmp_path: Path, monkeypatch) -> None:
-    """As on thread ranks, RPC between rank processes is authenticated without the program setting a secret: the
-    attacker's call is refused and its os.system never runs; the secret the run generated is not left in the
-    rank processes' environment."""
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_process_ranks_rpc_is_authenticated_and_listens_nowhere(tmp_path: Path, monkeypatch) -> None:
+    """RPC between rank processes has nothing a local attacker can reach: no worker listens on a port (a
+    TensorPipe agent would, and its rendezvous store names the address); every message is sealed under the run's
+    secret anyway, which is not left in the rank processes' environment."""
     monkeypatch.delenv(_auth.ENV_SECRET, raising=False)
     monkeypatch.delenv(_auth.ENV_SECRET_FILE, raising=False)
-    side = tmp_path / "pwned"
-    (lines, leaked0), (_, leaked1) = simulator.run(_process_rank_attacked, 2, args=(str(side),),
-                                                   isolation="process", timeout=120)
-    assert not leaked0 and not leaked1
-    assert lines and all(ln.startswith("REFUSED") and _auth.REFUSAL in ln for ln in lines), lines
-    assert not side.exists(), "the attacker's os.system ran in rank 1's process"
-    assert _lines(tmp_path / "pwned.member") == ["member"]
+    side = tmp_path / "side"
+    outs = simulator.run(_process_rank_rpc, 2, args=(str(side),), isolation="process", timeout=120)
+    for rank, (sockets, leaked, sealed) in enumerate(outs):
+        assert sockets == [] and not leaked and sealed, (rank, sockets, leaked, sealed)
+    assert _lines(tmp_path / "side.member") == ["member"]

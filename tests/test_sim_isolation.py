@@ -515,8 +515,7 @@ def test_a_forked_coordinator_starts_its_own_warm_interpreters():
 
 @pytest.mark.parametrize("mode", ["coop", "threads"])
 def test_rpc_between_rank_processes_runs_in_the_callees_process(mode):
-    """In both schedules: in coop mode a rank's compute leaves the seeded schedule at init_rpc, since a process
-    waiting for an RPC answer is a wait the scheduler cannot see."""
+    """A call runs in the callee's process, with its globals, in both schedules."""
     outs = simulator.run(rpc_program, 3, isolation="process", mode=mode)
     pids = [o[2] for o in outs]
     for r, (summed, where, _, error, remembered) in enumerate(outs):
@@ -526,16 +525,48 @@ def test_rpc_between_rank_processes_runs_in_the_callees_process(mode):
         assert remembered == ([0, 1, 2] if r == 0 else [])  # ... and only its globals saw it
 
 
-def simulator_options_in_a_rank_process() -> None:
+def rpc_with_faults() -> tuple:
+    """Calls of every kind under seeded message faults: which ones are lost depends on the seed only."""
     import tensorplay.distributed.rpc as rpc
-    from simulator.rpc import SimRpcBackendOptions
+    from tensorplay.distributed.rpc.errors import RpcTimeoutError
+    from simulator.rpc import MessageFaults, SimRpcBackendOptions
 
-    rpc.init_rpc(f"w{dist.get_rank()}", rpc_backend_options=SimRpcBackendOptions())
+    r = dist.get_rank()
+    faults = MessageFaults(drop=0.25, delay=0.5, max_delay_s=0.01, seed=11)
+    rpc.init_rpc(f"w{r}", rpc_backend_options=SimRpcBackendOptions(rpc_timeout=5, faults=faults))
+    peer = f"w{(r + 1) % dist.get_world_size()}"
+    lost, got = [], []
+    for i in range(8):
+        try:
+            got.append(rpc.rpc_sync(peer, torch.add, args=(torch.ones(1), 10 * r + i)).item())
+        except RpcTimeoutError:
+            lost.append(i)
+    futs = [rpc.rpc_async(peer, torch.mul, args=(torch.ones(1), i)) for i in range(4)]
+    asyncs = []
+    for f in futs:
+        try:
+            asyncs.append(f.wait().item())
+        except RpcTimeoutError:
+            asyncs.append(None)
+    ref = rpc.remote(peer, torch.full, args=((2,), float(r)))
+    try:
+        remote = ref.to_here().tolist()
+    except RpcTimeoutError:
+        remote = None
+    rpc.shutdown()
+    return lost, got, asyncs, remote
 
 
-def test_rpc_with_simulator_options_in_a_rank_process_is_refused_with_the_fix():
-    with pytest.raises(dist.DistTypeError, match=r"rpc_backend_options='SimRpcBackendOptions'.*isolation='thread'"):
-        simulator.run(simulator_options_in_a_rank_process, 2, isolation="process", mode="threads")
+def test_rpc_between_rank_processes_is_simulated_as_between_thread_ranks():
+    """The simulator carries process ranks' RPC as thread ranks': the same seeded message faults (the same calls
+    are lost), the same trace, RPC events included, the same results; and the run is a function of its seed."""
+    proc = simulator.check_reproducible(rpc_with_faults, 3, seed=5, isolation="process")
+    thread = simulator.check_reproducible(rpc_with_faults, 3, seed=5)
+    assert proc.signature() == thread.signature()
+    assert {e.op for e in proc.events} >= {"rpc_sync", "rpc_async", "remote"}
+    outs = simulator.run(rpc_with_faults, 3, seed=5, isolation="process")
+    assert outs == simulator.run(rpc_with_faults, 3, seed=5)
+    assert any(lost for lost, *_ in outs), outs  # (faults were drawn: some call was lost)
 
 
 def test_isolations_listed_once():

@@ -502,3 +502,44 @@ def test_free_running_thread_ranks_warn_when_their_directories_part(tmp_path, mo
     assert sum("os.chdir" in str(w.message) for w in caught) == 1  # said once per run
     assert len({d for d, _ in got}) == 1  # what they share: the last rank's directory
     assert os.getcwd() == str(tmp_path)
+
+
+def _rank_records_warnings():
+    import warnings
+
+    r = dist.get_rank()
+    t = torch.ones(1)
+    with warnings.catch_warnings(record=True) as log:  # unittest's assertWarns records this way
+        warnings.simplefilter("always")
+        dist.all_reduce(t)  # every rank is inside its block here ...
+        warnings.warn(f"rank {r} warns", FutureWarning)
+        dist.all_reduce(t)  # ... and here
+    return [str(w.message) for w in log]
+
+
+@isolations
+def test_each_rank_records_its_own_warnings(isolation):
+    import warnings
+
+    hooks = (warnings.showwarning, warnings._showwarnmsg_impl)
+    got = simulator.run(_rank_records_warnings, 3, isolation=isolation, timeout=60)
+    assert got == [[f"rank {r} warns"] for r in range(3)]
+    assert (warnings.showwarning, warnings._showwarnmsg_impl) == hooks  # the process's hooks are back
+
+
+_PROCESS_LOCK = threading.Lock()
+
+
+def _compile_like():
+    import subprocess
+    import sys
+
+    with _PROCESS_LOCK:  # as torch.compile: dynamo's compile lock held while inductor runs a compiler
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.2)"], timeout=30, check=True)
+    return dist.get_rank()
+
+
+def test_a_coop_rank_waiting_for_its_subprocess_keeps_the_turn():
+    """subprocess's polling sleeps wait for the rank's own child: stepping out of the schedule there handed the turn
+    to a rank that then blocked for real on the lock the sleeper held, and the run hung until its timeout."""
+    assert simulator.run(_compile_like, 2, mode="coop", timeout=30) == [0, 1]

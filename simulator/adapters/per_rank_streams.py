@@ -17,7 +17,11 @@ are back in place when the last world ends.  Rank processes are processes: nothi
 Warning filters are a process's too: ``warnings.filterwarnings("ignore")`` on every rank but the first silences
 those ranks; on thread ranks it silenced rank 0 as well.  A rank's ``filterwarnings``, ``simplefilter``,
 ``resetwarnings`` and ``catch_warnings`` act on filters of its own, a copy of the process's made when it first
-changes them, and the interpreter reads the calling rank's when a warning is issued.
+changes them, and the interpreter reads the calling rank's when a warning is issued.  So is where a warning
+goes: ``catch_warnings(record=True)`` (unittest's ``assertWarns``) records by replacing
+``warnings.showwarning`` and ``warnings._showwarnmsg_impl``, and on thread ranks a rank's block caught the
+others' warnings (or none of its own) and could leave the process's hook pointing at a rank's list; both names
+are per rank, and a warning is shown through the issuing rank's.
 
 Logging is configured per process too: ``logging.basicConfig(level=INFO if rank == 0 else WARNING,
 format=f"[rank{rank}] ...")`` gives each process its own root handler and level.  On thread ranks the first
@@ -53,7 +57,7 @@ __all__ = ["NAMES", "enabled"]
 
 #: the names made per rank, by module
 NAMES: dict[types.ModuleType, tuple[str, ...]] = {sys: ("stdout", "stderr"), builtins: ("print",),
-                                                  warnings: ("filters",)}
+                                                  warnings: ("filters", "showwarning", "_showwarnmsg_impl")}
 _PROCESS: dict[tuple[int, str], Any] = {}  # (id(module), name) -> the process's value while a world runs
 _CLASSES: dict[int, type] = {}  # id(module) -> its class before the world
 
@@ -122,8 +126,32 @@ def _print(*args: Any, **kwargs: Any) -> None:
     return _value(builtins, "print")(*args, **kwargs)
 
 
+def _showwarning(*args: Any, **kwargs: Any) -> None:
+    """What ``warnings.showwarning`` holds in the module's dictionary: calls the calling rank's."""
+    return _value(warnings, "showwarning")(*args, **kwargs)
+
+
+def _showwarnmsg_impl(msg: Any) -> None:
+    """What ``warnings._showwarnmsg_impl`` holds in the module's dictionary (``showwarning``'s own body reads it
+    there): calls the calling rank's."""
+    return _value(warnings, "_showwarnmsg_impl")(msg)
+
+
+def _showwarnmsg(msg: Any) -> None:
+    """``warnings._showwarnmsg`` (what the interpreter calls to show a warning), reading the calling rank's
+    ``showwarning`` and ``_showwarnmsg_impl``: ``warnings``' own logic, through the per-rank names."""
+    sw = _value(warnings, "showwarning")
+    if sw is not warnings._showwarning_orig:  # type: ignore[attr-defined]  (a program's own hook)
+        if not callable(sw):
+            raise TypeError("warnings.showwarning() must be set to a function or method")
+        sw(msg.message, msg.category, msg.filename, msg.lineno, msg.file, msg.line)
+        return
+    _value(warnings, "_showwarnmsg_impl")(msg)
+
+
 #: (``warnings.filters`` keeps the process's list in the module: the interpreter reads it through the attribute)
-_DISPATCHERS: dict[str, Any] = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr"), "print": _print}
+_DISPATCHERS: dict[str, Any] = {"stdout": _Stream("stdout"), "stderr": _Stream("stderr"), "print": _print,
+                                "showwarning": _showwarning, "_showwarnmsg_impl": _showwarnmsg_impl}
 
 
 def _own_filters() -> list[Any]:
@@ -158,7 +186,7 @@ def resetwarnings() -> None:
     warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
-_FUNCTIONS = {"_add_filter": _add_filter, "resetwarnings": resetwarnings}
+_FUNCTIONS = {"_add_filter": _add_filter, "resetwarnings": resetwarnings, "_showwarnmsg": _showwarnmsg}
 _ORIGINAL_FUNCTIONS: dict[str, Any] = {}
 
 #: what a rank configures of each ``logging.Logger`` (``basicConfig``, ``setLevel``, ``addHandler``...): its own

@@ -234,8 +234,11 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
 _REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit,
                          "signal": signal.signal, "getsignal": signal.getsignal, "atexit_register": atexit.register,
                          "atexit_unregister": atexit.unregister, "chdir": os.chdir}
-#: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule
-_OWN = ("simulator", "tensorplay")
+#: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule;
+#: and ``subprocess``, whose polls wait for the rank's own child process (compute, waiting for no other rank): a rank
+#: stepping out there while it holds a lock of the process's would hand the turn to a rank that blocks on that
+#: lock for real (torch.compile: dynamo's compile lock, held while inductor runs a compiler)
+_OWN = ("simulator", "tensorplay", "subprocess")
 #: callers that must see the real pid: multiprocessing records it to recognise its own children and finalizers
 _REAL_PID_CALLERS = ("multiprocessing", "concurrent")
 

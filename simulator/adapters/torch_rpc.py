@@ -71,7 +71,7 @@ from simulator.adapters.torch_private import check_torch_version
 from simulator.adapters._patch import Installation
 from simulator.core.state import on_simulated_rank
 
-__all__ = ["enabled", "register_sim_agent"]
+__all__ = ["enabled", "register_sim_agent", "wait_pending"]
 
 #: torch's RPC functions whose wrapper closure is routed, and what they become on a simulated rank
 _WRAPPED = ("rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info")
@@ -326,15 +326,21 @@ def _remote_module(remote_device: str, module_cls: type, args: Any = None, kwarg
 # ---------------------------------------------------------------------------
 # torch.futures.wait_all / collect_all on futures that answer later
 # ---------------------------------------------------------------------------
+def wait_pending(futures: Any) -> None:
+    """Wait for the pending tensorplay futures among ``futures`` as their own ``wait()`` does: torch's
+    ``collect_all`` would block the rank in C++, where no other rank can run."""
+    for f in futures:
+        if isinstance(f, TpFuture) and not f.done():
+            try:
+                f.wait()
+            except BaseException:  # noqa: BLE001  torch reports it from the collected future
+                pass
+
+
 def _collect_all(original: Callable[..., Any]) -> Callable[..., Any]:
     def collect_all(futures: Any) -> Any:
         if _on_sim():
-            for f in futures:  # a pending one would block this rank in C++, where no other rank can run
-                if isinstance(f, TpFuture) and not f.done():
-                    try:
-                        f.wait()
-                    except BaseException:  # noqa: BLE001  torch reports it from the collected future
-                        pass
+            wait_pending(futures)
         return original(futures)
 
     return collect_all

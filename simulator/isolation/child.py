@@ -155,12 +155,13 @@ def main(fd: int | None = None) -> None:
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, exception_message(e))
         return
-    rpc_process.RANK = (rank, setup.world_size, setup.rpc_port, setup.mode)  # init_rpc's rendezvous
+    rpc_process.RANK = (rank, setup.world_size, setup.mode)  # what init_rpc takes when the program leaves it out
     rpc_process.SECRET = setup.rpc_secret  # (the run's: RPC is authenticated by default)
     torch.set_rng_state(setup.torch_rng)
     random.seed(f"simulator:{setup.seed}:{rank}")
     _seed_numpy(setup.seed, rank)
     backend = ClientBackend(conn, rank, setup.world_size, setup.arena_dir)
+    rpc_process.BACKEND = backend
     install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
     rank_threads.install(backend, coop=setup.mode == "coop")

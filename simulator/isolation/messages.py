@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 __all__ = [
     "CALL", "GROUP", "RENDEZVOUS", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
-    "SLEEP", "WAKE", "FREE", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
+    "SLEEP", "WAKE", "FREE", "RPC_START", "RPC_CALL", "RPC_WAIT", "RPC_ANSWER", "RPC_REF", "RPC_READY",
+    "RPC_SHUTDOWN", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
     "REQUESTS", "NOTES", "FINAL", "SERVED", "ANSWERS", "Setup", "FDS_REQUEST", "FDS_WHERE", "FDS_PASSED",
     "WARM_RECORD", "WARM_READY", "WARM_FORKED", "WARM_EXITED", "WARM_TAINTED", "WARM_LOADED", "handler_table",
 ]
@@ -69,8 +70,37 @@ REJOIN = "rejoin"
 SLEEP = "sleep"
 #: ``(WAKE,)``: back from the sleep of a SLEEP
 WAKE = "wake"
-#: ``(FREE,)``: the rank started an RPC agent: its compute runs outside the coop schedule from now on
+#: ``(FREE,)``: the rank started torch's own RPC agent: its compute runs outside the coop schedule from now on
 FREE = "free"
+
+# tensorplay's RPC between rank processes, performed by the simulator's RPC world in the coordinator (see
+# :mod:`.rpc_routes` and :mod:`.rpc_process`); every one carries ``books``, the RRef references and
+# distributed-autograd contexts the process released since its last RPC request, and ``cpu`` last
+#: ``(RPC_START, name, rank, world_size, options, secret, books, cpu)`` + one descriptor (the worker's event
+#: socket: the coordinator sends the process's dispatcher ``("serve", request id, message, context id, RRef id to
+#: keep the value in or None, device map of the answer, the workers)`` + the handler thread's channel, ``("answer", call id,
+#: ok, message or error)``, ``("drop", RRef id)``, ``("context", context id)`` and ``("closed",)``):
+#: ``init_rpc``; answers the workers' ``[(name, rank), ...]`` once every worker has started
+RPC_START = "rpc_start"
+#: ``(RPC_CALL, call, dst, message, timeout, mode, retains, site, cid, books, cpu)``: send ``message`` (the
+#: request ``(fn, args, kwargs)`` this process serialised) to worker ``dst``; ``mode`` "sync" answers the
+#: answer's message (or fails with the call's error), "async" the call's id at once, "remote" the RRef's id,
+#: "fetch" (``RRef.to_here``: a copy of the owner's value, no event on the trace) the answer's message
+RPC_CALL = "rpc_call"
+#: ``(RPC_WAIT, call_id, books, cpu)``: wait for async call ``call_id``; answers ``(True, message)``,
+#: ``(False, error)``, or None when the answer went to the process's dispatcher already
+RPC_WAIT = "rpc_wait"
+#: ``(RPC_ANSWER, request_id, message, was_async, books, cpu)``: a handler thread's answer to a request (on the
+#: thread's channel, which the request's handler actor serves)
+RPC_ANSWER = "rpc_answer"
+#: ``(RPC_REF, books, cpu)``: a new RRef owned by this worker (``RRef(value)``); answers its id
+RPC_REF = "rpc_ref"
+#: ``(RPC_READY, owner, rref_id, books, cpu)``: wait until the owner kept RRef ``rref_id``'s value; answers
+#: None (or fails with the error that lost it)
+RPC_READY = "rpc_ready"
+#: ``(RPC_SHUTDOWN, graceful, books, cpu)``: ``rpc.shutdown``; answers the workers a graceful shutdown did not
+#: wait for
+RPC_SHUTDOWN = "rpc_shutdown"
 
 # ---------------------------------------------------------------------------------------------------------------
 # rank process -> proxy: notes (never answered) and the last message of a channel
@@ -100,7 +130,8 @@ ERR = "err"
 
 #: what a thread of the rank process sends and waits for the answer to
 REQUESTS = frozenset({CALL, GROUP, RENDEZVOUS, WAIT, COMPLETED, SUCCESS, SOURCE, STEP, SHARE, THREAD, JOIN, LEAVE, REJOIN,
-                      SLEEP, WAKE, FREE})
+                      SLEEP, WAKE, FREE, RPC_START, RPC_CALL, RPC_WAIT, RPC_ANSWER, RPC_REF, RPC_READY,
+                      RPC_SHUTDOWN})
 #: what the rank process sends without waiting (its channel goes on)
 NOTES = frozenset({MODULES})
 #: the last message on a channel: the thread, or the rank, has ended
@@ -125,7 +156,6 @@ class Setup(NamedTuple):
     timeout: float  #: the groups' timeout, in seconds
     store: tuple  #: ``(host, port)`` of the run's TCPStore (torch.distributed's rendezvous of rank processes)
     learn: bool  #: report the libraries it imported (MODULES): it was forked from a warm interpreter
-    rpc_port: int  #: where ``init_rpc`` meets (see .rpc_process)
     mode: str  #: the scheduler's mode ("coop" or "threads")
     rpc_secret: Any  #: the run's RPC secret (str or None)
     #: what the whole rank runs inside (a picklable factory of a context manager, handed in by the world: the

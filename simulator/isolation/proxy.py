@@ -109,7 +109,6 @@ class ProcessRanks(ProxyHandlers):
         prep = pickling.fix_preparation(spawn.get_preparation_data("simulated-rank"))
         prep.pop("authkey", None)
         master_port = str(_free_port())
-        rpc_port = _free_port()  # where init_rpc in the rank processes meets (see .rpc_process)
         rpc_secret = secrets.token_hex(32)  # the workers' shared RPC secret, unless the program sets its own
         self.ranks: list[RankProcess] = []
         slow = warm.SlowStartNote(self.n)  # (a first world takes seconds: said once, on stderr, if it does)
@@ -139,7 +138,7 @@ class ProcessRanks(ProxyHandlers):
                 _wire.send(conn, Setup(rank=r, world_size=self.n, seed=world.seed, prep=prep, payload=payload,
                                        passed=len(passed), torch_rng=rng_states[r], arena_dir=self.arena_dir,
                                        timeout=world.pg_timeout, store=("127.0.0.1", self.store.port),
-                                       learn=isinstance(proc, warm.Forked), rpc_port=rpc_port, mode=world.mode,
+                                       learn=isinstance(proc, warm.Forked), mode=world.mode,
                                        rpc_secret=rpc_secret,
                                        device_context=getattr(world, "device_context", None)))
                 ask, answer = socket.socketpair()

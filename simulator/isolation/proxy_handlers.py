@@ -36,6 +36,7 @@ from simulator.isolation import _wire, warm
 from simulator.isolation._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 from simulator.isolation.messages import FINAL, OK, REQUESTS, SERVED, handler_table
 from simulator.isolation.remote_errors import error_answer, program_error
+from simulator.isolation.rpc_routes import RpcRouteHandlers
 
 __all__ = ["Channel", "RankProcess", "ThreadGone", "ProxyHandlers"]
 
@@ -104,7 +105,7 @@ class RankProcess:
 
     __slots__ = ("rank", "proc", "conn", "main", "hash_seed", "arenas", "groups", "works", "errors", "wids",
                  "optimizers", "pending", "server", "where", "asked", "lock", "threads", "tids", "chans",
-                 "free_running", "unreported")
+                 "free_running", "unreported", "rpc_agent")
 
     def __init__(self, rank: int, proc: "subprocess.Popen | warm.Forked", conn: Connection, hseed: int) -> None:
         self.rank = rank
@@ -128,12 +129,13 @@ class RankProcess:
         self.chans: set[Channel] = {self.main}  # open channels (a thread's closes when the thread ends)
         self.free_running = False  # after init_rpc in coop mode: its compute runs outside the schedule
         self.unreported: dict[int, Any] = {}  # async works whose completion the process has not been told yet
+        self.rpc_agent: Any = None  # its worker in the run's RPC world, between init_rpc and shutdown (.rpc_routes)
 
 
 _REQUEST, _NOTE, _FINAL = 0, 1, 2  # what the serving loop does with a message of each kind
 
 
-class ProxyHandlers:
+class ProxyHandlers(RpcRouteHandlers):
     """The serving loop of a rank process's channels and a ``handle_<kind>`` per message kind it serves.
 
     A mixin of :class:`.proxy.ProcessRanks`, which provides ``world``, ``arena_dir``, ``ranks``, ``_recv(rs, me,
@@ -269,7 +271,7 @@ class ProxyHandlers:
         threads.sleep_in(rs)
 
     def handle_free(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> None:
-        # the process started an RPC agent, whose waits the scheduler cannot see (see .rpc_process)
+        # the process started torch's own RPC agent, whose waits the scheduler cannot see (see .rpc_process)
         me.free_running = isinstance(rs.run.sched, CoopScheduler)
 
     # -- notes -------------------------------------------------------------------------------------------------
@@ -360,6 +362,22 @@ class ProxyHandlers:
         t = threading.Thread(target=body, name=f"tp-sim-rank{me.rank}-{name}", daemon=True)
         threads.start_plain(t)
         return tid
+
+    def serve_channel(self, rs: Any, me: RankProcess, conn: Connection) -> Channel:
+        """Serve a thread of the process whose channel is ``conn`` as the calling actor ``rs``, until the thread ends
+        (an RPC handler thread, whose actor is the coordinator's handler of the request: see .rpc_routes)."""
+        chan = Channel(conn)
+        with me.lock:
+            me.chans.add(chan)
+        try:
+            self._serve(rs, me, chan)
+        except ThreadGone:
+            pass
+        finally:
+            chan.close()
+            with me.lock:
+                me.chans.discard(chan)
+        return chan
 
     def _perform(self, me: RankProcess, backend: Any, name: str, enc: list[Any], site: str,
                  backward: str | None) -> Any:

@@ -41,13 +41,15 @@ from simulator.adapters import threads, torch_globals
 from simulator.isolation import _wire
 from simulator.isolation.messages import END, FREE, JOIN, LEAVE, REJOIN, SLEEP, THREAD, WAKE
 
-__all__ = ["install", "free_running"]
+__all__ = ["install", "free_running", "stepped_out", "start_service", "start_served"]
 
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
              "join": threading.Thread.join, "cond_wait": threading.Condition.wait}
 _backend: Any = None  # the rank's ClientBackend
 _quiet = threading.local()  # depth > 0: inside Thread.start, whose short wait is not the rank's
 _live: set[threading.Thread] = set()  # threads started by the program that have not ended
+#: the process serves tensorplay's RPC (set by .rpc_process): see :func:`stepped_out`
+rpc_serving = False
 
 
 def install(backend: Any, coop: bool) -> None:
@@ -71,6 +73,24 @@ def free_running() -> None:
     the scheduler; see :mod:`.rpc_process`)."""
     if _backend is not None:
         _backend._request((FREE,))
+
+
+def start_service(t: threading.Thread) -> None:
+    """Start ``t``, a thread of the simulator's own in the rank process (RPC's dispatcher): no actor of the rank."""
+    _ORIGINAL["start"](t)
+
+
+def start_served(t: threading.Thread, chan: Connection) -> None:
+    """Start ``t`` with ``chan`` as its channel, whose other end an actor of the rank in the coordinator already
+    serves (an RPC handler thread, see :mod:`.rpc_routes`)."""
+    t._tp_chan = chan  # type: ignore[attr-defined]
+    t._tp_tid = None  # type: ignore[attr-defined]  (its actor is the coordinator's: not joined through JOIN)
+    _live.add(t)
+    try:
+        _ORIGINAL["start"](t)
+    except BaseException:
+        _ended(t)
+        raise
 
 
 def _start(self: threading.Thread) -> None:
@@ -139,23 +159,27 @@ def _join(self: threading.Thread, timeout: float | None = None) -> None:
     if timeout is None:  # the scheduler sees this wait; the real join below then returns at once
         b._request((JOIN, tid))
         return _ORIGINAL["join"](self, None)
-    return _stepped_out(lambda: _ORIGINAL["join"](self, timeout))
+    return stepped_out(lambda: _ORIGINAL["join"](self, timeout))
 
 
 def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
     if timeout is not None and timeout <= 0:  # a poll never waits
         return _ORIGINAL["cond_wait"](self, timeout)
-    return _stepped_out(lambda: _ORIGINAL["cond_wait"](self, timeout))
+    return stepped_out(lambda: _ORIGINAL["cond_wait"](self, timeout))
 
 
-def _stepped_out(wait: Any) -> Any:
-    """Run ``wait`` (a wait the scheduler cannot see) outside the schedule if the rank's threads may need the turn.
+def stepped_out(wait: Any) -> Any:
+    """Run ``wait`` (a wait the scheduler cannot see) outside the schedule if other actors may need the turn.
 
-    Only the main thread's actor can hold the turn while its process computes (the actors of the other
-    threads leave the schedule after each call), so only its waits step out.
+    Only the main thread's actor and those of RPC handler threads hold the turn while their thread computes (the
+    actors of the threads the program starts leave the schedule after each call), so only their waits step out:
+    the main thread's while threads it started live, or while the process serves RPC (a future it waits for may
+    be completed by an answer that other ranks compute); a handler thread's always.
     """
     b = _backend
-    if b is None or not _live or getattr(_quiet, "depth", 0) or not b.on_main_thread():
+    if b is None or getattr(_quiet, "depth", 0):
+        return wait()
+    if not ((b.on_main_thread() and (_live or rpc_serving)) or (rpc_serving and b.has_channel())):
         return wait()
     left = b._request((LEAVE,))
     try:

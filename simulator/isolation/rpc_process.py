@@ -1,31 +1,43 @@
-"""``tensorplay.distributed.rpc`` in a process-isolated simulated rank: TensorPipe, rendezvoused by the simulator.
+"""``tensorplay.distributed.rpc`` in a process-isolated simulated rank: every message goes through the simulator.
 
 On thread ranks the simulator's own transport (:mod:`simulator.rpc`) carries
-every RPC, in virtual time and on the seeded schedule.  A rank *process* has no
-in-process peers, so its workers talk over tensorplay's TensorPipe transport,
-as under torchrun; what this module adds is what torchrun would have given
-them: a rendezvous (a loopback port the coordinator chose for the run), the
-rank and the world size, so ``init_rpc(name)`` works as it does on thread
-ranks.  Its calls are real: they are not matched, traced or scheduled by the
-simulator, and their order between workers is the operating system's (see
-docs/simulator.md, limits of process ranks).
+every RPC, in virtual time and on the seeded schedule.  A rank process does the
+same through its proxy: the simulator's RPC world in the coordinator matches,
+traces, times and fault-injects every message (:mod:`.rpc_routes`); what stays
+here is what must run in the worker's own process:
 
-In ``coop`` mode a rank that calls ``init_rpc`` runs its compute outside the
-seeded schedule from then on (its collectives still take their turn): its
-waits on RPC answers are invisible to the scheduler, and a rank holding the
-turn there would keep it from the rank that must answer.
+* **serialising** - a call's request is pickled and sealed here, as the
+  caller (:mod:`simulator.rpc.codec`, the same code as on thread ranks), and
+  its answer opened and unpickled here;
+* **running the calls** - the process's *dispatcher*, a thread of the
+  simulator's that reads the worker's events from its own socket, starts a
+  handler thread per request, on a channel that the coordinator's handler of
+  the request serves (an actor of the rank, scheduled as on thread ranks): the
+  thread runs the function as this worker and sends its answer back
+  (RPC_ANSWER, see :mod:`.messages`);
+* **RRef values** - an RRef's value lives in its owner's process
+  (:attr:`ProcAgent.values`); the coordinator counts the references and tells
+  the owner when the last one is gone;
+* **distributed autograd** - :mod:`simulator.rpc.autograd`, whose contexts end
+  on every process they reached.
+
+Every wait (for an answer, for the other workers in ``init_rpc`` and
+``shutdown``) is a wait of the rank's actor in the coordinator's scheduler, so a
+process-isolated RPC run follows the seeded schedule like its collectives, and a
+wait nobody can end is reported as a deadlock.  torch's own RPC API
+(``torch.distributed.rpc.init_rpc``) stays torch's in a rank process: its agent is
+TensorPipe, as in any process (:func:`torch_rpc_leaves_the_schedule`).
 
 The workers authenticate every message (:mod:`tensorplay.distributed.rpc.transport`)
 under the environment's ``TENSORPLAY_RPC_SECRET``/``_FILE`` when the program
 sets one, else under a secret the coordinator generates for the run and sends
-each rank process over its socket, so a process outside the run cannot make a
-worker run anything.
+each rank process over its socket.
 
 Example (each rank its own process)::
 
     def worker():
         r = dist.get_rank()
-        rpc.init_rpc(f"worker{r}")        # no MASTER_PORT needed: the simulator rendezvouses the workers
+        rpc.init_rpc(f"worker{r}")
         out = rpc.rpc_sync(f"worker{(r + 1) % 2}", torch.add, args=(torch.ones(2), r))
         rpc.shutdown()
         return out
@@ -34,28 +46,48 @@ Example (each rank its own process)::
 """
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Any
+import pickle
+import socket
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
+import torch
 import torch.distributed.rpc as trpc
 
 from tensorplay.distributed.errors import DistRuntimeError, DistTypeError
-from tensorplay.distributed.rpc import tensorpipe
 from tensorplay.distributed.rpc import transport as rpc_transport
-from tensorplay.distributed.rpc.errors import rpc_message
+from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
+from tensorplay.distributed.rpc.futures import Future
+from tensorplay.distributed.rpc.rref import RRef
+from tensorplay.distributed.rpc.transport import Agent, RemoteFailure, run_call, unwrap, wrap_rref
+from tensorplay.distributed.rpc.worker import WorkerInfo
 
-from simulator.isolation import rank_threads
+from simulator.core.callsite import call_site
+from simulator.adapters.torch_rpc import wait_pending
+from simulator.isolation import _wire, rank_threads
+from simulator.isolation.messages import RPC_ANSWER, RPC_CALL, RPC_READY, RPC_REF, RPC_SHUTDOWN, RPC_START, RPC_WAIT
+from simulator.rpc import autograd as rpc_autograd
+from simulator.rpc.agent import warn_missing
+from simulator.rpc.codec import decode, encode, in_message, retain_for_message
+from simulator.rpc.options import options_from
+from simulator.rpc.waits import Pending, resolve_async
 
-__all__ = ["WHERE", "USAGE", "claims_caller", "default_rank_and_size", "start", "torch_rpc_leaves_the_schedule"]
+__all__ = ["WHERE", "USAGE", "ProcAgent", "claims_caller", "default_rank_and_size", "start",
+           "torch_rpc_leaves_the_schedule"]
 
 WHERE = "in a process-isolated simulated rank"
 USAGE = "call init_rpc inside simulator.run(fn, world_size, isolation='process')"
 
-#: set in a rank process by :func:`simulator.isolation.child.main`: (rank, world size, rendezvous port, mode)
-RANK: tuple[int, int, int, str] | None = None
+#: set in a rank process by :func:`simulator.isolation.child.main`: (rank, world size, scheduler mode)
+RANK: tuple[int, int, str] | None = None
 #: the run's own RPC secret (generated by the coordinator, sent over the rank's socket, never in the environment):
 #: the workers authenticate every message under it unless the program's environment names a secret of its own
 SECRET: str | None = None
+#: the rank's backend (its channels to the proxy), set with RANK
+BACKEND: Any = None
 
 
 def claims_caller() -> bool:
@@ -63,7 +95,7 @@ def claims_caller() -> bool:
     return RANK is not None
 
 
-def _mine(call: str) -> tuple[int, int, int, str]:
+def _mine(call: str) -> tuple[int, int, str]:
     if RANK is None:
         raise DistRuntimeError(rpc_message(call, f"this transport only works {WHERE}", fix=USAGE))
     return RANK
@@ -71,15 +103,14 @@ def _mine(call: str) -> tuple[int, int, int, str]:
 
 def default_rank_and_size() -> tuple[int, int | None]:
     """The simulated rank and world size (what ``init_rpc`` takes when the program leaves them out)."""
-    rank, size, _, _ = _mine("init_rpc")
+    rank, size, _ = _mine("init_rpc")
     return rank, size
 
 
 def torch_rpc_leaves_the_schedule(coop: bool) -> None:
     """In a rank process torch's own RPC (``torch.distributed.rpc.init_rpc``) is torch's, as in any process: in
     ``coop`` mode its agent's waits (the workers' all-gather at start, ``rpc_sync``, ``shutdown``) are invisible to
-    the scheduler, so the rank leaves the seeded schedule for its compute before the agent starts, as a rank
-    does for tensorplay's (:func:`start`)."""
+    the scheduler, so the rank leaves the seeded schedule for its compute before the agent starts."""
     if not coop:
         return
     original = trpc._init_rpc_backend
@@ -91,31 +122,401 @@ def torch_rpc_leaves_the_schedule(coop: bool) -> None:
     trpc._init_rpc_backend = _init_rpc_backend  # (torch's init_rpc looks it up in its module when called)
 
 
-def start(name: str, rank: int, world_size: int, options: Any, *, default_timeout: float | None = None) -> Any:
-    """Start a TensorPipe agent; without a rendezvous of the program's own, use the run's."""
-    rank_, size_, port, mode = _mine("init_rpc")
-    if mode == "coop":
-        # the agent's waits (rpc_sync, Future.wait, to_here, shutdown's barrier) are invisible to the scheduler:
-        # a rank waiting there while holding the coop turn would keep it from the rank that must answer
-        rank_threads.free_running()
-    timeout = 60.0 if default_timeout is None else default_timeout
-    if options is not None and not isinstance(options, trpc.TensorPipeRpcBackendOptions):
-        raise DistTypeError(rpc_message(
-            "init_rpc", "process-isolated ranks talk over TensorPipe: rpc_backend_options must be "
-            "TensorPipeRpcBackendOptions (or None)", values={"rpc_backend_options": type(options).__name__},
-            fix="pass rpc.TensorPipeRpcBackendOptions(rpc_timeout=...) or None; the simulator's own options "
-                "(SimRpcBackendOptions, message faults) need isolation='thread'"))
-    if options is None:
-        options = trpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout, _transports=["uv"])
-    if options.init_method == "env://" and not os.environ.get("MASTER_PORT"):
-        options.init_method = f"tcp://127.0.0.1:{port}"  # what torchrun's MASTER_ADDR/MASTER_PORT would give
-    own = rpc_transport.ENV_SECRET in os.environ or rpc_transport.ENV_SECRET_FILE in os.environ
-    if own or SECRET is None:
-        return tensorpipe.start(name, rank, world_size, options, default_timeout=default_timeout)
-    # authenticated by default, as on thread ranks: the agent reads the secret from the environment once, at
-    # start; it is not left there for the program (or the processes it starts) to see
-    os.environ[rpc_transport.ENV_SECRET] = SECRET
+def start(name: str, rank: int, world_size: int, options: Any, *, default_timeout: float | None = None) -> "ProcAgent":
+    """Register this rank process as worker ``name`` in the run's RPC world (in the coordinator) and start its
+    dispatcher; returns once every worker has started.  ``default_timeout`` is not used: the options' is."""
+    _mine("init_rpc")
+    options = options_from(options)
+    secret = rpc_transport.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
+    if secret is None and SECRET is not None:
+        secret = SECRET.encode()
+    _torch_futures_wait_here()
+    agent = ProcAgent(BACKEND, name, rank, world_size, options, secret)
+    mine, theirs = socket.socketpair()  # the worker's events (the coordinator keeps the other end)
+    # (serving before init_rpc returns here: once every worker has started, calls to this one may come first, and
+    # their handlers find the worker as the process's)
+    rpc_transport.set_process_agent(agent)
+    rank_threads.rpc_serving = True
+    agent._start_dispatcher(Connection(mine.detach()))
     try:
-        return tensorpipe.start(name, rank, world_size, options, default_timeout=default_timeout)
-    finally:
-        os.environ.pop(rpc_transport.ENV_SECRET, None)
+        with theirs:
+            infos = BACKEND._request((RPC_START, name, rank, world_size, options, secret, None,
+                                      BACKEND._cpu_delta()), (theirs.fileno(),))
+    except BaseException:
+        rpc_transport.set_process_agent(None)
+        raise
+    agent._set_infos(infos)
+    return agent
+
+
+_patched: list[bool] = []
+
+
+def _torch_futures_wait_here() -> None:
+    """torch's own future waits (``torch.futures.wait_all``/``collect_all``, ``torch.futures.Future.wait``) block in
+    C++: on the rank's main thread, holding the coop turn, the rank that must answer would never run.  A pending
+    RPC future is waited as the program's own ``wait()`` would (in the coordinator's scheduler); any other torch
+    future steps out of the schedule while it waits (as ``Event.wait`` does, see :mod:`.rank_threads`)."""
+    if _patched:
+        return
+    _patched.append(True)
+    original_collect, original_wait = torch._C._collect_all, torch.futures.Future.wait
+
+    def collect_all(futures: Any) -> Any:
+        wait_pending(futures)
+        return original_collect(futures)
+
+    def wait(self: Any) -> Any:
+        if isinstance(self, Future) or self.done():
+            return original_wait(self)
+        return rank_threads.stepped_out(lambda: original_wait(self))
+
+    wait.__doc__ = original_wait.__doc__
+    torch._C._collect_all = collect_all
+    torch.futures.Future.wait = wait
+
+
+class _ProcessWorld:
+    """What the codec and the autograd engine ask of a worker's RPC world, in a rank process: references that
+    messages take (sent with the message), references given back (sent with the next request), contexts that
+    ended (likewise; the coordinator tells the other processes)."""
+
+    def __init__(self, agent: "ProcAgent") -> None:
+        self.agent = agent
+        self.by_rank = {agent.rank: agent}
+        self._tl = threading.local()  # .retains: what the message being encoded on this thread holds
+        self.lock = threading.Lock()
+        self.released: list[tuple[str, int]] = []
+        self.contexts: list[int] = []
+
+    def retain(self, owner: str, rid: int) -> None:
+        retains = getattr(self._tl, "retains", None)
+        if retains is None:
+            retains = self._tl.retains = []
+        retains.append((owner, rid))
+
+    def release(self, owner: str, rid: int) -> None:
+        retains = getattr(self._tl, "retains", None)
+        if retains and (owner, rid) in retains:  # a message that failed to serialise gives its reference back
+            retains.remove((owner, rid))
+            return
+        with self.lock:
+            self.released.append((owner, rid))
+
+    def take_retains(self) -> list[tuple[str, int]]:
+        retains, self._tl.retains = getattr(self._tl, "retains", None) or [], []
+        return retains
+
+    def end_context(self, cid: int) -> None:
+        self.agent.autograd.pop(cid, None)
+        with self.lock:
+            self.contexts.append(cid)
+
+    def books(self) -> tuple[list[tuple[str, int]], list[int]] | None:
+        """What was given back since the last request (None: nothing)."""
+        with self.lock:
+            if not self.released and not self.contexts:
+                return None
+            out, self.released, self.contexts = (self.released, self.contexts), [], []
+        return out
+
+
+class _CallFuture(Future):
+    """The future of an ``rpc_async`` whose answer comes either to the dispatcher or to a waiting thread."""
+
+    __slots__ = ("claimed", "cid")
+
+
+class ProcAgent(Agent):
+    """One rank process's worker: serialises its calls, runs the calls made to it, keeps its RRefs' values."""
+
+    kind = "sim"
+    per_thread = False
+
+    def __init__(self, backend: Any, name: str, rank: int, world_size: int, options: Any,
+                 secret: bytes | None) -> None:
+        self.b = backend
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.timeout = float(options.rpc_timeout)
+        self.device_maps = dict(options.device_maps)
+        self.objects: dict[Any, Any] = {}
+        self.autograd: dict[int, Any] = {}
+        self.context_ids = itertools.count(1)
+        self.auth = rpc_transport.Authenticator(secret) if secret is not None else None
+        self.world = _ProcessWorld(self)
+        self.values: dict[int, Any] = {}  # the values of the RRefs this worker owns, by id
+        self.kept = threading.Condition()
+        self.lock = threading.Lock()
+        self.calls: dict[int, _CallFuture] = {}  # async calls not answered yet, by the coordinator's id
+        self.early: dict[int, tuple[bool, Any]] = {}  # answers the dispatcher got before their call was filed
+        self._infos: list[WorkerInfo] = []
+        self.closed = False
+
+    # -- the channel -----------------------------------------------------------
+    def _request(self, kind: str, *fields: Any) -> Any:
+        """One RPC request to this thread's actor, with what was given back since the last and the compute since."""
+        return self.b._request((kind, *fields, self.world.books(), self.b._cpu_delta()))
+
+    def _start_dispatcher(self, events: Connection) -> None:
+        t = threading.Thread(target=self._dispatch, args=(events,), name=f"rpc-dispatcher-{self.name}", daemon=True)
+        rank_threads.start_service(t)
+
+    def _dispatch(self, events: Connection) -> None:
+        """The dispatcher: the process's end of the worker's events, until the worker leaves the RPC world."""
+        handlers = {"answer": self._answered, "drop": self._dropped, "context": self._context_ended}
+        raw = socket.socket(fileno=os.dup(events.fileno()))  # (for the descriptors that follow "serve")
+        try:
+            while True:
+                try:
+                    event = _wire.recv(events)
+                except (EOFError, OSError):  # the coordinator's end is gone: the world is over
+                    return
+                if event[0] == "closed":
+                    return
+                if event[0] == "serve":
+                    _, fds, _, _ = socket.recv_fds(raw, 1, 1)
+                    self._set_infos(event[-1])
+                    t = threading.Thread(target=self._handle, args=event[1:-1],
+                                         name=f"rpc-handler-{self.name}-{event[1]}", daemon=True)
+                    rank_threads.start_served(t, Connection(fds[0]))
+                else:
+                    handlers[event[0]](*event[1:])
+        finally:
+            raw.close()
+            events.close()
+
+    def _handle(self, rid: int, req: Any, cid: int | None, keep_rid: int | None, inverse: Any) -> None:
+        """A handler thread: run one request as this worker, in the caller's autograd context; send the answer."""
+        rpc_autograd.set_context_id(cid)
+        was_async = False
+        try:
+            try:
+                f, a, k = decode(req, self.auth)
+            except BaseException as e:  # noqa: BLE001  e.g. a class missing in this process
+                value: Any = RemoteFailure.capture(e, self.name)
+            else:
+                value = resolve_async(run_call(f, a, k), f, self.name)
+            if type(value) is Pending:  # an async function's future: its completion is the answer
+                value, was_async = value.outcome.wait(), True
+            if keep_rid is not None:  # remote(): the value stays here, the caller learns it is kept
+                with self.kept:
+                    self.values[keep_rid] = value
+                    self.kept.notify_all()
+                value = None
+            answer = self._encode_answer(value, inverse)
+        finally:
+            rpc_autograd.set_context_id(None)
+        self._request(RPC_ANSWER, rid, answer, was_async)
+
+    def _encode_answer(self, value: Any, inverse: Any) -> Any:
+        try:
+            return encode(value, self.name, inverse).seal(self.auth)
+        except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+            return encode(RemoteFailure.capture(e, self.name), self.name).seal(self.auth)
+
+    def _answered(self, call_id: int, ok: bool, payload: Any) -> None:
+        with self.lock:
+            fut = self.calls.pop(call_id, None)
+            if fut is None:
+                self.early[call_id] = (ok, payload)
+                return
+        self._finish(fut, ok, payload)
+
+    def _dropped(self, rid: int) -> None:
+        with self.kept:
+            self.values.pop(rid, None)
+
+    def _context_ended(self, cid: int) -> None:
+        self.autograd.pop(cid, None)
+
+    # -- calls ----------------------------------------------------------------
+    def _set_infos(self, infos: Any) -> None:
+        if not self._infos:  # (from init_rpc's answer, or a request that came first)
+            self._infos = [WorkerInfo(n, r) for n, r in infos]
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        return list(self._infos)
+
+    def distributed_autograd(self) -> Any:
+        """The simulator's engine (:mod:`simulator.rpc.autograd`), as on thread ranks."""
+        return rpc_autograd
+
+    def _encode(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict
+                ) -> tuple[Any, list[tuple[str, int]]]:
+        """The request, sealed as this worker's, and the RRef references it carries."""
+        try:
+            msg = encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name)).seal(self.auth)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            self.world.take_retains()
+            raise DistTypeError(rpc_message(
+                call, "the call's arguments cannot be serialised", worker=self.name,
+                values={"error": f"{type(e).__name__}: {e}"[:300]},
+                fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+        return msg, self.world.take_retains()
+
+    def _send(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
+              mode: str) -> Any:
+        msg, retains = self._encode(call, dst, fn, args, kwargs)
+        cid = rpc_autograd.current_context_id()
+        return self._request(RPC_CALL, call, dst.id, msg, timeout, mode, retains, call_site(3), cid)
+
+    def _read(self, answer: Any) -> Any:
+        """An answer as this (calling) worker reads it; a remote failure raises."""
+        value = decode(answer, self.auth)
+        if type(value) is RemoteFailure:
+            raise value.to_exception()
+        return value
+
+    def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  timeout: float) -> Any:
+        return self._read(self._send(call, dst, fn, args, kwargs, timeout, "sync"))
+
+    def call_async(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                   timeout: float) -> Future[Any]:
+        try:
+            call_id = self._send(call, dst, fn, args, kwargs, timeout, "async")
+        except RpcTimeoutError as e:  # a lost request fails the future; bad arguments raise here
+            lost: Future[Any] = Future(what=call)
+            lost.set_exception(e)
+            return lost
+        fut = _CallFuture(what=call, waiter=lambda event, t: self._wait_call(call_id, fut, event, t))
+        fut.claimed, fut.cid = False, rpc_autograd.current_context_id()
+        with self.lock:
+            early = self.early.pop(call_id, None)
+            if early is None:
+                self.calls[call_id] = fut
+        if early is not None:
+            self._finish(fut, *early)
+        return fut
+
+    def _wait_call(self, call_id: int, fut: _CallFuture, event: threading.Event, timeout: float | None) -> bool:
+        """``wait()`` of an ``rpc_async`` future (or one chained to it): the rank's actor waits in the coordinator's
+        scheduler for the answer, then the chained callbacks run."""
+        if not fut.done():
+            try:
+                outcome = self._request(RPC_WAIT, call_id)
+            except BaseException as e:  # noqa: BLE001  the call's failure (a timeout, a dead worker)
+                outcome = (False, e)
+            if outcome is not None:  # else the dispatcher has the answer: it completes the future
+                with self.lock:
+                    self.calls.pop(call_id, None)
+                self._finish(fut, *outcome)
+        return event.wait(timeout)
+
+    def _finish(self, fut: _CallFuture, ok: bool, payload: Any) -> None:
+        """Complete ``fut`` once (the dispatcher and a waiting thread may both have its answer)."""
+        with self.lock:
+            if fut.claimed:
+                return
+            fut.claimed = True
+        if not ok:
+            fut.set_exception(payload)
+            return
+        prev = rpc_autograd.current_context_id()
+        rpc_autograd.set_context_id(fut.cid)  # (received tensors join the caller's context)
+        try:
+            value = self._read(payload)
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+            return
+        finally:
+            rpc_autograd.set_context_id(prev)
+        fut.set_result(value)
+
+    def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               timeout: float) -> RRef[Any]:
+        rid = self._send("remote", dst, fn, args, kwargs, timeout, "remote")
+        return wrap_rref(ProcRRef(self, WorkerInfo(dst.name, dst.id), rid))
+
+    def local_rref(self, value: Any) -> RRef[Any]:
+        rid = self._request(RPC_REF)
+        with self.kept:
+            self.values[rid] = value
+        return wrap_rref(ProcRRef(self, self.info(), rid))
+
+    def value_of(self, rid: int, call: str) -> Any:
+        """The value of RRef ``rid`` this worker owns (once its ``remote`` kept it)."""
+        if rid not in self.values:
+            self._request(RPC_READY, self.name, rid)  # fails if the request that makes it was lost
+        with self.kept:
+            if not self.kept.wait_for(lambda: rid in self.values, timeout=self.timeout):
+                raise RpcTimeoutError(rpc_message(
+                    call, "the RRef's value did not arrive within the timeout", worker=self.name,
+                    values={"rref": rid, "timeout": self.timeout}, fix="raise rpc_timeout in init_rpc's options"))
+            return self.values[rid]
+
+    # -- shutdown -------------------------------------------------------------
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """As on thread ranks: graceful waits (in the coordinator's scheduler) for every other worker."""
+        missing = self._request(RPC_SHUTDOWN, graceful)
+        self.closed = True
+        if missing:
+            warn_missing(self.name, missing)
+
+
+class ProcRRef:
+    """What a rank process's :class:`~tensorplay.distributed.rpc.rref.RRef` wraps: one reference to a value that
+    worker ``owner`` keeps in its process (counted in the coordinator)."""
+
+    __slots__ = ("agent", "owner_info", "rid", "__weakref__")
+
+    def __init__(self, agent: ProcAgent, owner: WorkerInfo, rid: int) -> None:
+        self.agent, self.owner_info, self.rid = agent, owner, rid
+
+    def __del__(self) -> None:
+        try:
+            self.agent.world.release(self.owner_info.name, self.rid)
+        except Exception:  # noqa: BLE001  interpreter shutdown
+            pass
+
+    def owner(self) -> WorkerInfo:
+        return self.owner_info
+
+    def here(self) -> str:
+        return self.agent.name
+
+    def is_owner(self) -> bool:
+        return self.agent.name == self.owner_info.name
+
+    def confirmed_by_owner(self) -> bool:
+        return True
+
+    def ident(self) -> str:
+        return f"{self.owner_info.id}:{self.rid}"
+
+    def local_value(self) -> Any:
+        return unwrap(self.agent.value_of(self.rid, "RRef.local_value"))
+
+    def to_here(self, timeout: float | None) -> Any:
+        if self.is_owner():
+            return unwrap(self.agent.value_of(self.rid, "RRef.to_here"))
+        a = self.agent
+        a._request(RPC_READY, self.owner_info.name, self.rid)  # the owner kept it (or the request was lost)
+        t = a.timeout if timeout is None else timeout
+        return unwrap(a._read(a._send("RRef.to_here", self.owner_info, _owner_value, (self.rid,), {}, t, "fetch")))
+
+    def reduce(self) -> Any:
+        if not in_message():
+            raise DistRuntimeError(rpc_message(
+                "RRef.__reduce__", "an RRef can only be pickled inside an RPC message", worker=self.agent.name,
+                values={"rref": self.ident()},
+                fix="pass the RRef as an argument or result of rpc_sync/rpc_async/remote instead of pickling it"))
+        retain_for_message(self.agent.world, self.owner_info.name, self.rid)
+        return (_rebuild_proc_rref, (self.owner_info.name, self.owner_info.id, self.rid))
+
+
+def _owner_value(rid: int) -> Any:
+    """Runs on an RRef's owner: the value, for ``to_here`` (by value, as every answer)."""
+    a = rpc_transport.require("RRef.to_here")
+    if not isinstance(a, ProcAgent):  # pragma: no cover  (only ProcRRefs send this)
+        raise DistRuntimeError(rpc_message("RRef.to_here", "not a rank process's worker"))
+    return a.value_of(rid, "RRef.to_here")
+
+
+def _rebuild_proc_rref(owner_name: str, owner_id: int, rid: int) -> RRef[Any]:
+    me = rpc_transport.current()
+    if not isinstance(me, ProcAgent):  # pragma: no cover
+        raise WorkerUnavailableError(rpc_message(
+            "RRef", "a simulated RRef arrived outside a rank process's worker",
+            values={"owner": owner_name, "rref_id": rid}, fix="pass RRefs only between workers of one world"))
+    return wrap_rref(ProcRRef(me, WorkerInfo(owner_name, owner_id), rid))

@@ -50,7 +50,7 @@ from simulator.rpc.rref import Dropped, SimRRef, Slot
 from simulator.rpc.waits import Answer, Pending, resolve_async, rng_lender
 from simulator.rpc.world import RpcWorld, forget_when_all_out
 
-__all__ = ["SimAgent"]
+__all__ = ["SimAgent", "warn_missing"]
 
 
 class SimAgent(Agent):
@@ -165,7 +165,7 @@ class SimAgent(Agent):
         return 0.0
 
     def _exchange(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None
+                  timeout: float, on_peer: Callable[["SimAgent", Any], Any] | None = None, keep_rid: int | None = None
                   ) -> "tuple[Future[Any], RpcRecord]":
         """Send one request; its handler runs on a new thread of the callee's rank.
 
@@ -187,6 +187,18 @@ class SimAgent(Agent):
                 call, "the call's arguments cannot be serialised", worker=self.name,
                 values={"error": f"{type(e).__name__}: {e}"[:300]},
                 fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+        return self._send(rec, dst, req, timeout, on_peer, keep_rid), rec
+
+    def _send(self, rec: RpcRecord, dst: WorkerInfo, req: Any, timeout: float,
+              on_peer: Callable[["SimAgent", Any], Any] | None = None, keep_rid: int | None = None
+              ) -> "Future[Any]":
+        """The part of :meth:`_exchange` after the request is serialised: its faults, its handler, its answer.
+
+        ``req`` is a sealed :class:`~simulator.rpc.codec.Message` (or, from a rank process, the message that
+        process serialised; see :mod:`simulator.isolation.rpc_routes`); ``keep_rid``: the RRef slot a
+        ``remote`` keeps its value in.  Returns the future of the answer.
+        """
+        call, peer = rec.call, rec.peer
         rec.transfer(req)
         try:
             late = self._fault(call, dst, "request", timeout, rec)
@@ -206,11 +218,12 @@ class SimAgent(Agent):
             exc: BaseException | None = None
             try:
                 wall = time.perf_counter()
-                value = peer._as_sender(lambda: peer._serve(req))
+                value = peer._as_sender(lambda: peer._serve(req, keep_rid, self))
                 took = time.perf_counter() - wall
                 pending = type(value) is Pending
                 if pending:  # an async function's future: its completion is the answer
                     value = value.outcome.wait()
+                pending = pending or getattr(value, "was_async", False)
                 if on_peer is not None:
                     peer._as_sender(lambda: on_peer(peer, value))
                     answer = None
@@ -226,7 +239,7 @@ class SimAgent(Agent):
                             call, "the call did not finish within its timeout", worker=self.name,
                             values={"to": dst.name, "timeout": timeout, "took_s": round(delay + took, 6)},
                             fix="raise timeout=, or make the remote function faster"))
-                    result = self._as_sender(lambda: decode(answer, self.auth))
+                    result = self._decode_answer(answer)
                     if type(result) is RemoteFailure:
                         exc, result = result.to_exception(), None
             except BaseException as e:  # noqa: BLE001  the caller's future completes whatever happens
@@ -249,15 +262,21 @@ class SimAgent(Agent):
                 world.handlers -= 1
                 world.settle(world.shutdown_barrier)
             raise
-        return fut, rec
+        return fut
 
-    def _serve(self, req: Message) -> Any:
-        """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`~simulator.rpc.waits.Pending`."""
+    def _serve(self, req: Message, keep_rid: int | None = None, caller: "SimAgent | None" = None) -> Any:
+        """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`~simulator.rpc.waits.Pending`.
+
+        (``keep_rid`` and ``caller``: what a worker whose requests run in another process must tell it.)"""
         try:
             f, a, k = decode(req, self.auth)
         except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
             return RemoteFailure.capture(e, self.name)
         return resolve_async(run_call(f, a, k), f, self.name)
+
+    def _decode_answer(self, answer: Message) -> Any:
+        """The answer as this (calling) worker reads it."""
+        return self._as_sender(lambda: decode(answer, self.auth))
 
     def _answer(self, value: Any, to: str) -> Message:
         """Encode ``value`` as this (callee) worker's answer to ``to``; one that does not pickle fails."""
@@ -289,6 +308,14 @@ class SimAgent(Agent):
 
     def remote(self, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
                timeout: float) -> RRef[Any]:
+        peer, rid = self._remote(dst, lambda keep, rid: self._exchange(
+            "remote", dst, fn, args, kwargs, timeout, on_peer=keep, keep_rid=rid)[0])
+        return wrap_rref(SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
+
+    def _remote(self, dst: WorkerInfo, send: Callable[[Callable[["SimAgent", Any], None], int], Future[Any]]
+                ) -> "tuple[SimAgent, int]":
+        """``remote``: a slot of the owner's table for the value, filled when ``send(keep, rid)``'s handler kept
+        it (``to_here`` waits for that); returns the owner and the slot's id."""
         peer = self._peer("remote", dst)
         placeholder = Pending(what="remote")  # the value, once the handler kept it (to_here waits for it)
         rid = peer.new_slot(placeholder)
@@ -301,7 +328,7 @@ class SimAgent(Agent):
                 placeholder.outcome.set_result(value)
 
         try:
-            fut, _ = self._exchange("remote", dst, fn, args, kwargs, timeout, on_peer=keep)
+            fut = send(keep, rid)
         except RpcTimeoutError as e:  # a lost request: to_here() reports it
             keep(peer, Dropped(e))
         except BaseException:
@@ -314,7 +341,7 @@ class SimAgent(Agent):
                     keep(peer, Dropped(e))
 
             fut.add_done_callback(failed)
-        return wrap_rref(SimRRef(self.world, WorkerInfo(peer.name, peer.rank), rid, self.name))
+        return peer, rid
 
     def new_slot(self, value: Any) -> int:
         with self.world.lock:
@@ -334,6 +361,13 @@ class SimAgent(Agent):
         thread ended: not waited for) or blocked elsewhere, which the simulator reports as a
         deadlock; the run's own timeout bounds the rest.
         """
+        missing = self.leave(graceful)
+        if missing:
+            warn_missing(self.name, missing)
+
+    def leave(self, graceful: bool) -> list[str]:
+        """:meth:`shutdown` without its warning: close (graceful: after the others); returns the workers a graceful
+        shutdown did not wait for because they ended without one."""
         missing: list[str] = []
         if graceful:
             b = self.world.shutdown_barrier
@@ -350,15 +384,19 @@ class SimAgent(Agent):
                     raise
             missing = [self.world.by_rank[r].name for r in b.missing  # a graceful=False exit is deliberate
                        if r in self.world.by_rank and not self.world.by_rank[r].closed]
-            if missing:
-                warnings.warn(rpc_message(
-                    "shutdown", "graceful shutdown did not wait for workers that ended without shutdown "
-                    "(they returned or raised)", worker=self.name, values={"missing": missing},
-                    fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=3)
         self.closed = True
         with self.world.run.sched.lock:  # workers waiting in a graceful shutdown stop waiting for this one
             self.world.settle(self.world.shutdown_barrier)
         forget_when_all_out(self.world)  # everyone is out: a later init_rpc in this run starts a fresh world
+        return missing
+
+
+def warn_missing(name: str, missing: list[str]) -> None:
+    """What a graceful shutdown says of the workers it did not wait for (they ended without one)."""
+    warnings.warn(rpc_message(
+        "shutdown", "graceful shutdown did not wait for workers that ended without shutdown "
+        "(they returned or raised)", worker=name, values={"missing": missing},
+        fix="end every worker's function with rpc.shutdown()"), RuntimeWarning, stacklevel=4)
 
 
 # torch's RPC API, routed on simulated ranks, asks whether the rank's thread has one of these agents

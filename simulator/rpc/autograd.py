@@ -94,6 +94,10 @@ class context:
 
     def __exit__(self, *exc: Any) -> None:
         _tl.cid = None
+        end = getattr(self.world, "end_context", None)  # (a rank process's world tells the other processes)
+        if end is not None:
+            end(self.cid)
+            return
         for peer in list(self.world.by_rank.values()):  # the context ends on every worker it reached
             peer.autograd.pop(self.cid, None)
 

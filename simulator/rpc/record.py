@@ -51,7 +51,7 @@ class RpcRecord:
 
     def transfer(self, msg: Any) -> None:
         """A message (request or answer) crossed: its bytes and modelled transfer time."""
-        if type(msg) is Message:
+        if type(msg) is Message or hasattr(msg, "nbytes"):  # (a rank process's message: see isolation.rpc_routes)
             n = msg.nbytes
             self.nbytes += n
             self.v += self.rs.run.cost.cost("send", n, 2)

@@ -7,6 +7,8 @@ is a simulated rank (:func:`claims_caller`), its rank and world size, and
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError
 from tensorplay.distributed.rpc import transport as rpc_transport
@@ -18,6 +20,8 @@ from simulator.rpc.options import SimRpcBackendOptions, options_from
 from simulator.rpc.world import RpcWorld, world_of
 
 __all__ = ["WHERE", "USAGE", "claims_caller", "default_rank_and_size", "start"]
+
+_FROM_ENVIRONMENT = object()  # start()'s default: the worker's secret is its environment's
 
 #: how to get a worker onto this transport (the "Fix:" of init_rpc(backend="sim") outside the simulator)
 WHERE = "inside a simulated rank"
@@ -36,21 +40,26 @@ def default_rank_and_size() -> tuple[int, int | None]:
 
 
 def start(name: str, rank: int, world_size: int, options: SimRpcBackendOptions | None, *,
-          default_timeout: float | None = None) -> SimAgent:
+          default_timeout: float | None = None, make: Callable[..., SimAgent] = SimAgent,
+          secret: Any = _FROM_ENVIRONMENT) -> SimAgent:
     """Register this simulated rank as worker ``name`` and wait until the whole RPC world has.
 
-    ``default_timeout`` is not used: ``SimRpcBackendOptions.rpc_timeout`` is the default here.
+    ``default_timeout`` is not used: ``SimRpcBackendOptions.rpc_timeout`` is the default here.  ``make`` builds
+    the agent (as :class:`SimAgent` takes its arguments) and ``secret`` is the worker's (by default: read from its
+    environment): a rank process's proxy passes both (see :mod:`simulator.isolation.rpc_routes`).
     """
     rs = current_rank_state()
     if rs is None:  # pragma: no cover  checked by init_rpc
         raise DistRuntimeError(rpc_message("init_rpc", "not inside a simulated rank"))
-    secret = rpc_transport.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
+    if secret is _FROM_ENVIRONMENT:
+        secret = rpc_transport.load_secret("init_rpc")  # a bad secret file fails here, as it would on TensorPipe
+    rs = rs.parent or rs  # (a thread of the rank may start its worker: the worker is the rank's)
     options = options_from(options)
     if not options.rpc_timeout or options.rpc_timeout <= 0:
         raise DistValueError(rpc_message("init_rpc", "rpc_timeout must be a positive number of seconds",
                                          values={"rpc_timeout": options.rpc_timeout}, fix="pass e.g. 60"))
     world = world_of(rs, world_size)
-    agent = SimAgent(world, name, rank, rs, dist_state.current(), options, secret)
+    agent = make(world, name, rank, rs, dist_state.current(), options, secret)
     with world.lock:
         clash = world.agents.get(name)
         if clash is not None or rank in world.by_rank:
