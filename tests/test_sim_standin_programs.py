@@ -662,3 +662,37 @@ def test_torch_tensor_of_stand_ins_in_a_list_gives_the_cpu_values(two_gpus, make
     got = make(torch.tensor(3.0, device="cuda"), "cuda")
     assert got.device == (torch.device("cuda", 1) if on_device else torch.device("cpu"))
     assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+
+
+# -- NCCL's premultiplied sum ------------------------------------------------------------------------------
+def _premul_sums(backend: str) -> dict:
+    tdist.init_process_group(backend)
+    r = tdist.get_rank()
+    dev = "cuda" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(r)
+    base = torch.arange(4.0, device=dev) + 10 * r  # distinct per rank
+    out = {}
+    t = base.clone()
+    tdist.all_reduce(t, op=tdist.ReduceOp.PREMUL_SUM(0.5))
+    out["all_reduce"] = t.cpu()
+    rs = torch.empty(2, device=dev)
+    tdist.reduce_scatter_tensor(rs, base.clone(), op=tdist.ReduceOp.PREMUL_SUM(0.25))
+    out["reduce_scatter_tensor"] = rs.cpu()
+    red = base.clone()
+    tdist.reduce(red, dst=0, op=tdist.ReduceOp.PREMUL_SUM(2.0))
+    out["reduce"] = red.cpu()
+    return out
+
+
+def test_nccl_premul_sum_scales_each_input_then_sums_and_gloo_refuses_it():
+    """``ReduceOp.PREMUL_SUM(f)`` (FSDP2's gradient divide factor on NCCL): every rank's input times ``f``, summed; a
+    rank that is not reduce's root keeps its input; gloo refuses the op with its own words."""
+    got = simulator.run(_premul_sums, 2, args=("nccl",), devices="cuda", timeout=TIMEOUT)
+    inputs = [torch.arange(4.0) + 10 * r for r in range(2)]
+    for r, out in enumerate(got):
+        assert torch.equal(out["all_reduce"], 0.5 * inputs[0] + 0.5 * inputs[1])
+        assert torch.equal(out["reduce_scatter_tensor"], (0.25 * inputs[0] + 0.25 * inputs[1])[2 * r:2 * r + 2])
+        assert torch.equal(out["reduce"], 2.0 * inputs[0] + 2.0 * inputs[1] if r == 0 else inputs[r])
+    with pytest.raises(RuntimeError, match="Cannot use ReduceOp.PREMUL_SUM with Gloo"):
+        simulator.run(_premul_sums, 2, args=("gloo",), timeout=TIMEOUT)

@@ -25,7 +25,7 @@ import torch.distributed as tdist
 
 from tensorplay.distributed.errors import DistBackendError, format_message
 
-__all__ = ["GlooRules", "combine", "reduce_op", "root_of", "tensor_list"]
+__all__ = ["GlooRules", "combine", "premul_factor", "reduce_op", "root_of", "tensor_list"]
 
 
 def tensor_list(x: Any) -> list[torch.Tensor]:
@@ -50,6 +50,23 @@ def reduce_op(opts: Any = None, op: Any = None) -> Any:
     if hasattr(x, "reduceOp"):
         x = x.reduceOp
     return getattr(x, "op", x)  # torch's ReduceOp wraps a RedOpType; tensorplay understands the latter
+
+
+def premul_factor(opts: Any, op: Any, named: str) -> Any:
+    """The factor of a ``ReduceOp.PREMUL_SUM(factor)`` (``_make_nccl_premul_sum``) call, or None for any other op.
+
+    NCCL multiplies each rank's input by the factor, then sums (FSDP2's ``set_gradient_divide_factor`` reduces
+    its gradients so); ProcessGroupGloo refuses it with its own words.  The caller sums ``factor * input``.
+    """
+    x = op if op is not None else opts
+    if x is None:
+        return None
+    x = getattr(x, "reduceOp", x)
+    if getattr(x, "op", None) != tdist.ReduceOp.RedOpType.PREMUL_SUM:
+        return None
+    if named != "nccl":
+        raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
+    return x.factor
 
 
 #: how gloo folds one rank's several inputs before it reduces across ranks (AVG: their mean, then the ranks')

@@ -24,7 +24,7 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
-from simulator.adapters.gloo_rules import GlooRules, combine, reduce_op, root_of, tensor_list
+from simulator.adapters.gloo_rules import GlooRules, combine, premul_factor, reduce_op, root_of, tensor_list
 from simulator.adapters.process_group_work import SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import rank_device
@@ -208,6 +208,11 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)
+        factor = premul_factor(opts, op, self._named)
+        if factor is not None:  # NCCL's premultiplied sum: the inputs (overwritten by the result) scaled, summed
+            for t in tensors:
+                t.mul_(factor)
+            opts = op = None
         op = reduce_op(opts, op)
         if len(tensors) == 1 and tensors[0].layout == torch.strided:  # torch's front door: nothing left to check
             return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
@@ -270,6 +275,12 @@ class SimProcessGroup(tdist.ProcessGroup):
         rules.root_tensor(opts.rootTensor if opts is not None else 0, len(tensors))
         rules.single(tensors, "tensor list")
         rules.dense(tensors)
+        factor = premul_factor(opts, op, self._named)
+        if factor is not None:  # a scaled copy is summed: the input of a rank that is not the root stays as it was
+            t = tensors[0]
+            scaled = t * factor
+            w = tpd.reduce(scaled, group=self._g, group_dst=root_rank, async_op=True)
+            return SimWork([w], tensors, after=(lambda: t.copy_(scaled)) if self._g.rank() == root_rank else None)
         return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._g, group_dst=root_rank,
                                    async_op=True)], tensors)
 
@@ -434,6 +445,10 @@ class SimProcessGroup(tdist.ProcessGroup):
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         if isinstance(output_tensors, torch.Tensor):  # the overload reduce_scatter(tensor, input_list, op)
             output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+        factor = premul_factor(opts, op, self._named)
+        if factor is not None:  # NCCL's premultiplied sum: scaled copies of the inputs, summed
+            input_tensors = [[t * factor for t in ins] for ins in input_tensors]
+            opts = op = None
         op = reduce_op(opts, op)
         if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
             sized = [list(ins) for ins in input_tensors]
@@ -444,6 +459,9 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         laid = self._layout("reduce_scatter_tensor", input, output, "input")
+        factor = premul_factor(opts, None, self._named)
+        if factor is not None:  # NCCL's premultiplied sum (FSDP2's gradient divide factor): a scaled copy, summed
+            laid, opts = laid * factor, None
         return SimWork([tpd.reduce_scatter_tensor(output, laid, op=reduce_op(opts), group=self._g, async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
@@ -451,6 +469,9 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
+        factor = premul_factor(opts, None, self._named)
+        if factor is not None:
+            inputs, opts = [i * factor for i in inputs], None
         return SimWork([tpd.reduce_scatter_tensor(o, i, op=reduce_op(opts), group=self._g, async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)
 
