@@ -884,3 +884,18 @@ def test_data_parallel_over_one_processs_standin_gpus(two_gpus):
     assert [p.device.index for p in parts] == [0, 1] and [p.shape[0] for p in parts] == [1, 2]
     assert torch.equal(comm.gather(parts, destination=-1), t.cpu())
     assert torch.equal(comm.reduce_add([t, t.to("cuda:1")], destination=1).cpu(), 2 * t.cpu())
+
+
+def test_profiling_cuda_activity_on_stand_ins_profiles_the_cpu(two_gpus):
+    """No GPU kernels to trace: CUDA activity is left out, with a warning (torch's CPU build printed a C++ stack
+    trace for every operator it failed to time on CUDA); the operators are recorded as CPU activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.ones(4, 4, device="cuda")
+    with pytest.warns(RuntimeWarning, match="no GPU kernels to trace: CUDA activity is left out"):
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    assert prof.activities == {ProfilerActivity.CPU} and prof.use_device is None
+    with prof:
+        (x @ x).sum()
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::matmul" in names or "aten::mm" in names, names

@@ -35,6 +35,7 @@ import torch.cuda.random
 import torch.cuda.streams
 import torch.jit._builtins
 import torch.overrides
+import torch.profiler
 import torch.serialization
 import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,7 +45,7 @@ from simulator.adapters.after_import import when_imported
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
-from simulator.standin.refuse import CUDA_ONLY, NvtxStub, compile_guard, cuda_only_table
+from simulator.standin.refuse import CUDA_ONLY, NvtxStub, compile_guard, cuda_only_table, profile_cpu_only
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
@@ -349,6 +350,7 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(torch.Tensor, "to", _patched_to(tensor_to)), (torch.Tensor, "cuda", _patched_cuda(tensor_to)),
           (torch.Tensor, "pin_memory", _pin_memory), (torch.Tensor, "new_tensor", _patched_new_tensor(
               torch.Tensor.new_tensor)), (torch, "compile", compile_guard(torch.compile)),
+          (torch.profiler.profile, "__init__", profile_cpu_only(torch.profiler.profile.__init__)),
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
     t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save)),
@@ -376,7 +378,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.Tensor.type", "torch.compile",
+    "torch.Generator", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype"} | {
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
 

@@ -9,6 +9,10 @@ compiled module or function called with stand-ins runs its original eagerly.  Th
 so.  Anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``; operators with GPU kernels
 only, such as custom CUDA extensions and Triton kernels registered as operators, in ``tensor``.)
 
+``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])`` profiles the CPU only: there are no GPU kernels to
+trace, and torch's CPU build would print a C++ stack trace for every operator it tried to time on CUDA
+(:func:`profile_cpu_only`); the first time, a warning says so.
+
 ``torch.cuda``'s entry points into CUDA's own runtime (cuBLAS handles, raw allocator blocks, memory pools,
 external streams, jiterator, TunableOp) are refused with :class:`StandInError` naming the fix
 (:data:`CUDA_ONLY`): torch would fail on the missing binding with a bare ``AttributeError``.
@@ -26,6 +30,7 @@ import torch.cuda.jiterator
 import torch.cuda.memory
 import torch.cuda.streams
 import torch.cuda.tunable
+import torch.profiler
 
 from tensorplay.distributed.errors import format_message
 
@@ -46,6 +51,31 @@ def _eagerly(what: str) -> None:
             "torch.compile", f"the CUDA stand-in runs compiled code eagerly ({what}); results are the eager "
             "model's, to rounding, and no kernels are generated", fix="nothing to do to simulate; on real GPUs the "
             "same program compiles"), RuntimeWarning, stacklevel=3)
+
+
+_profile_warned = [False]
+
+
+def profile_cpu_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.profiler.profile.__init__`` that leaves CUDA out of the activities (see the module docstring)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        cuda = torch.profiler.ProfilerActivity.CUDA
+        if cuda in self.activities:
+            self.activities = set(self.activities) - {cuda}
+            self.activity_filters.pop(cuda, None)
+            self.use_device = None
+            if not _profile_warned[0]:
+                _profile_warned[0] = True
+                warnings.warn(format_message(
+                    "torch.profiler.profile", "the CUDA stand-in has no GPU kernels to trace: CUDA activity is "
+                    "left out, CPU activity (every operator, computed on the CPU) is recorded",
+                    values={"activities": "CUDA"}, fix="nothing to do to simulate; on real GPUs the same program "
+                    "traces its kernels"), RuntimeWarning, stacklevel=2)
+
+    return __init__
 
 
 def _eager_module(model: torch.nn.Module) -> torch.nn.Module:
