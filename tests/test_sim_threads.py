@@ -543,3 +543,29 @@ def test_a_coop_rank_waiting_for_its_subprocess_keeps_the_turn():
     """subprocess's polling sleeps wait for the rank's own child: stepping out of the schedule there handed the turn
     to a rank that then blocked for real on the lock the sleeper held, and the run hung until its timeout."""
     assert simulator.run(_compile_like, 2, mode="coop", timeout=30) == [0, 1]
+
+
+def _rank_sets_a_c_variable():
+    import ctypes
+    import os
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    r = dist.get_rank()
+    os.environ["TP_TEST_C_ENV"] = f"rank{r}"  # (a compiled extension reads what Python set with getenv)
+    seen = getenv(b"TP_TEST_C_ENV")
+    return os.environ["TP_TEST_C_ENV"], seen.decode() if seen else None
+
+
+def test_a_ranks_environment_assignment_reaches_the_c_environment():
+    """os.environ on thread ranks is each rank's own; an assignment also reaches the process's C environment, as
+    os.environ's own does (torch inductor's compiled modules read a variable Python set), and the process's values
+    are back after the run."""
+    import ctypes
+    import os
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    got = simulator.run(_rank_sets_a_c_variable, 2, torchrun_env=True, timeout=60)
+    assert got == [("rank0", "rank0"), ("rank1", "rank1")]  # (coop: each reads right after its own assignment)
+    assert "TP_TEST_C_ENV" not in os.environ and getenv(b"TP_TEST_C_ENV") is None

@@ -4,6 +4,13 @@ While a simulated world runs, ``os.environ`` is replaced by a mapping that
 reads and writes the calling rank thread's own dictionary (so ``RANK`` differs
 per rank) and falls back to the real environment outside rank threads.  The
 real ``os.environ`` object is put back when the run ends.
+
+A rank's assignment also reaches the process's C environment (``putenv``), as
+``os.environ``'s own does: code that reads it with ``getenv`` (a compiled
+extension: torch inductor's generated modules read the address Python stored in
+``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``) sees the latest value a rank set
+(thread ranks share one C environment).  The process's values are back in the C
+environment when the run ends.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from simulator.core._actor import bind_env, rank_env, unbind_env
 __all__ = ["RankEnviron", "install", "uninstall", "bind", "unbind"]
 
 _installed: "RankEnviron | None" = None
+_touched: set[str] = set()  # what ranks set or deleted in the C environment while installed
 _depth = 0
 _lock = threading.Lock()
 
@@ -37,10 +45,18 @@ class RankEnviron(MutableMapping):
     def __setitem__(self, key: str, value: str) -> None:
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"str expected, not {type(key).__name__ if not isinstance(key, str) else type(value).__name__}")
-        self._target()[key] = value
+        target = self._target()
+        target[key] = value
+        if target is not self._real:
+            os.putenv(key, value)  # (see the module docstring)
+            _touched.add(key)
 
     def __delitem__(self, key: str) -> None:
-        del self._target()[key]
+        target = self._target()
+        del target[key]
+        if target is not self._real:
+            os.unsetenv(key)
+            _touched.add(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._target()))
@@ -74,8 +90,14 @@ def uninstall() -> None:
     with _lock:
         _depth -= 1
         if _depth == 0 and _installed is not None:
-            os.environ = _installed._real  # type: ignore[assignment]
+            real = os.environ = _installed._real  # type: ignore[assignment]
             _installed = None
+            for key in _touched:  # the process's own values, in the C environment too
+                if key in real:
+                    os.putenv(key, real[key])
+                else:
+                    os.unsetenv(key)
+            _touched.clear()
 
 
 def bind(env: dict[str, str]) -> None:
