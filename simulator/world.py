@@ -376,6 +376,7 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
         finally:
             run.progress_seen = clock()
             run.job_since = None
+            job = None  # (its closure holds the collective's tensors: they must not outlive it until the next job)
 
 
 def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],

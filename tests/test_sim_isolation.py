@@ -533,7 +533,8 @@ def rpc_with_faults() -> tuple:
 
     r = dist.get_rank()
     faults = MessageFaults(drop=0.25, delay=0.5, max_delay_s=0.01, seed=11)
-    rpc.init_rpc(f"w{r}", rpc_backend_options=SimRpcBackendOptions(rpc_timeout=5, faults=faults))
+    # (a long timeout: a call that runs longer than it fails by the wall clock, which no seed fixes)
+    rpc.init_rpc(f"w{r}", rpc_backend_options=SimRpcBackendOptions(rpc_timeout=300, faults=faults))
     peer = f"w{(r + 1) % dist.get_world_size()}"
     lost, got = [], []
     for i in range(8):

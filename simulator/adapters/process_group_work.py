@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from sys import modules as _loaded  # (bound once: while a world runs, sys's attributes are looked up in Python)
 from datetime import timedelta
 from typing import Any
@@ -91,6 +92,12 @@ class SimWork(tdist.Work):
                 self._done = True
                 if _UNWAITED.pop(id(self), None) is not None:
                     _LAST_WAITED[threading.get_ident()] = self
+                    # kept for a C++ holder's calls only: the outputs weakly, the call records not at all, so what
+                    # the holder dropped is freed at once, as on a real backend (DDP's broadcast of its module's
+                    # state goes through a model-sized flat buffer: on stand-ins it stayed counted in
+                    # memory_allocated)
+                    self._works = []
+                    self._result = _Outputs(self._result)
                 if self._event is not None:
                     event, self._event = self._event, None
                     torch_profiling.completed(event)
@@ -125,7 +132,11 @@ class SimWork(tdist.Work):
 
     def result(self) -> list[Any]:
         self.wait()
-        return self._result
+        return self._outputs()
+
+    def _outputs(self) -> list[Any]:
+        r = self._result
+        return r.get() if type(r) is _Outputs else r
 
     def source_rank(self) -> int:
         if self._source is None:
@@ -151,11 +162,27 @@ class SimWork(tdist.Work):
             except BaseException:  # noqa: BLE001  wait() raises it again: delivered through the future, as c10d does
                 self._fut = completed_future(self.wait, list)
             else:
-                self._fut = _typed_future(self._result)
+                self._fut = _typed_future(self._outputs())
         return self._fut
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class _Outputs:
+    """A waited operation's outputs (tensors, or lists of them), held weakly: what its holders still hold."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _Outputs(t) for t in outputs or ()]
+
+    def get(self) -> list[Any]:
+        got = [r.get() if type(r) is _Outputs else r() for r in self.refs]
+        return [x for x in got if x is not None]
+
+    def __len__(self) -> int:
+        return len(self.refs)
 
 
 def _typed_future(result: list[Any]) -> torch.futures.Future:

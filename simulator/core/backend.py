@@ -245,6 +245,9 @@ class SimBackend(Backend):
         slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
         links_reserve(run, slot.group.ranks, slot.vend)
         slot.done = True
+        # the results are written: the slot lets go of the members' calls (each work keeps its own), so a rank's
+        # tensors are freed when that rank drops them, not when the last member has waited (memory_allocated)
+        slot.calls = [None] * len(calls)
         for c in calls:
             notify(c.rs, slot, slot.error)
         wake = run.sched.wake
