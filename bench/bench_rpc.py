@@ -15,7 +15,8 @@ one loop so that load hits both alike.  1e6-element calls and training steps
 run fewer times (a tenth and a quarter of ``--calls``).
 TensorPipe runs in two real processes on 127.0.0.1 (a warm
 :class:`~tensorplay.testing.RpcPool`), the simulator in this
-process (``mode="coop"``).
+process (``mode="coop"``), and the simulator with a process per rank
+(``isolation="process"``: every message through the coordinator).
 
 Targets: the simulator's no-op ``rpc_sync`` at least 10x faster than
 TensorPipe's; on TensorPipe, a RemoteModule forward at most 1.2x a raw
@@ -137,14 +138,14 @@ def _sim_main(calls: int) -> dict[str, float] | None:
         rpc.shutdown()
 
 
-def run_sim(calls: int) -> dict[str, float]:
+def run_sim(calls: int, isolation: str = "thread") -> dict[str, float]:
     import simulator
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the TensorPipe workers (OMP_NUM_THREADS=1): compare like with like
     try:
-        return simulator.run(_sim_main, 2, args=(calls,), timeout=600)[0]
+        return simulator.run(_sim_main, 2, args=(calls,), timeout=600, isolation=isolation)[0]
     finally:
         torch.set_num_threads(threads)
 
@@ -255,12 +256,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t1 = time.perf_counter()
     sim = run_sim(calls)
     t2 = time.perf_counter()
+    proc = run_sim(calls, "process")
+    t3 = time.perf_counter()
 
-    print(f"RPC, worker0 -> worker1; median per call over up to {calls} calls "
-          f"(TensorPipe world {t1 - t0:.1f} s incl. start, simulator {t2 - t1:.1f} s)")
-    print(f"{'case':<24}{'simulator':>13}{'TensorPipe':>13}{'TP / sim':>10}")
+    print(f"RPC, worker0 -> worker1; median per call over up to {calls} calls (TensorPipe world "
+          f"{t1 - t0:.1f} s incl. start, simulator {t2 - t1:.1f} s, simulator's process ranks {t3 - t2:.1f} s)")
+    print(f"{'case':<24}{'simulator':>13}{'sim process':>13}{'TensorPipe':>13}{'TP / sim':>10}{'TP / proc':>11}")
     for c in CASES:
-        print(f"{c:<24}{_fmt(sim[c]):>13}{_fmt(tpipe[c]):>13}{tpipe[c] / sim[c]:>9.1f}x")
+        print(f"{c:<24}{_fmt(sim[c]):>13}{_fmt(proc[c]):>13}{_fmt(tpipe[c]):>13}{tpipe[c] / sim[c]:>9.1f}x"
+              f"{tpipe[c] / proc[c]:>10.1f}x")
     speedup = tpipe["rpc_sync no-op"] / sim["rpc_sync no-op"]
     rm_ratio = tpipe["RemoteModule forward"] / tpipe["raw forward rpc_sync"]
     ok1, ok2 = speedup >= 10, rm_ratio <= 1.2
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"[{'met' if ok2 else 'MISSED'}]")
     auth = run_auth_cost(calls, rounds)
     report_auth(auth, sim["rpc_sync no-op"])
-    result = {"sim": sim, "tensorpipe": tpipe, "sim_speedup_noop": speedup, "remote_module_ratio": rm_ratio,
+    result = {"sim": sim, "sim_process": proc, "tensorpipe": tpipe, "sim_speedup_noop": speedup, "remote_module_ratio": rm_ratio,
               "calls": calls, "auth": auth}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
