@@ -265,7 +265,7 @@ class SimProcessGroup(tdist.ProcessGroup):
         buf = tensors[root_tensor] if me == root_rank else tensors[0]
         w = tpd.broadcast(buf, group=self._g, group_src=root_rank, async_op=True)
         rest = [t for t in tensors if t is not buf]
-        return SimWork([w], tensors, after=(lambda: [t.copy_(buf) for t in rest]) if rest else None)
+        return SimWork([w], tensors, after=(lambda: [t.copy_(buf) for t in rest]) if rest else None, weak_result=True)
 
     def reduce(self, tensors: Any, opts: Any = None, root: int | None = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)

@@ -59,8 +59,9 @@ class SimWork(tdist.Work):
     """
 
     def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None,
-                 after: Any = None) -> None:
+                 after: Any = None, weak_result: bool = False) -> None:
         super().__init__()
+        self._weak = weak_result  # once waited, hold the outputs weakly (see wait)
         self._after = after  # () -> None: writes the results out once the exchange is done (several-tensor calls)
         self._refuse = refuse  # an error gloo gives this rank once the exchange is done (see _autograd_refusal)
         self._works = [w for w in works if w is not None]
@@ -92,12 +93,11 @@ class SimWork(tdist.Work):
                 self._done = True
                 if _UNWAITED.pop(id(self), None) is not None:
                     _LAST_WAITED[threading.get_ident()] = self
-                    # kept for a C++ holder's calls only: the outputs weakly, the call records not at all, so what
-                    # the holder dropped is freed at once, as on a real backend (DDP's broadcast of its module's
-                    # state goes through a model-sized flat buffer: on stand-ins it stayed counted in
-                    # memory_allocated)
+                    # kept for a C++ holder's calls only (result(), getFuture(): its outputs, which a holder may
+                    # read after dropping them, as DDP's join hook does), not the simulator's call records
                     self._works = []
-                    self._result = _Outputs(self._result)
+                    if self._weak:  # (a broadcast: DDP's module-state broadcast buffer is freed when dropped)
+                        self._result = [_Held(t) for t in self._result]
                 if self._event is not None:
                     event, self._event = self._event, None
                     torch_profiling.completed(event)
@@ -135,8 +135,9 @@ class SimWork(tdist.Work):
         return self._outputs()
 
     def _outputs(self) -> list[Any]:
-        r = self._result
-        return r.get() if type(r) is _Outputs else r
+        if not self._weak or not self._done:
+            return self._result
+        return [t for t in (h.ref() for h in self._result) if t is not None]
 
     def source_rank(self) -> int:
         if self._source is None:
@@ -169,20 +170,13 @@ class SimWork(tdist.Work):
         self.wait()
 
 
-class _Outputs:
-    """A waited operation's outputs (tensors, or lists of them), held weakly: what its holders still hold."""
+class _Held:
+    """A waited broadcast's output, held weakly (what its holders still hold)."""
 
-    __slots__ = ("refs",)
+    __slots__ = ("ref",)
 
-    def __init__(self, outputs: list[Any]) -> None:
-        self.refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else _Outputs(t) for t in outputs or ()]
-
-    def get(self) -> list[Any]:
-        got = [r.get() if type(r) is _Outputs else r() for r in self.refs]
-        return [x for x in got if x is not None]
-
-    def __len__(self) -> int:
-        return len(self.refs)
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
 
 
 def _typed_future(result: list[Any]) -> torch.futures.Future:
