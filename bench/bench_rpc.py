@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"[{'met' if ok2 else 'MISSED'}]")
     auth = run_auth_cost(calls, rounds)
     report_auth(auth, sim["rpc_sync no-op"])
-    result = {"sim": sim, "sim_process": proc, "tensorpipe": tpipe, "sim_speedup_noop": speedup, "remote_module_ratio": rm_ratio,
+    result = {"sim": sim, "sim_process": proc, "tensorpipe": tpipe, "sim_speedup_noop": speedup,
+              "remote_module_ratio": rm_ratio,
               "calls": calls, "auth": auth}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))

@@ -657,9 +657,9 @@ TENSOR_DATA = [  # (name, make(a 0-d tensor on the device, the device), whether 
 def test_torch_tensor_of_stand_ins_in_a_list_gives_the_cpu_values(two_gpus, make, on_device):
     """torch.tensor([cuda_0d, 1.0]) reads the elements' values, as on a GPU (pytorch/examples' AverageMeter does
     it); the result is on the device named (cuda:1, the current one, for a bare "cuda"), else on the CPU."""
-    torch.cuda.set_device(1)
-    want = make(torch.tensor(3.0), "cpu")
-    got = make(torch.tensor(3.0, device="cuda"), "cuda")
+    with torch.cuda.device(1):  # (the process's current device is back after: other tests start on cuda:0)
+        want = make(torch.tensor(3.0), "cpu")
+        got = make(torch.tensor(3.0, device="cuda"), "cuda")
     assert got.device == (torch.device("cuda", 1) if on_device else torch.device("cpu"))
     assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
 

@@ -53,20 +53,16 @@ def reduce_op(opts: Any = None, op: Any = None) -> Any:
 
 
 def premul_factor(opts: Any, op: Any, named: str) -> Any:
-    """The factor of a ``ReduceOp.PREMUL_SUM(factor)`` (``_make_nccl_premul_sum``) call, or None for any other op.
+    """The factor of a call whose op (:func:`reduce_op`) is ``PREMUL_SUM`` (``ReduceOp.PREMUL_SUM(factor)``,
+    ``_make_nccl_premul_sum``).
 
     NCCL multiplies each rank's input by the factor, then sums (FSDP2's ``set_gradient_divide_factor`` reduces
     its gradients so); ProcessGroupGloo refuses it with its own words.  The caller sums ``factor * input``.
     """
-    x = op if op is not None else opts
-    if x is None:
-        return None
-    x = getattr(x, "reduceOp", x)
-    if getattr(x, "op", None) != tdist.ReduceOp.RedOpType.PREMUL_SUM:
-        return None
     if named != "nccl":
         raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
-    return x.factor
+    x = op if op is not None else opts
+    return getattr(x, "reduceOp", x).factor
 
 
 #: how gloo folds one rank's several inputs before it reduces across ranks (AVG: their mean, then the ranks')

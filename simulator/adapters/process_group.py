@@ -35,6 +35,8 @@ check_torch_version()  # (refuses an unsupported torch before its classes are su
 
 #: the backends torch names a group's type after (any other, a plugin's, is "custom")
 _BUILTIN_TYPES = ("gloo", "nccl", "mpi", "ucc", "xccl")
+#: what reduce_op gives for NCCL's premultiplied sum (its factor: gloo_rules.premul_factor), and the sum it becomes
+_PREMUL, _SUM = tdist.ReduceOp.RedOpType.PREMUL_SUM, tdist.ReduceOp.RedOpType.SUM
 
 #: the tag of monitored_barrier's messages (a program's own tags are small; gloo keeps these apart likewise)
 _MONITORED_TAG = -(2 ** 31) + 7
@@ -208,12 +210,12 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)
-        factor = premul_factor(opts, op, self._named)
-        if factor is not None:  # NCCL's premultiplied sum: the inputs (overwritten by the result) scaled, summed
+        rop = reduce_op(opts, op)
+        if rop == _PREMUL:  # NCCL's premultiplied sum: the inputs (overwritten by the result) scaled, summed
             for t in tensors:
-                t.mul_(factor)
-            opts = op = None
-        op = reduce_op(opts, op)
+                t.mul_(premul_factor(opts, op, self._named))
+            rop = _SUM
+        op = rop
         if len(tensors) == 1 and tensors[0].layout == torch.strided:  # torch's front door: nothing left to check
             return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
         rules = self._rules("allreduce")
@@ -275,10 +277,9 @@ class SimProcessGroup(tdist.ProcessGroup):
         rules.root_tensor(opts.rootTensor if opts is not None else 0, len(tensors))
         rules.single(tensors, "tensor list")
         rules.dense(tensors)
-        factor = premul_factor(opts, op, self._named)
-        if factor is not None:  # a scaled copy is summed: the input of a rank that is not the root stays as it was
+        if reduce_op(opts, op) == _PREMUL:  # a scaled copy is summed: a rank that is not the root keeps its input
             t = tensors[0]
-            scaled = t * factor
+            scaled = t * premul_factor(opts, op, self._named)
             w = tpd.reduce(scaled, group=self._g, group_dst=root_rank, async_op=True)
             return SimWork([w], tensors, after=(lambda: t.copy_(scaled)) if self._g.rank() == root_rank else None)
         return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._g, group_dst=root_rank,
@@ -445,11 +446,12 @@ class SimProcessGroup(tdist.ProcessGroup):
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         if isinstance(output_tensors, torch.Tensor):  # the overload reduce_scatter(tensor, input_list, op)
             output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
-        factor = premul_factor(opts, op, self._named)
-        if factor is not None:  # NCCL's premultiplied sum: scaled copies of the inputs, summed
+        rop = reduce_op(opts, op)
+        if rop == _PREMUL:  # NCCL's premultiplied sum: scaled copies of the inputs, summed
+            factor = premul_factor(opts, op, self._named)
             input_tensors = [[t * factor for t in ins] for ins in input_tensors]
-            opts = op = None
-        op = reduce_op(opts, op)
+            rop = _SUM
+        op = rop
         if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
             sized = [list(ins) for ins in input_tensors]
             return SimWork([], reduce_scatter_sized(self._g, list(output_tensors), sized, op,
@@ -459,20 +461,21 @@ class SimProcessGroup(tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         laid = self._layout("reduce_scatter_tensor", input, output, "input")
-        factor = premul_factor(opts, None, self._named)
-        if factor is not None:  # NCCL's premultiplied sum (FSDP2's gradient divide factor): a scaled copy, summed
-            laid, opts = laid * factor, None
-        return SimWork([tpd.reduce_scatter_tensor(output, laid, op=reduce_op(opts), group=self._g, async_op=True)],
+        rop = reduce_op(opts)
+        if rop == _PREMUL:  # NCCL's premultiplied sum (FSDP2's gradient divide factor): a scaled copy, summed
+            laid, rop = laid * premul_factor(opts, None, self._named), _SUM
+        return SimWork([tpd.reduce_scatter_tensor(output, laid, op=rop, group=self._g, async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        factor = premul_factor(opts, None, self._named)
-        if factor is not None:
-            inputs, opts = [i * factor for i in inputs], None
-        return SimWork([tpd.reduce_scatter_tensor(o, i, op=reduce_op(opts), group=self._g, async_op=True)
+        rop = reduce_op(opts)
+        if rop == _PREMUL:
+            factor = premul_factor(opts, None, self._named)
+            inputs, rop = [i * factor for i in inputs], _SUM
+        return SimWork([tpd.reduce_scatter_tensor(o, i, op=rop, group=self._g, async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced

@@ -93,11 +93,11 @@ class SimWork(tdist.Work):
                 self._done = True
                 if _UNWAITED.pop(id(self), None) is not None:
                     _LAST_WAITED[threading.get_ident()] = self
-                    # kept for a C++ holder's calls only (result(), getFuture(): its outputs, which a holder may
-                    # read after dropping them, as DDP's join hook does), not the simulator's call records
-                    self._works = []
-                    if self._weak:  # (a broadcast: DDP's module-state broadcast buffer is freed when dropped)
-                        self._result = [_Held(t) for t in self._result]
+                # done: a C++ holder may still ask for its outputs (result(), getFuture(), which DDP's join hook
+                # reads after dropping them), never for the simulator's call records
+                self._works = []
+                if self._weak:  # (a broadcast: DDP's module-state broadcast buffer is freed when dropped)
+                    self._result = [_Held(t) for t in self._result]
                 if self._event is not None:
                     event, self._event = self._event, None
                     torch_profiling.completed(event)
@@ -135,7 +135,7 @@ class SimWork(tdist.Work):
         return self._outputs()
 
     def _outputs(self) -> list[Any]:
-        if not self._weak or not self._done:
+        if not self._weak or not self._done:  # (a waited broadcast holds _Held references: see wait)
             return self._result
         return [t for t in (h.ref() for h in self._result) if t is not None]
 

@@ -78,8 +78,9 @@ FREE = "free"
 # distributed-autograd contexts the process released since its last RPC request, and ``cpu`` last
 #: ``(RPC_START, name, rank, world_size, options, secret, books, cpu)`` + one descriptor (the worker's event
 #: socket: the coordinator sends the process's dispatcher ``("serve", request id, message, context id, RRef id to
-#: keep the value in or None, device map of the answer, the workers)`` + the handler thread's channel, ``("answer", call id,
-#: ok, message or error)``, ``("drop", RRef id)``, ``("context", context id)`` and ``("closed",)``):
+#: keep the value in or None, device map of the answer, the workers)`` + the handler thread's channel,
+#: ``("answer", call id, ok, message or error)``, ``("drop", RRef id)``, ``("context", context id)`` and
+#: ``("closed",)``):
 #: ``init_rpc``; answers the workers' ``[(name, rank), ...]`` once every worker has started
 RPC_START = "rpc_start"
 #: ``(RPC_CALL, call, dst, message, timeout, mode, retains, site, cid, books, cpu)``: send ``message`` (the

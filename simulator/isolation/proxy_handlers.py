@@ -363,7 +363,7 @@ class ProxyHandlers(RpcRouteHandlers):
         threads.start_plain(t)
         return tid
 
-    def serve_channel(self, rs: Any, me: RankProcess, conn: Connection) -> Channel:
+    def serve_channel(self, rs: Any, me: RankProcess, conn: Connection) -> None:
         """Serve a thread of the process whose channel is ``conn`` as the calling actor ``rs``, until the thread ends
         (an RPC handler thread, whose actor is the coordinator's handler of the request: see .rpc_routes)."""
         chan = Channel(conn)
@@ -377,7 +377,6 @@ class ProxyHandlers(RpcRouteHandlers):
             chan.close()
             with me.lock:
                 me.chans.discard(chan)
-        return chan
 
     def _perform(self, me: RankProcess, backend: Any, name: str, enc: list[Any], site: str,
                  backward: str | None) -> Any:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import socket
 import threading
 from multiprocessing.connection import Connection
@@ -62,7 +61,7 @@ from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
 from tensorplay.distributed.rpc.futures import Future
 from tensorplay.distributed.rpc.rref import RRef
-from tensorplay.distributed.rpc.transport import Agent, RemoteFailure, run_call, unwrap, wrap_rref
+from tensorplay.distributed.rpc.transport import Agent, RemoteFailure, unwrap, wrap_rref
 from tensorplay.distributed.rpc.worker import WorkerInfo
 
 from simulator.core.callsite import call_site
@@ -70,10 +69,11 @@ from simulator.adapters.torch_rpc import wait_pending
 from simulator.isolation import _wire, rank_threads
 from simulator.isolation.messages import RPC_ANSWER, RPC_CALL, RPC_READY, RPC_REF, RPC_SHUTDOWN, RPC_START, RPC_WAIT
 from simulator.rpc import autograd as rpc_autograd
-from simulator.rpc.agent import warn_missing
-from simulator.rpc.codec import decode, encode, in_message, retain_for_message
+from simulator.rpc.agent import run_request, seal_answer, seal_request, warn_missing
+from simulator.rpc.codec import decode
+from simulator.rpc.rref import message_reference
 from simulator.rpc.options import options_from
-from simulator.rpc.waits import Pending, resolve_async
+from simulator.rpc.waits import Pending
 
 __all__ = ["WHERE", "USAGE", "ProcAgent", "claims_caller", "default_rank_and_size", "start",
            "torch_rpc_leaves_the_schedule"]
@@ -290,12 +290,7 @@ class ProcAgent(Agent):
         rpc_autograd.set_context_id(cid)
         was_async = False
         try:
-            try:
-                f, a, k = decode(req, self.auth)
-            except BaseException as e:  # noqa: BLE001  e.g. a class missing in this process
-                value: Any = RemoteFailure.capture(e, self.name)
-            else:
-                value = resolve_async(run_call(f, a, k), f, self.name)
+            value = run_request(req, self.name, self.auth)
             if type(value) is Pending:  # an async function's future: its completion is the answer
                 value, was_async = value.outcome.wait(), True
             if keep_rid is not None:  # remote(): the value stays here, the caller learns it is kept
@@ -303,16 +298,10 @@ class ProcAgent(Agent):
                     self.values[keep_rid] = value
                     self.kept.notify_all()
                 value = None
-            answer = self._encode_answer(value, inverse)
+            answer = seal_answer(value, self.name, inverse, self.auth)
         finally:
             rpc_autograd.set_context_id(None)
         self._request(RPC_ANSWER, rid, answer, was_async)
-
-    def _encode_answer(self, value: Any, inverse: Any) -> Any:
-        try:
-            return encode(value, self.name, inverse).seal(self.auth)
-        except BaseException as e:  # noqa: BLE001  an answer that does not pickle
-            return encode(RemoteFailure.capture(e, self.name), self.name).seal(self.auth)
 
     def _answered(self, call_id: int, ok: bool, payload: Any) -> None:
         with self.lock:
@@ -345,13 +334,10 @@ class ProcAgent(Agent):
                 ) -> tuple[Any, list[tuple[str, int]]]:
         """The request, sealed as this worker's, and the RRef references it carries."""
         try:
-            msg = encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name)).seal(self.auth)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            msg = seal_request(call, self.name, (fn, args, kwargs), self.device_maps.get(dst.name), self.auth)
+        except DistTypeError:
             self.world.take_retains()
-            raise DistTypeError(rpc_message(
-                call, "the call's arguments cannot be serialised", worker=self.name,
-                values={"error": f"{type(e).__name__}: {e}"[:300]},
-                fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+            raise
         return msg, self.world.take_retains()
 
     def _send(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
@@ -401,7 +387,8 @@ class ProcAgent(Agent):
                 with self.lock:
                     self.calls.pop(call_id, None)
                 self._finish(fut, *outcome)
-        return event.wait(timeout)
+        # (answered: the dispatcher, or this thread, completes it and runs its callbacks; bounded all the same)
+        return event.wait(self.timeout if timeout is None else timeout)
 
     def _finish(self, fut: _CallFuture, ok: bool, payload: Any) -> None:
         """Complete ``fut`` once (the dispatcher and a waiting thread may both have its answer)."""
@@ -496,13 +483,7 @@ class ProcRRef:
         return unwrap(a._read(a._send("RRef.to_here", self.owner_info, _owner_value, (self.rid,), {}, t, "fetch")))
 
     def reduce(self) -> Any:
-        if not in_message():
-            raise DistRuntimeError(rpc_message(
-                "RRef.__reduce__", "an RRef can only be pickled inside an RPC message", worker=self.agent.name,
-                values={"rref": self.ident()},
-                fix="pass the RRef as an argument or result of rpc_sync/rpc_async/remote instead of pickling it"))
-        retain_for_message(self.agent.world, self.owner_info.name, self.rid)
-        return (_rebuild_proc_rref, (self.owner_info.name, self.owner_info.id, self.rid))
+        return message_reference(self.agent.world, self.owner_info, self.rid, self.agent.name, _rebuild_proc_rref)
 
 
 def _owner_value(rid: int) -> Any:

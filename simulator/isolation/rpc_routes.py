@@ -42,10 +42,9 @@ from simulator.isolation import _wire
 from simulator.isolation.messages import FDS_REQUEST
 from simulator.rpc import autograd as rpc_autograd
 from simulator.rpc import transport as sim_transport
-from simulator.rpc.agent import SimAgent
+from simulator.rpc.agent import SimAgent, answer_map
 from simulator.rpc.record import RpcRecord
-from simulator.rpc.rref import Dropped
-from simulator.rpc.waits import Pending
+from simulator.rpc.rref import owner_value
 from simulator.rpc.world import _on_rank_exit
 
 __all__ = ["RoutedAgent", "RpcRouteHandlers", "Reply"]
@@ -111,38 +110,41 @@ class RoutedAgent(SimAgent):
             except OSError:  # the process has ended: its proxy reports how
                 pass
 
-    def _rank_exited(self, rs: Any) -> None:
-        """The rank's process ended (its handlers' channels end with it): its dispatcher stops."""
-        if rs is not self.rs or self.ended:
+    def close_events(self) -> None:
+        """The worker left (shut down, or its process ended): its dispatcher stops, no event follows."""
+        if self.ended:
             return
         self.push(("closed",))
         self.ended = True
         if self.events is not None:
             self.events.close()
 
+    def _rank_exited(self, rs: Any) -> None:
+        """The rank's process ended (its handlers' channels end with it)."""
+        if rs is self.rs:
+            self.close_events()
+
     # -- SimAgent's handler, run in the callee's process ------------------------------------------------
     def _serve(self, req: Any, keep_rid: int | None = None, caller: SimAgent | None = None) -> Any:
         """Run the request in this worker's process on a thread whose channel the calling handler actor serves."""
         rid = next(self.ids)
-        dmap = caller.device_maps.get(self.name) if caller is not None else None
-        inverse = {v: k for k, v in dmap.items()} if dmap else None  # answers take the caller's map backwards
+        inverse = answer_map(caller, self.name)
         mine, theirs = socket.socketpair()
         self.replies[rid] = None
-        chan = None
         try:
             with theirs:
                 infos = tuple((w.name, w.id) for w in self.worker_infos())  # (it may come before init_rpc returns)
                 self.push(("serve", rid, req, rpc_autograd.current_context_id(), keep_rid, inverse, infos),
                           theirs.fileno())
-            chan = self.proxy.serve_channel(current_rank_state(), self.proc, Connection(mine.detach()))
+            self.proxy.serve_channel(current_rank_state(), self.proc, Connection(mine.detach()))
             reply = self.replies.get(rid)
         finally:
             self.replies.pop(rid, None)
-            if chan is None:
-                mine.close()
+            mine.close()  # (a no-op once detached: the served channel closes itself)
         if reply is None:  # the thread ended without answering: its process died under it
             raise WorkerUnavailableError(rpc_message(
                 "rpc", "the worker's process ended while running the call", worker=self.name,
+                values={"rank": self.rank, "caller": caller.name if caller is not None else None},
                 fix="keep every worker in RPC until all are done: end each worker's function with rpc.shutdown()"))
         return reply
 
@@ -166,7 +168,8 @@ def _outcome(fut: Future[Any]) -> tuple[bool, Any]:
 
 
 class RpcRouteHandlers:
-    """The proxy's handlers of the RPC messages of a rank process (a mixin of :class:`.proxy_handlers.ProxyHandlers`)."""
+    """The proxy's handlers of the RPC messages of a rank process (a mixin of
+    :class:`.proxy_handlers.ProxyHandlers`)."""
 
     @staticmethod
     def _rpc_agent(rs: Any, me: Any, books: Any, cpu: float, call: str) -> RoutedAgent:
@@ -257,18 +260,7 @@ class RpcRouteHandlers:
     def handle_rpc_ready(self, rs: Any, me: Any, chan: Any, msg: tuple) -> None:
         _, owner, rid, books, cpu = msg
         agent = self._rpc_agent(rs, me, books, cpu, "RRef.to_here")
-        o = agent.world.agents.get(owner)
-        if o is None or not o.alive():
-            raise WorkerUnavailableError(rpc_message(
-                "RRef.to_here", "the RRef's owner is unavailable (it shut down, returned or raised)",
-                worker=agent.name, values={"owner": owner},
-                fix="keep the owner running (and in RPC) while others use its RRefs"))
-        slot = o.rrefs.get(rid)
-        v = slot.value if slot is not None else KEPT
-        if type(v) is Pending:  # its remote() has not been answered yet
-            v = v.outcome.wait()
-        if type(v) is Dropped:
-            raise v.error
+        owner_value(agent.world, owner, rid, "RRef.to_here", agent.name)  # (its value is in the owner's process)
 
     def handle_rpc_shutdown(self, rs: Any, me: Any, chan: Any, msg: tuple) -> list[str]:
         _, graceful, books, cpu = msg
@@ -276,7 +268,5 @@ class RpcRouteHandlers:
         try:
             return agent.leave(graceful)
         finally:
-            agent.push(("closed",))
-            agent.ended = True
-            agent.events.close()  # type: ignore[union-attr]
+            agent.close_events()
             me.rpc_agent = None

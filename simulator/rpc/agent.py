@@ -50,7 +50,7 @@ from simulator.rpc.rref import Dropped, SimRRef, Slot
 from simulator.rpc.waits import Answer, Pending, resolve_async, rng_lender
 from simulator.rpc.world import RpcWorld, forget_when_all_out
 
-__all__ = ["SimAgent", "warn_missing"]
+__all__ = ["SimAgent", "warn_missing", "seal_request", "run_request", "seal_answer", "answer_map"]
 
 
 class SimAgent(Agent):
@@ -180,13 +180,7 @@ class SimAgent(Agent):
         """
         peer = self._peer(call, dst)
         rec = RpcRecord(self, call, peer)
-        try:
-            req = encode((fn, args, kwargs), self.name, self.device_maps.get(dst.name)).seal(self.auth)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            raise DistTypeError(rpc_message(
-                call, "the call's arguments cannot be serialised", worker=self.name,
-                values={"error": f"{type(e).__name__}: {e}"[:300]},
-                fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+        req = seal_request(call, self.name, (fn, args, kwargs), self.device_maps.get(dst.name), self.auth)
         return self._send(rec, dst, req, timeout, on_peer, keep_rid), rec
 
     def _send(self, rec: RpcRecord, dst: WorkerInfo, req: Any, timeout: float,
@@ -265,14 +259,10 @@ class SimAgent(Agent):
         return fut
 
     def _serve(self, req: Message, keep_rid: int | None = None, caller: "SimAgent | None" = None) -> Any:
-        """Run a request as this (callee) worker: the result, a :class:`RemoteFailure` or a :class:`~simulator.rpc.waits.Pending`.
+        """Run a request as this (callee) worker (see :func:`run_request`).
 
         (``keep_rid`` and ``caller``: what a worker whose requests run in another process must tell it.)"""
-        try:
-            f, a, k = decode(req, self.auth)
-        except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
-            return RemoteFailure.capture(e, self.name)
-        return resolve_async(run_call(f, a, k), f, self.name)
+        return run_request(req, self.name, self.auth)
 
     def _decode_answer(self, answer: Message) -> Any:
         """The answer as this (calling) worker reads it."""
@@ -280,13 +270,7 @@ class SimAgent(Agent):
 
     def _answer(self, value: Any, to: str) -> Message:
         """Encode ``value`` as this (callee) worker's answer to ``to``; one that does not pickle fails."""
-        back = self.world.agents.get(to)
-        dmap = back.device_maps.get(self.name) if back is not None else None
-        inverse = {v: k for k, v in dmap.items()} if dmap else None  # answers take the caller's map backwards
-        try:
-            return encode(value, self.name, inverse).seal(self.auth)
-        except BaseException as e:  # noqa: BLE001  an answer that does not pickle
-            return encode(RemoteFailure.capture(e, self.name), self.name).seal(self.auth)
+        return seal_answer(value, self.name, answer_map(self.world.agents.get(to), self.name), self.auth)
 
     # -- calls ----------------------------------------------------------------
     def call_sync(self, call: str, dst: WorkerInfo, fn: Callable[..., Any], args: tuple, kwargs: dict,
@@ -389,6 +373,42 @@ class SimAgent(Agent):
             self.world.settle(self.world.shutdown_barrier)
         forget_when_all_out(self.world)  # everyone is out: a later init_rpc in this run starts a fresh world
         return missing
+
+
+def seal_request(call: str, sender: str, request: tuple, device_map: dict | None, auth: Any) -> Message:
+    """``(fn, args, kwargs)`` serialised and sealed as ``sender``'s request; one that does not pickle fails here, on
+    the caller, before anything is sent."""
+    try:
+        return encode(request, sender, device_map).seal(auth)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise DistTypeError(rpc_message(
+            call, "the call's arguments cannot be serialised", worker=sender,
+            values={"error": f"{type(e).__name__}: {e}"[:300]},
+            fix="send tensors, numbers, strings, containers of them, and objects of importable classes")) from e
+
+
+def run_request(req: Message, callee: str, auth: Any) -> Any:
+    """Run a request as worker ``callee``: the result, a :class:`RemoteFailure` or a
+    :class:`~simulator.rpc.waits.Pending` (an ``@async_execution`` function's future)."""
+    try:
+        f, a, k = decode(req, auth)
+    except BaseException as e:  # noqa: BLE001  e.g. a class missing on the callee
+        return RemoteFailure.capture(e, callee)
+    return resolve_async(run_call(f, a, k), f, callee)
+
+
+def answer_map(caller: Any, callee: str) -> dict | None:
+    """The device map an answer from ``callee`` to ``caller`` (an agent, or None) takes: the caller's, backwards."""
+    dmap = caller.device_maps.get(callee) if caller is not None else None
+    return {v: k for k, v in dmap.items()} if dmap else None
+
+
+def seal_answer(value: Any, callee: str, device_map: dict | None, auth: Any) -> Message:
+    """``value`` serialised and sealed as ``callee``'s answer; one that does not pickle answers its failure."""
+    try:
+        return encode(value, callee, device_map).seal(auth)
+    except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+        return encode(RemoteFailure.capture(e, callee), callee).seal(auth)
 
 
 def warn_missing(name: str, missing: list[str]) -> None:

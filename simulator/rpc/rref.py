@@ -19,7 +19,7 @@ from simulator.rpc.codec import decode, encode, in_message, retain_for_message
 from simulator.rpc.waits import Pending
 from simulator.rpc.world import RpcWorld
 
-__all__ = ["Slot", "Dropped", "SimRRef"]
+__all__ = ["Slot", "Dropped", "SimRRef", "owner_value", "message_reference"]
 
 
 class Slot:
@@ -72,23 +72,8 @@ class SimRRef:
         return f"{self.owner_info.id}:{self.rid}"
 
     def _value(self, call: str) -> Any:
-        owner = self.world.agents.get(self.owner_info.name)
-        if owner is None or not owner.alive():
-            me = rpc_transport.current()
-            raise WorkerUnavailableError(rpc_message(
-                call, "the RRef's owner is unavailable (it shut down, returned or raised)",
-                worker=getattr(me, "name", None), values={"owner": self.owner_info.name},
-                fix="keep the owner running (and in RPC) while others use its RRefs"))
-        slot = owner.rrefs.get(self.rid)
-        if slot is None:  # pragma: no cover  a live RRef always keeps its slot
-            raise DistRuntimeError(rpc_message(call, "the RRef's value is gone from its owner",
-                                               values={"owner": self.owner_info.name, "id": self.rid}))
-        v = slot.value
-        if type(v) is Pending:  # remote() of an @async_execution function that has not answered yet
-            v = v.outcome.wait()
-        if type(v) is Dropped:
-            raise v.error
-        return v
+        me = rpc_transport.current()
+        return owner_value(self.world, self.owner_info.name, self.rid, call, getattr(me, "name", None))
 
     def local_value(self) -> Any:
         return unwrap(self._value("RRef.local_value"))
@@ -104,13 +89,39 @@ class SimRRef:
         return unwrap(decode(msg, holder.auth if holder is not None else owner.auth))
 
     def reduce(self) -> Any:
-        if not in_message():
-            raise DistRuntimeError(rpc_message(
-                "RRef.__reduce__", "an RRef can only be pickled inside an RPC message", worker=self.holder,
-                values={"rref": self.ident()},
-                fix="pass the RRef as an argument or result of rpc_sync/rpc_async/remote instead of pickling it"))
-        retain_for_message(self.world, self.owner_info.name, self.rid)
-        return (_rebuild_sim_rref, (self.owner_info.name, self.owner_info.id, self.rid))
+        return message_reference(self.world, self.owner_info, self.rid, self.holder, _rebuild_sim_rref)
+
+
+def owner_value(world: RpcWorld, owner_name: str, rid: int, call: str, asker: str | None) -> Any:
+    """The value of RRef ``rid`` in its owner's table, once its ``remote`` kept it (a lost one raises the error
+    that lost it); ``asker`` names the worker asking, for the error of an owner that is gone."""
+    owner = world.agents.get(owner_name)
+    if owner is None or not owner.alive():
+        raise WorkerUnavailableError(rpc_message(
+            call, "the RRef's owner is unavailable (it shut down, returned or raised)", worker=asker,
+            values={"owner": owner_name}, fix="keep the owner running (and in RPC) while others use its RRefs"))
+    slot = owner.rrefs.get(rid)
+    if slot is None:  # pragma: no cover  a live RRef always keeps its slot
+        raise DistRuntimeError(rpc_message(call, "the RRef's value is gone from its owner",
+                                           values={"owner": owner_name, "id": rid}))
+    v = slot.value
+    if type(v) is Pending:  # remote() of an @async_execution function that has not answered yet
+        v = v.outcome.wait()
+    if type(v) is Dropped:
+        raise v.error
+    return v
+
+
+def message_reference(world: Any, owner: WorkerInfo, rid: int, holder: str, rebuild: Any) -> tuple:
+    """How a simulated RRef pickles (``__reduce__``): only inside an RPC message, which holds one reference to the
+    value while in flight (``world.retain``); the receiver gets ``rebuild(owner name, owner id, rid)``."""
+    if not in_message():
+        raise DistRuntimeError(rpc_message(
+            "RRef.__reduce__", "an RRef can only be pickled inside an RPC message", worker=holder,
+            values={"rref": f"{owner.id}:{rid}"},
+            fix="pass the RRef as an argument or result of rpc_sync/rpc_async/remote instead of pickling it"))
+    retain_for_message(world, owner.name, rid)
+    return (rebuild, (owner.name, owner.id, rid))
 
 
 def _rebuild_sim_rref(owner_name: str, owner_id: int, rid: int) -> RRef[Any]:
