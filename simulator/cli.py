@@ -315,9 +315,9 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
         from simulator import standin  # (lazy: the stand-in's import is heavy, and only --devices cuda needs it)
 
         if ns.gpus_per_node is None:
-            launcher.gpus_per_node = _LAUNCHER_GPUS
-            _err(f"--devices cuda: the machine has {_LAUNCHER_GPUS} stand-in GPUs (torch.cuda.device_count()); "
-                 f"pass --gpus-per-node N to choose")
+            launcher.gpus_per_node, launcher.gpus_follow_ranks = _LAUNCHER_GPUS, True
+            _err(f"--devices cuda: the machine has {_LAUNCHER_GPUS} stand-in GPUs (torch.cuda.device_count()), and "
+                 f"its ranks one per rank when the program starts more processes; pass --gpus-per-node N to choose")
         stand_in = standin.enabled(gpus_per_node=launcher.gpus_per_node)
     with stand_in:
         exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))

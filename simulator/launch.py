@@ -124,6 +124,9 @@ class _Launcher:
         #: the worlds' CUDA stand-in (World's devices= and gpus_per_node=; the command line sets them)
         self.devices = "cpu"
         self.gpus_per_node: int | None = None
+        #: the count was not chosen: a world of more ranks than GPUs gets a GPU per rank (a script that starts N
+        #: processes and puts rank r on cuda:r was written for a machine of at least N GPUs)
+        self.gpus_follow_ranks = False
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
         self.worlds: list[World] = []
@@ -166,9 +169,14 @@ class _Launcher:
             batch, self.pending = self.pending, []
             if not batch:
                 return
+            gpus = self.gpus_per_node
+            if self.devices == "cuda" and self.gpus_follow_ranks and gpus is not None and len(batch) > gpus:
+                gpus = len(batch)
+                print(f"simulator: --devices cuda: the program started {gpus} processes, so its ranks see {gpus} "
+                      f"stand-in GPUs each (pass --gpus-per-node N to choose)", file=sys.stderr, flush=True)
             world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
                           stall_timeout=self.stall_timeout, device=self.device, devices=self.devices,
-                          gpus_per_node=self.gpus_per_node, env=dict(os.environ), p2p=self.p2p,
+                          gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
             world.launched = True  # ranks for processes the program started (adapters.started_processes)

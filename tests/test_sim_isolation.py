@@ -206,6 +206,14 @@ def dies_after_first(how: str) -> None:
     dist.all_reduce(x)
 
 
+def fails_while_a_peer_blocks_in_the_os() -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        raise ValueError("rank zero fails")
+    r, _ = os.pipe()
+    os.read(r, 1)  # a wait in C that nothing ends (as torch's own RPC shutdown waits for a failed peer)
+
+
 def leaves_a_child() -> int:
     """Start a long-lived process and return its pid (teardown must not leave it behind)."""
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -637,6 +645,21 @@ def test_rank_death_is_a_rank_failure_on_every_rank(how, code):
     for r in (0, 2):
         assert isinstance(world.errors[r], simulator.RankFailedError)
         assert world.errors[r].failed_rank == 1
+    from simulator import isolation
+
+    assert not _survivors(isolation.last_pids)
+
+
+def test_a_rank_failure_ends_the_processes_blocked_where_the_simulator_cannot_reach():
+    # torchrun and mp.spawn end the other processes when one fails; a rank process blocked in the OS after
+    # another rank failed is killed after a short grace, and the run reports the first failure
+    world = simulator.World(3, isolation="process", timeout=120)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="rank zero fails"):
+        world.run(fails_while_a_peer_blocks_in_the_os)
+    assert time.monotonic() - t0 < 60
+    for r in (1, 2):
+        assert isinstance(world.errors[r], simulator.RankFailedError) and world.errors[r].failed_rank == 0
     from simulator import isolation
 
     assert not _survivors(isolation.last_pids)

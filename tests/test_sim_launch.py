@@ -424,6 +424,114 @@ def test_default_groups_over_part_of_the_spawned_ranks_match_a_real_gloo_run(tmp
     assert _lines(sim.stdout) == _lines(real.stdout), real.stderr
 
 
+# pytorch/examples' ddp_rpc as it is written: the master (rank 2) and the parameter server (rank 3) make no process
+# group; the trainers (0, 1) make a 2-rank one and then join RPC (whose agent builds its own gloo group over all 4);
+# the master runs the training loop *in an RPC handler* on each trainer, where DDP takes the trainer's default
+# group. Written for GPUs: with "cuda", both trainers put their model on cuda:<master's rank> (cuda:2), as the
+# example does. Each trainer looks up rows of its own, so the parameter server's updates commute and a real run
+# is deterministic.
+DDP_RPC = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+    import torch.multiprocessing as mp
+    from torch.distributed.nn import RemoteModule
+    from torch.distributed.optim import DistributedOptimizer
+    from torch.distributed.rpc import RRef
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    CUDA = sys.argv[1:] == ["cuda"]
+
+    def on(t, device):
+        return t.cuda(device) if CUDA else t
+
+    class Hybrid(torch.nn.Module):
+        def __init__(self, emb, device):
+            super().__init__()
+            self.emb = emb
+            torch.manual_seed(0)
+            self.fc = DDP(on(torch.nn.Linear(4, 3), device), device_ids=[device] if CUDA else None)
+            self.device = device
+
+        def forward(self, indices, offsets):
+            return self.fc(on(self.emb.forward(indices, offsets), self.device))
+
+    def train(emb, device):
+        rank = dist.get_rank()
+        model = Hybrid(emb, device)
+        params = model.emb.remote_parameters() + [RRef(p) for p in model.fc.parameters()]
+        opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            indices = torch.randint(0, 5, (6,), generator=g) + 5 * rank
+            target = on(torch.randint(0, 3, (3,), generator=g), device)
+            with dist_autograd.context() as cid:
+                loss = torch.nn.functional.cross_entropy(model(indices, torch.tensor([0, 2, 4])), target)
+                dist_autograd.backward(cid, [loss])
+                opt.step(cid)
+        w = [round(v, 5) for v in model.fc.module.weight.flatten().tolist()]
+        return f"trainer {{rank}}/{{dist.get_world_size()}} loss={{loss.item():.5f}} weight={{w}}"
+
+    def worker(rank, n, rpc_port, pg_port):
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{{rpc_port}}")
+        if rank == 2:
+            rpc.init_rpc("master", rank=rank, world_size=n, rpc_backend_options=opts)
+            emb = RemoteModule("ps", torch.nn.EmbeddingBag, args=(10, 4), kwargs={{"mode": "sum"}})
+            futs = [rpc.rpc_async(f"trainer{{t}}", train, args=(emb, rank)) for t in (0, 1)]
+            for f in futs:
+                print(f.wait(), flush=True)
+        elif rank <= 1:
+            dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{{pg_port}}")
+            rpc.init_rpc(f"trainer{{rank}}", rank=rank, world_size=n, rpc_backend_options=opts)
+        else:
+            torch.manual_seed(1)  # the table is made here
+            rpc.init_rpc("ps", rank=rank, world_size=n, rpc_backend_options=opts)
+        rpc.shutdown()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(4, {rpc_port}, {pg_port}), nprocs=4, join=True)
+""")
+
+
+def _ddp_rpc_text():
+    text = DDP_RPC.format(rpc_port=free_port(), pg_port=free_port())
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _trainers(out):
+    lines = [line for line in _lines(out) if line.startswith("trainer ")]
+    assert [line.split(" loss=")[0] for line in lines] == ["trainer 0/2", "trainer 1/2"], out
+    assert lines[0].split("weight=")[1] == lines[1].split("weight=")[1], out  # DDP kept the replicas equal
+    return lines
+
+
+@pytest.mark.parametrize("isolation,devices", [("thread", "cpu"), ("process", "cuda")])
+def test_ddp_rpc_as_written_trains_inside_rpc_handlers(tmp_path, isolation, devices):
+    # an RPC handler of a trainer runs in the trainer: its default group is the trainer's (thread ranks used to
+    # find none); a trainer inside a 2-rank group still joins the 4-rank group of torch's RPC agent (process
+    # ranks used to wait for it in a rendezvous); with --devices cuda the 2 stand-in GPUs grow to one per rank
+    script = _write(tmp_path, "ddp_rpc.py", _ddp_rpc_text())
+    p = _sim(tmp_path, "--isolation", isolation, "--devices", devices, script, *(["cuda"] if devices == "cuda" else []))
+    assert p.returncode == 0, p.stderr
+    _trainers(p.stdout)
+    if devices == "cuda":
+        assert "the program started 4 processes, so its ranks see 4 stand-in GPUs each" in p.stderr
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W4")
+def test_ddp_rpc_as_written_matches_a_real_gloo_run(tmp_path):
+    script, real = _real_run(tmp_path, "ddp_rpc.py", _ddp_rpc_text(), lambda p: p.returncode == 0)
+    assert real.returncode == 0, real.stderr
+    expect = _trainers(real.stdout)
+    for args in ((script,), ("--devices", "cuda", "--isolation", "thread", script, "cuda")):
+        sim = _sim(tmp_path, *args)
+        assert sim.returncode == 0, sim.stderr
+        assert _trainers(sim.stdout) == expect, (args, real.stderr)
+
+
 # env:// in a process the program started: it has what it inherited and what it sets, nothing a launcher adds
 ENV_RENDEZVOUS = textwrap.dedent("""
     import os, sys

@@ -79,7 +79,7 @@ from simulator.core.actors import join_actor, sleep_in, sleep_out, start_actor, 
 from simulator.core.state import RankState, _local, current_rank_state
 
 #: (start_actor ... sleep_in are simulator.core.actors', re-exported for the rank-process proxy)
-__all__ = ["enabled", "adopt", "run_adopted", "start_actor", "join_actor", "step_out", "step_in", "start_plain",
+__all__ = ["enabled", "adopt", "adopt_c10d", "run_adopted", "start_actor", "join_actor", "step_out", "step_in", "start_plain",
            "sleep_out", "sleep_in", "run_exit_handlers"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
@@ -111,7 +111,7 @@ def _c10d_world() -> Any:
     return getattr(local, "world", None) if local is not None else None
 
 
-def _adopt_c10d(world: Any) -> None:
+def adopt_c10d(world: Any) -> None:
     """Give this thread the rank's c10d state, and its groups in torch's per-thread name registry."""
     import torch.distributed.distributed_c10d as c10d
 
@@ -164,7 +164,7 @@ def run_adopted(inh: _Inherited, target: Callable[[], None]) -> None:
     if actor.env is not None:
         _environ.bind(actor.env)
     if inh.c10d_world is not None:
-        _adopt_c10d(inh.c10d_world)
+        adopt_c10d(inh.c10d_world)
     if inh.cuda is not None:
         import torch
 

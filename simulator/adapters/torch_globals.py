@@ -419,7 +419,8 @@ class _ProcessGroupGloo(metaclass=_GlooClassMeta):
     A program (PyTorch's ``test_c10d_gloo.py``, a library holding a bare backend) may build a gloo group
     itself: ``ProcessGroupGloo(store, rank, size, options)`` or ``(..., timeout=...)``.  On a simulated rank
     that is a simulated group reporting gloo, a communicator of its own: over the whole world when ``size`` is
-    its size and each rank gives its own rank, else over the simulated ranks that claim ``rank`` of ``size``
+    its size (or the launched world's, from inside a default group over some ranks) and each rank gives its own
+    rank, else over the simulated ranks that claim ``rank`` of ``size``
     on the same store (:func:`torch_groups.join`, as ``init_process_group(store=...)`` over some ranks).  Its
     ``options`` are the ones given.  Off simulated ranks it is torch's own class.
     """
@@ -441,6 +442,8 @@ class _ProcessGroupGloo(metaclass=_GlooClassMeta):
         ranks = tuple(inner) if inner is not None else tuple(range(st.world_size))
         if size == len(ranks) and 0 <= rank < size and ranks[rank] == st.rank:
             return direct_group(ranks, options)
+        if size == st.world_size and rank == st.rank:  # the launched world, as the ranks outside that group see it
+            return direct_group(tuple(range(size)), options)  # (torch's RPC agent's group, in ddp_rpc's trainers)
         if size > st.world_size:
             raise _mismatch("torch.distributed.ProcessGroupGloo", "world_size", size, st)
         members = torch_groups.join(st.backend.world_key(), ("ProcessGroupGloo", _store_key(store)), rank, size,

@@ -53,7 +53,7 @@ from torch._C._distributed_c10d import _set_thread_isolation_mode
 
 from simulator.adapters import pg_wrapper, process_group_work, torch_groups
 from simulator.adapters._patch import Installation
-from simulator.adapters.threads import store_poll
+from simulator.adapters.threads import adopt_c10d, store_poll
 from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
@@ -63,11 +63,15 @@ from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _
                                               _saved, _set_debug_level_from_env, _store_wait, _stores,
                                               rendezvous_files)
 from simulator.adapters.torch_private import SUPPORTED_TORCH, check_torch_version
+from simulator.core.state import current_rank_state
 
 # the package attribute of that name is the rendezvous() function; the module holds the handler table
 tdist_rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
-__all__ = ["SUPPORTED_TORCH", "check_torch_version", "enabled", "SimProcessGroup", "SimWork"]
+#: where a thread rank keeps its c10d state in ``RankState.own()``
+_WORLD_KEY = (0, "c10d_world")
+
+__all__ = ["SUPPORTED_TORCH", "check_torch_version", "enabled", "as_rank", "SimProcessGroup", "SimWork"]
 
 
 def _install() -> None:
@@ -178,7 +182,10 @@ def rank_thread() -> Iterator[None]:
     if not isinstance(world, _PerRankWorld):
         yield
         return
-    world._local.world = _RankWorld()
+    mine = world._local.world = _RankWorld()
+    rs = current_rank_state()
+    if rs is not None:  # the rank's threads started by others (its RPC handlers) find it here: see as_rank
+        rs.own()[_WORLD_KEY] = mine
     try:
         yield
     finally:
@@ -188,6 +195,26 @@ def rank_thread() -> Iterator[None]:
         except Exception:  # noqa: BLE001  best effort: the thread's state is dropped below anyway
             pass
         world._local.world = None
+        if rs is not None:
+            rs.own().pop(_WORLD_KEY, None)
+
+
+@contextlib.contextmanager
+def as_rank(rs: Any) -> Iterator[None]:
+    """Run the block with ``rs``'s rank's c10d state (its default group, its groups' names) on the calling
+    thread: an RPC handler of a thread rank is started by the caller, yet runs in the callee as a thread of
+    the callee's process would, so DDP or a collective inside it uses the callee's groups."""
+    world = c10d._world
+    mine = rs.own().get(_WORLD_KEY) if isinstance(world, _PerRankWorld) and rs is not None else None
+    prev = getattr(world._local, "world", None) if mine is not None else None
+    if mine is None or mine is prev:
+        yield
+        return
+    adopt_c10d(mine)
+    try:
+        yield
+    finally:
+        world._local.world = prev
 
 
 tdist.Backend.register_backend("sim", _create, extended_api=True, devices=["cpu", "cuda"])

@@ -213,6 +213,7 @@ class ProcessRanks(ProxyHandlers):
 
     def _recv(self, rs: Any, me: RankProcess, chan: Channel) -> tuple:
         conn, run, main = chan.conn, rs.run, chan is me.main
+        failed_at = None  # when this rank process was first seen silent after another rank failed
         while True:
             try:
                 if conn.poll(0.1):
@@ -228,6 +229,14 @@ class ProcessRanks(ProxyHandlers):
                 return self._ended(me) if main else (END,)  # (a daemon thread ends with its process)
             if not main and (run.aborted or run.over):
                 return (END,)
+            if main and run.fatal is not None and not run.aborted:
+                # another rank failed and this process stays silent: it waits where the simulator cannot release
+                # it (a wait in C++, e.g. torch's own RPC shutdown). torchrun and mp.spawn end the other processes
+                # when one fails; so does the run, after a grace for a rank that is only finishing its computation
+                failed_at = failed_at if failed_at is not None else time.monotonic()
+                if time.monotonic() - failed_at > _GRACE_S:
+                    self._kill(me)
+                    raise run.fatal.make(me.rank)
             if main and (run.aborted or run.clock() > run.deadline):
                 # a bound of the run ran out while this rank's process was computing: stop it (threads could not be)
                 self._kill(me)

@@ -36,7 +36,7 @@ from tensorplay.distributed.rpc.futures import Future
 from tensorplay.distributed.rpc.rref import RRef
 from tensorplay.distributed.rpc.worker import WorkerInfo
 
-from simulator.adapters import torch_rpc
+from simulator.adapters import torch_native, torch_rpc
 from simulator.core.actors import start_actor
 from simulator.core.clock import charge_compute
 from simulator.core.errors import RankFailedError, SimError
@@ -125,7 +125,8 @@ class SimAgent(Agent):
         if swap is not None:
             rng_lender.rs = self.rs
         try:
-            return fn()
+            with torch_native.as_rank(self.rs):  # torch's groups too: DDP in a handler uses the callee's
+                return fn()
         finally:
             if swap is not None:
                 rng_lender.rs = prev_lender

@@ -13,7 +13,7 @@ Bookkeeping, per worker and context:
 * ``grads[leaf]`` - gradients accumulated for this worker's own leaves.
 
 The backward pass from some roots on worker W finds every leaf reachable from
-them, computes their gradients with ``torch.autograd.grad``, accumulates those
+them, computes their gradients through their accumulators (so DDP's hooks run), accumulates those
 of W's own leaves, and sends those of received leaves back to their sender
 (an RPC through the same transport, so gradients also cross by value), where
 the same step continues from the recorded send.  Backpropagation is linear in
@@ -24,16 +24,19 @@ send can receive several gradients.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError
 from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
+from tensorplay.distributed.rpc.futures import Future
 
 __all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id", "set_context_id"]
 
@@ -154,11 +157,65 @@ def _leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+class _Turns:
+    """One backward pass at a time on a worker (see :func:`_through_accumulators`); a wait for the turn is a wait
+    on a future, which the scheduler sees (in coop mode the holder may be in a collective of DDP's)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.busy = False
+        self.queue: collections.deque[Future[None]] = collections.deque()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self.lock:
+            turn = None
+            if self.busy:
+                turn = Future(what="distributed autograd's turn on this worker")
+                self.queue.append(turn)
+            self.busy = True
+        if turn is not None:
+            turn.wait()
+        try:
+            yield
+        finally:
+            with self.lock:
+                if self.queue:
+                    self.queue.popleft().set_result(None)
+                else:
+                    self.busy = False
+
+
+def _through_accumulators(agent: Any, roots: list[torch.Tensor], leaves: list[torch.Tensor],
+                          grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``leaves`` from ``roots``, computed as torch's distributed engine does: through each leaf's
+    gradient accumulator, so the hooks there run (DDP's reducer all-reduces in them and writes the averaged
+    gradient, which is what the context then holds), while ``.grad`` ends as it was (the context has them).
+
+    ``.grad`` is the one place hooks write to, so a worker runs one pass at a time (two contexts' passes over the
+    parameter server's table would mix their gradients).
+    """
+    turns = getattr(agent, "backward_turns", None)
+    if turns is None:
+        turns = agent.backward_turns = _Turns()
+    with turns.held():
+        saved = [leaf.grad for leaf in leaves]
+        try:
+            for leaf in leaves:
+                leaf.grad = None
+            torch.autograd.backward(roots, grads, retain_graph=True, inputs=leaves)
+            # a gradient that is a view (DDP's gradient_as_bucket_view) is overwritten by the next step: copy it
+            return [g if g is None or g._base is None else g.clone() for g in (leaf.grad for leaf in leaves)]
+        finally:
+            for leaf, g in zip(leaves, saved):
+                leaf.grad = g
+
+
 def _propagate(agent: Any, ctx: _Ctx, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     leaves = _leaves(roots)
     if not leaves:
         return
-    outs = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+    outs = _through_accumulators(agent, roots, leaves, grads)
     forwards: list[tuple[str, int, torch.Tensor]] = []
     for leaf, g in zip(leaves, outs):
         if g is None:

@@ -206,12 +206,14 @@ def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
 
 
 def _no_multithreading(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
-        # the engine would hand stand-in work to a device thread, where the rank's identity is lost
+    @functools.wraps(original)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # the engine would hand stand-in work to a device thread, where the rank's identity is lost (and whose
+        # queues it sized by the one device torch's Python-registered guard reports)
         with torch.autograd.set_multithreading_enabled(False):
             return original(*args, **kwargs)
 
-    return _engine_run_backward
+    return run
 
 
 _TB_DEVICE = torch._C.TensorBase.device.__get__
@@ -364,6 +366,10 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
     t += [(torch.autograd, "_engine_run_backward", backward), (torch.autograd.graph, "_engine_run_backward", backward)]
+    import torch.distributed.autograd as dist_autograd
+
+    if hasattr(dist_autograd, "backward"):  # torch's distributed engine (rank processes' own RPC): the same rule
+        t += [(dist_autograd, "backward", _no_multithreading(dist_autograd.backward))]
     return t
 
 
