@@ -349,6 +349,12 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
         torch.cuda.set_device(r)
         model = FSDP(model)
         assert model.compute_device == torch.device("cuda", r)
+    elif device == "cuda" and how == "offload":  # CPU offload: the parameters stay on the stand-in (a warning)
+        from torch.distributed.fsdp import CPUOffload
+
+        torch.cuda.set_device(r)
+        with pytest.warns(UserWarning, match=r"CPUOffload\(offload_params=True\)\) keeps the parameters"):
+            model = FSDP(model.to(r), cpu_offload=CPUOffload(offload_params=True))
     elif device == "cuda":  # as GPU programs write it
         torch.cuda.set_device(r)
         model = FSDP(model.to(r))
@@ -368,7 +374,7 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
     return losses, weights
 
 
-@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module"])
+@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "offload"])
 def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(how):
     """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model with
     device_id=torch.cuda.current_device() or without a device_id) gives what the same model gives on CPU ranks over

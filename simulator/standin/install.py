@@ -21,6 +21,7 @@ import functools
 import sys
 import threading
 import types
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
+from simulator.core.state import current_rank_state
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
@@ -411,6 +413,7 @@ def _fsdp1_device_id(module: Any) -> Callable[[], None]:
         elif isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is None or dev is None and \
                 isinstance(wrapped, torch.nn.Module) and not any(p.is_cuda for p in wrapped.parameters()):
             kwargs["device_id"] = torch.device("cuda", api.current_device())
+        args = _keep_params_on_device(args, kwargs)
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -419,6 +422,35 @@ def _fsdp1_device_id(module: Any) -> Callable[[], None]:
         cls.__init__ = init
 
     return undo
+
+
+def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
+    """``FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True))``: FSDP1 moves its flat parameter
+    between the CPU and the GPU by assigning ``.data``, which turns a GPU tensor into a CPU one in place; a
+    stand-in cannot change its class in place once autograd holds it, so the parameters stay on their stand-in
+    device (with a warning, once). Values are the same: offloading moves memory, not results. Returns the
+    arguments to construct with."""
+    at_3 = len(args) > 3  # FullyShardedDataParallel(module, process_group, sharding_strategy, cpu_offload, ...)
+    offload = args[3] if at_3 else kwargs.get("cpu_offload")
+    if not getattr(offload, "offload_params", False):
+        return args
+    from torch.distributed.fsdp import CPUOffload
+
+    if at_3:
+        args = (*args[:3], CPUOffload(offload_params=False), *args[4:])
+    else:
+        kwargs["cpu_offload"] = CPUOffload(offload_params=False)
+    rs = current_rank_state()
+    warned = rs.own() if rs is not None else _warned  # once per rank, as once per process on GPUs
+    if (0, "cpu_offload") not in warned:
+        warned[(0, "cpu_offload")] = True
+        warnings.warn("simulator.standin: FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True)) "
+                      "keeps the parameters on their stand-in GPU: the results are the same, but memory figures "
+                      "count them on the device (see docs/deviations.md)", UserWarning, stacklevel=3)
+    return args
+
+
+_warned: dict[tuple[int, str], bool] = {}  # what was warned about off the simulated ranks
 
 
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
