@@ -218,6 +218,27 @@ def _no_multithreading(original: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class _DDPLogger:
+    """DDP's C++ logger, but for its runtime timing statistics: it times CPU and CUDA modules only, and for any
+    other device (a stand-in is privateuseone underneath) prints a warning a GPU run does not print."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def set_runtime_stats_and_log(self) -> None:
+        return None  # (no GPU kernels to time)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _ddp_logger(original: Any) -> Callable[..., Any]:
+    def Logger(reducer: Any) -> Any:  # noqa: N802  (torch.distributed.Logger, as DDP calls it)
+        return _DDPLogger(original(reducer))
+
+    return Logger
+
+
 _TB_DEVICE = torch._C.TensorBase.device.__get__
 _TB_IS_CUDA = torch._C.TensorBase.is_cuda.__get__
 _MAKE_WRAPPER = torch.Tensor._make_wrapper_subclass
@@ -372,6 +393,10 @@ def _table() -> list[tuple[Any, str, Any]]:
 
     if hasattr(dist_autograd, "backward"):  # torch's distributed engine (rank processes' own RPC): the same rule
         t += [(dist_autograd, "backward", _no_multithreading(dist_autograd.backward))]
+    import torch.distributed as tdist
+
+    if hasattr(tdist, "Logger"):
+        t += [(tdist, "Logger", _ddp_logger(tdist.Logger))]
     return t
 
 
@@ -387,7 +412,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
     "torch.Generator", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
-    "torch.set_autocast_enabled", "torch.set_autocast_dtype"} | {
+    "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",
+    "torch.distributed.Logger"} | {
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
 
 
