@@ -70,6 +70,7 @@ from simulator.isolation import _wire, rank_threads
 from simulator.isolation.messages import RPC_ANSWER, RPC_CALL, RPC_READY, RPC_REF, RPC_SHUTDOWN, RPC_START, RPC_WAIT
 from simulator.rpc import autograd as rpc_autograd
 from simulator.rpc.agent import run_request, seal_answer, seal_request, warn_missing
+from simulator.rpc import codec
 from simulator.rpc.codec import decode
 from simulator.rpc.rref import message_reference
 from simulator.rpc.options import options_from
@@ -132,6 +133,7 @@ def start(name: str, rank: int, world_size: int, options: Any, *, default_timeou
         secret = SECRET.encode()
     _torch_futures_wait_here()
     agent = ProcAgent(BACKEND, name, rank, world_size, options, secret)
+    codec.stage_dir = BACKEND._arena_dir  # large tensors of messages cross through the run's shared memory
     mine, theirs = socket.socketpair()  # the worker's events (the coordinator keeps the other end)
     # (serving before init_rpc returns here: once every worker has started, calls to this one may come first, and
     # their handlers find the worker as the process's)

@@ -2,7 +2,8 @@
 
 * **By value.**  Every request and answer is serialised: plain ``pickle``
   (``dill`` when pickle cannot, e.g. a lambda), with tensors copied out of
-  band (``clone``), so no object is ever shared between two workers.  A tensor
+  band (``clone``; between rank processes, large ones straight into a file in shared memory, see
+  :class:`Staged`), so no object is ever shared between two workers.  A tensor
   that requires grad inside a distributed-autograd context is recorded for the
   backward pass (:mod:`simulator.rpc.autograd`) and arrives as a fresh leaf.
 * **Authenticated.**  Every message is sealed by its sender and checked by
@@ -19,6 +20,10 @@
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import mmap
+import os
 import pickle
 import threading
 from typing import Any
@@ -36,9 +41,74 @@ __all__ = ["Message", "encode", "decode", "in_message", "retain_for_message"]
 _codec = threading.local()  # .depth > 0 while a message is being encoded (RRefs may only pickle then)
 
 
-def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+#: set in a rank process (:mod:`simulator.isolation.rpc_process`): a folder in shared memory where the large
+#: tensors of its messages are staged (None: they are copied and pickled with the message)
+stage_dir: str | None = None
+STAGE_MIN_BYTES = 1 << 18  # smaller tensors cost less pickled than staged
+_stage_ids = itertools.count(1)
+
+
+class Staged:
+    """A tensor of a message between rank processes, staged in a file in shared memory: the coordinator routes
+    the message with this small record in its place, and the receiver copies the bytes out once (see
+    :func:`decode`) and removes the file; pickled, the tensor would be copied at each of the four crossings."""
+
+    __slots__ = ("path", "dtype", "shape", "size")
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: tuple[int, ...], size: int) -> None:
+        self.path, self.dtype, self.shape, self.size = path, dtype, shape, size
+
+    def numel(self) -> int:  # (Message.nbytes counts a staged tensor as the tensor it stands for)
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.size // max(1, self.numel())
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_COPY)
+        try:
+            src = torch.frombuffer(mm, dtype=torch.uint8)
+            out.reshape(-1).view(torch.uint8).copy_(src)
+            del src  # (the mapping closes once no tensor exports it)
+        finally:
+            mm.close()
+            os.unlink(self.path)
+        return out
+
+
+def _stage(t: Any) -> Any:
+    """``t`` staged in :data:`stage_dir` when it is a large plain CPU tensor (else ``t`` itself)."""
+    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu" or t.layout != torch.strided \
+            or t.is_quantized or not t.is_contiguous():
+        return t
+    size = t.numel() * t.element_size()
+    if size < STAGE_MIN_BYTES or stage_dir is None:
+        return t
+    path = os.path.join(stage_dir, f"rpc-{os.getpid()}-{next(_stage_ids)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        dst = torch.frombuffer(mm, dtype=torch.uint8)
+        dst.copy_(t.reshape(-1).view(torch.uint8))
+        del dst
+    finally:
+        mm.close()
+    return Staged(path, t.dtype, tuple(t.shape), size)
+
+
+def _copy_tensor(t: torch.Tensor) -> Any:
     dmap = getattr(_codec, "device_map", None)
     dev = dmap.get(t.device) if dmap else None
+    if stage_dir is not None and dev is None and type(t) is torch.Tensor and not t.requires_grad:
+        staged = _stage(t)  # (the copy the message takes: straight into shared memory)
+        if staged is not t:
+            return staged
     c = t.detach().clone() if dev is None or dev == t.device else t.detach().to(dev, copy=True)
     if type(t) is nn.Parameter:
         return nn.Parameter(c, requires_grad=t.requires_grad)
@@ -181,6 +251,8 @@ def decode(msg: Message, auth: "rpc_transport.Authenticator | None" = None) -> A
     if auth is not None:
         data = auth.open(data, f"simulated worker {msg.sender!r}")
     tensors = msg.tensors
+    if any(type(t) is Staged for t in tensors):  # (a message from another rank process)
+        tensors = msg.tensors = [t.load() if type(t) is Staged else t for t in tensors]
     if msg.grad_sends:
         for i, sid in msg.grad_sends:
             leaf = tensors[i].requires_grad_(True)
