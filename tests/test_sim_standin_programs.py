@@ -342,7 +342,20 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
     r = tdist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    if device == "cuda" and how == "device_id":  # as PyTorch's FSDP tutorial writes it: a CPU model, a device index
+    if how.startswith("autowrap"):  # every Linear its own FSDP unit; the root holds no parameter of its own
+        import functools
+
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        wrap = functools.partial(FSDP, auto_wrap_policy=functools.partial(size_based_auto_wrap_policy,
+                                                                          min_num_params=20))
+        if device == "cuda":
+            torch.cuda.set_device(r)
+            kw = {"device_id": torch.cuda.current_device()} if how == "autowrap_device_id" else {}
+            model = wrap(model.to(r), **kw)
+        else:
+            model = wrap(model, device_id=torch.device("cpu"))
+    elif device == "cuda" and how == "device_id":  # as PyTorch's FSDP tutorial writes it: a CPU model, a device index
         torch.cuda.set_device(r)
         model = FSDP(model, device_id=torch.cuda.current_device())
     elif device == "cuda" and how == "cpu_module":  # a CPU model, no device_id: FSDP computes on the current GPU
@@ -374,14 +387,15 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
     return losses, weights
 
 
-@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "offload"])
+@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "offload", "autowrap", "autowrap_device_id"])
 def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(how):
     """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model with
     device_id=torch.cuda.current_device() or without a device_id) gives what the same model gives on CPU ranks over
     gloo, step for step (it shards and gathers its flat parameter with set_)."""
     steps = 3
     gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, how), devices="cuda", timeout=TIMEOUT)
-    cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps), timeout=TIMEOUT)
+    cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps, "autowrap" if how.startswith("autowrap") else "moved"),
+                        timeout=TIMEOUT)
     for (gl, gw), (cl, cw) in zip(gpu, cpu):
         assert gl == cl and len(gl) == steps and gl[0] != gl[-1]
         for a, b in zip(gw, cw):

@@ -479,8 +479,34 @@ def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
 _warned: dict[tuple[int, str], bool] = {}  # what was warned about off the simulated ranks
 
 
+def _fsdp1_compute_device(module: Any) -> Callable[[], None]:
+    """FSDP1's compute device of a module without parameters of its own on a GPU (the root of an
+    ``auto_wrap_policy``, whose children hold them) is ``torch.device(torch.cuda.current_device())``: a bare index,
+    which torch makes the stand-in's ``privateuseone:i``; FSDP then finds its ``cuda:i`` flat parameters on the
+    "wrong" device. The device it computed is named ``cuda:i`` here, and a ``device_id`` compared with that, as
+    on a GPU. Returns the undo."""
+    original = module._get_compute_device
+
+    @functools.wraps(original)
+    def _get_compute_device(mod: Any, ignored: Any, device_from_device_id: Any, rank: int, handle: Any) -> Any:
+        dev = original(mod, ignored, None, rank, handle)
+        if dev.type == "privateuseone":
+            dev = torch.device("cuda", dev.index)
+        if device_from_device_id is not None and dev != device_from_device_id:
+            original(mod, ignored, device_from_device_id, rank, handle)  # (torch's own error, with its words)
+        return dev
+
+    module._get_compute_device = _get_compute_device
+
+    def undo() -> None:
+        module._get_compute_device = original
+
+    return undo
+
+
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
-_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),)
+_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),
+              ("torch.distributed.fsdp._init_utils", _fsdp1_compute_device))
 _import_undos: list[Callable[[], None]] = []
 
 
