@@ -9,9 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["Installation"]
+__all__ = ["Installation", "replace"]
+
+
+def replace(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``owner.name`` to ``value``; returns the undo, which puts back exactly what was there (an attribute
+    the owner's own ``__dict__`` lacked is removed again, so an inherited one shows through)."""
+    had = name in vars(owner)
+    previous = vars(owner).get(name)
+    setattr(owner, name, value)
+
+    def undo() -> None:
+        if had:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+    return undo
 
 
 class Installation:

@@ -28,7 +28,7 @@ import itertools
 import threading
 from typing import Any, ContextManager, Iterator
 
-from simulator.adapters._patch import Installation
+from simulator.adapters._patch import Installation, replace
 from simulator.adapters.after_import import when_imported
 from simulator.core.state import current_rank_state
 
@@ -180,12 +180,8 @@ def _hydra_singletons(module: Any) -> Any:
     original = owner.__dict__["_instances"]
     if isinstance(original, PerRankTable):  # (installed already: nested worlds)
         return lambda: None
-    owner._instances = PerRankTable(original, lambda cls: getattr(cls, "__name__", "") in _HYDRA_RUN_STATE)
-
-    def undo() -> None:
-        owner._instances = original
-
-    return undo
+    return replace(owner, "_instances",
+                   PerRankTable(original, lambda cls: getattr(cls, "__name__", "") in _HYDRA_RUN_STATE))
 
 
 #: one serial per simulated rank that made a mesh, never reused in this process (see _mesh_per_rank)

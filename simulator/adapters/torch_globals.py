@@ -35,6 +35,7 @@ from tensorplay.distributed.validation import backend_name_refusal
 from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
 from simulator.adapters import pg_wrapper, started_processes, torch_groups
+from simulator.adapters._patch import replace
 from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core._actor import current_rank_state
@@ -244,12 +245,7 @@ def _ddp_logging_names_the_backend(module: Any) -> Any:
                             gloo_device_transport=env.get("GLOO_DEVICE_TRANSPORT", "N/A"), gloo_num_threads=2)
         return data
 
-    cls._get_ddp_logging_data = _get_ddp_logging_data
-
-    def undo() -> None:
-        cls._get_ddp_logging_data = original
-
-    return undo
+    return replace(cls, "_get_ddp_logging_data", _get_ddp_logging_data)
 
 
 #: torch's process-wide tables that code changes around collectives, and what it reports of the backend:

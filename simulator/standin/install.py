@@ -41,7 +41,7 @@ import torch.serialization
 import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from simulator.adapters._patch import Installation
+from simulator.adapters._patch import Installation, replace
 from simulator.adapters.after_import import when_imported
 from simulator.core.state import current_rank_state
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
@@ -442,12 +442,7 @@ def _fsdp1_device_id(module: Any) -> Callable[[], None]:
         args = _keep_params_on_device(args, kwargs)
         init(self, *args, **kwargs)
 
-    cls.__init__ = __init__
-
-    def undo() -> None:
-        cls.__init__ = init
-
-    return undo
+    return replace(cls, "__init__", __init__)
 
 
 def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
@@ -496,12 +491,7 @@ def _fsdp1_compute_device(module: Any) -> Callable[[], None]:
             original(mod, ignored, device_from_device_id, rank, handle)  # (torch's own error, with its words)
         return dev
 
-    module._get_compute_device = _get_compute_device
-
-    def undo() -> None:
-        module._get_compute_device = original
-
-    return undo
+    return replace(module, "_get_compute_device", _get_compute_device)
 
 
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
