@@ -214,17 +214,7 @@ def _isolate_dtensor_op_handlers(module: Any) -> Any:
         else:
             tables()[id(self)] = value
 
-    had = name in cls.__dict__
-    previous = cls.__dict__.get(name)
-    setattr(cls, name, property(get, set_))
-
-    def undo() -> None:
-        if had:
-            setattr(cls, name, previous)
-        else:
-            delattr(cls, name)
-
-    return undo
+    return replace(cls, name, property(get, set_))
 
 
 def _ddp_logging_names_the_backend(module: Any) -> Any:
