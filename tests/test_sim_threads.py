@@ -393,6 +393,58 @@ def test_each_rank_configures_its_own_logging(isolation):
     assert (root.level, list(root.handlers)) == before
 
 
+_IMPORT_TIME_CONFIG = """
+import logging
+
+RECORDS = []
+
+
+class _ListHandler(logging.Handler):
+    def emit(self, record):
+        RECORDS.append(record.getMessage())
+
+
+# at import, as pytorch/examples' log_utils.py does (force: the test process's root has pytest's handlers)
+logging.basicConfig(level=logging.INFO, handlers=[_ListHandler()], force=True)
+"""
+
+
+def _rank_imports_a_configuring_module(where: str, name: str):
+    import importlib
+    import logging
+    import sys
+
+    r = dist.get_rank()
+    sys.path.insert(0, where) if where not in sys.path else None
+    helper = importlib.import_module(name)
+    logging.getLogger("tests.a_rank_logger").info("info from %d", r)
+    return [m for m in helper.RECORDS if m == f"info from {r}"], logging.getLogger().level
+
+
+@isolations
+def test_a_module_that_configures_logging_as_it_is_imported_configures_every_rank(isolation, tmp_path):
+    """A helper module whose top-level code calls logging.basicConfig configures each process that imports it;
+    thread ranks share the module, so its one import configures the process's logging, which every rank that
+    has not configured its own sees (before, only the rank that imported it first logged)."""
+    import logging
+    import sys
+
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    try:
+        for seed in (0, 1):
+            name = f"_tp_logs_on_import_{isolation}_{seed}"
+            (tmp_path / f"{name}.py").write_text(_IMPORT_TIME_CONFIG)
+            out = simulator.run(_rank_imports_a_configuring_module, 3, args=(str(tmp_path), name),
+                                isolation=isolation, seed=seed, timeout=60)
+            assert out == [([f"info from {r}"], logging.INFO) for r in range(3)]
+    finally:
+        root.handlers[:] = before[1]
+        root.setLevel(before[0])
+        for seed in (0, 1):
+            sys.modules.pop(f"_tp_logs_on_import_{isolation}_{seed}", None)
+
+
 _EXITS: list = []
 
 

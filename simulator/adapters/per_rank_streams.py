@@ -28,7 +28,10 @@ format=f"[rank{rank}] ...")`` gives each process its own root handler and level.
 rank to call it configured the root logger for all of them, whichever the schedule ran first.  While a world
 runs, the fields a rank configures of each ``logging.Logger`` (its level, handlers, ``propagate``, ``disabled``
 and its level cache) are the rank's own, starting from the process's; the logger tree (``getLogger``) stays
-shared, so a library's module-level logger reaches each rank's own handlers, as in each process.
+shared, so a library's module-level logger reaches each rank's own handlers, as in each process.  A module that
+calls ``basicConfig`` as it is imported (pytorch/examples' ``log_utils.py``) configures every process that
+imports it; thread ranks share the module, so its one import configures every rank that has not configured the
+root logger itself.
 
 Example (three ranks; only rank 0 prints, as on three processes)::
 
@@ -188,6 +191,7 @@ def resetwarnings() -> None:
 
 _FUNCTIONS = {"_add_filter": _add_filter, "resetwarnings": resetwarnings, "_showwarnmsg": _showwarnmsg}
 _ORIGINAL_FUNCTIONS: dict[str, Any] = {}
+_ORIGINAL_BASIC_CONFIG: list[Any] = [logging.basicConfig]
 
 #: what a rank configures of each ``logging.Logger`` (``basicConfig``, ``setLevel``, ``addHandler``...): its own
 _LOGGER_FIELDS = ("level", "handlers", "propagate", "disabled", "_cache")
@@ -230,6 +234,37 @@ class _RankField:
             table[(id(logger), self.name)] = value
 
 
+def _importing(frame: Any) -> bool:
+    """Is ``frame`` (or a caller of it) the top-level code of a module being imported (not the script)?"""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") not in ("__main__", "__mp_main__"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def basicConfig(**kwargs: Any) -> None:  # noqa: N802  (logging's name)
+    """``logging.basicConfig``; called by a module's top-level code as it is imported on a thread rank, it
+    configures every rank that has not configured the root logger itself. Every process runs that code when it
+    imports the module, but thread ranks share the module, so only the rank that imported it first would have."""
+    original = _ORIGINAL_BASIC_CONFIG[0]
+    rs = current_rank_state()
+    if rs is None or not _importing(sys._getframe(1)):
+        return original(**kwargs)
+    root = logging.root
+    process = {name: root.__dict__.get(name) for name in ("handlers", "level")}
+    original(**kwargs)
+    configured = {"handlers": root.handlers, "level": root.level}  # (as the calling rank sees them now)
+    for r in rs.run.ranks:
+        table = r.own()
+        for name, value in configured.items():
+            key = (id(root), name)
+            if key not in table or table[key] == process[name]:  # (a rank that has not configured its own)
+                table[key] = [*value] if name == "handlers" else value
+        for key in [k for k in table if k[1] == "_cache"]:  # levels the rank's loggers cached
+            del table[key]
+
+
 def _install() -> None:
     for name in _LOGGER_FIELDS:
         setattr(logging.Logger, name, _RankField(name))
@@ -242,11 +277,15 @@ def _install() -> None:
     for name, function in _FUNCTIONS.items():
         _ORIGINAL_FUNCTIONS[name] = warnings.__dict__[name]
         warnings.__dict__[name] = function
+    _ORIGINAL_BASIC_CONFIG[0] = logging.basicConfig
+    logging.basicConfig = basicConfig
 
 
 def _uninstall() -> None:
     for name in list(_ORIGINAL_FUNCTIONS):
         warnings.__dict__[name] = _ORIGINAL_FUNCTIONS.pop(name)
+    if logging.basicConfig is basicConfig:
+        logging.basicConfig = _ORIGINAL_BASIC_CONFIG[0]
     for name in _LOGGER_FIELDS:
         if isinstance(logging.Logger.__dict__.get(name), _RankField):
             delattr(logging.Logger, name)
