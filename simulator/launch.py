@@ -68,6 +68,7 @@ from simulator.core.tracebacks import format_rank_traceback
 from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
 # the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
+from simulator.launch_seeds import SeedWatch
 from simulator.launch_processes import (_copy_for_rank, _fake_pid_base, _is_user_process, _no_trigger, _SimPopen,
                                         _sim_popen, _start_method)
 from simulator.world import World, current_rank_state
@@ -127,6 +128,7 @@ class _Launcher:
         #: the count was not chosen: a world of more ranks than GPUs gets a GPU per rank (a script that starts N
         #: processes and puts rank r on cuda:r was written for a machine of at least N GPUs)
         self.gpus_follow_ranks = False
+        self.seeds: SeedWatch | None = None  # where the script seeded torch (a launcher script only)
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
         self.worlds: list[World] = []
@@ -179,6 +181,8 @@ class _Launcher:
                           gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
+            if self.seeds is not None:  # (a script: where its children's torch RNGs start)
+                world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
             world.launched = True  # ranks for processes the program started (adapters.started_processes)
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
@@ -510,7 +514,9 @@ def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequen
                 if callable(target):
                     target(*args)
                 else:
-                    _run_script(os.fspath(target), argv)
+                    path = os.path.abspath(os.fspath(target))
+                    with SeedWatch(path) as launcher.seeds:
+                        _run_script(path, argv)
             except BaseException as e:  # noqa: BLE001  returned below, after the pending ranks ran
                 if isinstance(e, KeyboardInterrupt):
                     raise

@@ -183,6 +183,8 @@ class World:
         #: after a run: the torch seed each rank started from (the program's own seed when it seeded torch
         #: before the run, else :func:`rank_seed` of the run's seed)
         self.rank_seeds: list[int] = []
+        #: where the ranks' torch RNGs start, for processes a launcher started (see simulator.launch_seeds)
+        self.rng_origin: tuple | None = None
         #: how to replay a failure, shown in its note (the CLI sets its own command line here)
         self.replay_hint: str | None = None
         #: after a run: the trace, and each rank's exception (None where it returned) and result
@@ -216,7 +218,7 @@ class World:
         run = Run(self, describe_world, make_scheduler(self.mode, self.seed, swap_rng=self.per_rank_rng))
         world_group = SimGroup(0, tuple(range(self.world_size)))
         ndev = torch.cuda.device_count() if self.device.type == "cuda" else 0
-        rng_states, self.rank_seeds = _initial_rng_states(self.seed, self.world_size)
+        rng_states, self.rank_seeds = _initial_rng_states(self.seed, self.world_size, self.rng_origin)
         for rs in run.ranks:
             rs.backend = SimBackend(rs, world_group)
             rs.faults = self.faults.get(rs.rank)

@@ -48,6 +48,7 @@ MULTIPROCESS = {
     "test_sleep_polling_a_file": "passed",
     # fails on thread ranks with the text of torch's module trackers: runs again on rank processes, as the run says
     "test_module_tracker_of_the_whole_process": "passed",
+    "test_compile_fullgraph_of_a_module_calling_modules": "passed",
 }
 DTENSOR = {"test_redistribute_shard_to_replicate": "passed", "test_wrong_expectation_fails": "failed"}
 DISTRIBUTED_TEST = {

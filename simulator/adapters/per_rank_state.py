@@ -92,19 +92,29 @@ class PerRankTable(dict):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:
         return iter(self.view())
 
-    # (counted without building the view: torch.nn asks its hook tables for truth on every module call)
+    # (counted without building the view: torch.nn asks its hook tables for truth on every module call; plain
+    # loops, no generator expression, since dynamo traces Module._call_impl and refuses to trace generators)
     def __len__(self) -> int:
         rs = current_rank_state()
         if rs is None:
             return len(self._original)
         mine = self._tables.get(rs.parent or rs)
-        return sum(1 for k in self._original if not self._per_rank(k)) + (len(mine) if mine else 0)
+        n = len(mine) if mine else 0
+        for k in self._original:
+            if not self._per_rank(k):
+                n += 1
+        return n
 
     def __bool__(self) -> bool:
         rs = current_rank_state()
         if rs is None:
             return bool(self._original)
-        return bool(self._tables.get(rs.parent or rs)) or any(not self._per_rank(k) for k in self._original)
+        if self._tables.get(rs.parent or rs):
+            return True
+        for k in self._original:
+            if not self._per_rank(k):
+                return True
+        return False
 
     def __repr__(self) -> str:
         return repr(self.view())

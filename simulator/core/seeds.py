@@ -28,9 +28,11 @@ def _program_seeded() -> bool:
     return s != _BOOT_SEED or s < 2**32
 
 
-def rank_seed(run_seed: int, rank: int) -> int:
-    """The torch seed a rank of an unseeded program starts from: distinct per rank, a pure function of the run's seed."""
-    digest = hashlib.blake2b(f"tensorplay-simulator:{run_seed}:{rank}".encode(), digest_size=8).digest()
+def rank_seed(run_seed: int, rank: int, salt: int = 0) -> int:
+    """The torch seed a rank of an unseeded program starts from: distinct per rank, a pure function of the run's seed
+    (and of ``salt``: the second world a launcher starts draws other seeds, as new processes would)."""
+    tail = f":{salt}" if salt else ""
+    digest = hashlib.blake2b(f"tensorplay-simulator:{run_seed}:{rank}{tail}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") | (1 << 63)  # 64-bit, like the random seed of a fresh process
 
 
@@ -40,12 +42,18 @@ def numpy_seed(run_seed: int, rank: int) -> int:
     return rank_seed(run_seed, rank) & 0xFFFFFFFF
 
 
-def _initial_rng_states(run_seed: int, n: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Each rank's starting torch RNG state and seed (see :func:`_program_seeded` and :func:`rank_seed`)."""
-    if _program_seeded():
+def _initial_rng_states(run_seed: int, n: int, origin: tuple | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """Each rank's starting torch RNG state and seed (see :func:`_program_seeded` and :func:`rank_seed`).
+
+    ``origin`` (processes a launcher started, see :mod:`simulator.launch_seeds`): ``("state", state, seed)``,
+    every rank starts there; ``("fresh", salt)``, each rank from a seed of its own; None: as decided here."""
+    if origin is not None and origin[0] == "state":
+        return [origin[1]] * n, [origin[2]] * n
+    if origin is None and _program_seeded():
         state = torch.get_rng_state()
         return [state] * n, [torch.initial_seed()] * n
-    seeds = [rank_seed(run_seed, r) for r in range(n)]
+    salt = origin[1] if origin is not None else 0
+    seeds = [rank_seed(run_seed, r, salt) for r in range(n)]
     g = torch.Generator()
     states = []
     for s in seeds:

@@ -97,7 +97,7 @@ class ProcessRanks(ProxyHandlers):
         self.world = world
         self.n = world.world_size
         self.hash_seeds = [hash_seed(world.hash_seed, r) for r in range(self.n)]
-        rng_states, _ = _initial_rng_states(world.seed, self.n)
+        rng_states, _ = _initial_rng_states(world.seed, self.n, getattr(world, "rng_origin", None))
         cleanup.sweep()  # the arenas of coordinators that died without cleaning up
         self.arena_dir = cleanup.arena_dir()
         cleanup.register(self, self.arena_dir, lambda: self.pids)  # (a SIGTERM kills the ranks, drops the arenas)

@@ -16,6 +16,16 @@ from torch.testing._internal.common_utils import run_tests
 POLL_DEADLINE_S = 20.0  # a rank polling for another rank's file gives up after this long
 
 
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu())
+
+
 class HarnessCases(MultiProcessTestCase):
     @property
     def world_size(self) -> int:
@@ -101,6 +111,17 @@ class HarnessCases(MultiProcessTestCase):
         self._init()
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("The Module hierarchy tracking is wrong (another rank's module entered)")
+        dist.barrier()
+
+    def test_compile_fullgraph_of_a_module_calling_modules(self) -> None:
+        # dynamo traces Module.__call__, which asks torch.nn's global hook tables for truth (per rank on thread
+        # ranks): fullgraph=True fails on anything it cannot trace there
+        self._init()
+        torch.manual_seed(0)
+        inner = _TwoLayers()
+        compiled = torch.compile(inner, backend="eager", fullgraph=True)
+        x = torch.ones(3, 4) * (self.rank + 1)
+        self.assertEqual(compiled(x), inner(x))
         dist.barrier()
 
 
