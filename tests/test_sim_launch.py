@@ -532,6 +532,43 @@ def test_ddp_rpc_as_written_matches_a_real_gloo_run(tmp_path):
         assert _trainers(sim.stdout) == expect, (args, real.stderr)
 
 
+# where spawned children's torch RNGs start: a spawned child imports the script (its top level runs) but not its
+# main block; two spawns are two sets of fresh processes
+SPAWN_SEEDS = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.multiprocessing as mp
+
+    if sys.argv[1:] == ["top"]:
+        torch.manual_seed(7)
+
+    def child(rank):
+        print(f"child {{rank}} seed={{torch.initial_seed()}} draw={{torch.rand(1).item():.6f}}", flush=True)
+
+    if __name__ == "__main__":
+        if sys.argv[1:] == ["main"]:
+            torch.manual_seed(7)
+        torch.rand(3)  # (the launcher's own draws reach no child)
+        mp.spawn(child, nprocs=2)
+        mp.spawn(child, nprocs=2)
+""")
+
+
+@pytest.mark.parametrize("where,isolation", [("main", "thread"), ("top", "process")])
+def test_spawned_children_start_from_what_a_fresh_interpreter_importing_the_script_has(tmp_path, where, isolation):
+    script = _write(tmp_path, "spawn_seeds.py", SPAWN_SEEDS)
+    p = _sim(tmp_path, "--isolation", isolation, script, where)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if line.startswith("child ")]
+    assert len(lines) == 4, p.stdout
+    seeds = [int(line.split("seed=")[1].split()[0]) for line in lines]
+    if where == "main":  # seeded in the main block: each child of each spawn has a seed of its own
+        assert len(set(seeds)) == 4 and 7 not in seeds, lines
+    else:  # seeded at the top: every child starts there, not where the launcher's draws left it
+        draw = f"{torch.rand(1, generator=torch.Generator().manual_seed(7)).item():.6f}"
+        assert seeds == [7] * 4 and all(line.endswith(f"draw={draw}") for line in lines), lines
+
+
 # env:// in a process the program started: it has what it inherited and what it sets, nothing a launcher adds
 ENV_RENDEZVOUS = textwrap.dedent("""
     import os, sys
