@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default cpu")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                    help="with --devices cuda: stand-in GPUs per node (torch.cuda.device_count(); LOCAL_RANK is "
-                        "rank %% N); default: --nproc-per-node")
+                        "rank %% N); default: --nproc-per-node, or for a script that starts its ranks itself 2, "
+                        "and one per rank when it starts more")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
