@@ -337,17 +337,21 @@ def _os_exit(code: int) -> None:
     raise RankOsExit(code)
 
 
+_chdir_lock = threading.Lock()
+
+
 def _chdir(path: Any) -> None:
     """``os.chdir`` while a world runs: on a thread rank (or a thread it started), that rank's working directory
     (see the module docstring); anywhere else, and in a process forked from a rank, the real call."""
     rs = current_rank_state()
     if rs is None or _forked():
         return _REAL["chdir"](path)
-    before = os.getcwd()
-    _REAL["chdir"](path)
-    now = os.getcwd()
-    _CWD.start(before)
-    _CWD.moved(now)
+    with _chdir_lock:  # (free-running ranks: the first change must read the directory every rank started in)
+        before = os.getcwd()
+        _REAL["chdir"](path)
+        now = os.getcwd()
+        _CWD.start(before)
+        _CWD.moved(now)
     own = rs.own()
     own[_CWD.KEY] = now
     run = rs.run
