@@ -80,11 +80,11 @@ class Staged:
 
 def _stage(t: Any) -> Any:
     """``t`` staged in :data:`stage_dir` when it is a large plain CPU tensor (else ``t`` itself)."""
-    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu" or t.layout != torch.strided \
-            or t.is_quantized or not t.is_contiguous():
+    if stage_dir is None or type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu" \
+            or t.layout != torch.strided or t.is_quantized or not t.is_contiguous():
         return t
     size = t.numel() * t.element_size()
-    if size < STAGE_MIN_BYTES or stage_dir is None:
+    if size < STAGE_MIN_BYTES:
         return t
     path = os.path.join(stage_dir, f"rpc-{os.getpid()}-{next(_stage_ids)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -105,8 +105,8 @@ def _stage(t: Any) -> Any:
 def _copy_tensor(t: torch.Tensor) -> Any:
     dmap = getattr(_codec, "device_map", None)
     dev = dmap.get(t.device) if dmap else None
-    if stage_dir is not None and dev is None and type(t) is torch.Tensor and not t.requires_grad:
-        staged = _stage(t)  # (the copy the message takes: straight into shared memory)
+    if stage_dir is not None and dev is None:
+        staged = _stage(t)  # (the copy the message takes, for a large plain tensor: straight into shared memory)
         if staged is not t:
             return staged
     c = t.detach().clone() if dev is None or dev == t.device else t.detach().to(dev, copy=True)

@@ -487,8 +487,9 @@ def _fsdp1_compute_device(module: Any) -> Callable[[], None]:
         dev = original(mod, ignored, None, rank, handle)
         if dev.type == "privateuseone":
             dev = torch.device("cuda", dev.index)
-        if device_from_device_id is not None and dev != device_from_device_id:
-            original(mod, ignored, device_from_device_id, rank, handle)  # (torch's own error, with its words)
+        if device_from_device_id is not None and dev != device_from_device_id:  # (torch's check, on cuda:i)
+            raise ValueError(f"Inconsistent compute device and `device_id` on rank {rank}: {dev} vs "
+                             f"{device_from_device_id}")
         return dev
 
     return replace(module, "_get_compute_device", _get_compute_device)
