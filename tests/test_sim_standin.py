@@ -63,6 +63,26 @@ def test_device_queries_and_selection(two_gpus):
     assert out.device == torch.device("cuda", 1) and not torch.backends.cudnn.is_acceptable(out)
 
 
+def test_a_bare_index_names_the_gpu_as_on_a_cuda_build(two_gpus):
+    """``device = torch.device(local_rank)``: a CUDA build reads a bare index as the current accelerator's GPU."""
+    torch.cuda.set_device(1)
+    dev = torch.device(1)
+    assert (str(dev), dev.type, dev.index) == ("cuda:1", "cuda", 1) and dev == torch.device("cuda", 1)
+    assert type(dev) is type(torch.device("cpu")) and isinstance(dev, torch.device)
+    assert pickle.loads(pickle.dumps(dev)) == dev and copy.deepcopy(dev) == dev and torch.device(dev) == dev
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(3.0)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location=dev)  # the idiom that failed while the index read as privateuseone:1
+    assert loaded["w"].device == dev and torch.equal(loaded["w"].cpu(), torch.arange(3.0))
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+        assert torch.nn.Linear(2, 2).to(dev)(torch.ones(1, 2, device=dev)).dtype == torch.bfloat16
+    # every other spelling is torch's own
+    assert [str(torch.device(s)) for s in ("cpu", "meta", "cuda", "cuda:0")] == ["cpu", "meta", "cuda", "cuda:0"]
+    with pytest.raises(RuntimeError, match="Device index must not be negative"):
+        torch.device(-1)
+
+
 def test_total_memory_and_device_count_are_parameters():
     with standin.enabled(gpus_per_node=3, total_memory=2 ** 30):
         assert torch.cuda.device_count() == 3
@@ -75,7 +95,7 @@ def test_total_memory_and_device_count_are_parameters():
 
 
 def test_everything_is_restored_on_exit():
-    before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
+    before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile, torch.device,
               torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
               torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
     with standin.enabled():
@@ -83,10 +103,10 @@ def test_everything_is_restored_on_exit():
             assert torch.cuda.device_count() == 4
         assert torch.cuda.device_count() == 1
         kept = torch.ones(2, device="cuda")
-    after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile,
+    after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile, torch.device,
              torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
              torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
-    assert after == before == (False, 0, before[2], before[3], torch.device("cpu"), None, False, None, False, None)
+    assert after == before == (False, 0, *before[2:5], torch.device("cpu"), None, False, None, False, None)
     assert not standin.is_active()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         torch.empty(2, device="cuda")

@@ -47,6 +47,7 @@ from simulator.core.state import current_rank_state
 from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
+from simulator.standin.device_type import device_class
 from simulator.standin.refuse import CUDA_ONLY, NvtxStub, compile_guard, cuda_only_table, profile_cpu_only
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
@@ -381,6 +382,7 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save)),
           (torch.UntypedStorage, "to", storage_to(torch.UntypedStorage.to)),
           (torch, "Generator", rng.generator_class(torch.Generator)),
+          (torch, "device", device_class(torch.device)),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
@@ -411,20 +413,17 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
+    "torch.Generator", "torch.device", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",
     "torch.distributed.Logger"} | {
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
 
 
 def _fsdp1_device_id(module: Any) -> Callable[[], None]:
-    """``FullyShardedDataParallel(device_id=torch.cuda.current_device())``: a bare index names this process's GPU
-    ``cuda:i``, but torch makes ``torch.device(i)`` of the stand-in's ``privateuseone:i`` underneath, which FSDP
-    then finds inconsistent with its ``cuda:i`` parameters; the index becomes ``cuda:i`` first. Without a
-    ``device_id`` (or one without an index) FSDP computes on ``torch.device(current_device())``, privateuseone
-    too: a module not on a GPU yet is then given the current ``cuda:i`` as its ``device_id``, and so moved there
-    now (a GPU moves it when the program does: a CPU parameter cannot become a stand-in in place once FSDP holds
-    views of it). Returns the undo."""
+    """``FullyShardedDataParallel`` of a module not on a GPU yet, without a ``device_id`` (or with one without an
+    index): the module is given the current ``cuda:i`` as its ``device_id``, and so moved there now (a GPU moves it
+    when the program does: a CPU parameter cannot become a stand-in in place once FSDP holds views of it).
+    Returns the undo."""
     cls = module.FullyShardedDataParallel
     init = cls.__init__
 
@@ -432,11 +431,7 @@ def _fsdp1_device_id(module: Any) -> Callable[[], None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         dev = kwargs.get("device_id")
         wrapped = kwargs.get("module", args[0] if args else None)
-        if isinstance(dev, int) and not isinstance(dev, bool):
-            kwargs["device_id"] = torch.device("cuda", dev)
-        elif isinstance(dev, torch.device) and dev.type == "privateuseone":
-            kwargs["device_id"] = torch.device("cuda", dev.index)
-        elif isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is None or dev is None and \
+        if isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is None or dev is None and \
                 isinstance(wrapped, torch.nn.Module) and not any(p.is_cuda for p in wrapped.parameters()):
             kwargs["device_id"] = torch.device("cuda", api.current_device())
         args = _keep_params_on_device(args, kwargs)
@@ -474,30 +469,8 @@ def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
 _warned: dict[tuple[int, str], bool] = {}  # what was warned about off the simulated ranks
 
 
-def _fsdp1_compute_device(module: Any) -> Callable[[], None]:
-    """FSDP1's compute device of a module without parameters of its own on a GPU (the root of an
-    ``auto_wrap_policy``, whose children hold them) is ``torch.device(torch.cuda.current_device())``: a bare index,
-    which torch makes the stand-in's ``privateuseone:i``; FSDP then finds its ``cuda:i`` flat parameters on the
-    "wrong" device. The device it computed is named ``cuda:i`` here, and a ``device_id`` compared with that, as
-    on a GPU. Returns the undo."""
-    original = module._get_compute_device
-
-    @functools.wraps(original)
-    def _get_compute_device(mod: Any, ignored: Any, device_from_device_id: Any, rank: int, handle: Any) -> Any:
-        dev = original(mod, ignored, None, rank, handle)
-        if dev.type == "privateuseone":
-            dev = torch.device("cuda", dev.index)
-        if device_from_device_id is not None and dev != device_from_device_id:  # (torch's check, on cuda:i)
-            raise ValueError(f"Inconsistent compute device and `device_id` on rank {rank}: {dev} vs "
-                             f"{device_from_device_id}")
-        return dev
-
-    return replace(module, "_get_compute_device", _get_compute_device)
-
-
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
-_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),
-              ("torch.distributed.fsdp._init_utils", _fsdp1_compute_device))
+_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),)
 _import_undos: list[Callable[[], None]] = []
 
 

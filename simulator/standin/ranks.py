@@ -52,6 +52,9 @@ def push_config(cfg: Config) -> None:
 
 def pop_config(cfg: Config) -> None:
     _configs.remove(cfg)
+    if not _configs:  # the stand-in's machine is gone: a later one starts on its device 0, as a new process would
+        _process.current = 0
+        _process.streams.clear()
 
 
 def config() -> Config:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from simulator.standin.ranks import DeviceState, device_count, resolve_index, state
+from simulator.standin.device_type import replacement_class
 
 __all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator",
            "generator_class", "CudaGenerator"]
@@ -182,22 +183,10 @@ def generator_class(original: type) -> type:
     :class:`CudaGenerator` (torch's own needs a GPU build), any other device torch's own; ``isinstance`` and
     ``issubclass`` answer for torch's generators as before."""
 
-    class _GeneratorType(type):
-        def __call__(cls, device: Any = None) -> Any:
-            d = torch.device(device) if isinstance(device, str) else device
-            if isinstance(d, torch.device) and d.type == "cuda":
-                return CudaGenerator(resolve_index(d, "torch.Generator"))
-            return original() if device is None else original(device)
+    def make(device: Any = None) -> Any:
+        d = torch.device(device) if isinstance(device, str) else device
+        if isinstance(d, torch.device) and d.type == "cuda":
+            return CudaGenerator(resolve_index(d, "torch.Generator"))
+        return original() if device is None else original(device)
 
-        def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, original)
-
-        def __subclasscheck__(cls, sub: Any) -> bool:
-            return isinstance(sub, type) and issubclass(sub, original)
-
-    class Generator(metaclass=_GeneratorType):
-        pass
-
-    Generator.__doc__ = original.__doc__
-    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
-    return Generator
+    return replacement_class(original, make)
