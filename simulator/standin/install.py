@@ -284,6 +284,31 @@ def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _TB_DATA.__set__(self, new)
 
 
+def _same_standin(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two stand-ins are one device tensor: the same data, device, layout and dtype."""
+    if not (isinstance(a, StandInTensor) and isinstance(b, StandInTensor)) or a._idx != b._idx:
+        return False
+    x, y = a._inner, b._inner
+    return x is y or (x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and x.dtype == y.dtype
+                      and x.storage_offset() == y.storage_offset() and x.shape == y.shape
+                      and x.stride() == y.stride())
+
+
+def _swap_unless_same(original: Callable[..., None]) -> Callable[..., None]:
+    """``Module.to``/``.cuda()`` swaps every wrapper-subclass parameter with its moved value, even one already on
+    its device, and torch's swap refuses a parameter that other tensors still reference (FSDP1's flat parameter
+    and its views: ``FSDP(model).cuda()``). On a GPU the move assigns ``.data``, a no-op when nothing moved:
+    so is the swap of a stand-in with an alias of itself."""
+
+    @functools.wraps(original)
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if _same_standin(t1, t2) and t1.requires_grad == t2.requires_grad:
+            return
+        original(t1, t2)
+
+    return swap_tensors
+
+
 def _current_accelerator(check: bool = False) -> torch.device:
     return torch.device("cuda")
 
@@ -383,6 +408,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.UntypedStorage, "to", storage_to(torch.UntypedStorage.to)),
           (torch, "Generator", rng.generator_class(torch.Generator)),
           (torch, "device", device_class(torch.device)),
+          (torch.utils, "swap_tensors", _swap_unless_same(torch.utils.swap_tensors)),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
@@ -413,7 +439,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.device", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
+    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",
     "torch.distributed.Logger"} | {
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
