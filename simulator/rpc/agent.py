@@ -13,8 +13,10 @@
   :class:`~tensorplay.distributed.rpc.errors.WorkerUnavailableError`.  Remote
   exceptions keep their type and carry the remote traceback, as on TensorPipe.
 * **Faults by seed.**  Each worker draws the faults of the messages it sends
-  (:class:`~simulator.rpc.options.MessageFaults`) from a stream seeded by the
-  faults' seed (else the run's) and its rank.
+  (:class:`~simulator.rpc.options.MessageFaults`) from a stream per message,
+  seeded by the faults' seed (else the run's), its rank, the call (caller and
+  the caller's count of calls) and the leg (request or answer), so the order
+  in which a worker's messages go out does not change which are lost.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class SimAgent(Agent):
         #: secret of this rank's environment, else the run's own (the simulator starts every member itself)
         self.auth = rpc_transport.Authenticator(secret or world.secret)
         seed = options.faults.seed if options.faults and options.faults.seed is not None else rs.run.seed
-        self.rng = random.Random(f"tensorplay.rpc:{seed}:{rank}")
+        self.fault_seed = seed
         self._infos: list[WorkerInfo] | None = None
         self.rpc_seq = 0  # RPCs this worker issued (the trace's seq for them)
 
@@ -152,7 +154,10 @@ class SimAgent(Agent):
         f = self.faults
         if f is None:
             return 0.0
-        r = self.rng
+        # each message draws from a stream of its own, named by the call (its caller and the caller's count) and
+        # the leg: a worker's answers and its own requests may be sent in any order (its handlers and its main
+        # thread; a rank process computes them at once), and the faults must not depend on that order
+        r = random.Random(f"tensorplay.rpc:{self.fault_seed}:{self.rank}:{rec.agent.rank}:{rec.seq}:{leg}")
         if f.drop and r.random() < f.drop:
             rec.v += timeout
             raise RpcTimeoutError(rpc_message(
