@@ -584,6 +584,49 @@ def test_ddp_on_standins_equals_cpu_ddp(backend):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got[0], got[1]))
 
 
+class _TwoBranches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def _ddp_changing_branches(use_cuda: bool):
+    """find_unused_parameters=True with a layer used on some steps only: DDP's reducer asks its C++ logger
+    whether the graph is static, so the logger it holds must be alive (a segfault on stand-ins before)."""
+    tdist.init_process_group("nccl" if use_cuda else "gloo")
+    r = tdist.get_rank()
+    torch.manual_seed(0)
+    dev = torch.device("cuda", r) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(r)
+    ddp = DDP(_TwoBranches().to(dev), device_ids=[r] if use_cuda else None, find_unused_parameters=True)
+    # the reducer holds the logger by a C++ weak pointer: only a logger of torch's own class can be held (a
+    # Python stand-in for it was converted to a temporary, freed at once: the segfault, when the memory was reused)
+    assert isinstance(ddp.logger, torch._C._distributed_c10d.Logger)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = []
+    for step in range(4):
+        x = torch.full((3, 6), float(r + step)).to(dev)
+        loss = ddp(x, use_b=step == 0).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out, [p.detach().cpu() for p in ddp.parameters()]
+
+
+def test_ddp_find_unused_parameters_with_changing_branches_on_standins():
+    want = simulator.run(_ddp_changing_branches, 2, args=(False,))
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_ddp_changing_branches, 2, args=(True,))
+    for (gl, gp), (wl, wp) in zip(got, want):
+        assert gl == wl and len(set(gl)) == 4
+        assert all(torch.equal(x, y) for x, y in zip(gp, wp))
+
+
 def _bf16_hook_grads():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     tdist.init_process_group("nccl")

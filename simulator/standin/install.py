@@ -219,24 +219,16 @@ def _no_multithreading(original: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class _DDPLogger:
+def _ddp_logger(original: type) -> type:
     """DDP's C++ logger, but for its runtime timing statistics: it times CPU and CUDA modules only, and for any
-    other device (a stand-in is privateuseone underneath) prints a warning a GPU run does not print."""
+    other device (a stand-in is privateuseone underneath) prints a warning a GPU run does not print. A subclass
+    of torch's own, so that the reducer's reference to it (a C++ weak pointer) holds this very logger."""
 
-    def __init__(self, real: Any) -> None:
-        self._real = real
+    class Logger(original):  # type: ignore[misc, valid-type]
+        def set_runtime_stats_and_log(self) -> None:
+            return None  # (no GPU kernels to time)
 
-    def set_runtime_stats_and_log(self) -> None:
-        return None  # (no GPU kernels to time)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
-def _ddp_logger(original: Any) -> Callable[..., Any]:
-    def Logger(reducer: Any) -> Any:  # noqa: N802  (torch.distributed.Logger, as DDP calls it)
-        return _DDPLogger(original(reducer))
-
+    Logger.__module__, Logger.__qualname__ = original.__module__, original.__qualname__
     return Logger
 
 
