@@ -362,6 +362,11 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
         torch.cuda.set_device(r)
         model = FSDP(model)
         assert model.compute_device == torch.device("cuda", r)
+    elif device == "cuda" and how == "sync_states":  # each rank's own init; rank 0's broadcast by FSDP
+        torch.cuda.set_device(r)
+        torch.manual_seed(r)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model = FSDP(model, device_id=torch.cuda.current_device(), sync_module_states=True)
     elif device == "cuda" and how == "cuda_after":  # an older idiom: wrap the CPU model, then move the wrapper
         torch.cuda.set_device(r)
         model = FSDP(model).cuda()
@@ -390,11 +395,12 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
     return losses, weights
 
 
-@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "cuda_after", "offload", "autowrap",
-                                 "autowrap_device_id"])
+@pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "cuda_after", "sync_states", "offload",
+                                 "autowrap", "autowrap_device_id"])
 def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(how):
     """FullyShardedDataParallel (FSDP1) written for GPUs (nccl, set_device, .to(rank), or a CPU model with
-    device_id=torch.cuda.current_device() or without a device_id, or FSDP(model).cuda()) gives what the same model gives on CPU ranks over
+    device_id=torch.cuda.current_device() or without a device_id, or FSDP(model).cuda(), or each rank's own
+    initialisation made equal by sync_module_states=True, which CPU ranks cannot use) gives what the same model gives on CPU ranks over
     gloo, step for step (it shards and gathers its flat parameter with set_)."""
     steps = 3
     gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, how), devices="cuda", timeout=TIMEOUT)

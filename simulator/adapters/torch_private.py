@@ -269,6 +269,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "torch.compile of a stand-in model: torch's compiled-module wrapper, its calls run eagerly"),
     _P("torch._dynamo.eval_frame.DisableContext", "standin.refuse", "reads",
        "torch.compile of a stand-in model: the wrapper's dynamo context, disabled"),
+    _P("torch.distributed.fsdp._init_utils.is_traceable_wrapper_subclass", "standin.install", "patches",
+       "FSDP1's sync_module_states flattens wrapper subclasses: a stand-in is broadcast as itself"),
     _P("torch.autograd._engine_run_backward", "standin.install", "patches",
        "backward runs on the calling rank thread, never on a device thread"),
     _P("torch.autograd.graph._engine_run_backward", "standin.install", "patches",

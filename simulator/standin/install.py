@@ -487,8 +487,21 @@ def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
 _warned: dict[tuple[int, str], bool] = {}  # what was warned about off the simulated ranks
 
 
+def _fsdp1_sync_states(module: Any) -> Callable[[], None]:
+    """FSDP1's ``sync_module_states=True`` broadcasts the tensors inside a wrapper subclass (a DTensor's local
+    shard), and so took a stand-in's CPU storage for a CPU parameter ("requires them to be on GPU"): a stand-in
+    is broadcast as itself, as a GPU tensor is. Returns the undo."""
+    original = module.is_traceable_wrapper_subclass
+
+    def is_traceable_wrapper_subclass(t: Any) -> bool:
+        return not isinstance(t, StandInTensor) and original(t)
+
+    return replace(module, "is_traceable_wrapper_subclass", is_traceable_wrapper_subclass)
+
+
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
-_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),)
+_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),
+              ("torch.distributed.fsdp._init_utils", _fsdp1_sync_states))
 _import_undos: list[Callable[[], None]] = []
 
 
