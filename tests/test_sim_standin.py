@@ -467,6 +467,18 @@ def test_compiled_code_runs_eagerly_on_standins(two_gpus, monkeypatch):
     assert model[0].weight.grad is not None and model[0].weight.grad.is_cuda
     double = torch.compile(lambda t: t * 2)  # compiled before it ever sees a stand-in: runs eagerly when it does
     assert torch.equal(double(torch.ones(2, device="cuda")).cpu(), torch.full((2,), 2.0))
+    # PyTorch's compiled-optimizer recipe: no argument, the stand-ins reached through the closure; and a module
+    # passed as an argument (dynamo traced both, and failed on the stand-ins' storage)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = model[0].weight.detach().cpu().clone()
+
+    @torch.compile(fullgraph=False)
+    def opt_step():
+        opt.step()
+
+    opt_step()
+    assert not torch.equal(model[0].weight.detach().cpu(), before)
+    assert torch.equal(torch.compile(lambda m, b: m(b["x"]))(model, {"x": x}).cpu(), model(x).cpu())
 
 
 def test_what_cannot_be_faithful_is_refused(two_gpus):

@@ -26,7 +26,7 @@ from tensorplay.distributed.errors import format_message
 from simulator.core._actor import current_rank_state
 
 __all__ = ["Config", "DeviceState", "state", "config", "push_config", "pop_config", "device_count",
-           "resolve_index", "track", "GIB", "BLOCK"]
+           "resolve_index", "track", "GIB", "BLOCK", "open_now"]
 
 GIB = 1 << 30
 #: the CUDA caching allocator's allocation granularity (bytes)
@@ -55,6 +55,11 @@ def pop_config(cfg: Config) -> None:
     if not _configs:  # the stand-in's machine is gone: a later one starts on its device 0, as a new process would
         _process.current = 0
         _process.streams.clear()
+
+
+def open_now() -> bool:
+    """Whether a stand-in context is open (in any thread of the process)."""
+    return bool(_configs)
 
 
 def config() -> Config:

@@ -5,8 +5,9 @@ not exist.  Compiling is an optimisation whose results are the eager model's (to
 scripts compile by default (nanoGPT's ``compile = True``), so while the stand-in is enabled a module that holds
 stand-in parameters or buffers "compiles" to torch's own ``OptimizedModule`` with dynamo disabled (so
 ``_orig_mod``, its ``state_dict`` keys and ``DDP`` around it are as after a real compile) and runs eagerly; a
-compiled module or function called with stand-ins runs its original eagerly.  The first time, a warning says
-so.  Anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``; operators with GPU kernels
+compiled module called with stand-ins, and a compiled function called while the stand-in is on (it may reach
+stand-ins through its closure or globals), run their originals eagerly.  The first time, a warning says so.
+Anything else compiles as usual.  (CUDA graphs are refused in ``cuda_api``; operators with GPU kernels
 only, such as custom CUDA extensions and Triton kernels registered as operators, in ``tensor``.)
 
 ``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])`` profiles the CPU only: there are no GPU kernels to
@@ -35,6 +36,7 @@ import torch.profiler
 from tensorplay.distributed.errors import format_message
 
 from simulator.standin.errors import StandInError
+from simulator.standin.ranks import open_now
 from simulator.standin.tensor import StandInTensor
 
 __all__ = ["compile_guard", "NvtxStub", "CUDA_ONLY", "cuda_only_table"]
@@ -130,8 +132,11 @@ def compile_guard(original: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(model)
         def call(*args: Any, **kw: Any) -> Any:
-            if _any_standin(args, kw):
-                _eagerly("a stand-in tensor was passed to the compiled function")
+            # a function reaches stand-ins through its arguments, the modules among them, its closure and its
+            # globals (PyTorch's compiled-optimizer recipe: ``opt.step()`` with no argument): while the stand-in
+            # is on, it runs eagerly
+            if open_now():
+                _eagerly("a compiled function runs while the stand-in is on")
                 return model(*args, **kw)
             return compiled(*args, **kw)
 
