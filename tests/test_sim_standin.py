@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import simulator
 from simulator import standin
 from simulator.standin import StandInError, StandInTensor
+from tensorplay.distributed.errors import DistBackendError
 
 SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices"
 
@@ -637,6 +638,30 @@ def test_ddp_find_unused_parameters_with_changing_branches_on_standins():
     for (gl, gp), (wl, wp) in zip(got, want):
         assert gl == wl and len(set(gl)) == 4
         assert all(torch.equal(x, y) for x, y in zip(gp, wp))
+
+
+def _all_reduce_on(devices: tuple[int, ...], world: bool):
+    """An all_reduce on ``cuda:devices[rank]``, on the default group or a new NCCL group of every rank."""
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(devices[r])
+    group = None if world else tdist.new_group(list(range(tdist.get_world_size())))
+    x = torch.full((2,), float(r + 1), device="cuda")
+    tdist.all_reduce(x, group=group)
+    return x.cpu().tolist()
+
+
+@pytest.mark.parametrize("world", [True, False])
+def test_nccl_refuses_two_ranks_of_a_node_on_one_gpu(world):
+    """The commonest torchrun mistake (no set_device(local_rank): every rank on cuda:0) fails as NCCL fails it,
+    on every rank, naming the fix; ranks of different nodes may use the same index."""
+    with standin.enabled(gpus_per_node=2):
+        with pytest.raises(DistBackendError, match=r"Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0"
+                                                   r"(.|\n)*Fix: give each rank its own GPU"):
+            simulator.run(_all_reduce_on, 2, args=((0, 0), world))
+        assert simulator.run(_all_reduce_on, 2, args=((1, 0), world)) == [[3.0, 3.0]] * 2
+    with standin.enabled(gpus_per_node=1):  # two nodes of one GPU each: cuda:0 on both is right
+        assert simulator.run(_all_reduce_on, 2, args=((0, 0), world)) == [[3.0, 3.0]] * 2
 
 
 def _bf16_hook_grads():

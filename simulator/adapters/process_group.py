@@ -25,7 +25,9 @@ from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
 from simulator.adapters.gloo_rules import GlooRules, combine, premul_factor, reduce_op, root_of, tensor_list
-from simulator.adapters.process_group_work import SimWork, _autograd_refusal, _backend_errors
+from simulator.adapters.process_group_work import (
+    SimWork, _autograd_refusal, _backend_errors, NcclDeviceRule,
+)
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import rank_device
 
@@ -121,6 +123,11 @@ class SimProcessGroup(tdist.ProcessGroup):
         self._g = group
         self._named = str(named)
         self._types = _device_types_for(self._named)
+        standin = sys.modules.get("simulator.standin")
+        # NCCL's device rule, where the group's calls meet (on rank processes they meet in the coordinator, which
+        # sees their tensors without devices: not checked there)
+        if "nccl" in self._named and standin is not None and standin.is_active() and hasattr(group.handle, "rule"):
+            group.handle.rule = NcclDeviceRule(tuple(group.ranks))
         #: the bound on each of its operations (init_process_group / new_group's timeout=), as gloo's
         self._timeout = timeout if timeout else None
 

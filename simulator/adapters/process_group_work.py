@@ -317,3 +317,48 @@ def _nccl_devices(args: tuple) -> None:
             dev = standin.device_of(a)
             if dev.type != "cuda":
                 raise RuntimeError(f"No backend type associated with device type {dev.type}")
+
+
+class NcclDeviceRule:
+    """NCCL's rule for a communicator (``SimGroup.rule``): two ranks of one node may not use one GPU. NCCL refuses
+    at the communicator's set-up ("Duplicate GPU detected"): the commonest torchrun mistake (no
+    ``torch.cuda.set_device(local_rank)``, so every rank computes on ``cuda:0``) fails there, on every rank.
+    Only stand-ins count: a "cpu:gloo,cuda:nccl" group's CPU calls are gloo's."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+
+    def tag(self, data: Any) -> int | None:
+        """The GPU of a call, read on the issuing rank's thread (a functional collective hands the group CPU
+        tensors, whose stand-in device only that thread knows: ``standin.device_of``)."""
+        from simulator.standin import device_of
+
+        stack = [data]
+        while stack:
+            a = stack.pop()
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+            elif isinstance(a, torch.Tensor):
+                d = device_of(a)
+                if d.type == "cuda":
+                    return d.index
+        return None
+
+    def check(self, calls: list[Any]) -> Any:
+        from simulator.core.state import Incident
+        from simulator.standin.ranks import config
+
+        ranks, per_node = self.ranks, config().gpus_per_node  # (None: one node, as many GPUs as ranks)
+        seen: dict[tuple[int, int], int] = {}
+        for i, c in enumerate(calls):
+            if c.tag is None:
+                continue
+            first = seen.setdefault((ranks[i] // per_node if per_node else 0, c.tag), i)
+            if first != i:
+                return Incident(DistBackendError, format_message(
+                    "torch.distributed (nccl)", f"ncclInvalidUsage: Duplicate GPU detected : rank {i} and rank "
+                    f"{first} both on CUDA device {c.tag} (NCCL refuses two ranks of a communicator on one GPU)",
+                    group=list(ranks), values={"rank": ranks[i], "other_rank": ranks[first], "device": f"cuda:{c.tag}"},
+                    fix="give each rank its own GPU before its first collective: torch.cuda.set_device(local_rank) "
+                        "(LOCAL_RANK from the environment), and put its tensors and model on that device"))
+        return None

@@ -193,6 +193,8 @@ class SimBackend(Backend):
         seq = self._seq.get(g.gid, 0) + 1
         self._seq[g.gid] = seq
         call = RankCall(rs, key, data, site, nbytes, async_op, detail)
+        if g.rule is not None:
+            call.tag = g.rule.tag(data)
         run = rs.run
         sched = run.sched
         with sched.lock:
@@ -226,9 +228,12 @@ class SimBackend(Backend):
         reason = disagreement(calls)
         if reason is None and check is not None:
             reason = check(calls)
+        refused = slot.group.rule.check(calls) if reason is None and slot.group.rule is not None else None
         if reason is not None:
             slot.error = Incident(CollectiveMismatchError,
                                   mismatch_message(slot.name, slot.group, slot.seq, calls, reason))
+        elif refused is not None:
+            slot.error = refused
         else:
             try:
                 if max(c.nbytes for c in calls) >= _OFFLOAD_BYTES:

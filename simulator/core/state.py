@@ -368,7 +368,7 @@ OVER_TEXT = format_message(
 class SimGroup:
     """The world-wide identity of a group: its ranks and its open slots."""
 
-    __slots__ = ("gid", "ranks", "size", "index", "slots")
+    __slots__ = ("gid", "ranks", "size", "index", "slots", "rule")
 
     def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
         self.gid = gid
@@ -376,6 +376,10 @@ class SimGroup:
         self.size = len(ranks)
         self.index = {g: i for i, g in enumerate(ranks)}
         self.slots: dict[int, Slot] = {}
+        #: a rule of the backend the program named for this group (NCCL's one device per rank): its ``tag(data)``
+        #: runs on each member's thread as it issues a call (the call keeps the result as ``tag``), its
+        #: ``check(calls)`` once all members' calls arrived, giving an :class:`Incident` every member raises, or None
+        self.rule: Any = None
 
     def __repr__(self) -> str:
         return f"<sim group {self.gid} ranks={list(self.ranks)}>"
@@ -385,7 +389,7 @@ class RankCall:
     """One rank's part in a collective."""
 
     __slots__ = ("rs", "key", "data", "site", "vstart", "wall_start", "backward", "nbytes", "detail", "async_op",
-                 "observed")
+                 "observed", "tag")
 
     def __init__(self, rs: RankState, key: CallKey, data: Any, site: str, nbytes: int, async_op: bool,
                  detail: str | None = None) -> None:
@@ -400,6 +404,7 @@ class RankCall:
         self.detail = detail
         self.async_op = async_op
         self.observed = False
+        self.tag: Any = None  # what the group's rule noted of the call as it was issued (see SimGroup.rule)
 
 
 class Slot:
