@@ -84,6 +84,24 @@ def test_a_bare_index_names_the_gpu_as_on_a_cuda_build(two_gpus):
         torch.device(-1)
 
 
+def test_a_default_cuda_device_is_the_current_gpu_for_every_constructor(two_gpus):
+    """``torch.set_default_device("cuda")`` / ``with torch.device("cuda")``: torch.tensor, as_tensor and asarray
+    land on the current GPU, as the other factories do (they landed on cuda:0)."""
+    torch.cuda.set_device(1)
+    want = torch.device("cuda", 1)
+    with torch.device("cuda"):
+        made = [torch.tensor([1.0]), torch.as_tensor([1.0]), torch.asarray([1.0]), torch.zeros(1)]
+    assert [t.device for t in made] == [want] * 4
+    torch.set_default_device("cuda")
+    try:
+        assert torch.tensor([2.0]).device == want and torch.get_default_device() == want
+        assert torch.tensor([2.0], device="cpu").device == torch.device("cpu")  # an explicit device wins
+    finally:
+        torch.set_default_device(None)
+    assert torch.tensor([1.0]).device == torch.device("cpu")
+    torch.cuda.set_device(0)
+
+
 def test_total_memory_and_device_count_are_parameters():
     with standin.enabled(gpus_per_node=3, total_memory=2 ** 30):
         assert torch.cuda.device_count() == 3

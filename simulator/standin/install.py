@@ -168,11 +168,25 @@ def _cpu_elements(data: Any) -> Any:
 
 
 @functools.cache  # one wrapper per original, for the process: TorchScript knows it by id (below)
+def _default_cuda() -> torch.device | None:
+    """The innermost default device (a ``DeviceContext`` mode), when it is CUDA without an index."""
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, torch.utils._device.DeviceContext):
+            d = mode.device
+            return d if d.type == "cuda" and d.index is None else None
+    return None
+
+
 def _patched_constructor(original: Callable[..., Any]) -> Callable[..., Any]:
     def construct(*args: Any, **kwargs: Any) -> Any:
-        # torch.tensor(data, device="cuda") resolves a missing index through a guard that knows no rank
+        # torch.tensor(data, device="cuda") resolves a missing index through a guard that knows no rank; so does
+        # the bare "cuda" a default device (torch.set_default_device, ``with torch.device("cuda")``) puts there
         if kwargs.get("device") is not None:
             kwargs["device"] = _pu(kwargs["device"])
+        elif torch._C._len_torch_function_stack():
+            default = _default_cuda()
+            if default is not None:
+                kwargs["device"] = _pu(default)
         try:
             return original(*args, **kwargs)
         except RuntimeError:
