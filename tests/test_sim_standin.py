@@ -231,6 +231,15 @@ def test_out_of_memory_names_the_limit():
         with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory.*total_memory"):
             torch.empty(100_000, device="cuda")
         del keep
+    # more than the device holds is refused before the host allocates it (the CPU allocator's own error, or the
+    # host's memory taken, before): a program's batch-size search catches CUDA's error
+    with standin.enabled(gpus_per_node=1):
+        for make in (lambda: torch.empty(100 << 30, device="cuda"),
+                     lambda: torch.zeros(1 << 20, 1 << 20, device="cuda"),
+                     lambda: torch.randn(30 << 30, device="cuda", dtype=torch.float64)):
+            with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory. Tried to allocate"):
+                make()
+        assert torch.cuda.memory_allocated() == 0
 
 
 # -- tensors --------------------------------------------------------------------------------------------

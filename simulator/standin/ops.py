@@ -3,6 +3,7 @@ stream bookkeeping, the fallback that computes CUDA factories on the CPU, and :f
 process groups that check devices."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -104,6 +105,9 @@ def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     if idx is None:  # not a CUDA device after all (cannot happen through these keys): run as given
         return func(*args, **kwargs)
     ranks.state().initialized = True
+    if args and isinstance(args[0], (list, tuple)) and args[0] and all(type(n) is int for n in args[0]):
+        # a size: the memory is known before it is taken (torch.empty(...) of more than the GPU holds)
+        ranks.check_room(idx, math.prod(args[0]) * (kwargs.get("dtype") or torch.get_default_dtype()).itemsize)
     kwargs["device"] = CPU
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False

@@ -26,7 +26,7 @@ from tensorplay.distributed.errors import format_message
 from simulator.core._actor import current_rank_state
 
 __all__ = ["Config", "DeviceState", "state", "config", "push_config", "pop_config", "device_count",
-           "resolve_index", "track", "GIB", "BLOCK", "open_now"]
+           "resolve_index", "track", "GIB", "BLOCK", "open_now", "check_room"]
 
 GIB = 1 << 30
 #: the CUDA caching allocator's allocation granularity (bytes)
@@ -209,6 +209,18 @@ def track(inner: torch.Tensor, dev: int) -> None:
     st.alloc(dev, size)
     # a weak reference's callback runs when torch frees the storage (its Python object lives as long as it does)
     _tracked[key] = (weakref.ref(storage, _released(key)), st, dev, size)
+
+
+def check_room(dev: int, nbytes: int) -> None:
+    """Raise CUDA's out-of-memory error now if ``nbytes`` more would not fit on the calling rank's ``dev``: a
+    factory asks before its CPU storage is allocated (a GPU-sized request would otherwise take the host's memory,
+    or fail with the CPU allocator's error, which a program catching ``torch.cuda.OutOfMemoryError`` misses)."""
+    size = -(-nbytes // BLOCK) * BLOCK
+    st = state()
+    used = st.mem[dev][0] if dev in st.mem else 0
+    cfg = config()
+    if used + size > cfg.total_memory or dev in st.fraction:
+        _check_limit(st, dev, used, size, cfg)
 
 
 def _check_limit(st: DeviceState, dev: int, used: int, size: int, cfg: Config) -> None:
