@@ -894,3 +894,41 @@ def test_debug_detail_wraps_groups_for_the_world_only(isolation) -> None:
         assert err.startswith(f"Detected mismatch between collectives on ranks. Rank {r} is running collective")
         assert err.endswith(f"Tensor Tensor shapes: {2 + r}vs {3 - r}")
     assert tdist.get_debug_level() == before
+
+
+def _dist2_groups(port: int) -> tuple:
+    """torch's experimental ``_dist2`` groups, as PyTorch's test_dist2.py drives them on gloo."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed._dist2 as dist2
+
+    r = int(os.environ["RANK"])
+    pg = dist2.new_group(backend="gloo", timeout=timedelta(seconds=60), device="cpu")
+    t = torch.full((3,), float(r + 1))
+    pg.allreduce(t, timeout=timedelta(seconds=30)).wait()  # the pybind overload's per-call bound
+    pg.barrier(timeout=timedelta(seconds=30)).wait()
+    alone = pg.split_group([r], timeout=timedelta(seconds=20), group_name=f"solo{r}")
+    pair = pg.split_group([0, 1], timeout=timedelta(seconds=25))
+    store = tdist.TCPStore("127.0.0.1", port, world_size=2, is_master=r == 0)
+    merged = alone.merge_remote_group(store, 2, timedelta(seconds=40), "merged")
+    m = torch.full((2,), float(10 * (r + 1)))
+    merged.allreduce(m).wait()
+    pg.shutdown()
+    return (t.tolist(), alone.size(), alone.group_name, pair.size(), pair._get_backend("cpu").options._timeout,
+            merged.size(), merged.group_name, m.tolist())
+
+
+def test_dist2_groups_split_merge_and_per_call_timeouts() -> None:
+    """test_dist2.py's shapes: a group built by its factory (a C++ ProcessGroup holding a gloo backend on a real
+    run; the simulated group itself here), split into groups of some members and merged back through a store
+    (torch's C++ split and merge segfaulted on a simulated group), with timeout= on each call."""
+    from datetime import timedelta
+
+    from tensorplay.testing import free_port
+
+    out = simulator.run(_dist2_groups, 2, args=(free_port(),), torchrun_env=True)
+    for r, (summed, alone, name, pair, pair_timeout, merged, merged_name, m) in enumerate(out):
+        assert summed == [3.0] * 3 and (alone, name) == (1, f"solo{r}")
+        assert (pair, pair_timeout) == (2, timedelta(seconds=25))
+        assert (merged, merged_name, m) == (2, "merged", [30.0, 30.0])

@@ -25,9 +25,8 @@ from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
 from simulator.adapters.gloo_rules import GlooRules, combine, premul_factor, reduce_op, root_of, tensor_list
-from simulator.adapters.process_group_work import (
-    SimWork, _autograd_refusal, _backend_errors, NcclDeviceRule,
-)
+from simulator.adapters.pg_split import SplitMixin
+from simulator.adapters.process_group_work import NcclDeviceRule, SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import rank_device
 
@@ -63,6 +62,8 @@ class _SimBackendView:
 
     def name(self) -> str:
         return self._pg.getBackendName()
+
+    options = property(lambda self: self._pg.options)  # (the group's, as a group's one backend holds them)
 
     def rank(self) -> int:
         return self._pg.rank()
@@ -106,7 +107,7 @@ def _device_types_for(named: str) -> list[torch.device]:
     return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
 
 
-class SimProcessGroup(tdist.ProcessGroup):
+class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
     """A torch ProcessGroup whose operations run on the simulator through tensorplay.distributed.
 
     Every operation is issued asynchronously and returns a :class:`SimWork`;
@@ -583,6 +584,9 @@ def direct_group(ranks: tuple[int, ...], options: Any) -> SimProcessGroup:
     pg._tp_options = options
     pg._tp_direct = True
     return pg
+
+
+SplitMixin.direct = staticmethod(direct_group)  # (pg_split's groups are built as the program's own are)
 
 
 #: while torch builds a group on this thread (set by torch_globals' group helper): the backend name the program

@@ -24,6 +24,7 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 
 from simulator.adapters import torch_profiling
 from simulator.adapters.torch_private import check_torch_version
+from simulator.core.state import Incident
 
 __all__ = ["SimWork", "forget_unwaited"]
 
@@ -232,6 +233,8 @@ def _backend_errors(method: Any) -> Any:
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # the pybind overloads' per-call bound (pg.allreduce(t, timeout=...), pg.barrier(timeout=...))
+        timeout = kwargs.pop("timeout", None)
         if self._named == "nccl":
             _nccl_devices(args)
         seq = self.__dict__.get("_tp_seq", 0)
@@ -252,7 +255,7 @@ def _backend_errors(method: Any) -> Any:
             raise
         if event is not None:
             work._event = event
-        work._timeout = self._timeout
+        work._timeout = timeout if timeout is not None else self._timeout
         return work
 
     return call
@@ -331,8 +334,7 @@ class NcclDeviceRule:
     def tag(self, data: Any) -> int | None:
         """The GPU of a call, read on the issuing rank's thread (a functional collective hands the group CPU
         tensors, whose stand-in device only that thread knows: ``standin.device_of``)."""
-        from simulator.standin import device_of
-
+        device_of = _loaded["simulator.standin"].device_of  # (enabled: the rule is made only then)
         stack = [data]
         while stack:
             a = stack.pop()
@@ -345,10 +347,8 @@ class NcclDeviceRule:
         return None
 
     def check(self, calls: list[Any]) -> Any:
-        from simulator.core.state import Incident
-        from simulator.standin.ranks import config
-
-        ranks, per_node = self.ranks, config().gpus_per_node  # (None: one node, as many GPUs as ranks)
+        # (None: one node, as many GPUs as ranks)
+        ranks, per_node = self.ranks, _loaded["simulator.standin"].ranks.config().gpus_per_node
         seen: dict[tuple[int, int], int] = {}
         for i, c in enumerate(calls):
             if c.tag is None:

@@ -238,11 +238,34 @@ def _ddp_logging_names_the_backend(module: Any) -> Any:
     return replace(cls, "_get_ddp_logging_data", _get_ddp_logging_data)
 
 
+def _dist2_gloo_groups(module: Any) -> Any:
+    """torch's experimental ``_dist2.new_group("gloo", ...)`` builds a C++ ``ProcessGroup`` and registers a
+    ``ProcessGroupGloo`` in it, which C++ takes only of torch's own classes: on a simulated rank its factory gives
+    the simulated group ``ProcessGroupGloo(store, rank, size, timeout)`` stands for (a ``ProcessGroup`` itself,
+    as the factory's callers expect). Returns the undo."""
+    table = module._BACKENDS
+    original = table["gloo"]
+
+    def _gloo_factory(store: Any, rank: int, world_size: int, timeout: timedelta, device: Any,
+                      **kwargs: object) -> Any:
+        if _sim_state() is None or kwargs:  # (torch's factory refuses unexpected options with its own words)
+            return original(store, rank, world_size, timeout, device, **kwargs)
+        return _ProcessGroupGloo(store, rank, world_size, timeout=timeout)
+
+    table["gloo"] = _gloo_factory
+
+    def undo() -> None:
+        table["gloo"] = original
+
+    return undo
+
+
 #: torch's process-wide tables that code changes around collectives, and what it reports of the backend:
 #: (module, isolate(module) -> undo)
 _ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
              ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers),
-             ("torch.nn.parallel.distributed", _ddp_logging_names_the_backend))
+             ("torch.nn.parallel.distributed", _ddp_logging_names_the_backend),
+             ("torch.distributed._dist2", _dist2_gloo_groups))
 
 
 # ---------------------------------------------------------------------------
@@ -386,19 +409,6 @@ class _GlooClassMeta(type):
         return issubclass(sub, c10d.ProcessGroupGloo)
 
 
-def _store_key(store: Any) -> Any:
-    """Which rendezvous a store stands for: a file store by its file, a TCP store by its address (each rank, or
-    rank process, opens its own), else the store itself."""
-    inner = getattr(store, "underlying_store", store)
-    path = getattr(inner, "path", None)
-    if isinstance(path, str):
-        return ("file", path)
-    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
-    if isinstance(host, str) and isinstance(port, int):
-        return ("addr", host, str(port))
-    return ("store", id(inner))
-
-
 class _ProcessGroupGloo(metaclass=_GlooClassMeta):
     """Stands in for ``torch.distributed.ProcessGroupGloo`` while a simulated world runs.
 
@@ -432,8 +442,8 @@ class _ProcessGroupGloo(metaclass=_GlooClassMeta):
             return direct_group(tuple(range(size)), options)  # (torch's RPC agent's group, in ddp_rpc's trainers)
         if size > st.world_size:
             raise _mismatch("torch.distributed.ProcessGroupGloo", "world_size", size, st)
-        members = torch_groups.join(st.backend.world_key(), ("ProcessGroupGloo", _store_key(store)), rank, size,
-                                    st.rank, st.world_size)
+        members = torch_groups.join(st.backend.world_key(), ("ProcessGroupGloo", torch_groups.store_key(store)),
+                                    rank, size, st.rank, st.world_size)
         return direct_group(members, options)
 
 
@@ -521,7 +531,7 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         if group_size != -1 and group_size < st.world_size and group_rank != -1:
             # a group over some of the simulated ranks: its members are whoever claims its ranks at this rendezvous
             if where is None:  # init_process_group(store=...): the store is the rendezvous
-                where = _store_key(store)
+                where = torch_groups.store_key(store)
             members = torch_groups.join(st.backend.world_key(), where, group_rank, group_size, st.rank,
                                         st.world_size)
         else:

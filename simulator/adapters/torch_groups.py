@@ -24,7 +24,7 @@ from tensorplay.distributed import state as dist_state
 
 from simulator.core._actor import current_rank_state
 
-__all__ = ["rendezvous_key", "check_url", "join", "reset"]
+__all__ = ["rendezvous_key", "check_url", "join", "reset", "store_key"]
 
 _open: dict[tuple[int, Any], "_Rendezvous"] = {}  # (world, key) -> the rendezvous still gathering its members
 
@@ -148,3 +148,16 @@ def join(world_key: Any, key: Any, rank: int, world_size: int, sim_rank: int, si
 def reset() -> None:
     """Drop every unfinished rendezvous (the adapter is uninstalled: no world runs)."""
     _open.clear()
+
+
+def store_key(store: Any) -> Any:
+    """Which rendezvous a store stands for: a file store by its file, a TCP store by its address (each rank, or
+    rank process, opens its own), else the store itself."""
+    inner = getattr(store, "underlying_store", store)
+    path = getattr(inner, "path", None)
+    if isinstance(path, str):
+        return ("file", path)
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        return ("addr", host, str(port))
+    return ("store", id(inner))
