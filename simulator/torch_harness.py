@@ -63,6 +63,9 @@ _SHARED_PROCESS_SIGNS = (
     (("Module hierarchy tracking", "module hierarchy tracking", "comm_module_operation_counts"),
      "torch's module trackers (ModTracker, CommDebugMode's tracker, torch.utils.module_tracker) register their "
      "hooks for every module of the process; on thread ranks each rank's tracker sees the other ranks' modules"),
+    (("the process-based async checkpointer keeps one background process per process",),
+     "DCP's process-based async_save keeps one background checkpoint process per process (a module global): thread "
+     "ranks would share one"),
 )
 
 

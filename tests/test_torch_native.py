@@ -932,3 +932,20 @@ def test_dist2_groups_split_merge_and_per_call_timeouts() -> None:
         assert summed == [3.0] * 3 and (alone, name) == (1, f"solo{r}")
         assert (pair, pair_timeout) == (2, timedelta(seconds=25))
         assert (merged, merged_name, m) == (2, "merged", [30.0, 30.0])
+
+
+def _process_based_async_save(path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    tdist.init_process_group("gloo")
+    dcp.async_save({"w": torch.ones(2)}, checkpoint_id=path,
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+
+
+def test_process_based_async_save_is_refused_on_thread_ranks_with_the_fix(tmp_path) -> None:
+    """DCP's process-based async_save keeps one daemon per process in a module global: thread ranks would share
+    one, and their saves hung waiting for ranks that never send. Refused at once, naming the fix."""
+    with pytest.raises(tdist_errors.DistRuntimeError,
+                       match=r"one background process per process(.|\n)*Fix: run the ranks as processes"):
+        simulator.run(_process_based_async_save, 2, args=(str(tmp_path / "ckpt"),), timeout=120)

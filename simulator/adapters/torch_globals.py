@@ -260,12 +260,40 @@ def _dist2_gloo_groups(module: Any) -> Any:
     return undo
 
 
+#: the words of the refusal below (the pytest switch runs a test that meets it again on rank processes)
+ONE_CHECKPOINT_DAEMON = "the process-based async checkpointer keeps one background process per process"
+
+
+def _one_checkpoint_daemon_per_process(module: Any) -> Any:
+    """DCP's process-based ``async_save`` keeps its daemon (which saves for the rank, over a group of its own) in
+    one module global: thread ranks would share one daemon, whose saves then wait for ranks that never send (a
+    hang). On a thread rank it is refused with the fix; rank processes have their own. Returns the undo."""
+    cls = module._ProcessBasedAsyncCheckpointExecutor
+    original = cls.execute_save
+
+    @functools.wraps(original)
+    def execute_save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = _sim_state()
+        if st is not None and isinstance(c10d._world, _PerRankWorld):  # (a rank process keeps torch's own world)
+            raise DistRuntimeError(format_message(
+                "torch.distributed.checkpoint.async_save", f"{ONE_CHECKPOINT_DAEMON} (a module global), and "
+                "simulated thread ranks share this process", rank=st.rank,
+                values={"async_checkpointer_type": "PROCESS"},
+                fix="run the ranks as processes (python -m simulator --isolation process; simulator.run(..., "
+                    "isolation='process'); --sim-harness process), or save with async_checkpointer_type="
+                    "AsyncCheckpointerType.THREAD"))
+        return original(self, *args, **kwargs)
+
+    return replace(cls, "execute_save", execute_save)
+
+
 #: torch's process-wide tables that code changes around collectives, and what it reports of the backend:
 #: (module, isolate(module) -> undo)
 _ISOLATED = (("torch.distributed.fsdp._debug_utils", _isolate_fsdp1_profiler),
              ("torch.distributed.tensor._dispatch", _isolate_dtensor_op_handlers),
              ("torch.nn.parallel.distributed", _ddp_logging_names_the_backend),
-             ("torch.distributed._dist2", _dist2_gloo_groups))
+             ("torch.distributed._dist2", _dist2_gloo_groups),
+             ("torch.distributed.checkpoint._async_process_executor", _one_checkpoint_daemon_per_process))
 
 
 # ---------------------------------------------------------------------------

@@ -87,6 +87,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "torch's one place that builds a group's backend: on a simulated rank every backend is the simulator"),
     _P(f"{_C10D}._is_barrier_after_init", _NATIVE, "patches",
        "runs right after init_process_group wraps sys.excepthook: a rank thread puts the previous hook back"),
+    _P("torch.distributed.checkpoint._async_process_executor._ProcessBasedAsyncCheckpointExecutor",
+       "adapters.torch_globals", "patches", "DCP's process-based async save: one daemon per process, refused on "
+       "thread ranks"),
     _P("torch.distributed._dist2", "adapters.torch_globals", "patches",
        "the experimental dist2 API's gloo factory (its _BACKENDS table): a simulated group, not a C++ one"),
     _P("torch.distributed.rendezvous._rendezvous_handlers", "adapters.torch_native, launch", "patches",
