@@ -57,6 +57,9 @@ DEFAULT_STALL_TIMEOUT = 300.0
 #: why a test that starts torch's profiler on a rank runs on rank processes under --sim-harness thread
 PROFILER_WHY = ("torch's profiler is one per process (each thread rank's would record the other ranks' operations, "
                 "and a second rank's start or stop crashes the process); the test started it on a rank")
+#: why a test whose ranks patched with unittest.mock, then failed on thread ranks, runs on rank processes
+PATCH_WHY = ("unittest.mock's patch sets an attribute of the one process (each thread rank's patch is every rank's, "
+             "and the ranks' exits, not last-in first-out, can leave a mock in place); the test patched on a rank")
 #: failures that come from ranks sharing one process, and why (the report names the fix; the test runs again on
 #: rank processes)
 _SHARED_PROCESS_SIGNS = (
@@ -300,8 +303,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
-        per_process = ((_own_class_state(), _one_profiler_per_process(item), _test_process_registries(),
-                        _no_pytest_log_handlers()) if isolation == "thread" else ())
+        per_process = ((_own_class_state(), _one_profiler_per_process(item), _patches_are_per_process(item),
+                        _test_process_registries(), _no_pytest_log_handlers()) if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:
             for cm in per_process:  # (rank processes have these of their own)
@@ -461,6 +464,40 @@ def _own_class_state() -> Iterator[None]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
+    """A rank entering ``unittest.mock.patch`` marks the test: patching is per process, so if the test then fails
+    on thread ranks it runs again on rank processes, where each rank patches its own (one that passes stands)."""
+    from unittest import mock
+
+    original = mock._patch.__enter__
+    before: dict[tuple[int, str], tuple[Any, str, Any]] = {}  # what each patched attribute was before any rank's patch
+    missing = object()
+
+    def __enter__(self: Any) -> Any:
+        if current_rank_state() is not None:
+            item.stash[_NEEDS_A_PROCESS] = PATCH_WHY
+            target = self.getter()
+            before.setdefault((id(target), self.attribute),
+                              (target, self.attribute, target.__dict__.get(self.attribute, missing)
+                               if hasattr(target, "__dict__") else getattr(target, self.attribute, missing)))
+        return original(self)
+
+    mock._patch.__enter__ = __enter__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        mock._patch.__enter__ = original  # type: ignore[method-assign]
+        # the ranks' exits, in no particular order, may each have restored another rank's mock: the attributes
+        # are as they were before the test's ranks patched them, as after processes that patched their own
+        for target, attribute, value in before.values():
+            if value is missing:
+                with contextlib.suppress(AttributeError):
+                    delattr(target, attribute)
+            elif getattr(target, attribute, missing) is not value:
+                setattr(target, attribute, value)
 
 
 @contextlib.contextmanager

@@ -49,6 +49,10 @@ MULTIPROCESS = {
     # fails on thread ranks with the text of torch's module trackers: runs again on rank processes, as the run says
     "test_module_tracker_of_the_whole_process": "passed",
     "test_compile_fullgraph_of_a_module_calling_modules": "passed",
+    # unittest.mock's patch on every rank: a process's own attribute; on thread ranks a failure runs again on rank
+    # processes, and what the ranks patched is restored with the test's end
+    "test_mock_patch_on_every_rank": "passed",
+    "test_zz_patches_ended_with_their_test": "passed",
 }
 DTENSOR = {"test_redistribute_shard_to_replicate": "passed", "test_wrong_expectation_fails": "failed"}
 DISTRIBUTED_TEST = {

@@ -1,8 +1,10 @@
 """MultiProcessTestCase written as users write it: one process per rank, file:// rendezvous, gloo."""
+import json
 import os
 import sys
 import threading
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from torch.testing._internal.common_distributed import (
 )
 from torch.testing._internal.common_utils import run_tests
 
+ORIGINAL_DUMPS = json.dumps
 POLL_DEADLINE_S = 20.0  # a rank polling for another rank's file gives up after this long
 
 
@@ -123,6 +126,22 @@ class HarnessCases(MultiProcessTestCase):
         x = torch.ones(3, 4) * (self.rank + 1)
         self.assertEqual(compiled(x), inner(x))
         dist.barrier()
+
+    def test_mock_patch_on_every_rank(self) -> None:
+        # each rank patches a module's attribute around collectives, as tests patch helpers (DCP's get_free_port):
+        # a process's own attribute, which thread ranks share (the test runs again on rank processes)
+        self._init()
+        with mock.patch("json.dumps", return_value=f"rank{self.rank}"):
+            dist.barrier()
+            self.assertEqual(json.dumps({}), f"rank{self.rank}")
+            dist.barrier()
+        dist.barrier()
+        self.assertIs(json.dumps, ORIGINAL_DUMPS)
+
+    def test_zz_patches_ended_with_their_test(self) -> None:
+        # whatever the ranks patched is as before once their test ended, as after processes that patched their own
+        self.assertIs(json.dumps, ORIGINAL_DUMPS)
+        self.assertIs(sys.modules["json"].dumps, ORIGINAL_DUMPS)
 
 
 if __name__ == "__main__":
