@@ -691,6 +691,27 @@ def test_nccl_refuses_two_ranks_of_a_node_on_one_gpu(world):
         assert simulator.run(_all_reduce_on, 2, args=((0, 0), world)) == [[3.0, 3.0]] * 2
 
 
+def _one_visible_gpu_each():
+    """A launcher-style script that gives each process one GPU: CUDA_VISIBLE_DEVICES=LOCAL_RANK, then cuda:0."""
+    import os
+
+    r = simulator.current_rank_state().rank
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(r)  # (a rank's own environment)
+    count = torch.cuda.device_count()
+    tdist.init_process_group("nccl")
+    x = torch.full((2,), float(r + 1), device="cuda")
+    tdist.all_reduce(x)
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"  # read once, when CUDA started: no change now
+    return count, str(x.device), torch.cuda.device_count(), x.cpu().tolist()
+
+
+def test_cuda_visible_devices_renumbers_a_ranks_gpus_as_cuda_does():
+    with standin.enabled(gpus_per_node=2):
+        out = simulator.run(_one_visible_gpu_each, 2)
+    # each rank sees one GPU, its cuda:0, a different GPU of the node: NCCL's duplicate check passes
+    assert out == [(1, "cuda:0", 1, [3.0, 3.0])] * 2
+
+
 def _bf16_hook_grads():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     tdist.init_process_group("nccl")

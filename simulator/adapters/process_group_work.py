@@ -342,8 +342,8 @@ class NcclDeviceRule:
                 stack.extend(a)
             elif isinstance(a, torch.Tensor):
                 d = device_of(a)
-                if d.type == "cuda":
-                    return d.index
+                if d.type == "cuda":  # the node's GPU (CUDA_VISIBLE_DEVICES may renumber the rank's)
+                    return _loaded["simulator.standin"].ranks.physical(d.index)
         return None
 
     def check(self, calls: list[Any]) -> Any:

@@ -14,6 +14,7 @@ allocator keeps freed blocks until then).
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from tensorplay.distributed.errors import format_message
 from simulator.core._actor import current_rank_state
 
 __all__ = ["Config", "DeviceState", "state", "config", "push_config", "pop_config", "device_count",
-           "resolve_index", "track", "GIB", "BLOCK", "open_now", "check_room"]
+           "resolve_index", "track", "GIB", "BLOCK", "open_now", "check_room", "physical", "node_devices"]
 
 GIB = 1 << 30
 #: the CUDA caching allocator's allocation granularity (bytes)
@@ -46,7 +47,13 @@ class Config:
 _configs: list[Config] = []
 
 
+#: CUDA_VISIBLE_DEVICES of the process when the stand-in started: the real machine's, not the simulated node's
+_machine_visible: list[str | None] = [None]
+
+
 def push_config(cfg: Config) -> None:
+    if not _configs:
+        _machine_visible[0] = os.environ.get("CUDA_VISIBLE_DEVICES")
     _configs.append(cfg)
 
 
@@ -55,6 +62,7 @@ def pop_config(cfg: Config) -> None:
     if not _configs:  # the stand-in's machine is gone: a later one starts on its device 0, as a new process would
         _process.current = 0
         _process.streams.clear()
+        _process.visible = _UNREAD
 
 
 def open_now() -> bool:
@@ -67,14 +75,20 @@ def config() -> Config:
     return _configs[-1] if _configs else Config()
 
 
+_UNREAD = object()
+
+
 class DeviceState:
     """One rank's (or the process's) CUDA state."""
 
-    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "rng", "lock", "__weakref__")
+    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "rng", "lock", "visible", "__weakref__")
 
     def __init__(self) -> None:
         self.current = 0
         self.initialized = False
+        #: CUDA_VISIBLE_DEVICES as read when CUDA started on this rank (the node's GPUs it sees, in order; None:
+        #: all of them), or _UNREAD before
+        self.visible: Any = _UNREAD
         #: device -> [allocated, peak, reserved, peak reserved, allocations, frees, bytes allocated, bytes freed]
         self.mem: dict[int, list[int]] = {}
         self.streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
@@ -135,13 +149,47 @@ def state() -> DeviceState:
     return st
 
 
-def device_count() -> int:
-    """Devices per node: the configured number, else the calling rank's world size (1 outside a world)."""
+def node_devices() -> int:
+    """GPUs per node: the configured number, else the calling rank's world size (1 outside a world)."""
     n = config().gpus_per_node
     if n is not None:
         return n
     rs = current_rank_state()
     return 1 if rs is None else rs.run.n
+
+
+def visible_devices() -> list[int] | None:
+    """The node's GPUs the calling rank sees, by ``CUDA_VISIBLE_DEVICES`` (its own environment: a rank's, on thread
+    ranks), read until CUDA starts on the rank and fixed then, as CUDA reads it once; None when it is not set (or
+    is the value the process had when the stand-in started: that names the real machine's GPUs). As CUDA parses
+    it: indices up to the first that is not one of the node's (or repeats)."""
+    st = state()
+    if st.visible is not _UNREAD:
+        return st.visible  # type: ignore[no-any-return]
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen: list[int] | None = None
+    if spec is not None and spec != _machine_visible[0]:  # (the program's own choice among the node's GPUs)
+        seen, n = [], node_devices()
+        for part in spec.split(","):
+            part = part.strip()
+            if not part.isdigit() or int(part) >= n or int(part) in seen:
+                break
+            seen.append(int(part))
+    if st.initialized:
+        st.visible = seen
+    return seen
+
+
+def device_count() -> int:
+    """``torch.cuda.device_count()``: the GPUs the rank sees (all of its node's unless CUDA_VISIBLE_DEVICES)."""
+    visible = visible_devices()
+    return node_devices() if visible is None else len(visible)
+
+
+def physical(idx: int) -> int:
+    """The node's GPU that the rank's ``cuda:idx`` is (CUDA_VISIBLE_DEVICES renumbers the ones a process sees)."""
+    visible = visible_devices()
+    return idx if visible is None or idx >= len(visible) else visible[idx]
 
 
 def invalid_ordinal(idx: int, call: str = "torch.cuda") -> RuntimeError:
