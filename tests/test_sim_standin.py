@@ -712,6 +712,19 @@ def test_cuda_visible_devices_renumbers_a_ranks_gpus_as_cuda_does():
     assert out == [(1, "cuda:0", 1, [3.0, 3.0])] * 2
 
 
+def _bound_device():
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    tdist.init_process_group("nccl", device_id=torch.device("cuda", r))
+    pg = tdist.distributed_c10d._get_default_group()
+    return str(pg.bound_device_id), tdist.distributed_c10d._is_safe_to_split()
+
+
+def test_init_process_group_binds_the_default_group_to_its_device_id():
+    with standin.enabled(gpus_per_node=2):
+        assert simulator.run(_bound_device, 2) == [("cuda:0", True), ("cuda:1", True)]
+
+
 def _bf16_hook_grads():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     tdist.init_process_group("nccl")

@@ -593,6 +593,9 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
     if default:
         c10d._world.sim_members = members  # torch's ranks -> simulated ranks, for the groups made inside it
     if isinstance(pg, SimProcessGroup):
+        device_id = kwargs.get("device_id", args[3] if len(args) > 3 else None)
+        if device_id is not None and pg.bound_device_id is None:  # (torch bound the group it built, not ours)
+            pg.bound_device_id = device_id
         if tdist.get_debug_level() == tdist.DebugLevel.DETAIL and (
                 str(named).split(":")[-1] in ("gloo", "nccl", "xccl", "ucc", "undefined")):
             pg_wrapper.wrap(pg, pg.options._timeout)  # torch wraps these groups at DETAIL (ProcessGroupWrapper)
