@@ -284,6 +284,19 @@ def test_operators_compute_the_cpu_results(two_gpus):
     assert "device='cuda:0'" in repr(ga) and ga.type() == "torch.cuda.FloatTensor"
 
 
+def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(two_gpus):
+    torch.manual_seed(0)
+    log_probs = torch.randn(5, 2, 4).log_softmax(2)
+    targets, lengths = torch.tensor([[1, 2], [1, 1]]), (torch.tensor([5, 5]), torch.tensor([2, 2]))
+    on_gpu = log_probs.cuda().requires_grad_()
+    got = torch.nn.CTCLoss(reduction="sum")(on_gpu, targets.cuda(), *lengths)
+    got.backward()
+    on_cpu = log_probs.clone().requires_grad_()
+    want = torch.nn.CTCLoss(reduction="sum")(on_cpu, targets, *lengths)
+    want.backward()
+    assert got.is_cuda and torch.equal(got.cpu(), want) and torch.equal(on_gpu.grad.cpu(), on_cpu.grad)
+
+
 def test_device_mixing_raises_torchs_error(two_gpus):
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):

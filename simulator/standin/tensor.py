@@ -49,7 +49,9 @@ _NO_KWARGS: dict = {}
 
 #: operators that may combine a stand-in with a CPU tensor or another device, as they may on CUDA
 _CROSS_DEVICE = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
-                 "_index_put_impl_", "_unsafe_index", "_unsafe_index_put", "lift_fresh", "set_"}
+                 "_index_put_impl_", "_unsafe_index", "_unsafe_index_put", "lift_fresh", "set_",
+                 # CUDA's CTC loss takes the sequence lengths (and cuDNN's, the targets) as CPU tensors
+                 "ctc_loss", "_ctc_loss", "_ctc_loss_backward"}
 #: in-place operators that may change the tensor's shape (the wrapper follows: see _follow)
 _RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
               "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
