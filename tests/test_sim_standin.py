@@ -1033,6 +1033,22 @@ def test_legacy_cuda_tensor_types(two_gpus):
     assert torch.ones(2).type(torch.float64).device.type == "cpu"  # dtypes as before
 
 
+def test_a_legacy_cuda_type_as_the_default_tensor_type(two_gpus):
+    """torch.set_default_tensor_type(torch.cuda.FloatTensor) (older scripts): new tensors on the current GPU."""
+    torch.cuda.set_device(1)
+    try:
+        with pytest.warns(UserWarning, match="set_default_tensor_type\\(\\) is deprecated"):
+            torch.set_default_tensor_type(torch.cuda.DoubleTensor)
+        made = [torch.zeros(2), torch.tensor([1.0]), torch.nn.Linear(2, 2).weight]
+        assert [(t.device, t.dtype) for t in made] == [(torch.device("cuda", 1), torch.float64)] * 3
+        with pytest.raises(TypeError, match="only floating-point types"):
+            torch.set_default_tensor_type(torch.cuda.LongTensor)
+    finally:
+        torch.set_default_tensor_type(torch.FloatTensor)  # (back to the CPU, as on a GPU build)
+    assert torch.zeros(1).device == torch.device("cpu") and torch.get_default_dtype() == torch.float32
+    torch.cuda.set_device(0)
+
+
 def test_data_parallel_over_one_processs_standin_gpus(two_gpus):
     # nn.DataParallel scatters the batch over the process's GPUs, replicates the module, gathers on cuda:0 and
     # sums the replicas' gradients; the reference is the same module on the CPU on the whole batch

@@ -415,7 +415,8 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch, "Generator", rng.generator_class(torch.Generator)),
           (torch, "device", device_class(torch.device)),
           (torch.utils, "swap_tensors", _swap_unless_same(torch.utils.swap_tensors)),
-          (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type))]
+          (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type)),
+          (torch, "set_default_tensor_type", legacy.patched_set_default_tensor_type(torch.set_default_tensor_type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
     t += cuda_only_table()  # CUDA runtime entry points: refused, naming the fix
@@ -445,7 +446,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.Tensor.type", "torch.compile", "torch.profiler.profile.__init__",
+    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.Tensor.type", "torch.set_default_tensor_type",
+    "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",
     "torch.distributed.Logger"} | {
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))

@@ -22,13 +22,15 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from simulator.standin.ranks import resolve_index
 
-__all__ = ["NAMES", "LegacyCudaType", "legacy_types", "conversion", "convert", "patched_type"]
+__all__ = ["NAMES", "LegacyCudaType", "legacy_types", "conversion", "convert", "patched_type",
+           "patched_set_default_tensor_type"]
 
 #: the legacy type names and their dtypes (torch.cuda.<name> and torch.<name>)
 NAMES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
@@ -104,3 +106,30 @@ def patched_type(original: Callable[..., Any]) -> Callable[..., Any]:
 
     type_.__doc__ = original.__doc__
     return type_
+
+
+def patched_set_default_tensor_type(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.set_default_tensor_type(torch.cuda.FloatTensor)`` (older scripts): new tensors default to that dtype
+    on the current GPU, as on a GPU build, where torch's own refuses the stand-in's type. A CPU type afterwards
+    returns new tensors to the CPU."""
+    ours = [False]  # whether the default device is the one this set
+
+    def set_default_tensor_type(t: Any) -> None:
+        target = conversion(t)
+        if target is None or target[0] != "cuda":
+            if ours[0]:
+                torch.set_default_device(None)
+                ours[0] = False
+            return original(t)
+        dtype = target[1]
+        if not dtype.is_floating_point:
+            raise TypeError("invalid type object: only floating-point types are supported as the default type")
+        warnings.warn("torch.set_default_tensor_type() is deprecated as of PyTorch 2.1, please use "
+                      "torch.set_default_dtype() and torch.set_default_device() as alternatives.", UserWarning,
+                      stacklevel=2)
+        torch.set_default_dtype(dtype)
+        torch.set_default_device("cuda")
+        ours[0] = True
+
+    set_default_tensor_type.__doc__ = original.__doc__
+    return set_default_tensor_type
