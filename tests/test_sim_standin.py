@@ -297,6 +297,18 @@ def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(two_gpus):
     assert got.is_cuda and torch.equal(got.cpu(), want) and torch.equal(on_gpu.grad.cpu(), on_cpu.grad)
 
 
+def test_sdpa_kernel_restricted_to_a_kernel_that_cannot_run_refuses_as_cuda_does(two_gpus):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.ones(2, 4, 8, 16, device="cuda")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # flash has no fp32 kernel: CUDA finds none
+        with pytest.raises(RuntimeError, match="No available kernel. Aborting execution."):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        half = q.half()  # one flash takes
+        assert torch.nn.functional.scaled_dot_product_attention(half, half, half).dtype == torch.float16
+    assert torch.nn.functional.scaled_dot_product_attention(q, q, q).is_cuda  # the math kernel is back
+
+
 def test_device_mixing_raises_torchs_error(two_gpus):
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):

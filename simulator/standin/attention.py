@@ -45,6 +45,9 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
     if plain and d % align == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32) \
             and (attn_mask is None or not attn_mask.requires_grad) and torch.backends.cuda.mem_efficient_sdp_enabled():
         return "efficient"
+    if not (torch.backends.cuda.math_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled()):
+        # (sdpa_kernel(SDPBackend.FLASH_ATTENTION) with inputs flash cannot take: fp32, a mask, ...)
+        raise RuntimeError("No available kernel. Aborting execution.")
     return "math"
 
 
