@@ -48,6 +48,9 @@ def test_device_queries_and_selection(two_gpus):
     assert (props.major, props.minor, props.total_memory) == (9, 0, standin.DEFAULT_TOTAL_MEMORY)
     assert props.multi_processor_count > 0 and torch.cuda.get_device_capability() == (9, 0)
     assert torch.cuda.is_bf16_supported()
+    # NVML's readings (pynvml on a GPU machine): an idle device's
+    assert [f(1) for f in (torch.cuda.utilization, torch.cuda.memory_usage, torch.cuda.temperature,
+                           torch.cuda.power_draw, torch.cuda.clock_rate)] == [0] * 5
     torch.cuda.synchronize()
     torch.cuda.synchronize(1)
     assert torch.accelerator.current_accelerator() == torch.device("cuda")

@@ -14,7 +14,7 @@ its numbers differ from the ones a GPU would draw.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -140,6 +140,21 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     """(9, 0)."""
     p = get_device_properties(device)
     return p.major, p.minor
+
+
+def _nvml_reading(name: str) -> Callable[..., int]:
+    def reading(device: Any = None) -> int:
+        resolve_index(device, f"torch.cuda.{name}")
+        return 0  # (an idle device: no kernel ever runs on a stand-in)
+
+    reading.__name__ = reading.__qualname__ = name
+    reading.__doc__ = f"``torch.cuda.{name}`` (NVML's reading): 0 on a stand-in, which runs no kernel."
+    return reading
+
+
+#: NVML's readings (torch asks pynvml): an idle device's
+utilization, memory_usage, temperature, power_draw, clock_rate = (
+    _nvml_reading(n) for n in ("utilization", "memory_usage", "temperature", "power_draw", "clock_rate"))
 
 
 def synchronize(device: Any = None) -> None:

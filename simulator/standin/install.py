@@ -330,7 +330,8 @@ _RANDOM = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_stat
            "set_rng_state_all")
 _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_device_name",
            "get_device_capability", "get_device_properties", "synchronize", "current_stream", "default_stream",
-           "set_stream", "is_initialized", "is_bf16_supported", "set_sync_debug_mode", "get_sync_debug_mode")
+           "set_stream", "is_initialized", "is_bf16_supported", "set_sync_debug_mode", "get_sync_debug_mode",
+           "utilization", "memory_usage", "temperature", "power_draw", "clock_rate")
 
 
 #: what ``torch.cuda.nccl.version()`` answers on stand-ins (a release of NCCL's 2.x line; nothing depends on it)
