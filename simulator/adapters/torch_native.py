@@ -57,7 +57,8 @@ from simulator.adapters.threads import adopt_c10d, store_poll
 from simulator.adapters.after_import import when_imported as _when_imported
 from simulator.adapters.process_group import SimProcessGroup, _create
 from simulator.adapters.process_group_work import SimWork
-from simulator.adapters.torch_globals import (_ISOLATED, _SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
+from simulator.adapters.torch_tables import _ISOLATED
+from simulator.adapters.torch_globals import (_SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
                                               _RankWorld, _TCPStore,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
                                               _saved, _set_debug_level_from_env, _store_wait, _stores,
