@@ -346,7 +346,8 @@ class NcclDeviceRule:
                     return _loaded["simulator.standin"].ranks.physical(d.index)
         return None
 
-    def check(self, calls: list[Any]) -> Any:
+    def check(self, name: str, calls: list[Any]) -> Any:
+        """The refusal of collective ``name`` when two members' calls are on one GPU of a node, else None."""
         # (None: one node, as many GPUs as ranks)
         ranks, per_node = self.ranks, _loaded["simulator.standin"].ranks.config().gpus_per_node
         seen: dict[tuple[int, int], int] = {}
@@ -356,9 +357,10 @@ class NcclDeviceRule:
             first = seen.setdefault((ranks[i] // per_node if per_node else 0, c.tag), i)
             if first != i:
                 return Incident(DistBackendError, format_message(
-                    "torch.distributed (nccl)", f"ncclInvalidUsage: Duplicate GPU detected : rank {i} and rank "
+                    f"torch.distributed.{name} (nccl)", f"ncclInvalidUsage: Duplicate GPU detected : rank {i} and rank "
                     f"{first} both on CUDA device {c.tag} (NCCL refuses two ranks of a communicator on one GPU)",
-                    group=list(ranks), values={"rank": ranks[i], "other_rank": ranks[first], "device": f"cuda:{c.tag}"},
+                    group=list(ranks), rank=ranks[i],
+                    values={"other_rank": ranks[first], "device": f"cuda:{c.tag}"},
                     fix="give each rank its own GPU before its first collective: torch.cuda.set_device(local_rank) "
                         "(LOCAL_RANK from the environment), and put its tensors and model on that device"))
         return None

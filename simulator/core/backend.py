@@ -228,7 +228,7 @@ class SimBackend(Backend):
         reason = disagreement(calls)
         if reason is None and check is not None:
             reason = check(calls)
-        refused = slot.group.rule.check(calls) if reason is None and slot.group.rule is not None else None
+        refused = slot.group.rule.check(slot.name, calls) if reason is None and slot.group.rule is not None else None
         if reason is not None:
             slot.error = Incident(CollectiveMismatchError,
                                   mismatch_message(slot.name, slot.group, slot.seq, calls, reason))

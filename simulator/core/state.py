@@ -378,7 +378,8 @@ class SimGroup:
         self.slots: dict[int, Slot] = {}
         #: a rule of the backend the program named for this group (NCCL's one device per rank): its ``tag(data)``
         #: runs on each member's thread as it issues a call (the call keeps the result as ``tag``), its
-        #: ``check(calls)`` once all members' calls arrived, giving an :class:`Incident` every member raises, or None
+        #: ``check(name, calls)`` once all members' calls of collective ``name`` arrived, giving an
+        #: :class:`Incident` every member raises, or None
         self.rule: Any = None
 
     def __repr__(self) -> str:
