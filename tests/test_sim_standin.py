@@ -228,6 +228,30 @@ def test_accelerator_memory_functions_answer_as_torch_cuda(two_gpus):
     del b
 
 
+def test_the_allocators_other_queries_answer_as_a_gpu_s_own(two_gpus):
+    """The siblings of memory_stats and set_per_process_memory_fraction that a program may call beside them."""
+    a = torch.empty(1000, device="cuda:1")
+    flat, nested = torch.cuda.memory_stats(1), torch.cuda.memory_stats_as_nested_dict(1)
+    assert nested["allocated_bytes"]["all"]["current"] == flat["allocated_bytes.all.current"] > 0
+    assert nested["num_ooms"] == flat["num_ooms"] == 0 and torch.cuda.memory_snapshot() == []
+    assert torch.cuda.get_allocator_backend() == "native"
+    assert torch.cuda.get_per_process_memory_fraction(1) == 1.0
+    torch.cuda.set_per_process_memory_fraction(0.25, 1)
+    assert torch.cuda.get_per_process_memory_fraction("cuda:1") == 0.25
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
+    host = torch.cuda.host_memory_stats()  # pinned memory is ordinary memory: no pinned allocator's blocks
+    assert host["allocated_bytes.current"] == host["num_host_alloc"] == 0 and "host_alloc_time.avg" in host
+    torch.cuda.reset_peak_host_memory_stats()
+    torch.cuda.caching_allocator_enable(True)
+    # DCP's staging pins its buffers through CUDA's runtime: registering host memory succeeds (cudaSuccess)
+    from torch.cuda import _pin_memory_utils
+
+    buf = torch.empty(64)
+    _pin_memory_utils.pin_memory(buf.data_ptr(), buf.nbytes)
+    _pin_memory_utils.unpin_memory(buf.data_ptr())
+    del a
+
+
 def test_out_of_memory_names_the_limit():
     with standin.enabled(gpus_per_node=1, total_memory=1 << 20):
         keep = torch.empty(200_000, device="cuda")  # 800 kB of 1 MiB
@@ -555,7 +579,9 @@ def test_what_cannot_be_faithful_is_refused(two_gpus):
 
 
 CUDA_RUNTIME_CALLS = [
-    ("current_blas_handle", lambda: torch.cuda.current_blas_handle(), "cuBLAS handles"),
+    ("current_blas_handle", lambda: torch.cuda.current_blas_handle(), "cuBLAS"),
+    ("current_solver_handle", lambda: torch.cuda.current_solver_handle(), "cuSOLVER handles"),
+    ("cudart", lambda: torch.cuda.cudart().cudaMemGetInfo(0), "this call"),
     ("caching_allocator_alloc", lambda: torch.cuda.caching_allocator_alloc(64), "caching allocator"),
     ("jiterator", lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"),
      "jiterator"),

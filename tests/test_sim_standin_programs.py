@@ -645,6 +645,96 @@ def test_recurrent_layers_take_the_fused_cuda_cells_and_give_the_cpu_results(two
         torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, msg=name)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_packed_sequences_keep_their_lengths_on_the_cpu_and_give_the_cpu_results(two_gpus, kind):
+    """CUDA's packing takes the lengths on the CPU and keeps the batch sizes there; the recurrent layers read
+    them from there (pytorch/tutorials' packed-sequence models, on a GPU)."""
+    import copy
+
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(5)
+    layer = getattr(torch.nn, kind)(4, 6, 2)
+    x, lengths = torch.randn(5, 3, 4), torch.tensor([5, 3, 2])
+
+    def run(m, inp):
+        packed = pack_padded_sequence(inp, lengths)
+        out, _ = m(packed)
+        padded, lens = pad_packed_sequence(out)
+        (padded * padded).sum().backward()
+        return packed.batch_sizes, padded, lens
+
+    cpu_inp, gpu_inp = x.clone().requires_grad_(), x.to("cuda:1").requires_grad_()
+    cpu, gpu = copy.deepcopy(layer), copy.deepcopy(layer).to("cuda:1")
+    want, got = run(cpu, cpu_inp), run(gpu, gpu_inp)
+    assert got[0].device.type == "cpu" and got[2].device.type == "cpu"  # batch sizes and lengths, as on a GPU
+    assert got[1].device == torch.device("cuda", 1) and gpu_inp.grad.device == torch.device("cuda", 1)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[2], want[2])
+    torch.testing.assert_close(got[1].cpu(), want[1])
+    torch.testing.assert_close(gpu_inp.grad.cpu(), cpu_inp.grad)
+    for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
+        torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, msg=name)
+
+
+def _loss_parallel(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    torch.cuda.set_device(simulator.current_rank_state().rank)
+    mesh = init_device_mesh("cuda", (2,))
+    head = torch.nn.Linear(x.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    parallelize_module(head.cuda(), mesh, ColwiseParallel(use_local_output=False))  # logits sharded by class
+    with loss_parallel():
+        loss = F.cross_entropy(head(x.cuda()), y.cuda())
+        loss.backward()
+    return loss.full_tensor().item(), head.weight.grad.full_tensor().cpu()
+
+
+def test_loss_parallel_on_stand_ins_gives_the_unsharded_loss_and_gradient():
+    """torchtitan's tensor-parallel loss: DTensor's handler moves a count ``.to(logits)`` below autograd, where the
+    device reaches the stand-in as a positional argument."""
+    g = torch.Generator().manual_seed(6)
+    x, w, y = torch.randn(4, 8, generator=g), torch.randn(10, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    got = simulator.run(_loss_parallel, 2, args=(x, y, w), devices="cuda", timeout=TIMEOUT)
+    wr = w.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(x @ wr.T, y)
+    loss.backward()
+    for rank_loss, grad in got:
+        assert rank_loss == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(grad, wr.grad)
+
+
+def test_a_device_named_by_position_below_autograd_moves_the_tensor_itself(two_gpus):
+    t, x = torch.tensor([1, 2, 3, 4], device="cuda:1"), torch.randn(2, device="cuda:1")
+    with torch._C._AutoDispatchBelowAutograd():
+        w = t.sum().to(x)  # aten.to.device with the device positional
+        c = t.to(torch.device("cpu"), torch.float64)
+    assert type(w._inner) is torch.Tensor and w.device == torch.device("cuda", 1) and w.dtype == torch.float32
+    assert w.item() == 10.0 and type(c) is torch.Tensor and c.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_parameter_others_hold_weakrefs_to_moves_to_the_device_and_keeps_them(two_gpus):
+    """pipelining's tracer split and torch.export keep weakrefs to parameters that ``build_stage`` then moves to the
+    GPU: on a GPU ``Module.to`` assigns ``.data``, keeping the parameter object and its weakrefs."""
+    import weakref
+
+    m = torch.nn.Linear(3, 2)
+    want = m.weight.detach().clone()
+    ref, weight = weakref.ref(m.weight), m.weight
+    m.to("cuda:1")
+    assert m.weight is weight and ref() is weight and weight.device == torch.device("cuda", 1)
+    torch.testing.assert_close(weight.detach().cpu(), want)
+    t = torch.ones(2)  # torch's own refusal stays for a swap that is not a move onto the device
+    keep = weakref.ref(t)
+    with pytest.raises(RuntimeError, match="weakref"):
+        torch.utils.swap_tensors(t, torch.zeros(2))
+    assert keep() is t
+
+
 # -- torch.tensor: TorchScript, and stand-ins inside the data ------------------------------------------------
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_scripted_functions_calling_torch_tensor_compile_and_run(two_gpus):

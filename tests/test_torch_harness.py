@@ -8,6 +8,7 @@ switch, ``time.sleep`` and ``os.getpid`` on ranks.
 """
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import multiprocessing.managers
 import multiprocessing.pool
@@ -28,6 +29,7 @@ from torch.testing._internal.common_distributed import MultiProcessTestCase
 import simulator
 from simulator.launch import _is_user_process, launch
 from simulator.world import current_rank_state
+from tensorplay.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "torch_harness_cases"
@@ -411,6 +413,27 @@ def test_a_rank_waiting_on_a_store_key_lets_the_rank_that_sets_it_run_in_coop_mo
         path = str(tmp_path / f"store-{seed}")
         assert simulator.run(_wait_on_a_store_key, 2, args=(path,), seed=seed, timeout=60,
                              isolation=isolation) == ["set", "yes"]
+
+
+def _meet_on_a_tcp_store(port: int) -> object:
+    """Rank 0 is the master of a TCPStore of two, rank 1 its worker (PyTorch's ``test_remote_group_merge``): the
+    master's constructor waits in C++ for its worker, the worker's for its master."""
+    import torch.distributed as tdist
+
+    import tensorplay.distributed as dist
+
+    r = dist.get_rank()
+    store = tdist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
+    store.set(f"k{r}", f"v{r}")
+    return store.get(f"k{1 - r}").decode(), isinstance(store, tdist.TCPStore)
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_ranks_meeting_on_a_tcp_store_of_their_own_both_run_in_coop_mode(isolation: str) -> None:
+    for seed in range(2):  # either rank may construct its store first
+        got = simulator.run(_meet_on_a_tcp_store, 2, args=(free_port(),), seed=seed, timeout=60,
+                            isolation=isolation)
+        assert got == [("v1", True), ("v0", True)], got
 
 
 def _spin_on_a_store_counter(path: str) -> object:

@@ -211,6 +211,9 @@ class _StoreClassMeta(type):
     def __subclasscheck__(cls, sub: type) -> bool:
         return issubclass(sub, _saved.get("TCPStore", tdist.TCPStore))
 
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(_saved.get("TCPStore", tdist.TCPStore), name)
+
 
 def _sim_tcp_stores() -> list[Any]:
     return [v for k, v in list(_stores.items()) if isinstance(k, tuple) and k[1] != "rendezvous"]
@@ -219,16 +222,24 @@ def _sim_tcp_stores() -> list[Any]:
 class _TCPStore(metaclass=_StoreClassMeta):
     """Stands in for ``torch.distributed.TCPStore`` while a simulated world runs.
 
-    On a simulated rank, ``TCPStore(host, port, world_size, is_master, ...)``
+    On a rank thread, ``TCPStore(host, port, world_size, is_master, ...)``
     returns the world's in-memory store for that address: rank threads cannot
     serve each other over sockets (the master would wait in C++ for workers the
-    simulator never gets to run).  Elsewhere it is the real ``TCPStore``.
+    simulator never gets to run).  Rank processes serve each other over a real
+    ``TCPStore``, as processes do; in coop mode its construction (the master's
+    wait for its workers, a worker's for its master) steps out of the schedule.
+    Elsewhere it is the real ``TCPStore``.
     """
 
     def __new__(cls, host_name: str = "", port: int = 0, *args: Any, **kwargs: Any) -> Any:
         st = _sim_state()
-        if st is None:
-            return _saved["TCPStore"](host_name, port, *args, **kwargs)
+        if st is None or _in_rank_process(id(st.backend.world_key())):
+            if wait_in_os is None:  # not a coop rank process
+                return _saved["TCPStore"](host_name, port, *args, **kwargs)
+            frame = sys._getframe(1)
+            return wait_in_os(f"TCPStore({host_name!r}, {port}) waiting for its peers",
+                              f"{frame.f_code.co_filename}:{frame.f_lineno}",
+                              lambda: _saved["TCPStore"](host_name, port, *args, **kwargs))
         key = (id(st.backend.world_key()), str(host_name), int(port))
         with _lock:
             return _stores.setdefault(key, tdist.HashStore())  # type: ignore[arg-type]

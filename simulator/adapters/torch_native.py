@@ -172,8 +172,8 @@ def rank_process(world_key: Any, host: str, port: int, world_size: int, timeout:
     ``TCPStore`` at ``host:port``, the rendezvous store of the world ``world_key``."""
     c10d._world = _saved["world"]
     _set_thread_isolation_mode(False)
-    tdist.TCPStore = _saved["TCPStore"]  # type: ignore[misc]  # real processes serve each other over a real store
-    _stores[id(world_key)] = tdist.TCPStore(host, port, world_size, False, timeout, wait_for_workers=False)
+    # (the program's own TCPStores are real ones too: see _TCPStore)
+    _stores[id(world_key)] = _saved["TCPStore"](host, port, world_size, False, timeout, wait_for_workers=False)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,10 @@ __all__ = ["DEVICE_NAME", "DeviceProperties", "Stream", "Event", "is_available",
            "get_device_properties", "synchronize", "current_stream", "default_stream", "set_stream",
            "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
            "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "mem_get_info",
-           "empty_cache", "set_per_process_memory_fraction", "manual_seed", "manual_seed_all", "seed", "seed_all",
+           "empty_cache", "set_per_process_memory_fraction", "memory_stats_as_nested_dict", "memory_snapshot",
+           "get_allocator_backend", "get_per_process_memory_fraction", "caching_allocator_enable",
+           "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats", "manual_seed",
+           "manual_seed_all", "seed", "seed_all",
            "initial_seed",
            "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "DefaultGenerators",
            "is_bf16_supported", "is_initialized", "lazy_init", "refuse_graphs", "refuse_memory_history",
@@ -235,6 +238,66 @@ def memory_stats(device: Any = None) -> dict[str, int]:
     stats.update({"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
                   "num_device_free": 0, "max_split_size": -1})
     return stats
+
+
+def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+    """:func:`memory_stats` nested by the parts of its keys, as torch's C++ gives it."""
+    nested: dict[str, Any] = {}
+    for key, v in memory_stats(device).items():
+        *path, last = key.split(".")
+        d = nested
+        for part in path:
+            d = d.setdefault(part, {})
+        d[last] = v
+    return nested
+
+
+def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list:
+    """The caching allocator's segments: none on the stand-in (``memory_stats`` counts no segment either)."""
+    return []
+
+
+def get_allocator_backend() -> str:
+    """torch's own caching allocator, as a GPU run without ``PYTORCH_ALLOC_CONF=backend:cudaMallocAsync`` has."""
+    return "native"
+
+
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    """The cap :func:`set_per_process_memory_fraction` set on ``device`` for the calling rank (1.0: none)."""
+    return state().fraction.get(resolve_index(device, "torch.cuda.get_per_process_memory_fraction"), 1.0)
+
+
+def caching_allocator_enable(value: bool = True) -> None:
+    """Nothing to switch: the stand-in has no caching allocator (its memory figures follow live tensors)."""
+    return None
+
+
+_HOST_STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+
+
+def host_memory_stats_as_nested_dict() -> dict[str, Any]:
+    """The pinned host allocator's figures: all zero, since pinned memory is ordinary memory on the stand-in."""
+    nested: dict[str, Any] = {n: dict.fromkeys(("current", "peak", "allocated", "freed"), 0) for n in _HOST_STATS}
+    nested.update({"num_host_alloc": 0, "num_host_free": 0})
+    for n in ("host_alloc_time", "host_free_time"):
+        nested[n] = dict.fromkeys(("total", "max", "min", "count", "avg"), 0)
+    return nested
+
+
+def host_memory_stats() -> dict[str, Any]:
+    """:func:`host_memory_stats_as_nested_dict` flattened into ``"allocations.current"``-style keys."""
+    flat: dict[str, Any] = {}
+    for name, v in host_memory_stats_as_nested_dict().items():
+        if isinstance(v, dict):
+            flat.update({f"{name}.{k}": x for k, x in v.items()})
+        else:
+            flat[name] = v
+    return dict(sorted(flat.items()))
+
+
+def reset_peak_host_memory_stats() -> None:
+    """No pinned host allocator: nothing to reset."""
+    return None
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

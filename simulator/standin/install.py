@@ -48,7 +48,8 @@ from simulator.standin import _native, amp, attention, cuda_api as api, legacy, 
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.device_type import device_class
-from simulator.standin.refuse import CUDA_ONLY, NvtxStub, compile_guard, cuda_only_table, profile_cpu_only
+from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
+from simulator.standin.refuse import CUDA_ONLY, CudartStub, NvtxStub, compile_guard, cuda_only_table, profile_cpu_only
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
@@ -290,31 +291,6 @@ def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _TB_DATA.__set__(self, new)
 
 
-def _same_standin(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two stand-ins are one device tensor: the same data, device, layout and dtype."""
-    if not (isinstance(a, StandInTensor) and isinstance(b, StandInTensor)) or a._idx != b._idx:
-        return False
-    x, y = a._inner, b._inner
-    return x is y or (x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and x.dtype == y.dtype
-                      and x.storage_offset() == y.storage_offset() and x.shape == y.shape
-                      and x.stride() == y.stride())
-
-
-def _swap_unless_same(original: Callable[..., None]) -> Callable[..., None]:
-    """``Module.to``/``.cuda()`` swaps every wrapper-subclass parameter with its moved value, even one already on
-    its device, and torch's swap refuses a parameter that other tensors still reference (FSDP1's flat parameter
-    and its views: ``FSDP(model).cuda()``). On a GPU the move assigns ``.data``, a no-op when nothing moved:
-    so is the swap of a stand-in with an alias of itself."""
-
-    @functools.wraps(original)
-    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        if _same_standin(t1, t2) and t1.requires_grad == t2.requires_grad:
-            return
-        original(t1, t2)
-
-    return swap_tensors
-
-
 def _current_accelerator(check: bool = False) -> torch.device:
     return torch.device("cuda")
 
@@ -325,7 +301,10 @@ def _exchange(idx: int) -> int:
 
 _MEMORY = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
            "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "mem_get_info",
-           "empty_cache", "set_per_process_memory_fraction")
+           "empty_cache", "set_per_process_memory_fraction",
+           "memory_stats_as_nested_dict", "memory_snapshot", "get_allocator_backend", "get_per_process_memory_fraction",
+           "caching_allocator_enable", "host_memory_stats", "host_memory_stats_as_nested_dict",
+           "reset_peak_host_memory_stats")
 _RANDOM = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all",
            "set_rng_state_all")
 _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_device_name",
@@ -374,7 +353,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
-          (torch.cuda.nvtx, "_nvtx", NvtxStub()),
+          (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", CudartStub()),
           # torch's c10d logger asks for NCCL's version when a collective of an "nccl" group fails
           (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION),
           # (DataParallel's reduce_add asks; stand-ins have no NCCL of their own: torch's adds, without the CPU
@@ -415,7 +394,8 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.UntypedStorage, "to", storage_to(torch.UntypedStorage.to)),
           (torch, "Generator", rng.generator_class(torch.Generator)),
           (torch, "device", device_class(torch.device)),
-          (torch.utils, "swap_tensors", _swap_unless_same(torch.utils.swap_tensors)),
+          (torch.utils, "swap_tensors", swap_unless_same(torch.utils.swap_tensors)),
+          (torch.utils, "weakref", SWAP_WEAKREFS),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type)),
           (torch, "set_default_tensor_type", legacy.patched_set_default_tensor_type(torch.set_default_tensor_type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
@@ -447,7 +427,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.Tensor.type", "torch.set_default_tensor_type",
+    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart",
+    "torch.Tensor.type", "torch.set_default_tensor_type",
     "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",
     "torch.distributed.Logger"} | {

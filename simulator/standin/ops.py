@@ -90,7 +90,17 @@ def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
     return t
 
 
+def _packed_sequence(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Packing and unpacking a padded sequence: CUDA's kernels take the lengths (batch sizes) on the CPU and give
+    the packed data (padded output, gradient) on the device and the batch sizes (lengths) on the CPU."""
+    idx = next(a._idx for a in args if type(a) is StandInTensor)
+    out = func(*[_inner_of(a) for a in args], **kwargs)
+    return (fresh(out[0], idx), *out[1:]) if isinstance(out, tuple) else fresh(out, idx)
+
+
 _SPECIAL.update({
+    "_pack_padded_sequence": _packed_sequence, "_pad_packed_sequence": _packed_sequence,
+    "_pack_padded_sequence_backward": _packed_sequence,
     "copy_": _copy, "_copy_from": copy_from, "_copy_from_and_resize": copy_from, "_to_copy": _to_copy,
     "record_stream": _record_stream, "is_pinned": _is_pinned, "_wrap_tensor_autograd": _wrap_async,
     "wait_tensor": _wait_tensor,

@@ -39,7 +39,7 @@ from simulator.standin.errors import StandInError
 from simulator.standin.ranks import open_now
 from simulator.standin.tensor import StandInTensor
 
-__all__ = ["compile_guard", "NvtxStub", "CUDA_ONLY", "cuda_only_table"]
+__all__ = ["compile_guard", "NvtxStub", "CudartStub", "CUDA_ONLY", "cuda_only_table"]
 
 
 _warned: list[bool] = [False]
@@ -170,9 +170,38 @@ class NvtxStub:
         return None
 
 
+class CudartStub:
+    """``torch.cuda.cudart()`` on the stand-in: the runtime calls torch's own Python code makes succeed (0 is
+    ``cudaSuccess``); any other is refused, naming the fix.  Registering host memory (DCP's pinned staging
+    buffers, ``torch.cuda._pin_memory_utils``) changes nothing on the CPU, as pinning does not."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802  (CUDA's name)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return 0
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802
+        return 0
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return "no error" if int(error) == 0 else f"cudaError {int(error)}"
+
+    def __getattr__(self, name: str) -> Any:
+        raise StandInError(format_message(
+            f"torch.cuda.cudart().{name}", "the CPU stand-in has no CUDA runtime for this call",
+            fix="compute through torch's operators and torch.cuda's APIs when simulating, or run on real GPUs"))
+
+    def __call__(self) -> "CudartStub":  # (installed as torch.cuda.cudart itself: calling it gives the module)
+        return self
+
+
 #: torch.cuda's APIs that need CUDA's runtime: (modules, names, what they are, the fix)
 CUDA_ONLY = (
-    (("cuda",), ("current_blas_handle",), "cuBLAS handles",
+    (("cuda",), ("current_blas_handle", "current_solver_handle"), "cuBLAS and cuSOLVER handles",
      "compute through torch's operators (torch.matmul, ...) when simulating, or run on real GPUs"),
     (("cuda", "cuda.memory"), ("caching_allocator_alloc", "caching_allocator_delete"),
      "raw blocks of CUDA's caching allocator", "allocate a tensor instead (torch.empty(n, dtype=torch.uint8, "

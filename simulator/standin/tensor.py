@@ -51,7 +51,9 @@ _NO_KWARGS: dict = {}
 _CROSS_DEVICE = {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "index", "index_put", "index_put_",
                  "_index_put_impl_", "_unsafe_index", "_unsafe_index_put", "lift_fresh", "set_",
                  # CUDA's CTC loss takes the sequence lengths (and cuDNN's, the targets) as CPU tensors
-                 "ctc_loss", "_ctc_loss", "_ctc_loss_backward"}
+                 "ctc_loss", "_ctc_loss", "_ctc_loss_backward",
+                 # and its recurrent layers over a packed sequence take its batch sizes as a CPU tensor
+                 "aten::lstm.data", "aten::gru.data", "aten::rnn_tanh.data", "aten::rnn_relu.data"}
 #: in-place operators that may change the tensor's shape (the wrapper follows: see _follow)
 _RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
               "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
@@ -239,14 +241,14 @@ def fresh(inner: torch.Tensor, idx: int) -> StandInTensor:
 # -- per-operator facts, computed once -------------------------------------------------------------------
 class _Spec:
     __slots__ = ("special", "cross", "reshaping", "fresh", "name", "mutates", "call", "collective", "random",
-                 "generator_at", "uninitialized")
+                 "generator_at", "uninitialized", "device_at")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         base = schema.name.split("::")[-1]
         self.name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
         self.special: Callable[..., Any] | None = _SPECIAL.get(base)
-        self.cross = base in _CROSS_DEVICE
+        self.cross = base in _CROSS_DEVICE or self.name in _CROSS_DEVICE
         # an out= overload (``out``, ``start_out``, ``Scalar_out``...) may resize its output
         self.reshaping = base in _RESHAPING or any(a.is_out for a in schema.arguments)
         # results without alias annotation are new allocations; views and in-place results are not
@@ -263,6 +265,9 @@ class _Spec:
         # a random operator draws from its device's generator unless the caller passed one (see rng)
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         self.generator_at = next((i for i, a in enumerate(schema.arguments) if a.name == "generator"), None)
+        # a device passed positionally (``aten.to.device``, reached below autograd inside a subclass's handler)
+        self.device_at = next((i for i, a in enumerate(schema.arguments)
+                               if not a.kwarg_only and str(a.type) in ("Device", "Device?")), None)
         # memory a GPU hands out uninitialised: zero on a stand-in, so a program that reads it reproduces
         self.uninitialized = base in _UNINITIALIZED
         # the CPU entry of the computed table includes composite kernels and fallbacks
@@ -415,6 +420,11 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if dev is not None:  # a factory-like operator (new_empty, zeros_like...): the device named wins
             seen[2] = target(dev)
             ukw["device"] = CPU if seen[2] is not None else dev
+    at = sp.device_at
+    if at is not None and len(uargs) > at and uargs[at] is not None:  # (the same, named by position)
+        dev = uargs[at]
+        seen[2] = target(dev)
+        uargs[at] = CPU if seen[2] is not None else dev
     if seen[1] is not None and not sp.cross and not _from_collective_code():
         raise RuntimeError(_SAME_DEVICE.format(*seen[1]))
     idx = seen[2]
