@@ -286,6 +286,36 @@ def test_an_nccl_group_is_a_cuda_group_on_stand_ins():
     assert got == [(["cuda"], "cuda", [3.0, 3.0], "No backend type associated with device type cpu")] * 2
 
 
+def _two_backends(backend: str) -> tuple:
+    tdist.init_process_group(backend)
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    c, g = torch.full((2,), float(r)), torch.full((3,), float(r + 1), device="cuda")
+    outs = [torch.empty(2) for _ in range(2)]
+    # the ranks issue a CPU all_gather (gloo's) and a CUDA all_reduce (NCCL's) in opposite orders, as a checkpoint
+    # saver's thread and the training loop do (dcp.async_save's recipe)
+    if r == 0:
+        works = [tdist.all_gather(outs, c, async_op=True), tdist.all_reduce(g, async_op=True)]
+    else:
+        works = [tdist.all_reduce(g, async_op=True), tdist.all_gather(outs, c, async_op=True)]
+    for w in works:
+        w.wait()
+    tdist.barrier()
+    return [o.tolist() for o in outs], g.cpu().tolist()
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_group_of_two_backends_keeps_one_sequence_per_backend(isolation):
+    """"cpu:gloo,cuda:nccl" is two communicators: CPU tensors go through gloo's, CUDA tensors through NCCL's, and
+    the order of one's operations never has to agree with the other's."""
+    got = simulator.run(_two_backends, 2, args=("cpu:gloo,cuda:nccl",), devices="cuda", isolation=isolation,
+                        timeout=TIMEOUT)
+    assert got == [([[0.0, 0.0], [1.0, 1.0]], [3.0, 3.0, 3.0])] * 2
+    # one backend for both devices (gloo takes CUDA tensors too) is one sequence: the orders must agree
+    with pytest.raises(simulator.CollectiveMismatchError):
+        simulator.run(_two_backends, 2, args=("gloo",), devices="cuda", timeout=TIMEOUT)
+
+
 # -- attention: CUDA's fused operators ----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,kernel", [(torch.float32, "Efficient"), (torch.bfloat16, "Flash")])
 def test_sdpa_takes_the_fused_cuda_operator_and_gives_the_cpu_result(two_gpus, dtype, kernel):

@@ -25,6 +25,7 @@ from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
 from simulator.adapters.gloo_rules import GlooRules, combine, premul_factor, reduce_op, root_of, tensor_list
+from simulator.adapters.pg_lanes import LanesMixin, device_types_for
 from simulator.adapters.pg_split import SplitMixin
 from simulator.adapters.process_group_work import NcclDeviceRule, SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
@@ -90,24 +91,7 @@ class _SimBackendView:
         return f"<simulated {self.name()} backend of {self._pg!r} for {self.device}>"
 
 
-def _device_types_for(named: str) -> list[torch.device]:
-    """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
-    types: list[str] = []
-    try:
-        types = list(c10d.BackendConfig(tdist.Backend(named)).get_device_backend_map())
-    except Exception:  # noqa: BLE001  an unknown name: fall back to the rank's device below
-        types = []
-    own = rank_device().type
-    standin = sys.modules.get("simulator.standin")
-    # on CUDA stand-ins an "nccl" group is NCCL's: CUDA only (see _nccl_devices), so checkpointing's device query
-    # (_get_pg_default_device) answers cuda, as on GPUs
-    if own not in types and not (named == "nccl" and standin is not None and standin.is_active()):
-        types.append(own)
-    # c10d lists accelerators before cpu (gloo's group reports [cuda, cpu])
-    return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
-
-
-class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
+class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
     """A torch ProcessGroup whose operations run on the simulator through tensorplay.distributed.
 
     Every operation is issued asynchronously and returns a :class:`SimWork`;
@@ -123,7 +107,8 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         super().__init__(group.rank(), group.size())
         self._g = group
         self._named = str(named)
-        self._types = _device_types_for(self._named)
+        self._types = device_types_for(self._named)
+        self._open_lanes(self._named)  # "cpu:gloo,cuda:nccl": a communicator per backend (see pg_lanes)
         standin = sys.modules.get("simulator.standin")
         # NCCL's device rule, where the group's calls meet (on rank processes they meet in the coordinator, which
         # sees their tensors without devices: not checked there)
@@ -199,8 +184,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
             values={"backend": self._named, "device": str(device)},
             fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
 
-    def _end_coalescing(self, device: Any) -> None:
-        self._start_coalescing(device)
+    _end_coalescing = _start_coalescing
 
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
     # torch's front door passes one tensor in a list and an options object; a program calling the group itself
@@ -225,16 +209,16 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
             rop = _SUM
         op = rop
         if len(tensors) == 1 and tensors[0].layout == torch.strided:  # torch's front door: nothing left to check
-            return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._g, async_op=True)], tensors)
+            return SimWork([tpd.all_reduce(tensors[0], op=op, group=self._lane(tensors[0]), async_op=True)], tensors)
         rules = self._rules("allreduce")
         rules.non_empty(tensors)
         rules.layouts_match(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
-            return SimWork([], sparse_allreduce(self._g, self._named, tensors, op, rules))
+            return SimWork([], sparse_allreduce(self._lane(tensors[0]), self._named, tensors, op, rules))
         rules.type_and_sizes(tensors)
         # several inputs: gloo reduces this rank's inputs together, then across the ranks, into every input
         folded = combine(tensors, op)
-        return SimWork([tpd.all_reduce(folded, op=op, group=self._g, async_op=True)], tensors,
+        return SimWork([tpd.all_reduce(folded, op=op, group=self._lane(folded), async_op=True)], tensors,
                        after=lambda: [t.copy_(folded) for t in tensors])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
@@ -259,7 +243,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-        return SimWork([tpd.all_reduce(flat, op=reduce_op(opts), group=self._g, async_op=True)], tensors,
+        return SimWork([tpd.all_reduce(flat, op=reduce_op(opts), group=self._lane(flat), async_op=True)], tensors,
                        after=copy_back, refuse=_autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors))
 
     def broadcast(self, tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
@@ -273,7 +257,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         me = self._g.rank()
         # the root sends its tensors[rootTensor]; every tensor of every rank receives it
         buf = tensors[root_tensor] if me == root_rank else tensors[0]
-        w = tpd.broadcast(buf, group=self._g, group_src=root_rank, async_op=True)
+        w = tpd.broadcast(buf, group=self._lane(buf), group_src=root_rank, async_op=True)
         rest = [t for t in tensors if t is not buf]
         return SimWork([w], tensors, after=(lambda: [t.copy_(buf) for t in rest]) if rest else None, weak_result=True)
 
@@ -288,13 +272,13 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         if reduce_op(opts, op) == _PREMUL:  # a scaled copy is summed: a rank that is not the root keeps its input
             t = tensors[0]
             scaled = t * premul_factor(opts, op, self._named)
-            w = tpd.reduce(scaled, group=self._g, group_dst=root_rank, async_op=True)
+            w = tpd.reduce(scaled, group=self._lane(t), group_dst=root_rank, async_op=True)
             return SimWork([w], tensors, after=(lambda: t.copy_(scaled)) if self._g.rank() == root_rank else None)
-        return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._g, group_dst=root_rank,
-                                   async_op=True)], tensors)
+        return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._lane(tensors[0]),
+                                   group_dst=root_rank, async_op=True)], tensors)
 
     def barrier(self, opts: Any = None) -> SimWork:
-        return SimWork([tpd.barrier(group=self._g, async_op=True)], [])
+        return SimWork([tpd.barrier(group=self._lane(getattr(opts, "device", None)), async_op=True)], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier, as ProcessGroupGloo runs it: every other rank sends to the group's rank 0 and
@@ -304,8 +288,8 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         bound = timeout if isinstance(timeout, timedelta) else (
             timedelta(seconds=float(timeout)) if timeout is not None else self._timeout or timedelta(minutes=30))
         ms = int(bound.total_seconds() * 1000)
-        g, me = self._g, self._g.rank()
         token = torch.zeros(1)
+        g, me = self._lane(token), self._g.rank()
         if me != 0:
             try:
                 tpd.isend(token, group=g, group_dst=0, tag=_MONITORED_TAG)
@@ -353,7 +337,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         for o in outs:
             rules.type_and_sizes(o, like=ins[0])
         # outs[j][r * n + i] receives rank r's input i, for every j: one all_gather per input, into outs[0]
-        works = [tpd.all_gather([outs[0][r * n + i] for r in range(w)], t, group=self._g, async_op=True)
+        works = [tpd.all_gather([outs[0][r * n + i] for r in range(w)], t, group=self._lane(t), async_op=True)
                  for i, t in enumerate(ins)]
         flat = [t for o in outs for t in o]
         after = None
@@ -384,7 +368,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
                     raise rules.fail(f"invalid tensor type at index {i}", "match each input's dtype",
                                      dtype=str(o.dtype), expected=str(t.dtype))
         # output_lists[r][i] receives rank r's input_list[i]: one all_gather per input tensor, as gloo does
-        works = [tpd.all_gather([outs[i] for outs in output_lists], t, group=self._g, async_op=True)
+        works = [tpd.all_gather([outs[i] for outs in output_lists], t, group=self._lane(t), async_op=True)
                  for i, t in enumerate(input_list)]
         flat = [t for outs in output_lists for t in outs]
         return SimWork(works, flat, refuse=_autograd_refusal("all_gather_coalesced", self._g.rank(), flat))
@@ -418,14 +402,14 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         laid = self._layout("all_gather_into_tensor", output, input, "output")
-        return SimWork([tpd.all_gather_into_tensor(laid, input, group=self._g, async_op=True)], [output],
+        return SimWork([tpd.all_gather_into_tensor(laid, input, group=self._lane(input), async_op=True)], [output],
                        refuse=_autograd_refusal("all_gather_into_tensor", self._g.rank(), [output]))
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        return SimWork([tpd.all_gather_into_tensor(o, i, group=self._g, async_op=True)
+        return SimWork([tpd.all_gather_into_tensor(o, i, group=self._lane(i), async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -436,7 +420,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         opts, root_rank = root_of(opts, root)
         ins, is_root = list(input_tensors), self._g.rank() == root_rank
         self._rules("gather").rooted(root_rank, is_root, ins, "input tensor list", output_tensors, "output")
-        w = tpd.gather(ins[0], output_tensors[0] if is_root else None, group=self._g, group_dst=root_rank,
+        w = tpd.gather(ins[0], output_tensors[0] if is_root else None, group=self._lane(ins[0]), group_dst=root_rank,
                        async_op=True)
         outs = list(output_tensors[0]) if is_root else []
         return SimWork([w], outs, refuse=_autograd_refusal("gather", self._g.rank(), outs))
@@ -447,7 +431,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         opts, root_rank = root_of(opts, root)
         outs, is_root = list(output_tensors), self._g.rank() == root_rank
         self._rules("scatter").rooted(root_rank, is_root, outs, "output tensor list", input_tensors, "input")
-        w = tpd.scatter(outs[0], list(input_tensors[0]) if is_root else None, group=self._g,
+        w = tpd.scatter(outs[0], list(input_tensors[0]) if is_root else None, group=self._lane(outs[0]),
                         group_src=root_rank, async_op=True)
         return SimWork([w], outs)
 
@@ -462,9 +446,9 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         op = rop
         if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
             sized = [list(ins) for ins in input_tensors]
-            return SimWork([], reduce_scatter_sized(self._g, list(output_tensors), sized, op,
+            return SimWork([], reduce_scatter_sized(self._lane(output_tensors[0]), list(output_tensors), sized, op,
                                                     self._rules("reduce_scatter")))
-        return SimWork([tpd.reduce_scatter(o, list(ins), op=op, group=self._g, async_op=True)
+        return SimWork([tpd.reduce_scatter(o, list(ins), op=op, group=self._lane(o), async_op=True)
                         for o, ins in zip(output_tensors, input_tensors)], list(output_tensors))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
@@ -472,7 +456,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         rop = reduce_op(opts)
         if rop == _PREMUL:  # NCCL's premultiplied sum (FSDP2's gradient divide factor): a scaled copy, summed
             laid, rop = laid * premul_factor(opts, None, self._named), _SUM
-        return SimWork([tpd.reduce_scatter_tensor(output, laid, op=rop, group=self._g, async_op=True)],
+        return SimWork([tpd.reduce_scatter_tensor(output, laid, op=rop, group=self._lane(output), async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -483,7 +467,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
         if rop == _PREMUL:
             factor = premul_factor(opts, None, self._named)
             inputs, rop = [i * factor for i in inputs], _SUM
-        return SimWork([tpd.reduce_scatter_tensor(o, i, op=rop, group=self._g, async_op=True)
+        return SimWork([tpd.reduce_scatter_tensor(o, i, op=rop, group=self._lane(o), async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -497,7 +481,7 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
                 values={"input.shape": tuple(input.shape), "input.stride": input.stride()},
                 fix="pass input.contiguous()"))
         w = tpd.all_to_all_single(output, input, list(output_split_sizes) or None,
-                                  list(input_split_sizes) or None, group=self._g, async_op=True)
+                                  list(input_split_sizes) or None, group=self._lane(input), async_op=True)
         return SimWork([w], [output])
 
     alltoall_base = all_to_all_single
@@ -512,19 +496,20 @@ class SimProcessGroup(SplitMixin, tdist.ProcessGroup):
                 values={"input_shapes": [tuple(t.shape) for t in input_tensors],
                         "output_shapes": [tuple(t.shape) for t in output_tensors]},
                 fix="pad the blocks to one shape, or use all_to_all_single with split sizes"))
-        return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=self._g, async_op=True)],
-                       output_tensors, refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
+        g = self._lane(input_tensors[0])
+        return SimWork([tpd.all_to_all(output_tensors, input_tensors, group=g, async_op=True)], output_tensors,
+                       refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
 
     # -- point to point ----------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
-        return SimWork([tpd.isend(t, group=self._g, group_dst=dst, tag=tag) for t in tensors], tensors)
+        return SimWork([tpd.isend(t, group=self._lane(t), group_dst=dst, tag=tag) for t in tensors], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
-        works = [tpd.irecv(t, group=self._g, group_src=src, tag=tag) for t in tensors]
+        works = [tpd.irecv(t, group=self._lane(t), group_src=src, tag=tag) for t in tensors]
         return SimWork(works, tensors, source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
-        w = tpd.irecv(tensors[0], group=self._g, tag=tag)
+        w = tpd.irecv(tensors[0], group=self._lane(tensors[0]), tag=tag)
         # tensorplay reports the sender as a global rank; torch's _source_rank() is a group rank
         return SimWork([w], tensors, source=lambda: self._g.group_rank(w.source_rank()))
 
@@ -587,6 +572,7 @@ def direct_group(ranks: tuple[int, ...], options: Any) -> SimProcessGroup:
 
 
 SplitMixin.direct = staticmethod(direct_group)  # (pg_split's groups are built as the program's own are)
+LanesMixin.member_group = staticmethod(_member_group)
 
 
 #: while torch builds a group on this thread (set by torch_globals' group helper): the backend name the program

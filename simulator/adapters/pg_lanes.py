@@ -1,0 +1,70 @@
+"""A simulated group's backends by device: the device types it reports, and one communicator per backend of a
+group of several backends (``"cpu:gloo,cuda:nccl"``).
+
+torch's ``ProcessGroup`` of several backends sends each operation to the backend registered for its tensors'
+device, and each backend is a communicator of its own: the operations on CPU tensors (gloo's) and those on CUDA
+tensors (NCCL's) are matched each in their own order, never against each other. ``dcp.async_save``'s recipe
+relies on it: the saver's thread gathers CPU tensors while the training loop all-reduces CUDA ones. A simulated
+group matches the operations of one communicator in one sequence, so such a group holds a second one, made by
+its members when the group is made, for its CPU tensors.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.distributed_c10d as c10d
+
+from tensorplay.distributed import state as dist_state
+
+from simulator.core.state import rank_device
+
+__all__ = ["LanesMixin", "backends_by_device", "device_types_for"]
+
+
+def device_types_for(named: str) -> list[torch.device]:
+    """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
+    types = list(backends_by_device(named))  # (an unknown name: none, the rank's device below)
+    own = rank_device().type
+    standin = sys.modules.get("simulator.standin")
+    # on CUDA stand-ins an "nccl" group is NCCL's: CUDA only (see _nccl_devices), so checkpointing's device query
+    # (_get_pg_default_device) answers cuda, as on GPUs
+    if own not in types and not (named == "nccl" and standin is not None and standin.is_active()):
+        types.append(own)
+    # c10d lists accelerators before cpu (gloo's group reports [cuda, cpu])
+    return [torch.device(t) for t in sorted(set(types), key=lambda t: (t == "cpu", t))]
+
+
+def backends_by_device(named: str) -> dict[str, str]:
+    """The backend torch registers for each device type of a group made with backend ``named``."""
+    try:
+        return {str(k): str(v) for k, v in c10d.BackendConfig(tdist.Backend(named)).get_device_backend_map().items()}
+    except Exception:  # noqa: BLE001  a name torch does not know (a plugin, "sim"): one backend
+        return {}
+
+
+class LanesMixin:
+    """What :class:`~simulator.adapters.process_group.SimProcessGroup` uses to pick the communicator of a call."""
+
+    #: makes a communicator over some simulated ranks (``process_group._member_group``, set there)
+    member_group: Any = None
+    _g: Any
+    _cpu_lane: Any = None
+
+    def _open_lanes(self, named: str) -> None:
+        """Give the CPU tensors a communicator of their own when CPU and CUDA have different backends here (only
+        where CUDA tensors can exist: on GPUs or stand-ins)."""
+        by_device = backends_by_device(named)
+        if "cpu" in by_device and by_device.get("cuda", by_device["cpu"]) != by_device["cpu"] \
+                and torch.cuda.is_available():
+            self._cpu_lane = type(self).member_group(dist_state.current(), tuple(self._g.ranks))
+
+    def _lane(self, t: Any) -> Any:
+        """The communicator for an operation on ``t`` (a tensor or a device; ``None``: the group's own)."""
+        cpu = self._cpu_lane
+        if cpu is None or t is None:
+            return self._g
+        dev = t if isinstance(t, torch.device) else t.device
+        return cpu if dev.type == "cpu" else self._g
