@@ -58,8 +58,9 @@ DEFAULT_STALL_TIMEOUT = 300.0
 PROFILER_WHY = ("torch's profiler is one per process (each thread rank's would record the other ranks' operations, "
                 "and a second rank's start or stop crashes the process); the test started it on a rank")
 #: why a test whose ranks patched with unittest.mock, then failed on thread ranks, runs on rank processes
-PATCH_WHY = ("unittest.mock's patch sets an attribute of the one process (each thread rank's patch is every rank's, "
-             "and the ranks' exits, not last-in first-out, can leave a mock in place); the test patched on a rank")
+PATCH_WHY = ("unittest.mock's patch, and torch's test helpers that patch by assignment (common_fsdp.patch_*), set an "
+             "attribute of the one process (each thread rank's patch is every rank's, and the ranks' exits, not "
+             "last-in first-out, can leave a mock in place); the test patched on a rank")
 #: failures that come from ranks sharing one process, and why (the report names the fix; the test runs again on
 #: rank processes)
 _SHARED_PROCESS_SIGNS = (
@@ -466,12 +467,31 @@ def _own_class_state() -> Iterator[None]:
             setattr(owner, name, value)
 
 
+def _torch_test_patchers() -> set[Any]:
+    """The code of torch's test helpers that patch by plain assignment (``common_fsdp.patch_all_gather``,
+    ``patch_register_post_backward_hook_backward``, ...: each rank assigns its own closure between two barriers)."""
+    fsdp = sys.modules.get("torch.testing._internal.common_fsdp")
+    helpers = [getattr(fsdp, n) for n in dir(fsdp) if n.startswith("patch_")] if fsdp is not None else []
+    return {h.__wrapped__.__code__ for h in helpers if hasattr(getattr(h, "__wrapped__", None), "__code__")}
+
+
 @contextlib.contextmanager
 def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
-    """A rank entering ``unittest.mock.patch`` marks the test: patching is per process, so if the test then fails
-    on thread ranks it runs again on rank processes, where each rank patches its own (one that passes stands)."""
+    """A rank entering ``unittest.mock.patch`` (or one of torch's test helpers that patch by assignment) marks the
+    test: patching is per process, so if the test then fails on thread ranks it runs again on rank processes,
+    where each rank patches its own (one that passes stands)."""
     from unittest import mock
 
+    patchers = _torch_test_patchers()
+    enter_cm = contextlib._GeneratorContextManager.__enter__
+
+    def enter_helper(self: Any) -> Any:
+        if getattr(self.gen, "gi_code", None) in patchers and current_rank_state() is not None:
+            item.stash[_NEEDS_A_PROCESS] = PATCH_WHY
+        return enter_cm(self)
+
+    if patchers:
+        contextlib._GeneratorContextManager.__enter__ = enter_helper  # type: ignore[method-assign]
     original = mock._patch.__enter__
     before: dict[tuple[int, str], tuple[Any, str, Any]] = {}  # what each patched attribute was before any rank's patch
     missing = object()
@@ -490,6 +510,7 @@ def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
         yield
     finally:
         mock._patch.__enter__ = original  # type: ignore[method-assign]
+        contextlib._GeneratorContextManager.__enter__ = enter_cm  # type: ignore[method-assign]
         # the ranks' exits, in no particular order, may each have restored another rank's mock: the attributes
         # are as they were before the test's ranks patched them, as after processes that patched their own
         for target, attribute, value in before.values():

@@ -295,6 +295,54 @@ def test_a_simulated_timeout_shows_the_simulators_report_in_the_tests_failure(tm
     assert "timeout" in out.split("The simulator's report (SimTimeoutError)", 1)[1][:2000], out[-4000:]
 
 
+_FSDP_PATCH_CASE = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_fsdp import patch_register_post_backward_hook_backward
+from torch.testing._internal.common_utils import run_tests
+
+class Counted(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+    def test_each_rank_counts_its_own_post_backwards(self):
+        dist.init_process_group("gloo", rank=self.rank, world_size=2, init_method=f"file://{self.file_name}")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fully_shard(model[0])
+        fully_shard(model[1])
+        fully_shard(model)
+        orig, count = RegisterPostBackwardFunction.backward, [0]
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return orig(*args, **kwargs)
+        with patch_register_post_backward_hook_backward(counted):  # each rank assigns its own, between barriers
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        self.assertGreaterEqual(count[0], 2)
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+def test_a_test_patching_with_torchs_fsdp_helpers_runs_again_on_rank_processes(tmp_path: Path) -> None:
+    """torch's common_fsdp.patch_* assign a class attribute on every rank: on thread ranks the last rank's closure
+    counts for all, so the test fails there and runs again on rank processes, where it passes as on gloo."""
+    (tmp_path / "test_counted.py").write_text(_FSDP_PATCH_CASE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
+                           "--sim-harness", "thread", "test_counted.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in out, out[-4000:]
+    assert "ran on rank processes" in out and "common_fsdp.patch_*" in out, out[-4000:]
+
+
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
     out = _run_case(tmp_path, "case_multiprocess.py", sim=None, tests=("HarnessCases::test_all_reduce",),
                     extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
