@@ -257,60 +257,59 @@ def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path
         assert "torch's profiler is one per process" in out.output
 
 
-_STUCK_CASE = """
-import time
+def _two_rank_case(imports: str, body: str) -> str:
+    """A test file of one two-rank ``MultiProcessTestCase`` whose test is ``body`` (indented as a method's)."""
+    return f"""{imports}
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import run_tests
 
-class Stuck(MultiProcessTestCase):
+class Case(MultiProcessTestCase):
     @property
     def world_size(self):
         return 2
     def setUp(self):
         super().setUp()
         self._spawn_processes()
-    def test_rank_zero_never_arrives(self):
-        if self.rank == 0:
-            for _ in range(100):  # (bounded: a thread rank cannot be stopped from outside)
-                time.sleep(0.05)
-
+{body}
 if __name__ == "__main__":
     run_tests()
 """
 
 
+def _pytest_written(work: Path, text: str, isolation: str, *extra: str) -> tuple[int, str]:
+    """Write ``text`` as ``work/test_case.py`` and run it under the switch: (exit code, output)."""
+    work.mkdir(exist_ok=True)
+    (work / "test_case.py").write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
+                           "--sim-harness", isolation, *extra, "test_case.py"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+_STUCK_CASE = _two_rank_case("import time", """
+    def test_rank_zero_never_arrives(self):
+        if self.rank == 0:
+            for _ in range(100):  # (bounded: a thread rank cannot be stopped from outside)
+                time.sleep(0.05)
+""")
+
+
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_simulated_timeout_shows_the_simulators_report_in_the_tests_failure(tmp_path: Path, isolation: str) -> None:
     # torch's harness sees a rank the simulator stopped as exit code 1 and nothing else; the report says who waited
-    work = tmp_path / isolation
-    work.mkdir()
-    (work / "test_stuck.py").write_text(_STUCK_CASE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
-                           "--sim-harness", isolation, "--sim-timeout", "1.5", "test_stuck.py"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and "1 failed" in out, out[-4000:]
+    rc, out = _pytest_written(tmp_path / isolation, _STUCK_CASE, isolation, "--sim-timeout", "1.5")
+    assert rc == 1 and "1 failed" in out, out[-4000:]
     assert "The simulator's report (SimTimeoutError)" in out, out[-4000:]
     assert "timeout" in out.split("The simulator's report (SimTimeoutError)", 1)[1][:2000], out[-4000:]
 
 
-_FSDP_PATCH_CASE = """
+_FSDP_PATCH_CASE = _two_rank_case("""
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
-from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_fsdp import patch_register_post_backward_hook_backward
-from torch.testing._internal.common_utils import run_tests
-
-class Counted(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 2
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
+from torch.testing._internal.common_fsdp import patch_register_post_backward_hook_backward""", """
     def test_each_rank_counts_its_own_post_backwards(self):
         dist.init_process_group("gloo", rank=self.rank, world_size=2, init_method=f"file://{self.file_name}")
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -324,22 +323,14 @@ class Counted(MultiProcessTestCase):
         with patch_register_post_backward_hook_backward(counted):  # each rank assigns its own, between barriers
             model(torch.randn(2, 4, requires_grad=True)).sum().backward()
         self.assertGreaterEqual(count[0], 2)
-
-if __name__ == "__main__":
-    run_tests()
-"""
+""")
 
 
 def test_a_test_patching_with_torchs_fsdp_helpers_runs_again_on_rank_processes(tmp_path: Path) -> None:
     """torch's common_fsdp.patch_* assign a class attribute on every rank: on thread ranks the last rank's closure
     counts for all, so the test fails there and runs again on rank processes, where it passes as on gloo."""
-    (tmp_path / "test_counted.py").write_text(_FSDP_PATCH_CASE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "simulator.torch_harness",
-                           "--sim-harness", "thread", "test_counted.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "1 passed" in out, out[-4000:]
+    rc, out = _pytest_written(tmp_path / "thread", _FSDP_PATCH_CASE, "thread")
+    assert rc == 0 and "1 passed" in out, out[-4000:]
     assert "ran on rank processes" in out and "common_fsdp.patch_*" in out, out[-4000:]
 
 
