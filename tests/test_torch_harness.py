@@ -464,7 +464,9 @@ def _meet_on_a_tcp_store(port: int) -> object:
     r = dist.get_rank()
     store = tdist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
     store.set(f"k{r}", f"v{r}")
-    return store.get(f"k{1 - r}").decode(), isinstance(store, tdist.TCPStore)
+    got = store.get(f"k{1 - r}").decode(), isinstance(store, tdist.TCPStore)
+    dist.barrier()  # the master serves the store until its worker has read (as a real program must)
+    return got
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)

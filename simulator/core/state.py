@@ -290,10 +290,11 @@ class Run:
     def deadlock(self) -> None:
         """Every live rank is blocked: give each a DeadlockError and wake it (called under the lock)."""
         blocked = self._blocked()
-        text = self.describe_world(self, headline="deadlock: every live rank is blocked and none can make progress")
-        inc = Incident(DeadlockError, text)
-        if self.fatal is None:
-            self.fatal = inc
+        if self.fatal is not None:  # a rank failed first (free-running ranks may block after its release went out):
+            inc = self.fatal        # they wait on that rank, not on each other
+        else:
+            text = self.describe_world(self, headline="deadlock: every live rank is blocked and none can make progress")
+            inc = self.fatal = Incident(DeadlockError, text)
         for rs in blocked:
             rs.pending = inc
         self.sched.wake_all_blocked(blocked)
