@@ -422,7 +422,15 @@ def _fsdp1_steps(device: str, steps: int, how: str = "moved"):
         losses.append(loss.item())
     with FSDP.summon_full_params(model):
         weights = [p.detach().cpu().clone() for p in model.parameters()]
-    return losses, weights
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch: state_dict_type() is being deprecated
+        # FSDP1's checkpoint recipe on GPUs (on CPU ranks torch's offload frees the storage it reads: not used there)
+        config = FullStateDictConfig(offload_to_cpu=device == "cuda")
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            state = {k: (str(v.device), v.clone()) for k, v in model.state_dict().items()}
+    return losses, weights, state
 
 
 @pytest.mark.parametrize("how", ["moved", "device_id", "cpu_module", "cuda_after", "sync_states", "offload",
@@ -436,10 +444,14 @@ def test_fsdp1_on_stand_ins_trains_as_on_cpu_ranks(how):
     gpu = simulator.run(_fsdp1_steps, 2, args=("cuda", steps, how), devices="cuda", timeout=TIMEOUT)
     cpu = simulator.run(_fsdp1_steps, 2, args=("cpu", steps, "autowrap" if how.startswith("autowrap") else "moved"),
                         timeout=TIMEOUT)
-    for (gl, gw), (cl, cw) in zip(gpu, cpu):
+    for (gl, gw, gs), (cl, cw, cs) in zip(gpu, cpu):
         assert gl == cl and len(gl) == steps and gl[0] != gl[-1]
         for a, b in zip(gw, cw):
             assert torch.equal(a, b)
+        # a full state dict offloaded to the CPU: CPU tensors with the trained values, as on GPUs
+        assert sorted(gs) == sorted(cs) and all(dev == "cpu" for dev, _ in gs.values())
+        for k, (_, v) in gs.items():
+            assert torch.equal(v, cs[k][1]), k
 
 
 def _full_tensors():
@@ -605,9 +617,11 @@ def test_stand_ins_in_rank_processes_give_what_thread_ranks_give(program, args):
     collectives stage in and copy back is the stand-ins' CPU data; the results are the thread ranks', bit for bit."""
     threads = simulator.run(program, 2, args=args, devices="cuda", timeout=TIMEOUT)
     processes = simulator.run(program, 2, args=args, devices="cuda", isolation="process", timeout=TIMEOUT)
-    for (tl, tw), (pl, pw) in zip(threads, processes):
+    for (tl, tw, *ts), (pl, pw, *ps) in zip(threads, processes):
         assert tl == pl
         assert all(torch.equal(a, b) for a, b in zip(tw, pw))
+        for t, p in zip(ts, ps):  # (FSDP1's full state dict, offloaded to the CPU)
+            assert sorted(t) == sorted(p) and all(torch.equal(t[k][1], p[k][1]) and t[k][0] == p[k][0] for k in t)
 
 
 # -- long runs: DTensor's functional collectives, step after step ----------------------------------------------

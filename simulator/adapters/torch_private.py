@@ -200,6 +200,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P("torch.UntypedStorage._new_shared_fd_cpu", "isolation._wire", "reads",
        "the coordinator maps a rank process's shared storage"),
     # -- PyTorch's own test harness (torch_harness, harness_diff) ------------------------------------------------
+    _P("torch.testing._internal.common_fsdp.patch_all_gather", "torch_harness", "reads",
+       "torch's FSDP test helpers that patch by assignment on every rank (their code marks a test for rank "
+       "processes, as unittest.mock does)"),
     _P("torch.testing._internal.common_distributed.MultiProcessTestCase", "torch_harness", "reads",
        "the harness whose rank processes become simulated ranks", static=True),
     _P("torch.testing._internal.distributed._tensor.common_dtensor.LocalDTensorTestBase", "torch_harness", "reads",
@@ -274,8 +277,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "torch.compile of a stand-in model: torch's compiled-module wrapper, its calls run eagerly"),
     _P("torch._dynamo.eval_frame.DisableContext", "standin.refuse", "reads",
        "torch.compile of a stand-in model: the wrapper's dynamo context, disabled"),
-    _P("torch.distributed.fsdp._init_utils.is_traceable_wrapper_subclass", "standin.install", "patches",
+    _P("torch.distributed.fsdp._init_utils.is_traceable_wrapper_subclass", "standin.fsdp1", "patches",
        "FSDP1's sync_module_states flattens wrapper subclasses: a stand-in is broadcast as itself"),
+    _P("torch.distributed.fsdp._flat_param.FlatParamHandle.to_cpu", "standin.fsdp1", "patches",
+       "FSDP1's offload_to_cpu moves the flat parameter by assigning .data: a stand-in stays on its device"),
+    _P("torch.distributed.fsdp._state_dict_utils._full_post_state_dict_hook", "standin.fsdp1", "patches",
+       "FSDP1's full state dict with offload_to_cpu: the cloned parameters are copied to the CPU"),
     _P("torch._C._len_torch_function_stack", "standin.install", "reads",
        "torch.tensor under a default device: whether a mode may name a bare cuda (cheap, before the stack)"),
     _P("torch.overrides._get_current_function_mode_stack", "standin.install", "reads",

@@ -21,7 +21,6 @@ import functools
 import sys
 import threading
 import types
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,10 +40,9 @@ import torch.serialization
 import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from simulator.adapters._patch import Installation, replace
+from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
-from simulator.core.state import current_rank_state
-from simulator.standin import _native, amp, attention, cuda_api as api, legacy, multi_gpu, ranks, rng
+from simulator.standin import _native, amp, attention, cuda_api as api, fsdp1, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.device_type import device_class
@@ -435,71 +433,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     f"torch.{m}.{n}" for modules, names, _, _ in CUDA_ONLY for m in modules for n in names if not n.startswith("_")}))
 
 
-def _fsdp1_device_id(module: Any) -> Callable[[], None]:
-    """``FullyShardedDataParallel`` of a module not on a GPU yet, without a ``device_id`` (or with one without an
-    index): the module is given the current ``cuda:i`` as its ``device_id``, and so moved there now (a GPU moves it
-    when the program does: a CPU parameter cannot become a stand-in in place once FSDP holds views of it).
-    Returns the undo."""
-    cls = module.FullyShardedDataParallel
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        dev = kwargs.get("device_id")
-        wrapped = kwargs.get("module", args[0] if args else None)
-        if isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is None or dev is None and \
-                isinstance(wrapped, torch.nn.Module) and not any(p.is_cuda for p in wrapped.parameters()):
-            kwargs["device_id"] = torch.device("cuda", api.current_device())
-        args = _keep_params_on_device(args, kwargs)
-        init(self, *args, **kwargs)
-
-    return replace(cls, "__init__", __init__)
-
-
-def _keep_params_on_device(args: tuple, kwargs: dict) -> tuple:
-    """``FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True))``: FSDP1 moves its flat parameter
-    between the CPU and the GPU by assigning ``.data``, which turns a GPU tensor into a CPU one in place; a
-    stand-in cannot change its class in place once autograd holds it, so the parameters stay on their stand-in
-    device (with a warning, once). Values are the same: offloading moves memory, not results. Returns the
-    arguments to construct with."""
-    at_3 = len(args) > 3  # FullyShardedDataParallel(module, process_group, sharding_strategy, cpu_offload, ...)
-    offload = args[3] if at_3 else kwargs.get("cpu_offload")
-    if not getattr(offload, "offload_params", False):
-        return args
-    from torch.distributed.fsdp import CPUOffload
-
-    if at_3:
-        args = (*args[:3], CPUOffload(offload_params=False), *args[4:])
-    else:
-        kwargs["cpu_offload"] = CPUOffload(offload_params=False)
-    rs = current_rank_state()
-    warned = rs.own() if rs is not None else _warned  # once per rank, as once per process on GPUs
-    if (0, "cpu_offload") not in warned:
-        warned[(0, "cpu_offload")] = True
-        warnings.warn("simulator.standin: FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True)) "
-                      "keeps the parameters on their stand-in GPU: the results are the same, but memory figures "
-                      "count them on the device (see docs/deviations.md)", UserWarning, stacklevel=3)
-    return args
-
-
-_warned: dict[tuple[int, str], bool] = {}  # what was warned about off the simulated ranks
-
-
-def _fsdp1_sync_states(module: Any) -> Callable[[], None]:
-    """FSDP1's ``sync_module_states=True`` broadcasts the tensors inside a wrapper subclass (a DTensor's local
-    shard), and so took a stand-in's CPU storage for a CPU parameter ("requires them to be on GPU"): a stand-in
-    is broadcast as itself, as a GPU tensor is. Returns the undo."""
-    original = module.is_traceable_wrapper_subclass
-
-    def is_traceable_wrapper_subclass(t: Any) -> bool:
-        return not isinstance(t, StandInTensor) and original(t)
-
-    return replace(module, "is_traceable_wrapper_subclass", is_traceable_wrapper_subclass)
-
-
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
-_ON_IMPORT = (("torch.distributed.fsdp.fully_sharded_data_parallel", _fsdp1_device_id),
-              ("torch.distributed.fsdp._init_utils", _fsdp1_sync_states))
+_ON_IMPORT = fsdp1.ON_IMPORT
 _import_undos: list[Callable[[], None]] = []
 
 
