@@ -252,6 +252,23 @@ def test_the_allocators_other_queries_answer_as_a_gpu_s_own(two_gpus):
     del a
 
 
+def test_nvidias_profiler_hooks_run_as_on_a_gpu_without_a_profiler_attached(two_gpus):
+    """emit_nvtx and torch.cuda.profiler's start/stop only tell nsys/nvprof where to look: on a GPU without one
+    attached they run and change nothing."""
+    x = torch.arange(4.0, device="cuda")
+    ctx = torch.autograd.profiler.emit_nvtx()
+    with ctx:
+        y = (x * 2).sum()
+        with pytest.raises(RuntimeError, match="not reentrant"):
+            ctx.__enter__()
+    torch.cuda.profiler.start()
+    torch.cuda.profiler.stop()
+    with torch.cuda.profiler.profile():
+        z = x.square().sum()
+    torch.cuda.check_error(0)
+    assert y.item() == 12.0 and z.item() == 14.0
+
+
 def test_out_of_memory_names_the_limit():
     with standin.enabled(gpus_per_node=1, total_memory=1 << 20):
         keep = torch.empty(200_000, device="cuda")  # 800 kB of 1 MiB

@@ -26,11 +26,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.autograd
 import torch.autograd.graph
+import torch.autograd.profiler
 import torch.backends.cudnn
 import torch.cuda
 import torch.cuda.graphs
 import torch.cuda.memory
 import torch.cuda.nvtx
+import torch.cuda.profiler
 import torch.cuda.random
 import torch.cuda.streams
 import torch.jit._builtins
@@ -47,7 +49,8 @@ from simulator.standin import syncbn  # noqa: F401  (its operators, registered o
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.device_type import device_class
 from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
-from simulator.standin.refuse import CUDA_ONLY, CudartStub, NvtxStub, compile_guard, cuda_only_table, profile_cpu_only
+from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
+                                       compile_guard, cuda_only_table, profile_cpu_only)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
@@ -352,6 +355,10 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
           (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", CudartStub()),
+          (torch.cuda.profiler, "cudart", CudartStub()), (torch.cuda, "check_error", check_error),
+          (torch.cuda.profiler, "check_error", check_error),
+          (torch.autograd.profiler.emit_nvtx, "__enter__", emit_nvtx_enter),
+          (torch.autograd.profiler.emit_nvtx, "__exit__", emit_nvtx_exit),
           # torch's c10d logger asks for NCCL's version when a collective of an "nccl" group fails
           (torch.cuda.nccl, "version", lambda: STANDIN_NCCL_VERSION),
           # (DataParallel's reduce_add asks; stand-ins have no NCCL of their own: torch's adds, without the CPU
@@ -426,6 +433,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
     "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart",
+    "torch.cuda.profiler.cudart", "torch.cuda.check_error", "torch.cuda.profiler.check_error",
+    "torch.autograd.profiler.emit_nvtx.__enter__", "torch.autograd.profiler.emit_nvtx.__exit__",
     "torch.Tensor.type", "torch.set_default_tensor_type",
     "torch.compile", "torch.profiler.profile.__init__",
     "torch.set_autocast_enabled", "torch.set_autocast_dtype", "torch.distributed.autograd.backward",

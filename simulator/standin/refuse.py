@@ -39,7 +39,8 @@ from simulator.standin.errors import StandInError
 from simulator.standin.ranks import open_now
 from simulator.standin.tensor import StandInTensor
 
-__all__ = ["compile_guard", "NvtxStub", "CudartStub", "CUDA_ONLY", "cuda_only_table"]
+__all__ = ["compile_guard", "NvtxStub", "CudartStub", "check_error", "emit_nvtx_enter", "emit_nvtx_exit",
+           "CUDA_ONLY", "cuda_only_table"]
 
 
 _warned: list[bool] = [False]
@@ -197,6 +198,28 @@ class CudartStub:
 
     def __call__(self) -> "CudartStub":  # (installed as torch.cuda.cudart itself: calling it gives the module)
         return self
+
+
+def check_error(res: int) -> None:
+    """``torch.cuda.check_error`` on the stand-in (torch's reads CUDA's error enum from a runtime the CPU build lacks):
+    0 is ``cudaSuccess``."""
+    if int(res) != 0:
+        raise RuntimeError(f"CUDA error: {CudartStub().cudaGetErrorString(res)}")
+
+
+def emit_nvtx_enter(self: Any) -> Any:
+    """``torch.autograd.profiler.emit_nvtx().__enter__`` on the stand-in: NVTX ranges are for NVIDIA's profilers,
+    which see nothing of a stand-in; the context is kept (and stays not reentrant), nothing is emitted."""
+    if not self.enabled:
+        return None
+    if self.entered:
+        raise RuntimeError("NVTX annotation context manager is not reentrant")
+    self.entered = True
+    return self
+
+
+def emit_nvtx_exit(self: Any, *exc: Any) -> bool:
+    return False
 
 
 #: torch.cuda's APIs that need CUDA's runtime: (modules, names, what they are, the fix)
