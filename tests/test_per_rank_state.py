@@ -112,3 +112,33 @@ def test_a_ranks_size_and_truth_count_the_shared_entries_and_its_own() -> None:
     assert simulator.run(_counts, 2) == [(1, True, 2, True)] * 2
     empty = PerRankTable({}, lambda key: True)
     assert simulator.run(lambda: (len(empty), bool(empty)), 2) == [(0, False)] * 2
+
+
+CHILDREN_PROGRAM = textwrap.dedent("""
+    import os, subprocess, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class RankSeenByTheWorker(Dataset):
+        def __len__(self):
+            return 2
+        def __getitem__(self, i):
+            return int(os.environ["RANK"])
+
+    if __name__ == "__main__":
+        out = subprocess.run([sys.executable, "-c", "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'])"],
+                             capture_output=True, text=True).stdout.split()
+        # (GPU scripts start their loader workers by spawn: fork and CUDA do not mix)
+        loader = DataLoader(RankSeenByTheWorker(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+        print(f"rank {os.environ['RANK']} subprocess={out} worker={next(iter(loader)).tolist()}", flush=True)
+""")
+
+
+def test_children_a_thread_rank_starts_inherit_its_environment(tmp_path: Path) -> None:
+    """A process's children inherit its environment (torchrun's RANK, LOCAL_RANK): so do the children of a thread
+    rank, started by subprocess or by a spawn-context DataLoader, though the C environment is the launcher's."""
+    (tmp_path / "main.py").write_text(CHILDREN_PROGRAM)
+    sim = _run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", "main.py"], tmp_path)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    assert _rank_lines(sim.stdout) == ["rank 0 subprocess=['0', '0'] worker=[0, 0]",
+                                       "rank 1 subprocess=['1', '1'] worker=[1, 1]"], sim.stdout

@@ -15,11 +15,17 @@ environment when the run ends.
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from collections.abc import MutableMapping
 from typing import Iterator
 
 from simulator.core._actor import bind_env, rank_env, unbind_env
+
+try:  # (POSIX only; subprocess and multiprocessing start every child through it)
+    import _posixsubprocess
+except ImportError:  # pragma: no cover
+    _posixsubprocess = None  # type: ignore[assignment]
 
 __all__ = ["RankEnviron", "install", "uninstall", "bind", "unbind"]
 
@@ -75,13 +81,31 @@ class RankEnviron(MutableMapping):
         return getattr(self._real, name)
 
 
+def _inheriting(fork_exec):  # noqa: ANN001, ANN202  (CPython's private spawner: see install)
+    """``_posixsubprocess.fork_exec`` that gives a child started by a rank thread without an explicit environment
+    (``subprocess.run(...)``, a ``spawn``-context DataLoader worker) the rank's environment, as a process's child
+    inherits its parent's (``RANK``, ``LOCAL_RANK`` from the launcher): the C environment is the launcher's."""
+    def spawn(*args):  # noqa: ANN002, ANN202
+        env = rank_env()
+        if env is not None and len(args) > 5 and args[5] is None:  # (args, executable_list, close_fds, fds, cwd, env
+            args = (*args[:5], [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()], *args[6:])
+        return fork_exec(*args)
+
+    spawn.original = fork_exec  # type: ignore[attr-defined]
+    return spawn
+
+
 def install() -> None:
-    """Replace ``os.environ`` (nested installs are counted)."""
+    """Replace ``os.environ`` (nested installs are counted), and make the children rank threads start inherit it."""
     global _installed, _depth
     with _lock:
         if _depth == 0:
             _installed = RankEnviron(os.environ)
             os.environ = _installed  # type: ignore[assignment]
+            if _posixsubprocess is not None:
+                _posixsubprocess.fork_exec = _inheriting(_posixsubprocess.fork_exec)
+                if getattr(subprocess, "_fork_exec", None) is _posixsubprocess.fork_exec.original:
+                    subprocess._fork_exec = _posixsubprocess.fork_exec  # (bound by name on import)
         _depth += 1
 
 
@@ -92,6 +116,10 @@ def uninstall() -> None:
         if _depth == 0 and _installed is not None:
             real = os.environ = _installed._real  # type: ignore[assignment]
             _installed = None
+            if _posixsubprocess is not None and hasattr(_posixsubprocess.fork_exec, "original"):
+                _posixsubprocess.fork_exec = _posixsubprocess.fork_exec.original
+                if hasattr(getattr(subprocess, "_fork_exec", None), "original"):
+                    subprocess._fork_exec = _posixsubprocess.fork_exec
             for key in _touched:  # the process's own values, in the C environment too
                 if key in real:
                     os.putenv(key, real[key])
