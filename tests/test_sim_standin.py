@@ -269,6 +269,23 @@ def test_nvidias_profiler_hooks_run_as_on_a_gpu_without_a_profiler_attached(two_
     assert y.item() == 12.0 and z.item() == 14.0
 
 
+def test_the_device_generic_event_times_and_synchronizes_on_the_stand_in(two_gpus):
+    """torch.Event, torch.accelerator-style code's event: on a GPU it records, waits and times like torch.cuda.Event."""
+    start, end = torch.Event(enable_timing=True), torch.Event(device="cuda:1", enable_timing=True)
+    assert start.device == torch.device("cuda", 0) and end.device == torch.device("cuda", 1)
+    start.record()
+    (torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum().item()
+    end.record()
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 0.0
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        torch.Event().elapsed_time(end)
+    assert type(torch.Event(device="cpu")) is TORCH_EVENT  # another device's event is torch's own
+
+
+TORCH_EVENT = torch.Event  # (torch's own: this module is imported before any stand-in is enabled)
+
+
 def test_out_of_memory_names_the_limit():
     with standin.enabled(gpus_per_node=1, total_memory=1 << 20):
         keep = torch.empty(200_000, device="cuda")  # 800 kB of 1 MiB

@@ -48,6 +48,7 @@ from simulator.standin import _native, amp, attention, cuda_api as api, fsdp1, l
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache
 from simulator.standin.device_type import device_class
+from simulator.standin.streams import generic_event
 from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
 from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
                                        compile_guard, cuda_only_table, profile_cpu_only)
@@ -355,6 +356,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
           (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", CudartStub()),
+          (torch, "Event", generic_event(torch.Event)),
           (torch.cuda.profiler, "cudart", CudartStub()), (torch.cuda, "check_error", check_error),
           (torch.cuda.profiler, "check_error", check_error),
           (torch.autograd.profiler.emit_nvtx, "__enter__", emit_nvtx_enter),
@@ -432,7 +434,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
     "torch.UntypedStorage.to",
-    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart",
+    "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart", "torch.Event",
     "torch.cuda.profiler.cudart", "torch.cuda.check_error", "torch.cuda.profiler.check_error",
     "torch.autograd.profiler.emit_nvtx.__enter__", "torch.autograd.profiler.emit_nvtx.__exit__",
     "torch.Tensor.type", "torch.set_default_tensor_type",

@@ -17,7 +17,7 @@ from tensorplay.distributed.errors import format_message
 from simulator.standin.errors import StandInError
 from simulator.standin.ranks import resolve_index, state
 
-__all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream"]
+__all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream", "generic_event"]
 
 _CUDA_TYPE = int(torch._C._autograd.DeviceType.CUDA)
 
@@ -167,3 +167,27 @@ class Event:
 
     def __repr__(self) -> str:
         return f"<torch.cuda.Event {'recorded' if self._time is not None else 'uninitialized'}>"
+
+
+def generic_event(original: type) -> type:
+    """``torch.Event``, the device-generic event (``torch.accelerator``-style timing code), while the stand-in is on:
+    on the accelerator (a stand-in GPU, ``device`` None or ``"cuda"``) it is a stand-in :class:`Event`, whose
+    ``synchronize`` and ``elapsed_time`` work (torch's own reached the stand-in's C++ device, which has neither);
+    on another device, torch's own."""
+
+    class AcceleratorEvent(Event):
+        def __new__(cls, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                    interprocess: bool = False) -> Any:
+            dev = torch.device("cuda") if device is None else torch.device(device)
+            if dev.type not in ("cuda", "privateuseone"):
+                return original(device=dev, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+            return super().__new__(cls)
+
+        def __init__(self, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                     interprocess: bool = False) -> None:
+            super().__init__(enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+            self._device = resolve_index(device, "torch.Event")  # (its device from the start, as torch's)
+
+    AcceleratorEvent.__name__ = AcceleratorEvent.__qualname__ = "Event"
+    AcceleratorEvent.__module__ = "torch"
+    return AcceleratorEvent
