@@ -622,6 +622,8 @@ CUDA_RUNTIME_CALLS = [
     ("tunable", lambda: torch.cuda.tunable.is_enabled(), "TunableOp"),
     ("MemPool", lambda: torch.cuda.MemPool(), "memory pools"),
     ("ExternalStream", lambda: torch.cuda.ExternalStream(0), "streams created outside torch"),
+    ("nccl.all_reduce", lambda: torch.cuda.nccl.all_reduce([torch.ones(2, device="cuda:0"),
+                                                            torch.ones(2, device="cuda:1")]), "single-process"),
 ]
 
 

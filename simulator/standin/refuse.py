@@ -29,6 +29,7 @@ import torch
 import torch.cuda
 import torch.cuda.jiterator
 import torch.cuda.memory
+import torch.cuda.nccl
 import torch.cuda.streams
 import torch.cuda.tunable
 import torch.profiler
@@ -236,6 +237,10 @@ CUDA_ONLY = (
     (("cuda.jiterator",), ("_create_jit_fn", "_create_multi_output_jit_fn"),
      "jiterator kernels (CUDA C++ compiled at run time)",
      "compute the same with torch operators when simulating, or run on real GPUs"),
+    (("cuda.nccl",), ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "unique_id", "init_rank"),
+     "NCCL's single-process collectives (one process driving several GPUs)",
+     "use torch.nn.parallel.comm (broadcast, reduce_add, scatter, gather) between one process's GPUs, or "
+     "torch.distributed's collectives with one rank per GPU"),
     (("cuda.tunable",), tuple(torch.cuda.tunable.__all__), "TunableOp (GEMM kernels tuned on the GPU)",
      "leave TunableOp off when simulating (it tunes speed, not results), or run on real GPUs"),
 )
