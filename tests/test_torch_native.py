@@ -949,3 +949,25 @@ def test_process_based_async_save_is_refused_on_thread_ranks_with_the_fix(tmp_pa
     with pytest.raises(tdist_errors.DistRuntimeError,
                        match=r"one background process per process(.|\n)*Fix: run the ranks as processes"):
         simulator.run(_process_based_async_save, 2, args=(str(tmp_path / "ckpt"),), timeout=120)
+
+
+def _wrapper_subclass_collectives() -> tuple:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    tdist.init_process_group("gloo")
+    r, w = tdist.get_rank(), tdist.get_world_size()
+    out = TwoTensor(torch.zeros(2), torch.zeros(2))
+    parts = [TwoTensor(torch.full((2,), float(i)), torch.full((2,), i + 10.0)) for i in range(w)] if r == 0 else None
+    tdist.scatter(out, parts, src=0)  # (FSDP2's all-gather extension tests scatter TwoTensor parameters)
+    gathered = [TwoTensor(torch.zeros(2), torch.zeros(2)) for _ in range(w)]
+    tdist.all_gather(gathered, TwoTensor(torch.full((2,), float(r)), torch.full((2,), r + 20.0)))
+    return out.a.tolist(), out.b.tolist(), [(g.a[0].item(), g.b[0].item()) for g in gathered]
+
+
+def test_collectives_on_a_wrapper_subclass_write_its_inner_tensors() -> None:
+    """A wrapper subclass (torch's TwoTensor) has no storage of its own: the kernels write it through its own
+    operators, and the check for outputs sharing memory with inputs takes it as possibly shared."""
+    got = simulator.run(_wrapper_subclass_collectives, 2, timeout=60)
+    for r, (a, b, gathered) in enumerate(got):
+        assert a == [float(r)] * 2 and b == [r + 10.0] * 2
+        assert gathered == [(0.0, 20.0), (1.0, 21.0)]

@@ -72,13 +72,28 @@ def disagreement(calls: list[RankCall]) -> str | None:
     return None
 
 
-def _storages(ts: Sequence[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in ts if t.numel()}
+def _storages(ts: Sequence[torch.Tensor]) -> set[int] | None:
+    """The memory the tensors use; ``None`` when one has none to show (a wrapper subclass such as torch's
+    ``TwoTensor``: its data is in tensors inside it)."""
+    out = set()
+    for t in ts:
+        if t.numel():
+            try:
+                out.add(t.untyped_storage().data_ptr())
+            except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+                return None
+    return out
+
+
+def _overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor of ``a`` may share memory with one of ``b`` (unknown memory: it may)."""
+    sa, sb = _storages(a), _storages(b)
+    return sa is None or sb is None or bool(sa & sb)
 
 
 def _stage(srcs: list[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Clone the sources when an output shares memory with one (then writes cannot clobber inputs)."""
-    if _storages(srcs) & _storages(outs):
+    """Clone the sources when an output may share memory with one (then writes cannot clobber inputs)."""
+    if _overlap(srcs, outs):
         return [s.clone() for s in srcs]
     return srcs
 
@@ -175,7 +190,7 @@ def _reduce_scatter_tensor(calls: list[RankCall]) -> None:
 def _all_to_all(calls: list[RankCall]) -> None:
     outs = [o for c in calls for o in c.data.output_list]
     ins = [t for c in calls for t in c.data.input_list]
-    if _storages(ins) & _storages(outs):
+    if _overlap(ins, outs):
         staged = [[t.clone() for t in c.data.input_list] for c in calls]
     else:
         staged = [c.data.input_list for c in calls]
