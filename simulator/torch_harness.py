@@ -42,6 +42,7 @@ import contextlib
 import os
 import sys
 import threading
+import unittest
 from typing import Any, Iterator, NamedTuple
 
 import pytest
@@ -305,7 +306,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     hook = sys.excepthook
     try:
         per_process = ((_own_class_state(), _one_profiler_per_process(item), _patches_are_per_process(item),
-                        _test_process_registries(), _no_pytest_log_handlers()) if isolation == "thread" else ())
+                        _test_process_registries(), _no_pytest_log_handlers(), _classes_put_back(item))
+                       if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:
             for cm in per_process:  # (rank processes have these of their own)
@@ -465,6 +467,36 @@ def _own_class_state() -> Iterator[None]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def _classes_put_back(item: pytest.Item) -> Iterator[None]:
+    """A test's thread ranks that set or delete an attribute of a class of the test's module or of torch's test
+    helpers (``UnitModule.get_extra_state = ...``, PyTorch's ``checkpoint/test_state_dict.py``) changed it for
+    every later test of the session; each test's rank processes start from the classes as imported. When the test
+    ends, those classes are as they were before it."""
+    names = [getattr(item, "module", None)] + [m for n, m in list(sys.modules.items())
+                                                 if n.startswith("torch.testing._internal.")]
+    # (not the test classes: the harness keeps its own state on them, a continuous test's worker pool included)
+    classes = {id(c): c for m in names if m is not None for c in vars(m).values()
+               if isinstance(c, type) and c.__module__ == getattr(m, "__name__", None)
+               and not issubclass(c, unittest.TestCase)}
+    before = {k: dict(vars(c)) for k, c in classes.items()}
+    try:
+        yield
+    finally:
+        for k, c in classes.items():
+            now, was = vars(c), before[k]
+            for name in [n for n in now if n not in was]:
+                with contextlib.suppress(AttributeError, TypeError):
+                    delattr(c, name)
+            for name, value in was.items():
+                if now.get(name, _MISSING) is not value:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(c, name, value)
+
+
+_MISSING = object()
 
 
 def _torch_test_patchers() -> set[Any]:

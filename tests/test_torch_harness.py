@@ -334,6 +334,29 @@ def test_a_test_patching_with_torchs_fsdp_helpers_runs_again_on_rank_processes(t
     assert "ran on rank processes" in out and "common_fsdp.patch_*" in out, out[-4000:]
 
 
+_CLASS_ATTRIBUTE_CASE = _two_rank_case("""
+import torch
+
+class Unit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)""", """
+    def test_a_sets_a_class_attribute(self):
+        Unit.get_extra_state = lambda self: "state"  # (PyTorch's checkpoint/test_state_dict.py::test_extra_state)
+        Unit.set_extra_state = lambda self, state: None
+        self.assertIn("_extra_state", Unit().state_dict())
+    def test_b_sees_the_class_as_imported(self):
+        self.assertEqual(sorted(Unit().state_dict()), ["lin.bias", "lin.weight"])
+""")
+
+
+def test_a_class_attribute_a_test_sets_on_thread_ranks_ends_with_the_test(tmp_path: Path) -> None:
+    """Each test's rank processes import the classes afresh: on thread ranks, what a test's ranks set on a class of
+    the test module is put back when the test ends, so the next test sees the class as imported."""
+    rc, out = _pytest_written(tmp_path / "thread", _CLASS_ATTRIBUTE_CASE, "thread")
+    assert rc == 0 and "2 passed" in out, out[-4000:]
+
+
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
     out = _run_case(tmp_path, "case_multiprocess.py", sim=None, tests=("HarnessCases::test_all_reduce",),
                     extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
