@@ -475,28 +475,34 @@ def _classes_put_back(item: pytest.Item) -> Iterator[None]:
     helpers (``UnitModule.get_extra_state = ...``, PyTorch's ``checkpoint/test_state_dict.py``) changed it for
     every later test of the session; each test's rank processes start from the classes as imported. When the test
     ends, those classes are as they were before it."""
-    names = [getattr(item, "module", None)] + [m for n, m in list(sys.modules.items())
-                                                 if n.startswith("torch.testing._internal.")]
+    modules = [getattr(item, "module", None)] + [m for n, m in list(sys.modules.items())
+                                                   if n.startswith("torch.testing._internal.")]
     # (not the test classes: the harness keeps its own state on them, a continuous test's worker pool included)
-    classes = {id(c): c for m in names if m is not None for c in vars(m).values()
+    classes = [c for m in modules if m is not None for c in vars(m).values()
                if isinstance(c, type) and c.__module__ == getattr(m, "__name__", None)
-               and not issubclass(c, unittest.TestCase)}
-    before = {k: dict(vars(c)) for k, c in classes.items()}
+               and not issubclass(c, unittest.TestCase)]
+    before = [dict(vars(c)) for c in classes]
     try:
         yield
     finally:
-        for k, c in classes.items():
-            now, was = vars(c), before[k]
-            for name in [n for n in now if n not in was]:
-                with contextlib.suppress(AttributeError, TypeError):
-                    delattr(c, name)
-            for name, value in was.items():
-                if now.get(name, _MISSING) is not value:
-                    with contextlib.suppress(AttributeError, TypeError):
-                        setattr(c, name, value)
+        for c, was in zip(classes, before):
+            now = dict(vars(c))
+            for name in now.keys() | was.keys():
+                _put_back(c, name, was.get(name, _MISSING), now.get(name, _MISSING))
 
 
+#: an attribute that was not there
 _MISSING = object()
+
+
+def _put_back(owner: Any, name: str, was: Any, now: Any) -> None:
+    """``owner.name`` as it ``was`` (:data:`_MISSING`: absent), where it is ``now``."""
+    with contextlib.suppress(AttributeError, TypeError):  # (a built-in type's attributes cannot be set)
+        if was is _MISSING:
+            if now is not _MISSING:
+                delattr(owner, name)
+        elif now is not was:
+            setattr(owner, name, was)
 
 
 def _torch_test_patchers() -> set[Any]:
@@ -515,6 +521,7 @@ def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
     from unittest import mock
 
     patchers = _torch_test_patchers()
+    # (test modules bind torch's helpers by name at import: their entry is seen where every @contextmanager enters)
     enter_cm = contextlib._GeneratorContextManager.__enter__
 
     def enter_helper(self: Any) -> Any:
@@ -526,15 +533,14 @@ def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
         contextlib._GeneratorContextManager.__enter__ = enter_helper  # type: ignore[method-assign]
     original = mock._patch.__enter__
     before: dict[tuple[int, str], tuple[Any, str, Any]] = {}  # what each patched attribute was before any rank's patch
-    missing = object()
 
     def __enter__(self: Any) -> Any:
         if current_rank_state() is not None:
             item.stash[_NEEDS_A_PROCESS] = PATCH_WHY
             target = self.getter()
             before.setdefault((id(target), self.attribute),
-                              (target, self.attribute, target.__dict__.get(self.attribute, missing)
-                               if hasattr(target, "__dict__") else getattr(target, self.attribute, missing)))
+                              (target, self.attribute, target.__dict__.get(self.attribute, _MISSING)
+                               if hasattr(target, "__dict__") else getattr(target, self.attribute, _MISSING)))
         return original(self)
 
     mock._patch.__enter__ = __enter__  # type: ignore[method-assign]
@@ -546,11 +552,7 @@ def _patches_are_per_process(item: pytest.Item) -> Iterator[None]:
         # the ranks' exits, in no particular order, may each have restored another rank's mock: the attributes
         # are as they were before the test's ranks patched them, as after processes that patched their own
         for target, attribute, value in before.values():
-            if value is missing:
-                with contextlib.suppress(AttributeError):
-                    delattr(target, attribute)
-            elif getattr(target, attribute, missing) is not value:
-                setattr(target, attribute, value)
+            _put_back(target, attribute, value, getattr(target, attribute, _MISSING))
 
 
 @contextlib.contextmanager

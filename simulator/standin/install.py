@@ -293,6 +293,9 @@ def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _TB_DATA.__set__(self, new)
 
 
+_CUDART = CudartStub()  # (torch.cuda.cudart, and torch.cuda.profiler's own binding of it)
+
+
 def _current_accelerator(check: bool = False) -> torch.device:
     return torch.device("cuda")
 
@@ -355,9 +358,9 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
-          (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", CudartStub()),
+          (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", _CUDART),
           (torch, "Event", generic_event(torch.Event)),
-          (torch.cuda.profiler, "cudart", CudartStub()), (torch.cuda, "check_error", check_error),
+          (torch.cuda.profiler, "cudart", _CUDART), (torch.cuda, "check_error", check_error),
           (torch.cuda.profiler, "check_error", check_error),
           (torch.autograd.profiler.emit_nvtx, "__enter__", emit_nvtx_enter),
           (torch.autograd.profiler.emit_nvtx, "__exit__", emit_nvtx_exit),
