@@ -21,7 +21,8 @@ import importlib
 import os
 import queue
 import tempfile
-from typing import Any
+import unittest
+from typing import Any, Callable
 
 from simulator.core._actor import current_rank_state  # (light: no torch)
 
@@ -84,8 +85,6 @@ def _spawn(settings: Any, isolation: str) -> Any:
 
 def _run_pending(cls: type) -> None:
     """Run the world for the test id each rank's task queue holds (a ``None`` task: the class is over)."""
-    import simulator  # (imports torch: this module loads with the plugin)
-
     tasks = []
     for q in cls.task_queues:
         try:
@@ -94,6 +93,24 @@ def _run_pending(cls: type) -> None:
             tasks.append(None)
     if all(t is None for t in tasks):
         return
+    isolation = cls._tp_sim_isolation
+    _run_world(cls, tasks, isolation)
+    if isolation == "thread":
+        text = "\n".join(str(item) for c in cls.completion_queues for item in list(c.results.queue)
+                         if isinstance(item, BaseException))
+        why = cls._tp_sim_thread_only(text) if text else None
+        if why is not None:  # a failure of ranks sharing one process: the verdict is that of rank processes
+            cls._tp_sim_moved(next(t for t in tasks if t is not None), why)
+            for c in cls.completion_queues:
+                c.results.queue.clear()
+            _run_world(cls, tasks, "process")
+
+
+def _run_world(cls: type, tasks: list, isolation: str) -> None:
+    """One world of ``len(tasks)`` ranks (``isolation``: threads or rank processes) for one test; each rank's
+    outcome lands on its completion queue."""
+    import simulator  # (imports torch: this module loads with the plugin)
+
     world_size = len(cls.task_queues)
     fd, rdvz = tempfile.mkstemp(prefix="tp-continuous-")  # a fresh rendezvous for each test's world
     os.close(fd)
@@ -105,7 +122,7 @@ def _run_pending(cls: type) -> None:
 
     s = cls._tp_sim_settings
     try:
-        if cls._tp_sim_isolation == "process":
+        if isolation == "process":
             outcomes = simulator.run(_rank_process_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
                                      stall_timeout=s.stall_timeout, isolation="process",
                                      args=(cls.__module__, cls.__qualname__, tasks, world_size, rdvz))
@@ -122,6 +139,30 @@ def _run_pending(cls: type) -> None:
     finally:
         if os.path.exists(rdvz):
             os.unlink(rdvz)
+    _name_every_failure(cls)
+
+
+def _name_every_failure(cls: type) -> None:
+    """The parent raises the first failed rank's outcome only; it is made to carry the other ranks' failures too.
+
+    A rank whose test raised puts the error on its queue and leaves; the others then wait for it in their next
+    collective and fail with the simulator's deadlock report (on real workers they would hang until the timeout).
+    The parent reads rank 0's outcome first: without this, the report would be the deadlock, not the cause."""
+    failed = [(c, item) for c in cls.completion_queues for item in list(c.results.queue)
+              if isinstance(item, Exception) and not isinstance(item, unittest.SkipTest)]
+    if len(failed) < 2:
+        return
+    (first, reported), others = failed[0], failed[1:]
+    notes = "".join(f"\n\nSimulated rank {c._rank} failed too:\n{str(item)[-_NOTE_CHARS:]}" for c, item in others)
+    told = RuntimeError(f"{reported}{notes}")
+    told.__cause__ = reported.__cause__
+    items = list(first.results.queue)
+    first.results.queue.clear()
+    for item in items:
+        first.results.put(told if item is reported else item)
+
+
+_NOTE_CHARS = 4000  # of each other rank's failure (its traceback's end: where it raised, and what)
 
 
 def _loop(cls: type, rank: int, task: Any, world_size: int, rdvz: str, completion: Any) -> None:
@@ -147,14 +188,23 @@ def _rank_process_main(module: str, qualname: str, tasks: list, world_size: int,
     return [done.get() for _ in range(done.qsize())]  # (an exception pickles without its cause: its text has it)
 
 
-def install(harness: Any, settings: Any, isolation: str = "thread") -> Any:
+def install(harness: Any, settings: Any, isolation: str = "thread",
+            thread_only: Callable[[str], str | None] = lambda text: None,
+            moved: Callable[[str, str], None] = lambda test_id, why: None) -> Any:
     """Make ``MultiProcContinuousTest``'s workers simulated ranks (``isolation``: threads or rank processes);
-    returns the undo."""
+    returns the undo.
+
+    ``thread_only(text)``: why the failures ``text`` of thread ranks come from their sharing one process, or
+    None; such a test runs again on rank processes, whose outcome the parent reads, and ``moved(test_id, why)``
+    is told."""
     base = harness.MultiProcContinuousTest
     saved = base.__dict__["_spawn_processes"]
     base._spawn_processes = _spawn(settings, isolation)
+    base._tp_sim_thread_only = staticmethod(thread_only)
+    base._tp_sim_moved = staticmethod(moved)
 
     def undo() -> None:
         base._spawn_processes = saved
+        del base._tp_sim_thread_only, base._tp_sim_moved
 
     return undo

@@ -304,6 +304,30 @@ def test_a_simulated_timeout_shows_the_simulators_report_in_the_tests_failure(tm
     assert "timeout" in out.split("The simulator's report (SimTimeoutError)", 1)[1][:2000], out[-4000:]
 
 
+_BASE_EXCEPTION_CASE = _two_rank_case("""
+import torch.distributed as dist
+
+class Abandon(BaseException):  # (as torch's dcp CheckpointException: not an Exception)
+    pass""", """
+    def test_rank_zero_raises_a_base_exception(self):
+        dist.init_process_group("gloo", rank=self.rank, world_size=2, init_method=f"file://{self.file_name}")
+        dist.barrier()
+        if self.rank == 0:
+            raise Abandon("rank 0 abandons, step=3")
+        dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_rank_that_dies_of_an_uncaught_base_exception_shows_its_traceback(tmp_path: Path, isolation: str) -> None:
+    """torch's harness catches a test's Exception only; a BaseException ends the rank's process, and the harness sees
+    exit code 1. A process would print the traceback to its stderr: the test's report shows it."""
+    rc, out = _pytest_written(tmp_path / isolation, _BASE_EXCEPTION_CASE, isolation)
+    assert rc == 1 and "1 failed" in out, out[-4000:]
+    shown = out.split("does not catch", 1)[-1]
+    assert "Abandon: rank 0 abandons, step=3" in shown and 'raise Abandon("rank 0 abandons' in shown, out[-4000:]
+
+
 _FSDP_PATCH_CASE = _two_rank_case("""
 import torch
 import torch.distributed as dist
@@ -355,6 +379,56 @@ def test_a_class_attribute_a_test_sets_on_thread_ranks_ends_with_the_test(tmp_pa
     the test module is put back when the test ends, so the next test sees the class as imported."""
     rc, out = _pytest_written(tmp_path / "thread", _CLASS_ATTRIBUTE_CASE, "thread")
     assert rc == 0 and "2 passed" in out, out[-4000:]
+
+
+_CONTINUOUS_CASE = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_utils import run_tests
+
+class Case(MultiProcContinuousTest):
+    world_size = 2
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+    def test_a_fsdp_forward_under_comm_debug_mode(self):
+        # (torch's test_fully_shard_comm.py) CommDebugMode's module tracker hooks every module of the process: on
+        # thread ranks one rank sees the other's modules, fails and leaves while the other waits in an all-gather
+        torch.manual_seed(42)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        with CommDebugMode() as mode:
+            loss = model(torch.randn(2, 8))
+        self.assertEqual(mode.get_comm_counts()[torch.ops.c10d._allgather_base_], 2)
+        loss.sum().backward()
+    def test_b_rank_1_fails_and_rank_0_waits_for_it(self):
+        if self.rank == 1:
+            raise ValueError("rank 1's own failure, value=17")
+        dist.all_reduce(torch.ones(2))
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_continuous_tests_failure_names_the_rank_that_failed_first(tmp_path: Path, isolation: str) -> None:
+    """A failure of thread ranks that share one process (a module tracker) runs the test again on rank processes,
+    whose verdict is gloo's; the failure the parent reads first (rank 0's: it waited for rank 1, which had failed)
+    carries rank 1's too (on gloo rank 0 would hang until its timeout)."""
+    rc, out = _pytest_written(tmp_path / isolation, _CONTINUOUS_CASE, isolation, "-rA")
+    assert rc == 1 and "1 failed, 1 passed" in out, out[-6000:]
+    assert "PASSED test_case.py::Case::test_a_fsdp_forward_under_comm_debug_mode" in out, out[-6000:]
+    moved = "1 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked for"
+    assert (moved in out) == (isolation == "thread") and ("module trackers" in out) == (isolation == "thread"), \
+        out[-6000:]
+    failure = out.split("test_b_rank_1_fails_and_rank_0_waits_for_it", 1)[1]
+    assert "Simulated rank 1 failed too" in failure and "rank 1's own failure, value=17" in failure, out[-6000:]
 
 
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
