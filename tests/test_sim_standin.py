@@ -167,6 +167,21 @@ def test_streams_and_events(two_gpus):
     assert [torch.cuda.Stream(priority=p).priority for p in (3, 0, -1, -9)] == [0, 0, -1, -5]
 
 
+def test_a_stream_of_another_device_makes_its_device_current_as_cuda_does(two_gpus):
+    """CUDA's set_stream selects the stream's device too; leaving the stream's context puts both back."""
+    torch.cuda.set_device(0)
+    s1 = torch.cuda.Stream(device=1)
+    for enter in (torch.cuda.stream, lambda s: s):  # torch.cuda.stream(s) and `with s:`
+        with enter(s1):
+            assert torch.cuda.current_device() == 1 and torch.cuda.current_stream() == s1
+            assert torch.ones(1, device="cuda").device == torch.device("cuda", 1)
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream() == torch.cuda.default_stream(0)
+    torch.cuda.set_stream(s1)
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_stream(torch.cuda.default_stream(0))
+    assert torch.cuda.current_device() == 0
+
+
 def test_sync_debug_mode_is_kept_and_checked(two_gpus):
     assert torch.cuda.get_sync_debug_mode() == 0
     try:
@@ -382,8 +397,37 @@ def test_device_mixing_raises_torchs_error(two_gpus):
     x.copy_(torch.arange(3.0))  # copies cross devices
     assert torch.equal(x.cpu(), torch.arange(3.0))
     assert torch.equal(x[torch.tensor([2])].cpu(), torch.tensor([2.0]))  # CPU indices are accepted
+    # indices on the GPU into a table on the CPU or on another GPU are refused (diffusers' alphas_cumprod[t] bug)
+    idx = torch.tensor([0, 2], device="cuda")
+    with pytest.raises(RuntimeError, match=r"^indices should be either on cpu or on the same device as the indexed "
+                                           r"tensor \(cpu\)$"):
+        torch.arange(3.0)[idx]
+    with pytest.raises(RuntimeError, match=r"on the same device as the indexed tensor \(cuda:1\)$"):
+        torch.arange(3.0, device="cuda:1")[idx]
+    table = torch.zeros(3)
+    table[idx] = 1.0  # index_put_ moves the indices to the tensor's device, on a GPU too
+    assert torch.equal(table, torch.tensor([1.0, 0.0, 1.0]))
     with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
         x.numpy()
+
+
+def test_sparse_tensors_are_refused_on_stand_ins_with_the_fix(two_gpus):
+    """Sparse tensors on a GPU are not simulated: every way to one (a move, a factory, to_sparse, a sparse
+    embedding, whose gradient would be one) is refused with the fix, never a crash of the process."""
+    i, v = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
+    for make in (lambda: torch.sparse_coo_tensor(i, v, (2, 2)).cuda(),
+                 lambda: torch.sparse_coo_tensor(i, v, (2, 2), device="cuda"),
+                 lambda: torch.eye(2, device="cuda").to_sparse()):
+        with pytest.raises(StandInError, match=r"sparse tensors on a GPU are not simulated.*layout='torch.sparse_coo'"
+                                               r".*Fix: keep the sparse tensor"):
+            make()
+    with pytest.raises(StandInError, match=r"^torch.nn.functional.embedding: .*sparse=True\. Fix: use "
+                                           r"nn.Embedding\(\.\.\., sparse=False\)"):
+        torch.nn.Embedding(5, 2, sparse=True).cuda()(torch.tensor([1, 2], device="cuda"))
+    dense = torch.nn.Embedding(5, 2).cuda()
+    dense(torch.tensor([1, 2], device="cuda")).sum().backward()
+    assert dense.weight.grad.device == torch.device("cuda", 0)
+    assert torch.equal(dense.weight.grad.cpu().sum(dim=1), torch.tensor([0.0, 2.0, 2.0, 0.0, 0.0]))
 
 
 def test_conversions_copy_between_devices(two_gpus):

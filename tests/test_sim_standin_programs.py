@@ -260,6 +260,42 @@ def test_sequence_parallel_shards_on_each_rank_s_own_device():
         torch.testing.assert_close(out, want.chunk(2)[r], rtol=1e-6, atol=1e-6)
 
 
+def _shard_to_shard(full: torch.Tensor):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    r = simulator.current_rank_state().rank
+    torch.cuda.set_device(r)
+    mesh = init_device_mesh("cuda", (2,))
+    d = distribute_tensor(full.to("cuda"), mesh, [Shard(0)]).redistribute(mesh, [Shard(1)])  # an all-to-all
+    local = d.to_local()
+    return str(local.device), local.cpu(), d.full_tensor().cpu()
+
+
+def test_dtensor_shard_to_shard_redistributes_through_its_all_to_all():
+    """DTensor's Shard(i) -> Shard(j) calls torch's _dtensor.shard_dim_alltoall, which calls the group's
+    all-to-all: the group is handed the stand-ins' data, as for c10d's own operators."""
+    full = torch.arange(24.0).reshape(4, 6)
+    got = simulator.run(_shard_to_shard, 2, args=(full,), devices="cuda", timeout=TIMEOUT)
+    for r, (dev, local, whole) in enumerate(got):
+        assert dev == f"cuda:{r}"
+        assert torch.equal(local, full.chunk(2, dim=1)[r]) and torch.equal(whole, full)
+
+
+@pytest.mark.parametrize("act", [torch.nn.functional.silu, torch.nn.functional.mish])
+def test_activations_whose_gradient_has_a_kernel_take_the_kernel_as_on_a_gpu(two_gpus, act):
+    """silu_backward and mish_backward have a CPU kernel and a composite for other devices: a stand-in takes the
+    kernel (the composite rounds differently), so gradients equal the CPU's bit for bit."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+
+    def grad(dev: str) -> torch.Tensor:
+        xd = x.to(dev).requires_grad_()
+        act(xd).sum().backward()
+        return xd.grad.cpu()
+
+    assert torch.equal(grad("cuda"), grad("cpu"))
+
+
 # -- NCCL's rules ----------------------------------------------------------------------------------------------
 def _nccl_group_devices() -> tuple:
     tdist.init_process_group("nccl")

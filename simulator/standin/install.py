@@ -120,7 +120,25 @@ def _register_once() -> None:
     # FSDP1 records its freed flat parameter's stream with torch dispatch disabled (_no_dispatch_record_stream):
     # the call reaches the device key, not the stand-in's __torch_dispatch__; stand-in memory is never reused early
     lib.impl(torch.ops.aten.record_stream.default, _record_stream_kernel, "PrivateUse1")
+    for op in _KERNEL_OVER_COMPOSITE:
+        lib.impl(op, _kernel_over_composite(op), "AutogradPrivateUse1")
     _libraries.extend([fallback, lib, *amp.register(), *attention.register()])
+
+
+#: operators with a CPU (and CUDA) kernel and a composite for other devices: a privateuseone tensor would take the
+#: composite, which rounds differently from the kernel (SiLU's and Mish's gradients by an ulp)
+_KERNEL_OVER_COMPOSITE = (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default,
+                          torch.ops.aten.native_channel_shuffle.default)
+
+
+def _kernel_over_composite(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return op.decompose(*args, **kwargs)  # (a double backward differentiates the composite, as on a GPU)
+        with torch._C._AutoDispatchBelowAutograd():  # on to the stand-in's dispatch: the CPU kernel
+            return op(*args, **kwargs)
+
+    return kernel
 
 
 # -- Python-level replacements -------------------------------------------------------------------------

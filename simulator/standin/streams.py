@@ -83,7 +83,8 @@ class Stream(torch.Stream):
         return self.stream_id
 
     def __enter__(self) -> "Stream":
-        self._prev = current_stream(self.device_index)
+        # (as torch.Stream's own: the current device and its stream are saved, and put back on exit)
+        self._prev = current_stream(None)
         set_stream(self)
         return self
 
@@ -108,12 +109,15 @@ def default_stream(device: Any = None) -> Stream:
 
 
 def set_stream(stream: Any) -> None:
-    """Make ``stream`` the calling rank's current stream on its device (None: no-op)."""
+    """Make ``stream`` the calling rank's current stream on its device, and its device the current device, as
+    CUDA's ``set_stream`` does (None: no-op)."""
     if stream is None:
         return
     idx = stream.device_index
-    state().streams[idx] = stream if isinstance(stream, Stream) else \
-        Stream(stream_id=stream.stream_id, device_index=idx)
+    st = state()
+    st.streams[idx] = stream if isinstance(stream, Stream) else Stream(stream_id=stream.stream_id, device_index=idx)
+    st.current = idx
+    st.initialized = True
 
 
 class Event:

@@ -59,8 +59,9 @@ _RESHAPING = {"resize_", "resize_as_", "set_", "as_strided_", "t_", "transpose_"
               "swapdims_", "swapaxes_", "_resize_output_", "sparse_resize_"}
 #: allocators whose memory is uninitialised (see _Spec.uninitialized)
 _UNINITIALIZED = {"empty", "empty_strided", "empty_permuted", "empty_like", "new_empty", "new_empty_strided"}
-#: namespaces of c10d's operators: they hand the process group the CPU tensors inside the stand-ins
-_COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+#: namespaces of c10d's operators (and DTensor's, which call them): they hand the process group the CPU tensors
+#: inside the stand-ins
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"}
 #: namespaces whose operators are torch's own and always have a CPU implementation or decomposition
 _TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor",
                      "profiler", "debugprims", "rngprims", "quantized_decomposed"}
@@ -218,8 +219,10 @@ def wrap(inner: torch.Tensor, idx: int) -> StandInTensor:
     """A stand-in on ``cuda:idx`` over the CPU tensor ``inner`` (which must not require grad)."""
     if inner.layout is not torch.strided:
         raise StandInError(format_message(
-            "simulator.standin", "only dense (strided) tensors can live on a stand-in device",
-            values={"layout": str(inner.layout)}, fix="use dense tensors, or run this part on the CPU"))
+            "simulator.standin", "only dense (strided) tensors can live on a stand-in CUDA device: sparse tensors "
+            "on a GPU are not simulated (docs/deviations.md)", values={"layout": str(inner.layout)},
+            fix="keep the sparse tensor and its products on the CPU (device='cpu'), or use a dense tensor "
+                "(.to_dense(); nn.Embedding(sparse=False))"))
     size = inner.size()
     if inner.is_contiguous() and inner.storage_offset() == 0 and 1 not in size:
         # the wrapper's default strides are exactly these (passing them costs a third of the wrapping)
@@ -234,14 +237,15 @@ def wrap(inner: torch.Tensor, idx: int) -> StandInTensor:
 
 def fresh(inner: torch.Tensor, idx: int) -> StandInTensor:
     """:func:`wrap` for an operator's newly allocated result: counted in the rank's memory."""
+    r = wrap(inner, idx)  # (first: it refuses what cannot be a stand-in, a sparse tensor)
     ranks.track(inner, idx)
-    return wrap(inner, idx)
+    return r
 
 
 # -- per-operator facts, computed once -------------------------------------------------------------------
 class _Spec:
     __slots__ = ("special", "cross", "reshaping", "fresh", "name", "mutates", "call", "collective", "random",
-                 "generator_at", "uninitialized", "device_at")
+                 "generator_at", "uninitialized", "device_at", "check")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -249,6 +253,8 @@ class _Spec:
         self.name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
         self.special: Callable[..., Any] | None = _SPECIAL.get(base)
         self.cross = base in _CROSS_DEVICE or self.name in _CROSS_DEVICE
+        # a rule of CUDA's own for this operator's arguments, checked before it runs (see _CHECKS)
+        self.check: Callable[[tuple, dict, list], None] | None = _CHECKS.get(self.name)
         # an out= overload (``out``, ``start_out``, ``Scalar_out``...) may resize its output
         self.reshaping = base in _RESHAPING or any(a.is_out for a in schema.arguments)
         # results without alias annotation are new allocations; views and in-place results are not
@@ -427,6 +433,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         uargs[at] = CPU if seen[2] is not None else dev
     if seen[1] is not None and not sp.cross and not _from_collective_code():
         raise RuntimeError(_SAME_DEVICE.format(*seen[1]))
+    if sp.check is not None:
+        sp.check(args, kwargs, seen)
     idx = seen[2]
     if sp.collective:
         out = _collective(sp, idx, uargs, ukw)
@@ -441,6 +449,34 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if type(out) is torch.Tensor and seen[3] is None:  # the common case: one new tensor or view
         return fresh(out, idx) if sp.fresh[0] else wrap(out, idx)
     return rewrap(out, idx, seen[3] or (), sp, 0)
+
+
+def _indices_on_cpu_or_self(args: tuple, kwargs: dict, seen: list) -> None:
+    """CUDA's rule for ``t[indices]``: each index tensor on the CPU or on ``t``'s own device (a table kept on the
+    CPU indexed by GPU indices, diffusers' ``alphas_cumprod[timesteps]``, fails on a GPU; ``index_put_`` moves
+    its indices to the tensor's device, and is not checked)."""
+    if seen[1] is None:  # (one device among the arguments)
+        return
+    own = args[0].device
+    for i in args[1] if len(args) > 1 else ():
+        if isinstance(i, torch.Tensor) and i.device.type != "cpu" and i.device != own:
+            raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor "
+                               f"({own})")
+
+
+def _dense_embedding(args: tuple, kwargs: dict, seen: list) -> None:
+    """A sparse embedding's gradient is a sparse tensor, which a stand-in cannot be (refused here, before the
+    backward, where torch's engine would abort the process)."""
+    if (args[4] if len(args) > 4 else kwargs.get("sparse", False)) and seen[2] is not None:
+        raise StandInError(format_message(
+            "torch.nn.functional.embedding", "a sparse embedding's gradient is a sparse tensor, and sparse tensors on "
+            "a GPU are not simulated (docs/deviations.md)", values={"sparse": True},
+            fix="use nn.Embedding(..., sparse=False) (dense gradients; optimizers other than SparseAdam take them), "
+                "or keep the embedding on the CPU"))
+
+
+_CHECKS = {"aten::index.Tensor": _indices_on_cpu_or_self, "aten::_unsafe_index.Tensor": _indices_on_cpu_or_self,
+           "aten::embedding": _dense_embedding}
 
 
 def passes_generator(sp: _Spec, args: Any, kwargs: dict) -> bool:
