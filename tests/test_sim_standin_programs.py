@@ -315,6 +315,32 @@ def _nccl_group_devices() -> tuple:
     return [str(d) for d in group._device_types], str(default), ok.cpu().tolist(), refused
 
 
+def _nccl_options_group() -> tuple:
+    r = int(__import__("os").environ.get("LOCAL_RANK", simulator.current_rank_state().rank))
+    torch.cuda.set_device(r)
+    opts = tdist.ProcessGroupNCCL.Options()  # (Megatron's get_nccl_options)
+    opts.is_high_priority_stream = True
+    opts.config.cga_cluster_size = 2
+    tdist.init_process_group("nccl", pg_options=opts)
+    group = tdist.new_group([0, 1], pg_options=opts)
+    t = torch.full((2,), float(r + 1), device="cuda")
+    tdist.all_reduce(t, group=group)
+    try:
+        tdist.ProcessGroupNCCL(tdist.distributed_c10d._get_default_store(), r, 2)
+        built = "built"
+    except standin.StandInError as e:
+        built = str(e)
+    return t.cpu().tolist(), built
+
+
+def test_nccl_options_are_accepted_for_nccl_groups_and_a_hand_built_nccl_group_is_refused():
+    got = simulator.run(_nccl_options_group, 2, devices="cuda", timeout=TIMEOUT)
+    for values, built in got:
+        assert values == [3.0, 3.0]
+        assert built.startswith("torch.distributed.ProcessGroupNCCL: a process group built from ProcessGroupNCCL")
+        assert 'Fix: create the group with torch.distributed.init_process_group("nccl")' in built
+
+
 def test_an_nccl_group_is_a_cuda_group_on_stand_ins():
     """NCCL registers CUDA only: checkpointing (set_model_state_dict(broadcast_from_rank0=True) into a meta model)
     asks the group for its device and must hear cuda."""

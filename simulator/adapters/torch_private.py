@@ -283,6 +283,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "FSDP1's offload_to_cpu moves the flat parameter by assigning .data: a stand-in stays on its device"),
     _P("torch.distributed.fsdp._state_dict_utils._full_post_state_dict_hook", "standin.fsdp1", "patches",
        "FSDP1's full state dict with offload_to_cpu: the cloned parameters are copied to the CPU"),
+    _P("torch._C._AutoDispatchBelowAutograd", "standin.install", "reads",
+       "silu_backward & co on stand-ins: past the composite registered for other devices, to the CPU kernel"),
     _P("torch._C._len_torch_function_stack", "standin.install", "reads",
        "torch.tensor under a default device: whether a mode may name a bare cuda (cheap, before the stack)"),
     _P("torch.overrides._get_current_function_mode_stack", "standin.install", "reads",

@@ -51,7 +51,7 @@ from simulator.standin.device_type import device_class
 from simulator.standin.streams import generic_event
 from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
 from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
-                                       compile_guard, cuda_only_table, profile_cpu_only)
+                                       ProcessGroupNCCL, compile_guard, cuda_only_table, profile_cpu_only)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
@@ -390,6 +390,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           # the "nccl" backend is there for the program (an nccl group is the simulated world's, with NCCL's
           # rules); torch's own c10d module keeps its answer, as it would otherwise name ProcessGroupNCCL
           (torch.distributed, "is_nccl_available", lambda: True), (torch.version, "cuda", STANDIN_CUDA_VERSION),
+          (torch.distributed, "ProcessGroupNCCL", ProcessGroupNCCL),
           # a GPU build has cuDNN: programs print its version or assert it is there
           (torch.backends.cudnn, "is_available", lambda: True),
           (torch.backends.cudnn, "version", lambda: STANDIN_CUDNN_VERSION),
@@ -449,7 +450,8 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.CUDAGraph", "torch.cuda.graph",
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
-    "torch.cuda.nccl.is_available", "torch.distributed.is_nccl_available", "torch.version.cuda",
+    "torch.cuda.nccl.is_available", "torch.distributed.is_nccl_available", "torch.distributed.ProcessGroupNCCL",
+    "torch.version.cuda",
     "torch.backends.cudnn.is_available", "torch.backends.cudnn.version", "torch.backends.cudnn.is_acceptable",
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",

@@ -224,6 +224,41 @@ def emit_nvtx_exit(self: Any, *exc: Any) -> bool:
 
 
 #: torch.cuda's APIs that need CUDA's runtime: (modules, names, what they are, the fix)
+class ProcessGroupNCCL:
+    """``torch.distributed.ProcessGroupNCCL`` while the stand-in is on: its ``Options`` (and ``NCCLConfig``), which
+    programs build for ``pg_options=`` (Megatron's ``get_nccl_options``, a high-priority stream) and a simulated
+    "nccl" group takes and ignores, as its schedule has no streams to prioritise; a group built by hand from this
+    class is refused, naming the fix (torch's CPU build has no NCCL to build one on)."""
+
+    class NCCLConfig:
+        """NCCL's communicator settings (CTA counts, cluster size, network): kept, without effect."""
+
+        def __init__(self) -> None:
+            self.blocking = 1
+            self.cga_cluster_size = self.min_ctas = self.max_ctas = -1
+            self.net_name = ""
+            self.split_share = 0
+
+    class Options:
+        """The options a program passes as ``pg_options=`` for an "nccl" group: kept, without effect."""
+
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+            self.config = ProcessGroupNCCL.NCCLConfig()
+            self.split_from: Any = None
+            self.split_color = 0
+            self.global_ranks_in_group: list[int] = []
+            self.group_name = ""
+            self._timeout: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise StandInError(format_message(
+            "torch.distributed.ProcessGroupNCCL", "a process group built from ProcessGroupNCCL directly needs NCCL, "
+            "which the stand-in does not have", values={"args": len(args)},
+            fix='create the group with torch.distributed.init_process_group("nccl") or new_group(backend="nccl") '
+                "(pg_options=ProcessGroupNCCL.Options() is accepted)"))
+
+
 CUDA_ONLY = (
     (("cuda",), ("current_blas_handle", "current_solver_handle"), "cuBLAS and cuSOLVER handles",
      "compute through torch's operators (torch.matmul, ...) when simulating, or run on real GPUs"),
