@@ -25,6 +25,7 @@ import unittest
 from typing import Any, Callable
 
 from simulator.core._actor import current_rank_state  # (light: no torch)
+from simulator.torch_harness_state import own_class_state  # (light: torch is imported when it is entered)
 
 __all__ = ["install"]
 
@@ -129,9 +130,11 @@ def _run_world(cls: type, tasks: list, isolation: str) -> None:
             for c, items in zip(cls.completion_queues, outcomes):
                 for item in items:
                     c.results.put(item)
-        else:  # each rank: its own copy of the parent's environment, as a spawned worker has (_init_pg sets LOCAL_RANK)
-            simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
-                          stall_timeout=s.stall_timeout, env=dict(os.environ))
+        else:  # each rank: its own copy of the parent's environment, as a spawned worker has (_init_pg sets LOCAL_RANK),
+            # and the class state a worker process has of its own (device-type tests' thread-local precision...)
+            with own_class_state():
+                simulator.run(rank_main, world_size, seed=s.seed, mode=s.mode, timeout=s.timeout,
+                              stall_timeout=s.stall_timeout, env=dict(os.environ))
     except Exception as e:  # noqa: BLE001  the world failed (a deadlock, a rank that raised): each rank's outcome
         for c in cls.completion_queues:
             if c.results.empty():
@@ -184,7 +187,13 @@ def _rank_process_main(module: str, qualname: str, tasks: list, world_size: int,
         cls = getattr(cls, part)
     done: queue.Queue = queue.Queue()
     rank = tpd.get_rank()
-    _loop(cls, rank, tasks[rank], world_size, rdvz, done)
+    try:
+        _loop(cls, rank, tasks[rank], world_size, rdvz, done)
+    except Exception:
+        # the loop failed after the test's outcome was queued (torch's loop destroys a group its skipped _init_pg
+        # never made): a worker's queued outcome reaches the parent before the worker dies, as it does here
+        if done.empty():
+            raise
     return [done.get() for _ in range(done.qsize())]  # (an exception pickles without its cause: its text has it)
 
 

@@ -395,8 +395,8 @@ class Case(MultiProcContinuousTest):
     def backend_str(cls):
         return "gloo"
     def test_a_fsdp_forward_under_comm_debug_mode(self):
-        # (torch's test_fully_shard_comm.py) CommDebugMode's module tracker hooks every module of the process: on
-        # thread ranks one rank sees the other's modules, fails and leaves while the other waits in an all-gather
+        # (torch's test_fully_shard_comm.py) CommDebugMode's module tracker hooks every module of the process:
+        # each thread rank has module hooks of its own
         torch.manual_seed(42)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         for layer in model:
@@ -406,7 +406,12 @@ class Case(MultiProcContinuousTest):
             loss = model(torch.randn(2, 8))
         self.assertEqual(mode.get_comm_counts()[torch.ops.c10d._allgather_base_], 2)
         loss.sum().backward()
-    def test_b_rank_1_fails_and_rank_0_waits_for_it(self):
+    def test_b_fails_on_thread_ranks_with_a_known_sign(self):
+        import simulator.isolation
+        if self.rank == 1 and not simulator.isolation._in_rank_process:  # (stands for torch's own trackers' failure)
+            raise RuntimeError("The Module hierarchy tracking is wrong")
+        dist.barrier()
+    def test_c_rank_1_fails_and_rank_0_waits_for_it(self):
         if self.rank == 1:
             raise ValueError("rank 1's own failure, value=17")
         dist.all_reduce(torch.ones(2))
@@ -418,17 +423,69 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_continuous_tests_failure_names_the_rank_that_failed_first(tmp_path: Path, isolation: str) -> None:
-    """A failure of thread ranks that share one process (a module tracker) runs the test again on rank processes,
-    whose verdict is gloo's; the failure the parent reads first (rank 0's: it waited for rank 1, which had failed)
-    carries rank 1's too (on gloo rank 0 would hang until its timeout)."""
+    """Each thread rank has torch.nn's module hooks of its own (CommDebugMode); a failure of thread ranks with a
+    known sign of ranks sharing one process runs the test again on rank processes, whose verdict is gloo's; the
+    failure the parent reads first (rank 0's: it waited for rank 1, which had failed) carries rank 1's too (on gloo
+    rank 0 would hang until its timeout)."""
     rc, out = _pytest_written(tmp_path / isolation, _CONTINUOUS_CASE, isolation, "-rA")
-    assert rc == 1 and "1 failed, 1 passed" in out, out[-6000:]
-    assert "PASSED test_case.py::Case::test_a_fsdp_forward_under_comm_debug_mode" in out, out[-6000:]
+    assert rc == 1 and "1 failed, 2 passed" in out, out[-6000:]
+    for test in ("test_a_fsdp_forward_under_comm_debug_mode", "test_b_fails_on_thread_ranks_with_a_known_sign"):
+        assert f"PASSED test_case.py::Case::{test}" in out, out[-6000:]
     moved = "1 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked for"
     assert (moved in out) == (isolation == "thread") and ("module trackers" in out) == (isolation == "thread"), \
         out[-6000:]
-    failure = out.split("test_b_rank_1_fails_and_rank_0_waits_for_it", 1)[1]
+    failure = out.split("test_c_rank_1_fails_and_rank_0_waits_for_it", 1)[1]
     assert "Simulated rank 1 failed too" in failure and "rank 1's own failure, value=17" in failure, out[-6000:]
+
+
+_CONTINUOUS_DEVICE_TYPE_AND_SKIP_CASE = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_device_type import instantiate_device_type_tests
+from torch.testing._internal.common_distributed import TEST_SKIPS, MultiProcContinuousTest
+from torch.testing._internal.common_utils import run_tests
+
+class DeviceType(MultiProcContinuousTest):
+    world_size = 2
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+    def test_all_reduce(self, device):  # (the test reads the device-type tests' thread-local precision)
+        t = torch.full((2,), float(self.rank + 1), device=device)
+        dist.all_reduce(t)
+        self.assertEqual(t, torch.full((2,), 3.0))
+
+instantiate_device_type_tests(DeviceType, globals(), only_for=["cpu"])
+
+class InitSkips(MultiProcContinuousTest):  # (FSDPTestContinuous on a machine with too few GPUs)
+    world_size = 2
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+    @classmethod
+    def _init_pg(cls, rank, world_size, rdvz_file):
+        sys.exit(TEST_SKIPS[f"multi-gpu-{world_size}"].exit_code)
+    def test_a(self):
+        dist.barrier()
+    def test_b(self):
+        dist.barrier()
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_continuous_device_type_tests_and_skipped_set_ups_keep_torchs_verdicts(tmp_path: Path, isolation: str) -> None:
+    """Each worker has the device-type tests' thread-local precision of its own; a worker whose set-up exits with a
+    skip code answers every test with the skip, then fails destroying the group it never made (torch's loop): the
+    parent has the skips already, as from real workers."""
+    rc, out = _pytest_written(tmp_path / isolation, _CONTINUOUS_DEVICE_TYPE_AND_SKIP_CASE, isolation, "-rA")
+    assert rc == 0 and "1 passed, 2 skipped" in out, out[-6000:]
+    assert "PASSED test_case.py::DeviceTypeCPU::test_all_reduce_cpu" in out, out[-6000:]
+    assert out.count("Need at least 2 CUDA devices") >= 2, out[-6000:]
 
 
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
