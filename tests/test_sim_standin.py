@@ -60,6 +60,7 @@ def test_device_queries_and_selection(two_gpus):
     assert torch.version.cuda == "12.8" and not tdist.distributed_c10d.is_nccl_available()
     # and cuDNN, though no operator takes a cuDNN path: an LSTM runs the CPU's kernels, without torch's warning
     assert torch.backends.cudnn.is_available() and torch.backends.cudnn.version() == 91002
+    assert torch.backends.cuda.is_built()  # (a build that names its CUDA toolkit was built with it)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lstm = torch.nn.LSTM(3, 4).to("cuda:1")
@@ -119,7 +120,8 @@ def test_total_memory_and_device_count_are_parameters():
 def test_everything_is_restored_on_exit():
     before = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile, torch.device,
               torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
-              torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
+              torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version(),
+              torch.backends.cuda.is_built())
     with standin.enabled():
         with standin.enabled(gpus_per_node=4):  # nested: the innermost configuration applies
             assert torch.cuda.device_count() == 4
@@ -127,8 +129,9 @@ def test_everything_is_restored_on_exit():
         kept = torch.ones(2, device="cuda")
     after = (torch.cuda.is_available(), torch.cuda.device_count(), torch.Tensor.to, torch.compile, torch.device,
              torch._C._get_accelerator(), torch.accelerator.current_accelerator(), tdist.is_nccl_available(),
-             torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version())
-    assert after == before == (False, 0, *before[2:5], torch.device("cpu"), None, False, None, False, None)
+             torch.version.cuda, torch.backends.cudnn.is_available(), torch.backends.cudnn.version(),
+             torch.backends.cuda.is_built())
+    assert after == before == (False, 0, *before[2:5], torch.device("cpu"), None, False, None, False, None, False)
     assert not standin.is_active()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
         torch.empty(2, device="cuda")

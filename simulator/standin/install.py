@@ -390,7 +390,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           # the "nccl" backend is there for the program (an nccl group is the simulated world's, with NCCL's
           # rules); torch's own c10d module keeps its answer, as it would otherwise name ProcessGroupNCCL
           (torch.distributed, "is_nccl_available", lambda: True), (torch.version, "cuda", STANDIN_CUDA_VERSION),
-          (torch.distributed, "ProcessGroupNCCL", ProcessGroupNCCL),
+          (torch.distributed, "ProcessGroupNCCL", ProcessGroupNCCL), (torch.backends.cuda, "is_built", lambda: True),
           # a GPU build has cuDNN: programs print its version or assert it is there
           (torch.backends.cudnn, "is_available", lambda: True),
           (torch.backends.cudnn, "version", lambda: STANDIN_CUDNN_VERSION),
@@ -451,6 +451,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle", "torch.cuda.default_generators",
     "torch.cuda.init", "torch.cuda.get_arch_list", "torch.cuda.can_device_access_peer", "torch.cuda.nccl.version",
     "torch.cuda.nccl.is_available", "torch.distributed.is_nccl_available", "torch.distributed.ProcessGroupNCCL",
+    "torch.backends.cuda.is_built",
     "torch.version.cuda",
     "torch.backends.cudnn.is_available", "torch.backends.cudnn.version", "torch.backends.cudnn.is_acceptable",
     "torch.Tensor.device",
