@@ -287,6 +287,32 @@ def test_numpy_rng_swap_moves_the_whole_state(fast):
         np.random.set_state(saved)
 
 
+_NUMPY_IMPORTED_BY_A_RANK = """
+import sys, simulator
+assert "numpy.random" not in sys.modules  # (the rank's import below is the program's first)
+def draw():
+    import numpy as np
+    return float(np.random.rand())
+print(simulator.run(draw, 2, seed=3, isolation=sys.argv[1]))
+"""
+
+
+def test_numpy_imported_by_a_rank_draws_from_the_run_s_seed():
+    """The rank that imports numpy first draws from its own seed, not from the OS entropy numpy seeds its global
+    generator with at import: twice the same, and what a rank process (seeded at its start) draws."""
+    import subprocess
+    import sys
+
+    def run(isolation: str) -> list[float]:
+        out = subprocess.run([sys.executable, "-c", _NUMPY_IMPORTED_BY_A_RANK, isolation], capture_output=True,
+                             text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's list of floats)
+
+    first = run("thread")
+    assert first == run("thread") == run("process") and first[0] != first[1]
+
+
 def _torch_draws(interleave: bool) -> list[torch.Tensor]:
     """Draws of every kind from the default generator; scalar-sized normals leave a cached sample behind."""
     out = [torch.randn(1)]  # a normal pair's second value stays cached in the generator

@@ -30,6 +30,7 @@ from typing import Any, ContextManager, Iterator
 
 from simulator.adapters._patch import Installation, replace
 from simulator.adapters.after_import import when_imported
+from simulator.core._handoff import _NP_RNG
 from simulator.core.state import current_rank_state
 
 __all__ = ["PerRankTable", "PerRankDict", "PerRankList", "enabled", "TABLES"]
@@ -267,8 +268,21 @@ def _forget_mesh_caches() -> None:
 
 
 #: (module, make its table per rank -> undo), each applied when the module is imported
+def _numpy_seeded_at_import(module: Any) -> Any:
+    """numpy's global generator, imported by a rank while the world runs, starts from that rank's seed (as a rank
+    process's does, and as every other rank's does at its next turn), not from the OS entropy numpy seeds it with
+    at import: the importing rank's draws are then a function of the run's seed too."""
+    rs = current_rank_state()
+    while rs is not None and rs.parent is not None:  # (a rank's threads share its generator)
+        rs = rs.parent
+    if rs is not None and rs.np_rng is None:
+        _NP_RNG.load(rs)  # (made from the rank's numpy seed, then copied into the global generator)
+    return lambda: None
+
+
 TABLES = (("hydra.core.singleton", _hydra_singletons),
-          ("torch.distributed.device_mesh", _mesh_per_rank))
+          ("torch.distributed.device_mesh", _mesh_per_rank),
+          ("numpy.random", _numpy_seeded_at_import))
 
 _undos: list[Any] = []
 
