@@ -875,3 +875,30 @@ def test_pytest_marker_runs_each_rank_in_its_own_process(rank, world_size):
     dist.all_reduce(x)
     assert x.item() == 3.0 and world_size == 2
     assert os.environ["PYTHONHASHSEED"] == str(hash_seed(0, rank))
+
+
+def _destroy_then_init_again() -> tuple:
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    dist.destroy_process_group()
+    dead = dist.is_initialized()
+    dist.init_process_group("gloo")  # as torchrun's processes may: a new default group over the same ranks
+    x = torch.full((2,), float(r + 1))
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    try:
+        dist.init_process_group("gloo", rank=1 - r, world_size=2)  # a rank the simulated one is not
+        wrong = "accepted"
+    except dist.DistError as e:
+        wrong = str(e)
+    return dead, x.tolist(), dist.is_initialized(), wrong
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_destroyed_default_group_is_made_again_on_the_simulated_world(isolation):
+    """After destroy_process_group, init_process_group joins the rank's simulated world again (it used to fall
+    through to a real gloo rendezvous and wait there, holding the schedule), and still checks what it is given."""
+    for r, (dead, values, after_wrong, wrong) in enumerate(simulator.run(_destroy_then_init_again, 2,
+                                                                           isolation=isolation, timeout=60)):
+        assert not dead and values == [3.0, 3.0] and not after_wrong
+        assert f"the program asks for rank={1 - r}, but this simulated rank has rank={r}" in wrong

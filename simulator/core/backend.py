@@ -79,6 +79,7 @@ class SimBackend(Backend):
     """One simulated rank's backend (built by the simulator, never by ``init_process_group``)."""
 
     name = "sim"
+    rejoinable = True  # the simulated world is the rank's for its whole life, destroyed group or not
 
     def __init__(self, rs: RankState, world_group: SimGroup) -> None:
         super().__init__(rs.rank, rs.run.n)

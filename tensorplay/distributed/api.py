@@ -123,7 +123,8 @@ def init_process_group(
     ``init_method=None`` means ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``,
     ``RANK``, ``WORLD_SIZE``), so scripts run unchanged under ``torchrun``.
     Inside a simulated world (``simulator.run`` or ``python -m simulator``)
-    the world is already initialised and this call returns at once.
+    the world is already initialised and this call returns at once; after
+    ``destroy_process_group()`` it makes the default group again on that world.
 
     Example (2 ranks; the same lines run unchanged in each process of ``torchrun --nproc-per-node 2``)::
 
@@ -148,6 +149,14 @@ def init_process_group(
         backend = "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
     check_backend_name(name, backend, registered())
     td = to_timedelta(name, timeout, DEFAULT_TIMEOUT)
+    left = state.rejoin(td)  # a simulated rank whose program destroyed its group: the world is still its own
+    if left is not None:
+        try:
+            left.backend.check_reinit(rank, world_size)
+        except Exception:
+            state.uninstall(left)
+            raise
+        return
     try:
         cls = get_backend_class(backend.split(":")[-1] if ":" in backend else backend)
     except KeyError:  # listed, but its module did not register it

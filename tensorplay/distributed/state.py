@@ -74,8 +74,9 @@ def bind_thread(state: DistState | None) -> None:
 
 
 def unbind_thread() -> None:
-    """The calling thread falls back to the process's state."""
+    """The calling thread falls back to the process's state (and forgets a world it left: see :func:`rejoin`)."""
     _thread.state = None
+    _thread.left = None
 
 
 def install_backend(backend: "Backend", timeout: timedelta, *, thread_local: bool = False) -> DistState:
@@ -94,11 +95,34 @@ def install_backend(backend: "Backend", timeout: timedelta, *, thread_local: boo
 
 
 def uninstall(state: DistState) -> None:
-    """Forget ``state`` where it is installed: the calling thread's binding if it is that, else the process's."""
+    """Forget ``state`` where it is installed: the calling thread's binding if it is that, else the process's.
+
+    A rejoinable backend's state is kept aside there (see :func:`rejoin`)."""
+    kept = state if state.backend.rejoinable else None
     if getattr(_thread, "state", None) is state:
         unbind_thread()
+        _thread.left = kept
     else:
         set_process_state(None)
+        global _process_left
+        _process_left = kept
+
+
+_process_left: DistState | None = None
+
+
+def rejoin(timeout: timedelta) -> DistState | None:
+    """The world the calling rank left with ``destroy_process_group``, installed again where it was (a default
+    group afresh, ``timeout`` its new groups' default), if its backend is rejoinable; else None."""
+    global _process_left
+    left = getattr(_thread, "left", None)
+    if left is not None:
+        _thread.left = None
+        return install_backend(left.backend, timeout, thread_local=True)
+    if _process_left is not None and getattr(_thread, "state", None) is None:
+        left, _process_left = _process_left, None
+        return install_backend(left.backend, timeout)
+    return None
 
 
 # -- which autograd backward (if any) the calling rank is running -------------

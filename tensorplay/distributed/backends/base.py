@@ -141,6 +141,9 @@ class Backend(abc.ABC):
 
     #: the name users pass to ``init_process_group``
     name: str = "?"
+    #: the rank's world outlives ``destroy_process_group``: a later ``init_process_group`` joins it again (a world
+    #: started for the program before it runs, the simulator's), where a process group backend starts a new one
+    rejoinable: bool = False
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
