@@ -902,3 +902,23 @@ def test_a_destroyed_default_group_is_made_again_on_the_simulated_world(isolatio
                                                                            isolation=isolation, timeout=60)):
         assert not dead and values == [3.0, 3.0] and not after_wrong
         assert f"the program asks for rank={1 - r}, but this simulated rank has rank={r}" in wrong
+
+
+def _wait_timeouts() -> tuple:
+    dist.init_process_group("gloo")
+    x = torch.full((2,), float(dist.get_rank() + 1))
+    done = dist.all_reduce(x, async_op=True).wait(timeout=1.5)  # seconds, as torch's binding takes them
+    try:
+        dist.all_reduce(torch.ones(1), async_op=True).wait(timeout="soon")  # refused whether it is done or not
+        wrong = "accepted"
+    except dist.DistError as e:
+        wrong = str(e)
+    return done, x.tolist(), wrong
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_work_wait_takes_seconds_or_a_timedelta_and_refuses_anything_else(isolation):
+    for done, values, wrong in simulator.run(_wait_timeouts, 2, isolation=isolation, timeout=60):
+        assert done is True and values == [3.0, 3.0]
+        assert wrong.startswith("tensorplay.distributed.Work.wait: timeout must be") and "timeout='soon'" in wrong
+        assert "Fix: pass e.g." in wrong

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from tensorplay.distributed.backends import Work
-from tensorplay.distributed.errors import DistBackendError, format_message
+from tensorplay.distributed.errors import DistBackendError, DistTypeError, format_message
 
 from simulator.core.clock import OVERLAP_S, charge_compute, reach
 from simulator.core.collectives import outputs
@@ -18,8 +18,8 @@ from simulator.core.errors import SimError
 from simulator.core.state import Incident, P2PRecord, RankCall, RankState, Slot, _local
 from simulator.core.trace import Event
 
-__all__ = ["OperationTimeoutError", "CollWork", "P2PWork", "caller", "done_with", "notify", "observe_coll",
-           "observe_p2p"]
+__all__ = ["OperationTimeoutError", "CollWork", "P2PWork", "timeout_arg", "caller", "done_with", "notify",
+           "observe_coll", "observe_p2p"]
 
 _thread_time = time.thread_time
 _perf = time.perf_counter
@@ -31,6 +31,20 @@ _perf = time.perf_counter
 class OperationTimeoutError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """An operation waited past its own timeout (its process group's, or ``Work.wait(timeout)``), as gloo's
     ``Timed out waiting ...``; also a ``torch.distributed.DistBackendError``, which torch programs catch."""
+
+
+def timeout_arg(timeout: Any) -> Optional[timedelta]:
+    """``Work.wait``'s ``timeout``: a timedelta or seconds, as torch's binding takes (checked before any wait, so
+    that a wrong one fails whether the operation is done or not)."""
+    if timeout is None or type(timeout) is timedelta:
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        return timedelta(seconds=float(timeout))
+    if isinstance(timeout, timedelta):
+        return timeout
+    raise DistTypeError(format_message(
+        "Work.wait", "timeout must be a datetime.timedelta or seconds", values={"timeout": timeout},
+        fix="pass e.g. work.wait(timeout=datetime.timedelta(seconds=60)), or no timeout"))
 
 
 def _block(rs: RankState, w: Any, timeout: Optional[timedelta], name: str) -> None:
@@ -91,6 +105,7 @@ class CollWork(Work):
         self._call = call
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        timeout = timeout_arg(timeout)
         rs, slot = caller(self._rs), self._slot
         try:
             if self._call.async_op and not self._call.observed:
@@ -122,6 +137,7 @@ class P2PWork(Work):
         self._rec = rec
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        timeout = timeout_arg(timeout)
         rec = self._rec
         rs = caller(rec.rs)
         try:

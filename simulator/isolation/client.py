@@ -31,6 +31,7 @@ from tensorplay.distributed.spec import BACKEND_COLLECTIVES, BackendCollective
 
 from simulator.core.backend import SimBackend
 from simulator.core.callsite import call_site
+from simulator.core.works import timeout_arg
 from simulator.isolation import _wire
 from simulator.isolation._wire import OUTPUTS
 from simulator.isolation.messages import (
@@ -334,6 +335,7 @@ class ClientWork(Work):
                 staged.release()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        timeout = timeout_arg(timeout)  # (checked here, in the rank, whether the operation is done or not)
         if not self._waited:  # the wait itself goes to the coordinator (a scheduling point, as on thread ranks)
             self._waited = True
             try:
