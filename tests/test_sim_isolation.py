@@ -922,3 +922,25 @@ def test_work_wait_takes_seconds_or_a_timedelta_and_refuses_anything_else(isolat
         assert done is True and values == [3.0, 3.0]
         assert wrong.startswith("tensorplay.distributed.Work.wait: timeout must be") and "timeout='soon'" in wrong
         assert "Fix: pass e.g." in wrong
+
+
+def _tensorplay_init_then_torch() -> tuple:
+    dist.init_process_group("gloo")
+    made = torch.distributed.is_initialized()  # as on gloo: tensorplay's init makes torch's default group too
+    x = torch.full((2,), float(dist.get_rank() + 1))
+    torch.distributed.all_reduce(x)
+    try:
+        dist.init_process_group("gloo")  # twice, without destroy_process_group: refused, as on gloo
+        twice = "accepted"
+    except dist.DistError as e:
+        twice = str(e)
+    dist.destroy_process_group()
+    return made, x.tolist(), twice, torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_tensorplay_init_makes_torchs_default_group_and_refuses_a_second_init(isolation):
+    for made, values, twice, after in simulator.run(_tensorplay_init_then_torch, 2, isolation=isolation, timeout=60):
+        assert made and values == [3.0, 3.0] and not after
+        assert "init_process_group" in twice and "the default process group is already initialised" in twice
+        assert "backend='gloo'" in twice and "Fix: call destroy_process_group() before initialising again" in twice

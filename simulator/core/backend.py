@@ -88,6 +88,8 @@ class SimBackend(Backend):
         self._seq: dict[int, int] = {}
         #: how many member-only groups of each rank set this rank asked for (see _member_group)
         self._member_group_counts: dict[tuple[int, ...], int] = {}
+        self._joined: str | bool = False  # the backend the program's init_process_group named (see check_reinit)
+        self._made_torch_group = False  # ... and torch's default group was made for it (see joined)
 
     # -- life cycle -------------------------------------------------------
     @classmethod
@@ -103,8 +105,13 @@ class SimBackend(Backend):
         return self._world_group
 
     def check_reinit(self, rank: int | None, world_size: int | None) -> None:
-        # the simulator initialised this rank already; calling again is allowed, but a rank or world size
-        # the program names must be this rank's (a real run with other values would hang in the rendezvous)
+        # the simulator initialised this rank already; the program's first init_process_group joins it (its
+        # second, without a destroy_process_group between, is refused as on gloo); a rank or world size the
+        # program names must be this rank's (a real run with other values would hang in the rendezvous)
+        if self._joined:
+            raise DistRuntimeError(format_message(
+                "init_process_group", "the default process group is already initialised", rank=self.rank,
+                values={"backend": self._joined}, fix="call destroy_process_group() before initialising again"))
         for what, given, actual in (("rank", rank, self.rank), ("world_size", world_size, self.world_size)):
             if given not in (-1, None) and given != actual:
                 raise DistValueError(format_message(
@@ -153,8 +160,24 @@ class SimBackend(Backend):
                 run.next_gid += 1
         return g
 
+    def joined(self, backend: str | None, timeout: timedelta | None) -> None:
+        self._joined = backend or "gloo"
+        # as on gloo and nccl, where tensorplay's init_process_group makes torch's default group too: a program
+        # that goes on with torch.distributed (DDP, torch's collectives) finds it, bound to this world
+        if torch.distributed.is_available() and not torch.distributed.is_initialized():
+            name = None if backend in (None, "sim") else backend
+            if timeout is None:
+                torch.distributed.init_process_group(name)
+            else:
+                torch.distributed.init_process_group(name, timeout=timeout)
+            self._made_torch_group = True
+
     def shutdown(self) -> None:
-        return None
+        self._joined = False
+        if self._made_torch_group:
+            self._made_torch_group = False
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())

@@ -64,6 +64,7 @@ class ClientBackend(SimBackend):
 
     def __init__(self, conn: Connection, rank: int, world_size: int, arena_dir: str) -> None:
         Backend.__init__(self, rank, world_size)  # not SimBackend's: no rank state lives in this process
+        self._joined = self._made_torch_group = False  # (SimBackend.joined, shutdown: the same rules here)
         self._conn = conn
         self._arena_dir = arena_dir
         self._staging = Staging(arena_dir, rank, self._share)  # arena regions (the copies themselves run unlocked)
@@ -108,9 +109,6 @@ class ClientBackend(SimBackend):
     def world_key(self) -> object:
         """One object per simulated world; this process holds one rank of one world."""
         return self._world_key
-
-    def shutdown(self) -> None:
-        return None
 
     def supports_device(self, device: torch.device) -> bool:
         # (CUDA: the stand-in's devices, when the run gives ranks devices="cuda"; this build has no other)

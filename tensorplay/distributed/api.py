@@ -144,6 +144,7 @@ def init_process_group(
         st.backend.check_reinit(rank, world_size)
         # a world started for the program still refuses what a real run does
         check_backend_name(name, backend, registered())
+        st.backend.joined(backend, timeout)
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.distributed.is_nccl_available() else "gloo"
@@ -153,6 +154,7 @@ def init_process_group(
     if left is not None:
         try:
             left.backend.check_reinit(rank, world_size)
+            left.backend.joined(backend, timeout)
         except Exception:
             state.uninstall(left)
             raise

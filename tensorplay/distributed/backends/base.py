@@ -207,6 +207,11 @@ class Backend(abc.ABC):
             "init_process_group", "the default process group is already initialised", rank=self.rank,
             values={"backend": self.name}, fix="call destroy_process_group() before initialising again"))
 
+    def joined(self, backend: str | None, timeout: timedelta | None) -> None:  # noqa: ARG002
+        """The program's ``init_process_group(backend, timeout=...)`` joined this backend's world, which was started
+        for it before it ran (the simulator's); a process group backend is never joined."""
+        return None
+
     def supports_op(self, op: ReduceOp, dtype: torch.dtype) -> bool:  # noqa: ARG002
         """Whether the backend reduces ``dtype`` with ``op`` natively (else it emulates)."""
         return True
