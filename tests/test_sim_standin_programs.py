@@ -296,6 +296,29 @@ def test_activations_whose_gradient_has_a_kernel_take_the_kernel_as_on_a_gpu(two
     assert torch.equal(grad("cuda"), grad("cpu"))
 
 
+def _complex_program(dev: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(4, dtype=torch.complex64, generator=g), torch.randn(4, dtype=torch.complex64, generator=g)
+    ad, c = a.to(dev), w.to(dev).conj()  # a lazy conjugate view
+    out = [ad * c, c * c, c + 1, torch._neg_view(ad) * 2, c.resolve_conj(), c.clone(), torch.exp(1j * ad)]
+    x = torch.randn(3, 2, generator=g).to(dev).requires_grad_()
+    z = torch.view_as_complex(x)
+    torch.view_as_real(z.conj() * z * (1 + 2j) / (z + 3)).sum().backward()  # mul's backward: grad * other.conj()
+    cc = w.to(dev).clone()
+    cc.conj().mul_(2)  # through the conjugate view, into cc
+    return [o.detach().cpu().resolve_conj().resolve_neg() for o in (*out, x.grad, cc)] + [c.is_conj()]
+
+
+def test_complex_arithmetic_and_gradients_through_conjugate_views_equal_the_cpu(two_gpus):
+    """conj() is a lazy view (a bit on the tensor): the stand-in carries it, so products with a conjugate, the
+    complex backward (which multiplies by conjugates) and writes through the view give the CPU's values."""
+    *cpu, cpu_bit = _complex_program("cpu")
+    *cuda, cuda_bit = _complex_program("cuda")
+    assert cpu_bit and cuda_bit
+    for i, (want, got) in enumerate(zip(cpu, cuda)):
+        assert torch.equal(want, got), (i, want, got)
+
+
 # -- NCCL's rules ----------------------------------------------------------------------------------------------
 def _nccl_group_devices() -> tuple:
     tdist.init_process_group("nccl")

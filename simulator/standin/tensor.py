@@ -232,7 +232,19 @@ def wrap(inner: torch.Tensor, idx: int) -> StandInTensor:
                   dtype=inner.dtype, device=PU_DEVICES[idx])
     r._inner = inner
     r._idx = idx
+    if inner.dtype.is_complex:  # a lazy conjugate or negative view: the wrapper is one too (see _math_bits)
+        _math_bits(inner, r)
     return r
+
+
+def _math_bits(inner: torch.Tensor, r: StandInTensor) -> None:
+    """The conjugate and negative bits of ``inner``, on its wrapper: torch resolves them where it dispatches the
+    wrapper (ops below the stand-in's ``__torch_dispatch__`` run with those fallbacks passed, and would read the
+    inner view's stored values, unconjugated)."""
+    if inner.is_conj():
+        torch._C._set_conj(r, True)
+    if inner.is_neg():
+        torch._C._set_neg(r, True)
 
 
 def fresh(inner: torch.Tensor, idx: int) -> StandInTensor:
