@@ -319,6 +319,30 @@ def test_complex_arithmetic_and_gradients_through_conjugate_views_equal_the_cpu(
         assert torch.equal(want, got), (i, want, got)
 
 
+def _inference(dev: str) -> list:
+    model = torch.nn.Linear(4, 4).to(dev)  # (the module's own init: the same on both sides under one seed)
+    a = torch.linspace(0, 1, 12).to(dev)
+    with torch.inference_mode():
+        views = [a[3], a[2:5], a.view(3, 4).t(), a.unsqueeze(0), a.detach()]
+        made = model(a.view(3, 4))  # a new tensor: an inference tensor
+        cache = torch.cat([made, made[:1]])  # a KV-cache's growth
+        top = torch.topk(cache.sum(1), 2).indices
+    return ([v.is_inference() for v in views], made.is_inference(), [v.cpu() for v in views], cache.cpu(),
+            top.cpu())
+
+
+def test_inference_mode_takes_views_of_normal_tensors_and_makes_inference_tensors_as_the_cpu(two_gpus):
+    """In inference mode a view of a normal tensor is a normal tensor (it shares its base's version counter) and a
+    new tensor is an inference tensor: KV-cache generation loops take views of their model's tensors there."""
+    torch.manual_seed(0)
+    cpu = _inference("cpu")
+    torch.manual_seed(0)
+    cuda = _inference("cuda")
+    assert cpu[0] == cuda[0] == [False] * 5 and cpu[1] is cuda[1] is True
+    for want, got in zip((*cpu[2], *cpu[3:]), (*cuda[2], *cuda[3:])):
+        assert torch.equal(want, got)
+
+
 # -- NCCL's rules ----------------------------------------------------------------------------------------------
 def _nccl_group_devices() -> tuple:
     tdist.init_process_group("nccl")

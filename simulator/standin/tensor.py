@@ -45,6 +45,7 @@ CUDA_DEVICES = [torch.device("cuda", i) for i in range(_MAX_DEVICES)]
 CPU = torch.device("cpu")
 _SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 _make = torch.Tensor._make_wrapper_subclass
+_inference_on = torch.is_inference_mode_enabled
 _NO_KWARGS: dict = {}
 
 #: operators that may combine a stand-in with a CPU tensor or another device, as they may on CUDA
@@ -217,6 +218,11 @@ def is_standin(t: Any) -> bool:
 
 def wrap(inner: torch.Tensor, idx: int) -> StandInTensor:
     """A stand-in on ``cuda:idx`` over the CPU tensor ``inner`` (which must not require grad)."""
+    if _inference_on() and not inner.is_inference():
+        # a view of a normal tensor is a normal tensor in inference mode too (torch then gives it its base's
+        # version counter, which an inference tensor cannot have): so is its wrapper
+        with torch._C._InferenceMode(False):
+            return wrap(inner, idx)
     if inner.layout is not torch.strided:
         raise StandInError(format_message(
             "simulator.standin", "only dense (strided) tensors can live on a stand-in CUDA device: sparse tensors "
