@@ -433,6 +433,24 @@ def test_sparse_tensors_are_refused_on_stand_ins_with_the_fix(two_gpus):
     assert torch.equal(dense.weight.grad.cpu().sum(dim=1), torch.tensor([0.0, 2.0, 2.0, 0.0, 0.0]))
 
 
+def test_nested_tensors_are_refused_naming_the_encoders_switch(two_gpus):
+    """nn.TransformerEncoder's evaluation fast path makes a nested tensor from the padding mask: refused with the
+    switch that avoids it; without it the encoder gives the CPU's results."""
+    def encode(dev: str, nested: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).to(dev).eval()
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)).to(dev)
+        mask = torch.tensor([[False] * 5, [False, False, False, True, True]]).to(dev)
+        with torch.no_grad():
+            return enc(x, src_key_padding_mask=mask).cpu()
+
+    with pytest.raises(StandInError, match=r"^torch.nested: nested tensors on a GPU are not simulated.*Fix: build "
+                                           r"the encoder with nn.TransformerEncoder\(\.\.\., enable_nested_tensor=False\)"):
+        encode("cuda", True)
+    assert torch.equal(encode("cuda", False), encode("cpu", False))
+
+
 def test_conversions_copy_between_devices(two_gpus):
     x = torch.arange(4.0, device="cuda")
     for cpu in (x.cpu(), x.to("cpu"), x.to(torch.device("cpu"))):

@@ -273,6 +273,8 @@ class _Spec:
         self.cross = base in _CROSS_DEVICE or self.name in _CROSS_DEVICE
         # a rule of CUDA's own for this operator's arguments, checked before it runs (see _CHECKS)
         self.check: Callable[[tuple, dict, list], None] | None = _CHECKS.get(self.name)
+        if "nested" in base:  # (the operators that make nested tensors, and those that take them)
+            self.check = _no_nested
         # an out= overload (``out``, ``start_out``, ``Scalar_out``...) may resize its output
         self.reshaping = base in _RESHAPING or any(a.is_out for a in schema.arguments)
         # results without alias annotation are new allocations; views and in-place results are not
@@ -491,6 +493,17 @@ def _dense_embedding(args: tuple, kwargs: dict, seen: list) -> None:
             "a GPU are not simulated (docs/deviations.md)", values={"sparse": True},
             fix="use nn.Embedding(..., sparse=False) (dense gradients; optimizers other than SparseAdam take them), "
                 "or keep the embedding on the CPU"))
+
+
+def _no_nested(args: tuple, kwargs: dict, seen: list) -> None:
+    """Nested tensors are not simulated on stand-ins (refused before the operator runs: a stand-in wraps one dense
+    tensor). nn.TransformerEncoder's evaluation fast path makes one from a padding mask."""
+    if seen[2] is not None:
+        raise StandInError(format_message(
+            "torch.nested", "nested tensors on a GPU are not simulated (docs/deviations.md); nn.TransformerEncoder "
+            "makes one in evaluation with a padding mask (its fast path)", values={"enable_nested_tensor": True},
+            fix="build the encoder with nn.TransformerEncoder(..., enable_nested_tensor=False), or keep nested "
+                "tensors on the CPU"))
 
 
 _CHECKS = {"aten::index.Tensor": _indices_on_cpu_or_self, "aten::_unsafe_index.Tensor": _indices_on_cpu_or_self,
