@@ -482,6 +482,11 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     return exc
 
 
+def _own_number(text: str, rank: int) -> str:
+    """``text`` with the rank's own number masked where a value names it ("rank 1", "rank=1", "dst=1")."""
+    return re.sub(rf"(?:(?<==)|(?<=rank )){rank}(?!\w|\.\d)", "<r>", text)
+
+
 def _raise_failures(world: World, ranks: list[RankState]) -> None:
     failed = [rs for rs in ranks if rs.exc is not None]
     if not failed:
@@ -496,8 +501,9 @@ def _raise_failures(world: World, ranks: list[RankState]) -> None:
         seen.setdefault(key, rs)
     firsts = list(seen.values())
     # ranks that raised the same error independently (same class and text up to the rank's own number, e.g. the
-    # same bad argument on every rank) report it once, as the lowest rank's own exception: that is what each real process would raise
-    same = len({(type(rs.exc), re.sub(rf"(rank[ =]){rs.rank}\b", r"\1<r>", str(rs.exc))) for rs in firsts}) == 1
+    # same bad argument on every rank: "rank=1", or "dst=1" for a send to itself) report it once, as the lowest
+    # rank's own exception: that is what each real process would raise
+    same = len({(type(rs.exc), _own_number(str(rs.exc), rs.rank)) for rs in firsts}) == 1
     if len(firsts) == 1 or same:
         rs = firsts[0]
         exc = rs.exc

@@ -266,6 +266,16 @@ def test_identical_errors_on_every_rank_arrive_as_the_ranks_own_exception(mode):
     assert all(isinstance(x, dist.DistTypeError) for x in world.errors)
 
 
+def test_an_error_naming_each_ranks_own_number_as_a_value_is_still_one_error():
+    """A send to itself on every rank: each text names its own rank as dst= and rank=; one error, by its class."""
+    def fn():
+        dist.send(tp.ones(2), dst=dist.get_rank())
+
+    with pytest.raises(dist.DistValueError) as ei:
+        simulator.run(fn, 2)
+    assert ei.value.ranks == [0, 1] and "dst=0, rank=0" in str(ei.value)
+
+
 @pytest.mark.parametrize("code", [3, "fatal: bad config"])
 @pytest.mark.parametrize("mode", MODES)
 def test_sys_exit_in_a_rank_is_a_rank_failure(mode, code):
