@@ -269,6 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc is not None and ns.nproc < 1:
         _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
+    if ns.trace:  # checked before the run: a run's trace is lost if it cannot be written at its end
+        folder = os.path.dirname(os.path.abspath(ns.trace))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(ns.trace):
+            _err(f"--trace {ns.trace}: cannot write a file there (the folder {folder} must exist and be writable); "
+                 f"fix: name a file in an existing, writable folder")
+            return 2
     try:
         World(1, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,  # checked first
               isolation=ns.isolation, devices=ns.devices, gpus_per_node=ns.gpus_per_node)

@@ -341,6 +341,13 @@ def test_cli_bad_bounds_are_usage_errors(tmp_path, flag, value):
     assert "started" not in p.stdout  # the script did not run: a usage error, not the script's failure
 
 
+def test_cli_trace_path_that_cannot_be_written_is_a_usage_error_before_the_run(tmp_path):
+    p = _sim_cli(tmp_path, "--nproc-per-node", "2", "--trace", str(tmp_path / "no-such-dir" / "t.json"), "SCRIPT")
+    assert p.returncode == 2, p.stderr
+    assert "--trace" in p.stderr and "no-such-dir" in p.stderr and "fix: name a file" in p.stderr, p.stderr
+    assert "started" not in p.stdout  # the script did not run
+
+
 def test_cli_nproc_abbreviations_work(tmp_path):
     """``--nproc-per-node`` has two spellings; an abbreviation of both (``--nproc``) is not ambiguous."""
     quick = "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('rank', dist.get_rank())\n"
