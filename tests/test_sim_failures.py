@@ -211,6 +211,8 @@ def test_deadlock_names_a_skipped_backward(isolation):
     assert "rank 1 returned without running the backward of reduce" in msg
     assert "broadcast #1 on group [0, 1]" in msg
     assert "y.sum().backward()" in msg
+    # (a rank whose input did not require grad has no backward to run: the other cause, named with its fix)
+    assert "did not require grad there: make requires_grad the same on every rank" in msg
 
 
 # -- failures -------------------------------------------------------------------

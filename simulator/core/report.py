@@ -18,7 +18,8 @@ __all__ = ["mismatch_message", "describe_world", "fmt_ranks", "stall_headline", 
 
 _MAX_ROWS = 64
 _BACKWARD_FIX = ("call .backward() on every rank, e.g. y.sum().backward() — non-root outputs are zeros "
-                 "so this is always correct")
+                 "so this is always correct; if that rank did, the collective's input did not require grad there: "
+                 "make requires_grad the same on every rank (the backward of a collective is a collective too)")
 
 
 def fmt_ranks(ranks: Iterable[int], limit: int = 16) -> str:
