@@ -245,10 +245,19 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     shared = {name: pyfuncitem.funcargs[name] for name in names}
     test = pyfuncitem.obj
 
+    skipped: set[int] = set()  # thread ranks that skipped the test, and those that returned (see _skip_outcome)
+    returned: set[int] = set()
+
     def body() -> Any:
         kwargs = {k: (dist.get_rank() if v is _RANK else dist.get_world_size() if v is _WORLD else v)
                   for k, v in shared.items()}
-        return test(**kwargs)
+        try:
+            out = test(**kwargs)
+        except pytest.skip.Exception:
+            skipped.add(dist.get_rank())
+            raise
+        returned.add(dist.get_rank())
+        return out
 
     if s.isolation == "process":  # the closure above cannot travel to a rank process; the same body by reference can
         import functools
@@ -259,6 +268,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     try:
         simulator.run(body, s.world_size, seed=s.seed, mode=s.mode, isolation=s.isolation, timeout=s.timeout,
                       stall_timeout=s.stall_timeout)
+    except pytest.skip.Exception:
+        _skip_outcome(skipped, returned, s.world_size)
+        raise
     except BaseException as exc:  # annotate whatever failed with how to replay it, then let pytest report it
         failed = sorted({r for r in _failed_ranks(exc) if r >= 0})  # (a run's bound that ran out has rank -1)
         note = (f"[world_size={s.world_size}] failed{f' on rank(s) {failed}' if failed else ''} with seed={s.seed}, "
@@ -273,6 +285,18 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             exc.add_note(note)
         raise
     return True
+
+
+def _skip_outcome(skipped: set[int], returned: set[int], world_size: int) -> None:
+    """Some ranks skipped: the test is skipped, unless other ranks were waiting for them in a collective (released
+    when the skipping ranks left), which on real processes would hang there: that is a failure of the test."""
+    waited = sorted(set(range(world_size)) - skipped - returned) if skipped else []
+    if waited:
+        pytest.fail(_message(
+            "pytest.skip", f"rank(s) {sorted(skipped)} skipped the test while rank(s) {waited} waited for them in a "
+            "collective (on real processes those would wait there until the timeout)",
+            {"skipped": sorted(skipped), "waiting": waited},
+            "skip on every rank (the same condition on each), or before the test's first collective"), pytrace=False)
 
 
 def _failed_ranks(exc: BaseException) -> list[int]:

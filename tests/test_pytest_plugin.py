@@ -258,3 +258,35 @@ def test_help_names_the_bounds_and_their_defaults(pytester: pytest.Pytester) -> 
         in text, text
     assert "--sim-stall-timeout=SECONDS fail a simulated test when a rank waits in an operation and nothing " \
            "progressed for this long (default: the marker's stall_timeout=, else 300" in text, text
+
+
+SKIPS = '''
+import pytest
+import tensorplay.distributed as dist
+
+@pytest.mark.world_size(2)
+def test_skipped_everywhere(rank):
+    pytest.skip("not here")
+
+@pytest.mark.world_size(2)
+def test_skipped_by_rank_1_after_rank_0_is_done(rank):
+    if rank == 1:
+        pytest.skip("rank 1 has nothing to check")
+
+@pytest.mark.world_size(2)
+def test_skipped_by_rank_1_while_rank_0_waits(rank):
+    if rank == 1:
+        pytest.skip("only rank 0")
+    dist.barrier()
+'''
+
+
+def test_a_skip_on_some_ranks_while_others_wait_for_them_fails(pytester: pytest.Pytester) -> None:
+    """A test skipped on every rank, or on ranks nobody waits for, is skipped; one that some ranks skip while the
+    others wait for them in a collective would hang on real processes: it fails, naming both and the fix."""
+    pytester.makepyfile(test_skips=SKIPS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(skipped=2, failed=1)
+    text = result.stdout.str()
+    assert "rank(s) [1] skipped the test while rank(s) [0] waited for them in a collective" in text, text
+    assert "Fix: skip on every rank" in text, text
