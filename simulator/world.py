@@ -253,8 +253,11 @@ class World:
         adapters.enter_context(installed.enabled())  # torch's own APIs in the ranks run on this world too
         adapters.enter_context(gc_for_world(self.world_size))
         try:
-            for t in threads:
-                t.start()
+            for i, t in enumerate(threads):
+                try:
+                    t.start()
+                except RuntimeError as e:  # the OS refused a thread: no rank runs, and the run says why
+                    _refused_thread(run, threads[:i], e)
             run.sched.kick()
             try:
                 bound, waiting = _serve(run)
@@ -480,6 +483,21 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
+
+
+def _refused_thread(run: Any, started: list[threading.Thread], e: RuntimeError) -> None:
+    """The OS refused the thread of rank ``len(started)``: release the ranks started so far, raise why."""
+    n, world_size = len(started), len(run.ranks)
+    inc = Incident(SimError, format_message(
+        "simulator.run", f"the operating system refused to start the thread of rank {n} ({e}): thread ranks need "
+        "one thread each", values={"world_size": world_size, "threads_started": n},
+        fix="run fewer ranks, or raise the OS's limits on threads (ulimit -u, /proc/sys/kernel/threads-max) and "
+            "their memory (a smaller stack_size= takes less per rank)"))
+    with run.sched.lock:
+        run.abort(inc)
+    for t in started:  # (each ends at once: the abort is its first step)
+        t.join(5.0)
+    raise inc.make(-1) from e
 
 
 def _own_number(text: str, rank: int) -> str:

@@ -568,3 +568,26 @@ def test_a_failure_with_a_known_cause_names_the_switch_that_fixes_it(fn, needle)
         simulator.run(fn, 2)
     notes = "\n".join(getattr(info.value, "__notes__", ()))
     assert needle in notes, notes
+
+
+def test_a_thread_the_os_refuses_is_reported_with_the_fix_and_the_started_ranks_end(monkeypatch):
+    """A world of more thread ranks than the OS allows threads: the run says so (not the program's error), and
+    the ranks already started end; the next world runs."""
+    import threading
+
+    start, seen = threading.Thread.start, [0]
+
+    def refusing(self):
+        if self.name.startswith("sim-rank-"):
+            seen[0] += 1
+            if seen[0] == 3:
+                raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing)
+    with pytest.raises(simulator.SimError, match=r"refused to start the thread of rank 2 .*world_size=4, "
+                                                 r"threads_started=2\. Fix: run fewer ranks"):
+        simulator.run(lambda: dist.all_reduce(tp.ones(1)), 4)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert not [t for t in threading.enumerate() if t.name.startswith("sim-rank-")]
+    assert simulator.run(lambda: dist.get_rank(), 2) == [0, 1]
