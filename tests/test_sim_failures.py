@@ -575,19 +575,19 @@ def test_a_thread_the_os_refuses_is_reported_with_the_fix_and_the_started_ranks_
     the ranks already started end; the next world runs."""
     import threading
 
-    start, seen = threading.Thread.start, [0]
+    start, seen = threading._start_new_thread, [0]  # (what Thread.start calls: where the OS says no)
 
-    def refusing(self):
-        if self.name.startswith("sim-rank-"):
+    def refusing(function, args, *rest):
+        if getattr(getattr(function, "__self__", None), "name", "").startswith("sim-rank-"):
             seen[0] += 1
             if seen[0] == 3:
                 raise RuntimeError("can't start new thread")
-        return start(self)
+        return start(function, args, *rest)
 
-    monkeypatch.setattr(threading.Thread, "start", refusing)
+    monkeypatch.setattr(threading, "_start_new_thread", refusing)
     with pytest.raises(simulator.SimError, match=r"refused to start the thread of rank 2 .*world_size=4, "
                                                  r"threads_started=2\. Fix: run fewer ranks"):
         simulator.run(lambda: dist.all_reduce(tp.ones(1)), 4)
-    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(threading, "_start_new_thread", start)
     assert not [t for t in threading.enumerate() if t.name.startswith("sim-rank-")]
     assert simulator.run(lambda: dist.get_rank(), 2) == [0, 1]

@@ -56,6 +56,15 @@ from .errors import (
     RankNotInGroupError,
 )
 from .group import GroupMember, ProcessGroup, group
+from .objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
+from .p2p_batch import P2POp, batch_isend_irecv
 from .reduce_op import ReduceOp
 
 __all__ = [
@@ -66,4 +75,7 @@ __all__ = [
     "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv",
     "is_available", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_tensor", "register_backend", "scatter", "send",
+    # objects and batched point to point (objects.py, p2p_batch.py)
+    "P2POp", "all_gather_object", "batch_isend_irecv", "broadcast_object_list", "gather_object",
+    "recv_object_list", "scatter_object_list", "send_object_list",
 ]
