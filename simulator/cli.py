@@ -40,6 +40,7 @@ import os
 import runpy
 import shlex
 import sys
+import traceback
 from typing import Any, Sequence
 
 import torch
@@ -269,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc is not None and ns.nproc < 1:
         _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
+    try:  # a script that does not compile fails as `python script.py` does, before any rank starts
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec")
+    except SyntaxError as e:
+        sys.stderr.write("".join(traceback.format_exception_only(e)))
+        return 1
     if ns.trace:  # checked before the run: a run's trace is lost if it cannot be written at its end
         folder = os.path.dirname(os.path.abspath(ns.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(ns.trace):

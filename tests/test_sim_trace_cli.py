@@ -348,6 +348,13 @@ def test_cli_trace_path_that_cannot_be_written_is_a_usage_error_before_the_run(t
     assert "started" not in p.stdout  # the script did not run
 
 
+def test_cli_script_that_does_not_compile_fails_as_python_does_before_any_rank(tmp_path):
+    p = _sim_cli(tmp_path, "--nproc-per-node", "2", "SCRIPT", text="print('started')\nx = (1,\n")
+    assert p.returncode == 1 and "started" not in p.stdout, p.stderr
+    assert p.stderr.rstrip().endswith("SyntaxError: '(' was never closed"), p.stderr
+    assert "simulator" not in p.stderr.replace(str(tmp_path), ""), p.stderr  # no frame of ours, no rank framing
+
+
 def test_cli_nproc_abbreviations_work(tmp_path):
     """``--nproc-per-node`` has two spellings; an abbreviation of both (``--nproc``) is not ambiguous."""
     quick = "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('rank', dist.get_rank())\n"

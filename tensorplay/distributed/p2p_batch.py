@@ -120,8 +120,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         if op.group is not first:
             raise c.error(DistValueError, "every op of the batch must use the same group",
                           "issue the operations of each group in a batch of their own",
-                          **{"p2p_op_list[0].group": list(first.ranks),
-                             f"p2p_op_list[{i}].group": list(op.group.ranks)})
+                          **{"p2p_op_list[0].group": first, f"p2p_op_list[{i}].group": op.group})
     works: list[Work] = []
     for op in p2p_op_list:
         if _op_name(op.op) == "isend":
