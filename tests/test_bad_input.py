@@ -358,8 +358,11 @@ def _init_outcomes(names: list[Any]) -> dict[str, Any]:
         try:
             dist.init_process_group(b)
             out[repr(b)] = None
+            dist.destroy_process_group()  # (a second init without it is refused, as on gloo: each name on its own)
         except Exception as e:  # noqa: BLE001
             out[repr(b)] = (type(e).__name__, isinstance(e, AssertionError), isinstance(e, DistError), str(e))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # the rank ends joined, as it started
     return out
 
 
@@ -392,9 +395,9 @@ def test_a_name_torch_knows_that_tensorplay_does_not_run_stays_unknown() -> None
 
 @on_backends_with("checker", range, lambda c: f"rank{c}", (1, 2))
 def test_init_process_group_in_a_running_world_refuses_what_torch_refuses(ranks: Ranks, checker: int) -> None:
-    """A simulated world is started for the program, so calling init_process_group in it is allowed, yet the
-    name is checked as a fresh torchrun process checks it.  The gloo pool's ranks hold a process group
-    already: there a second init_process_group is refused first, whatever the name (as torch does)."""
+    """A simulated world is started for the program, so calling init_process_group in it is allowed (it joins the
+    world), yet the name is checked as a fresh torchrun process checks it.  The gloo pool's ranks hold a process
+    group already: there a second init_process_group is refused first, whatever the name (as torch does)."""
     outs = ranks.run(_init_outcomes, REFUSED_BACKENDS + ACCEPTED_BACKENDS)
     first = ranks.expected({"sim": "the name", "gloo": "already initialised"})
     for r, got in enumerate(outs):

@@ -237,9 +237,9 @@ EXPECT: dict[str, tuple[tuple[int, ...], type, tuple[str, ...]]] = {
     "batch_empty": ((0, 1, 2), DistValueError, ("tensorplay.distributed.batch_isend_irecv (rank {r})",
                                                 "p2p_op_list=[]", "Fix:")),
     "batch_not_op": ((0, 1, 2), DistValueError, ("batch_isend_irecv", "type(p2p_op_list[1])='int'")),
-    "batch_two_groups": ((0, 1, 2), DistValueError, ("batch_isend_irecv", "same group",
-                                                     "p2p_op_list[0].group=ProcessGroup(ranks=[0, 1, 2], backend='sim', id=0)",
-                                                     "p2p_op_list[1].group=ProcessGroup(ranks=[0, 1, 2], backend='sim', id=1)")),
+    "batch_two_groups": ((0, 1, 2), DistValueError, (
+        "batch_isend_irecv", "same group", "p2p_op_list[0].group=ProcessGroup(ranks=[0, 1, 2], backend='sim', id=0)",
+        "p2p_op_list[1].group=ProcessGroup(ranks=[0, 1, 2], backend='sim', id=1)")),
     "not_a_member": ((2,), RankNotInGroupError, ("all_gather_object", "not a member")),
 }
 

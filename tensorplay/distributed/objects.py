@@ -334,7 +334,8 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Grou
         ...     got = {}
         ...     for _ in range(2):
         ...         box = [None]
-        ...         got[dist.recv_object_list(box)] = box[0]
+        ...         sender = dist.recv_object_list(box)
+        ...         got[sender] = box[0]
         ... else:
         ...     dist.send_object_list([f"hello from {r}"], dst=0)
         >>> r != 0 or got == {1: "hello from 1", 2: "hello from 2"}
