@@ -295,6 +295,8 @@ class World:
         self.results = [rs.result for rs in run.ranks]
         _last_trace = trace
         self.faults.warn_unfired(run.ranks, run.children)  # a Crash/Delay whose operation never came: say so
+        if timeout_exc is None and all(rs.exc is None for rs in run.ranks):
+            _warn_unmatched_p2p(run)
         if timeout_exc is not None:
             raise timeout_exc
         _raise_failures(self, run.ranks)
@@ -338,6 +340,23 @@ def _let_daemons_end(run: Run) -> None:
             return
         if t is not None and t.is_alive():
             t.join(timeout=left)
+
+
+def _warn_unmatched_p2p(run: Run) -> None:
+    """After a run that ended well: name the sends nobody received (a buffered send, p2p="eager", completes at once)
+    and the receives nothing matched (an irecv never waited for), which a real backend would leave pending."""
+    left = [r for q in (*run.sends.values(), *run.recvs.values()) for r in q]
+    if not left:
+        return
+    what = "; ".join(f"rank {r.rs.rank}'s {r.kind} " + (f"to rank {r.dst}" if r.kind == "send" else
+                     f"from {'any rank' if r.src is None else f'rank {r.src}'}") + f" (tag {r.tag}) at {r.site}"
+                     for r in left[:8])
+    warnings.warn(format_message(
+        "simulator.run", f"{len(left)} point-to-point operation(s) never met their peer before the run ended: {what}",
+        values={"p2p": run.p2p},
+        fix="post the matching recv (or send) on the peer, with the same group and tag, or drop the operation; "
+            "on gloo and NCCL an unmatched send or receive is left pending and can hang the process's exit"),
+        RuntimeWarning, stacklevel=4)  # (the caller of simulator.run)
 
 
 def _warn_still_running(run: Run) -> None:

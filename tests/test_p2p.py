@@ -362,6 +362,20 @@ def test_eager_sends_complete_before_the_recv_with_the_value_at_send_time(mode: 
     assert [t.tolist() for t in out] == [[1.0] * 3, [0.0] * 3]
 
 
+def _send_nobody_receives() -> None:
+    if dist.get_rank() == 0:
+        dist.send(tp.ones(1), dst=1, tag=7)
+
+
+def test_an_eager_send_nobody_receives_is_named_when_the_run_ends() -> None:
+    """A buffered send completes at once: the run would end well, yet the message was never received (on gloo it
+    stays pending); the run warns, naming the send, its peer, its tag and where it was posted."""
+    with pytest.warns(RuntimeWarning, match=r"1 point-to-point operation\(s\) never met their peer before the run "
+                                            r"ended: rank 0's send to rank 1 \(tag 7\) at test_p2p.py:\d+.*Fix: post "
+                                            r"the matching recv"):
+        assert simulator.run(_send_nobody_receives, 2, p2p="eager") == [None, None]
+
+
 def test_unknown_p2p_model_is_refused() -> None:
     with pytest.raises(dist.DistValueError, match="p2p='buffered'.*Fix: pass p2p='rendezvous'"):
         simulator.run(_both_send_first, 2, p2p="buffered")
