@@ -297,8 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 code, worlds = _run_torchrun_style(ns, script)
         _write_traces(ns, worlds)
-    except KeyboardInterrupt:  # Ctrl-C: the world was stopped (World.run releases its ranks); one line, as a shell
-        _err("interrupted")
+    except KeyboardInterrupt as e:
+        if getattr(e, "rank", -1) >= 0:  # a rank's program raised it (not Ctrl-C): a failed rank, as a process
+            _report(e)                   # that dies of it (exit status 130, its traceback)
+            return 130
+        _err("interrupted")  # Ctrl-C: the world was stopped (World.run releases its ranks); one line, as a shell
         return 130
     finally:
         sys.excepthook = hook  # torch's init_process_group wraps it once per rank ("[rank1]: [rank0]: ...")

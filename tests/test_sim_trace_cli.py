@@ -355,6 +355,17 @@ def test_cli_script_that_does_not_compile_fails_as_python_does_before_any_rank(t
     assert "simulator" not in p.stderr.replace(str(tmp_path), ""), p.stderr  # no frame of ours, no rank framing
 
 
+def test_cli_keyboard_interrupt_a_rank_raises_is_that_ranks_failure(tmp_path):
+    """Not Ctrl-C: the rank's own exception, reported with its traceback and rank; exit status 130, as a process
+    that dies of it."""
+    text = ("import torch.distributed as dist\ndist.init_process_group('gloo')\nif dist.get_rank() == 1:\n"
+            "    raise KeyboardInterrupt('stop here')\ndist.barrier()\n")
+    p = _sim_cli(tmp_path, "--nproc-per-node", "2", "SCRIPT", text=text)
+    assert p.returncode == 130, p.stderr
+    assert "rank 1 failed (KeyboardInterrupt); its traceback:" in p.stderr, p.stderr
+    assert "KeyboardInterrupt: stop here" in p.stderr and "interrupted" not in p.stderr.splitlines()[-1], p.stderr
+
+
 def test_cli_nproc_abbreviations_work(tmp_path):
     """``--nproc-per-node`` has two spellings; an abbreviation of both (``--nproc``) is not ambiguous."""
     quick = "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('rank', dist.get_rank())\n"
