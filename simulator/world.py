@@ -162,6 +162,11 @@ class World:
         if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int)):
             raise DistTypeError(format_message("simulator.run", "hash_seed must be an int or None",
                                                values={"hash_seed": hash_seed}, fix="pass e.g. hash_seed=0"))
+        if stack_size is not None and (isinstance(stack_size, bool) or not isinstance(stack_size, int)
+                                       or (stack_size != 0 and stack_size < 32 * 1024)):
+            raise DistValueError(format_message(  # (threading.stack_size's own error names no call and no fix)
+                "simulator.run", "stack_size must be 0 (the platform's) or at least 32 KiB, in bytes",
+                values={"stack_size": stack_size}, fix="pass e.g. stack_size=256 * 1024, or leave it out"))
         self.world_size = world_size
         self.seed = seed
         self.hash_seed = seed if hash_seed is None else hash_seed

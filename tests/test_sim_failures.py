@@ -591,3 +591,10 @@ def test_a_thread_the_os_refuses_is_reported_with_the_fix_and_the_started_ranks_
     monkeypatch.setattr(threading, "_start_new_thread", start)
     assert not [t for t in threading.enumerate() if t.name.startswith("sim-rank-")]
     assert simulator.run(lambda: dist.get_rank(), 2) == [0, 1]
+
+
+@pytest.mark.parametrize("stack_size", [10, 16 * 1024, -1, 1.5, True])
+def test_a_stack_size_threads_cannot_take_is_refused_with_the_fix(stack_size):
+    with pytest.raises(dist.DistValueError, match=r"^simulator.run: stack_size must be 0 \(the platform's\) or at "
+                                                  r"least 32 KiB, in bytes: stack_size=.*Fix: pass e.g. stack_size="):
+        simulator.run(lambda: None, 2, stack_size=stack_size)
