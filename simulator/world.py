@@ -36,7 +36,6 @@ import re
 import sys
 import threading
 import time
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -52,13 +51,14 @@ from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
-from simulator.core.report import _where, describe_world, needs_cuda, per_process_state
+from simulator.core.report import describe_world, needs_cuda, per_process_state
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
-from simulator.core.sched import DONE, make_scheduler
+from simulator.core.sched import make_scheduler
 from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
 from simulator.core.state import (Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
                                   current_rank_state, rank_device)
 from simulator.timing.cost import CostModel, resolve_cost
+from simulator.world_ends import refused_thread, warn_still_running, warn_unmatched_p2p
 from simulator.world_devices import check_devices, device_context
 from simulator.core.trace import DEFAULT_TRACE_LIMIT, EventLog, Trace
 from simulator.isolation import check_isolation, run_processes
@@ -262,7 +262,7 @@ class World:
                 try:
                     t.start()
                 except RuntimeError as e:  # the OS refused a thread: no rank runs, and the run says why
-                    _refused_thread(run, threads[:i], e)
+                    refused_thread(run, threads[:i], e)
             run.sched.kick()
             try:
                 bound, waiting = _serve(run)
@@ -280,7 +280,7 @@ class World:
                 timeout_exc.add_note(f"[simulator] the run was stopped (mode={self.mode!r}, seed={self.seed}); "
                                      f"replay with {_replay(self)}")
                 run.all_done.wait(2.0)
-                _warn_still_running(run)
+                warn_still_running(run)
             else:
                 for t in threads:
                     t.join(timeout=5.0)
@@ -301,7 +301,7 @@ class World:
         _last_trace = trace
         self.faults.warn_unfired(run.ranks, run.children)  # a Crash/Delay whose operation never came: say so
         if timeout_exc is None and all(rs.exc is None for rs in run.ranks):
-            _warn_unmatched_p2p(run)
+            warn_unmatched_p2p(run)
         if timeout_exc is not None:
             raise timeout_exc
         _raise_failures(self, run.ranks)
@@ -345,35 +345,6 @@ def _let_daemons_end(run: Run) -> None:
             return
         if t is not None and t.is_alive():
             t.join(timeout=left)
-
-
-def _warn_unmatched_p2p(run: Run) -> None:
-    """After a run that ended well: name the sends nobody received (a buffered send, p2p="eager", completes at once)
-    and the receives nothing matched (an irecv never waited for), which a real backend would leave pending."""
-    left = [r for q in (*run.sends.values(), *run.recvs.values()) for r in q]
-    if not left:
-        return
-    what = "; ".join(f"rank {r.rs.rank}'s {r.kind} " + (f"to rank {r.dst}" if r.kind == "send" else
-                     f"from {'any rank' if r.src is None else f'rank {r.src}'}") + f" (tag {r.tag}) at {r.site}"
-                     for r in left[:8])
-    warnings.warn(format_message(
-        "simulator.run", f"{len(left)} point-to-point operation(s) never met their peer before the run ended: {what}",
-        values={"p2p": run.p2p},
-        fix="post the matching recv (or send) on the peer, with the same group and tag, or drop the operation; "
-            "on gloo and NCCL an unmatched send or receive is left pending and can hang the process's exit"),
-        RuntimeWarning, stacklevel=4)  # (the caller of simulator.run)
-
-
-def _warn_still_running(run: Run) -> None:
-    """After a bound ran out: name the rank threads that are still executing (a computation that does not end)."""
-    alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
-    if alive:
-        where = "; ".join(f"{rs.label} at {_where(rs)}" for rs in alive[:8])
-        warnings.warn(format_message(
-            "simulator.run", f"{len(alive)} rank thread(s) still running after the run timed out (threads cannot be "
-            f"stopped from outside; they are daemons and end when their computation does): {where}",
-            fix="make the stuck computation end (it is shown above), or run the program in a separate process"),
-            RuntimeWarning, stacklevel=3)
 
 
 def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
@@ -507,21 +478,6 @@ def _annotate(exc: BaseException, rank: int, world: World) -> BaseException:
     if note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
-
-
-def _refused_thread(run: Any, started: list[threading.Thread], e: RuntimeError) -> None:
-    """The OS refused the thread of rank ``len(started)``: release the ranks started so far, raise why."""
-    n, world_size = len(started), len(run.ranks)
-    inc = Incident(SimError, format_message(
-        "simulator.run", f"the operating system refused to start the thread of rank {n} ({e}): thread ranks need "
-        "one thread each", values={"world_size": world_size, "threads_started": n},
-        fix="run fewer ranks, or raise the OS's limits on threads (ulimit -u, /proc/sys/kernel/threads-max) and "
-            "their memory (a smaller stack_size= takes less per rank)"))
-    with run.sched.lock:
-        run.abort(inc)
-    for t in started:  # (each ends at once: the abort is its first step)
-        t.join(5.0)
-    raise inc.make(-1) from e
 
 
 def _own_number(text: str, rank: int) -> str:

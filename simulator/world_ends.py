@@ -1,0 +1,63 @@
+"""What a simulated world says about how its run ended, besides its result (part of :mod:`simulator.world`).
+
+A thread the operating system refused (the run's own error, with the fix), point-to-point operations that never
+met their peer in a run that ended well, and rank threads still executing after a bound ran out (warnings).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+from tensorplay.distributed.errors import format_message
+
+from simulator.core.errors import SimError
+from simulator.core.report import _where
+from simulator.core.sched import DONE
+from simulator.core.state import Incident, Run
+
+__all__ = ["refused_thread", "warn_unmatched_p2p", "warn_still_running"]
+
+
+def refused_thread(run: Any, started: list[threading.Thread], e: RuntimeError) -> None:
+    """The OS refused the thread of rank ``len(started)``: release the ranks started so far, raise why."""
+    n, world_size = len(started), len(run.ranks)
+    inc = Incident(SimError, format_message(
+        "simulator.run", f"the operating system refused to start the thread of rank {n} ({e}): thread ranks need "
+        "one thread each", values={"world_size": world_size, "threads_started": n},
+        fix="run fewer ranks, or raise the OS's limits on threads (ulimit -u, /proc/sys/kernel/threads-max) and "
+            "their memory (a smaller stack_size= takes less per rank)"))
+    with run.sched.lock:
+        run.abort(inc)
+    for t in started:  # (each ends at once: the abort is its first step)
+        t.join(5.0)
+    raise inc.make(-1) from e
+
+
+def warn_unmatched_p2p(run: Run) -> None:
+    """After a run that ended well: name the sends nobody received (a buffered send, p2p="eager", completes at once)
+    and the receives nothing matched (an irecv never waited for), which a real backend would leave pending."""
+    left = [r for q in (*run.sends.values(), *run.recvs.values()) for r in q]
+    if not left:
+        return
+    what = "; ".join(f"rank {r.rs.rank}'s {r.kind} " + (f"to rank {r.dst}" if r.kind == "send" else
+                     f"from {'any rank' if r.src is None else f'rank {r.src}'}") + f" (tag {r.tag}) at {r.site}"
+                     for r in left[:8])
+    warnings.warn(format_message(
+        "simulator.run", f"{len(left)} point-to-point operation(s) never met their peer before the run ended: {what}",
+        values={"p2p": run.p2p},
+        fix="post the matching recv (or send) on the peer, with the same group and tag, or drop the operation; "
+            "on gloo and NCCL an unmatched send or receive is left pending and can hang the process's exit"),
+        RuntimeWarning, stacklevel=4)  # (the caller of simulator.run)
+
+
+def warn_still_running(run: Run) -> None:
+    """After a bound ran out: name the rank threads that are still executing (a computation that does not end)."""
+    alive = [rs for rs in run.actors if rs.thread is not None and rs.thread.is_alive() and rs.state != DONE]
+    if alive:
+        where = "; ".join(f"{rs.label} at {_where(rs)}" for rs in alive[:8])
+        warnings.warn(format_message(
+            "simulator.run", f"{len(alive)} rank thread(s) still running after the run timed out (threads cannot be "
+            f"stopped from outside; they are daemons and end when their computation does): {where}",
+            fix="make the stuck computation end (it is shown above), or run the program in a separate process"),
+            RuntimeWarning, stacklevel=3)
