@@ -98,7 +98,7 @@ MISMATCHES = {
     "shape": (_differs_shape, "shape differs"),
     "all_to_all_shapes": (_differs_a2a_shapes, "rank 0 sends a block of shape (2,) to rank 1, which expects shape (3,)"),
     "all_to_all_single_splits": (_differs_splits, "rank 0 sends 1 rows to rank 2, which expects 2"),
-    "new_group": (_differs_new_group, "shape differs"),
+    "new_group": (_differs_new_group, "ranks differ (rank 0: (0, 1)"),
 }
 
 

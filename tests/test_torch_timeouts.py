@@ -49,6 +49,7 @@ def test_a_group_timeout_fails_only_the_rank_that_waits(mode: str, isolation: st
     assert kind == "OperationTimeoutError", out
     assert TIMEOUT_S <= waited < TIMEOUT_S + 5, out  # wall clock, as the deadline of a real group
     assert " Timed out waiting " in text and "barrier" in text and "timeout=" in text, text
+    assert "process group's timeout" in text and "init_process_group" in text, text  # the setting that fired
     assert [o[0] for o in out[1:]] == ["busy", "busy"]
 
 
@@ -62,7 +63,9 @@ def _wait_with_its_own_timeout() -> str:
     try:
         work.wait(timedelta(seconds=TIMEOUT_S))
     except RuntimeError as e:
-        return "timed out" if "Timed out" in str(e) else f"other: {e}"
+        # the bound that fired is Work.wait's, and so is the fix: the group's timeout was never reached
+        told = "Timed out" in str(e) and "Work.wait" in str(e) and "init_process_group" not in str(e)
+        return "timed out" if told else f"other: {e}"
     return "completed"
 
 

@@ -25,6 +25,7 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 from simulator.adapters import torch_profiling
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import Incident
+from simulator.core.works import GroupTimeout
 
 __all__ = ["SimWork", "forget_unwaited"]
 
@@ -79,7 +80,8 @@ class SimWork(tdist.Work):
         """Block (visibly to the simulator) until the operation finished, at most ``timeout`` (default: its group's
         timeout; torch's ``timedelta(0)`` means the same); raise its error if it failed."""
         if not self._done:
-            bound = timeout if isinstance(timeout, timedelta) and timeout else self._timeout
+            bound = timeout if isinstance(timeout, timedelta) and timeout else (
+                GroupTimeout(seconds=self._timeout.total_seconds()) if self._timeout is not None else None)
             try:
                 for w in self._works:
                     w.wait(bound)

@@ -68,8 +68,14 @@ def disagreement(calls: list[RankCall]) -> str | None:
                             shown = str(tuple(v))
                         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}"
                         parts.append(f"{who}: {shown}")
-                    return f"{field} differs ({'; '.join(parts)})"
+                    label = _field_label(calls, field)
+                    return f"{label} {'differ' if label == 'ranks' else 'differs'} ({'; '.join(parts)})"
     return None
+
+
+def _field_label(calls: list[RankCall], field: str) -> str:
+    """What a key field means to the user: ``new_group``'s key carries its member list where others carry a shape."""
+    return "ranks" if field == "shape" and calls[0].key[0] == "new_group" else field
 
 
 def _storages(ts: Sequence[torch.Tensor]) -> set[int] | None:

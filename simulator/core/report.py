@@ -73,9 +73,13 @@ def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], r
         lines.append("  " + " | ".join(v.ljust(w) for v, w in zip(r, widths)))
     if len(calls) > _MAX_ROWS:
         lines.append(f"  ... ({len(calls) - _MAX_ROWS} more ranks)")
-    lines.append("Fix: every member of a group must issue the same collectives in the same order, with the same "
-                 "op, root, dtype and shape (matching split sizes for all_to_all); guard rank-specific code so "
-                 "it does not skip or reorder collectives")
+    if all(c.key[0] == "new_group" for c in calls):  # (new_group's key carries the member list, not a shape)
+        lines.append("Fix: new_group is collective over the whole world: every rank calls it, in the same order, "
+                     "with the same ranks (a rank outside the group passes them too and gets no group back)")
+    else:
+        lines.append("Fix: every member of a group must issue the same collectives in the same order, with the "
+                     "same op, root, dtype and shape (matching split sizes for all_to_all); guard rank-specific "
+                     "code so it does not skip or reorder collectives")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from simulator.core.errors import SimError
 from simulator.core.state import Incident, P2PRecord, RankCall, RankState, Slot, _local
 from simulator.core.trace import Event
 
-__all__ = ["OperationTimeoutError", "CollWork", "P2PWork", "timeout_arg", "caller", "done_with", "notify",
+__all__ = ["OperationTimeoutError", "GroupTimeout", "CollWork", "P2PWork", "timeout_arg", "caller", "done_with", "notify",
            "observe_coll", "observe_p2p"]
 
 _thread_time = time.thread_time
@@ -31,6 +31,11 @@ _perf = time.perf_counter
 class OperationTimeoutError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """An operation waited past its own timeout (its process group's, or ``Work.wait(timeout)``), as gloo's
     ``Timed out waiting ...``; also a ``torch.distributed.DistBackendError``, which torch programs catch."""
+
+
+class GroupTimeout(timedelta):
+    """A bound that is the operation's process group's (the torch adapter passes it when the program gave
+    ``Work.wait`` none): its timeout error names the group's setting, not ``Work.wait``'s."""
 
 
 def timeout_arg(timeout: Any) -> Optional[timedelta]:
@@ -54,11 +59,16 @@ def _block(rs: RankState, w: Any, timeout: Optional[timedelta], name: str) -> No
     seconds = timeout.total_seconds()
 
     def timed_out() -> Incident:
+        if isinstance(timeout, GroupTimeout):
+            call, whose, fix = f"torch.distributed.{name}", "its process group's timeout", (
+                "make every rank of the group call the operation, or pass a longer timeout= to "
+                "init_process_group / new_group")
+        else:
+            call, whose, fix = "Work.wait", "the timeout passed to Work.wait", (
+                f"make every rank of the group call {name}, or pass a longer timeout to Work.wait")
         return Incident(OperationTimeoutError, format_message(
-            f"torch.distributed.{name}", f"Timed out waiting {seconds * 1000:.0f}ms for the other ranks of the "
-            f"group to join {name} (the operation's timeout: its process group's, or Work.wait's)", rank=rs.rank,
-            values={"timeout": timeout}, fix="make every rank of the group call the operation, or pass a longer "
-                                             "timeout= to init_process_group / new_group"))
+            call, f"Timed out waiting {seconds * 1000:.0f}ms for the other ranks of the group to join {name} "
+            f"({whose})", rank=rs.rank, values={"timeout": timedelta(seconds=seconds)}, fix=fix))
 
     if seconds <= 0:  # (a process rank whose turn came after its operation's timeout ran out)
         raise timed_out().make(rs.rank)

@@ -224,7 +224,7 @@ class ProxyHandlers(RpcRouteHandlers):
         work = me.works[wid]
         rs.cpu_mark = time.thread_time() - cpu  # computed while the operation ran
         if bound is not None:  # what is left of it: it started when the process asked
-            bound -= timedelta(seconds=time.time() - asked)
+            bound = type(bound)(seconds=bound.total_seconds() - (time.time() - asked))  # (keeps GroupTimeout)
         return self._answering_early(rs, chan, lambda src: True, lambda: work.wait(bound))
 
     def handle_completed(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> bool:
