@@ -106,6 +106,11 @@ CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
 SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py", "case_rpc.py",
                 "case_multiprocess.py", "case_continuous.py", "case_device_type.py")
 
+#: the case files' runs on rank processes that another case's run covers (the same harness class, MultiProcessTestCase,
+#: on rank processes: case_multiprocess.py and case_distributed_test.py): in the slow tier, the thread side by default
+ISOLATIONS_PROCESS_SLOW = [pytest.param(i, marks=[pytest.mark.slow] if i == "process" else []) for i in ISOLATIONS]
+
+
 
 class Outcome:
     def __init__(self, proc: subprocess.CompletedProcess, junit: Path, wall_s: float) -> None:
@@ -208,19 +213,19 @@ def test_dtensor_test_base_with_comms_redistributes_on_simulated_ranks(tmp_path:
     assert "dtensor-sum-marker" in out.output and "Expected 9.0 but got 8.0" in out.output
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_device_type_suites_and_module_trackers_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_device_type.py", sim=isolation)
     assert out.verdicts == _want(DEVICE_TYPE, isolation), out.output[-8000:]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_a_groups_own_methods_follow_gloo_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_c10d_gloo.py", sim=isolation)
     assert out.verdicts == _want(C10D_GLOO, isolation), out.output[-8000:]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_c10d_behaviour_that_its_common_tests_observe_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_c10d_common.py", sim=isolation)
     assert out.verdicts == _want(C10D_COMMON, isolation), out.output[-8000:]
@@ -531,7 +536,7 @@ def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Pa
     # (MultiProcContinuousTest logs its workers' pids at debug level only; LocalTensor tests start no process)
     if case not in ("case_continuous.py", "case_local_tensor.py"):
         assert pids and max(pids) <= _pid_max(), pids  # real processes, this time
-    # (the same table's simulated verdicts: the tests of each case above, on both isolations; the speed-ups:
+    # (the same table's simulated verdicts: the tests of each case above; the speed-ups:
     # bench/bench_harness.py)
     print(f"{case}: wall time on gloo processes {real.wall_s:.1f} s")
 
