@@ -48,7 +48,9 @@ def test_gloo_tiny_selection_passes() -> None:
     assert "on gloo/cpu" in p.stdout and " 0 failed" in p.stdout
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+# (on rank processes in the slow tier: test_sim_tiny_selection_passes runs the suite there by default)
+@pytest.mark.parametrize("isolation", [pytest.param(i, marks=[pytest.mark.slow] if i == "process" else [])
+                                       for i in ISOLATIONS])
 def test_broken_avg_gradient_fails_with_a_reproduction_that_reruns_the_case(isolation: str) -> None:
     impl = str(IMPLS / "avg_grad_without_1_over_w.py")
     p = run_cli("--impl", impl, "--collectives", "all_reduce", "--ops", "AVG,SUM", "--world-sizes", "2,3",

@@ -106,8 +106,10 @@ CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
 SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py", "case_rpc.py",
                 "case_multiprocess.py", "case_continuous.py", "case_device_type.py")
 
-#: the case files' runs on rank processes that another case's run covers (the same harness class, MultiProcessTestCase,
-#: on rank processes: case_multiprocess.py and case_distributed_test.py): in the slow tier, the thread side by default
+#: runs on rank processes that another default test covers: in the slow tier, the thread side by default (the c10d and
+#: device-type cases: MultiProcessTestCase on rank processes is case_multiprocess.py's and case_distributed_test.py's;
+#: the RPC case: its thread side runs every test on rank processes; MultiProcContinuousTest on rank processes:
+#: test_a_continuous_tests_failure_names_the_rank_that_failed_first)
 ISOLATIONS_PROCESS_SLOW = [pytest.param(i, marks=[pytest.mark.slow] if i == "process" else []) for i in ISOLATIONS]
 
 
@@ -237,7 +239,7 @@ def test_torchs_local_tensor_tests_run_in_the_tests_process_as_torch_runs_them(t
     assert out.verdicts == _want(LOCAL_TENSOR, isolation), out.output[-8000:]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_rpc.py", sim=isolation)
     assert out.verdicts == _want(RPC, isolation), out.output[-8000:]
@@ -245,7 +247,7 @@ def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path:
     assert (note in out.output) == (isolation == "thread"), out.output[-3000:]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_continuous_test_workers_are_simulated_ranks_with_torchs_verdicts(tmp_path: Path, isolation: str) -> None:
     out = _run_case(tmp_path, "case_continuous.py", sim=isolation, env={"TP_EXPECT_SIMULATED": "1"})
     assert out.verdicts == _want(CONTINUOUS, isolation), out.output[-8000:]
@@ -484,7 +486,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_continuous_device_type_tests_and_skipped_set_ups_keep_torchs_verdicts(tmp_path: Path, isolation: str) -> None:
     """Each worker has the device-type tests' thread-local precision of its own; a worker whose set-up exits with a
     skip code answers every test with the skip, then fails destroying the group it never made (torch's loop): the
