@@ -163,6 +163,14 @@ class _Harness:
         return (f"simulator.torch_harness: MultiProcessTestCase ranks are simulated {what} (--sim-harness "
                 f"{self.isolation}, seed={s.seed}, mode={s.mode})")
 
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        # MultiProcContinuousTest classes as their module made them, before the parent's setUpClass: what a worker
+        # process, which imports the module afresh, sees of them
+        from simulator import torch_harness_continuous
+
+        for cls in {item.cls for item in items if _is_continuous_test(item)}:  # type: ignore[union-attr]
+            torch_harness_continuous.remember_as_imported(cls)
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
         if _subclass_of_any(item, _ONE_PROCESS):

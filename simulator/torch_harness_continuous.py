@@ -21,6 +21,7 @@ import importlib
 import os
 import queue
 import tempfile
+import threading
 import unittest
 from typing import Any, Callable
 
@@ -168,9 +169,61 @@ def _name_every_failure(cls: type) -> None:
 _NOTE_CHARS = 4000  # of each other rank's failure (its traceback's end: where it raised, and what)
 
 
+#: class -> the data attributes of it and its bases as its module made them (collected before any setUpClass ran)
+_AS_IMPORTED: dict[type, list[dict[str, Any]]] = {}
+
+
+class _Absent:
+    """A class attribute a worker process would not have (the parent's ``setUpClass`` set it): looking it up on a
+    thread rank's class raises ``AttributeError``, as in a worker that imported the module afresh."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        what = f"type object {getattr(owner, '__name__', '?')!r}" if obj is None else f"{type(obj).__name__!r} object"
+        raise AttributeError(f"{what} has no attribute {self.name!r}")
+
+
+def _data(namespace: Any) -> dict[str, Any]:
+    """A class's own attributes that are state, not behaviour (methods are shared, and so is what is per thread
+    already: a ``threading.local``, or the per-rank state the switch put in, see own_class_state)."""
+    return {k: v for k, v in namespace.items() if not (k.startswith("__") or callable(v)
+            or isinstance(v, (classmethod, staticmethod, property, threading.local)) or hasattr(v, "__get__")
+            or type(v).__module__.startswith("simulator."))}
+
+
+def remember_as_imported(cls: type) -> None:
+    """Called at collection, before the parent's ``setUpClass``: ``cls``'s state as a worker process has it."""
+    _AS_IMPORTED.setdefault(cls, [_data(vars(k)) for k in cls.__mro__])
+
+
+def _as_a_worker_sees_it(cls: type) -> dict[str, Any]:
+    """What the rank's own subclass of ``cls`` overrides so that its state is the module's, not the parent's: the
+    data attributes the parent set or changed since collection (setUpClass's, _spawn_processes') as they were then,
+    or absent."""
+    then = _AS_IMPORTED.get(cls)
+    if then is None:
+        return {}
+    now = [_data(vars(k)) for k in cls.__mro__]
+    names = {n for d in now for n in d}
+    out: dict[str, Any] = {}
+    for name in names:
+        current = next((d[name] for d in now if name in d), None)
+        before = next((d for d in then if name in d), None)
+        if before is None:
+            out[name] = _Absent(name)
+        elif before[name] is not current:
+            out[name] = before[name]
+    return out
+
+
 def _loop(cls: type, rank: int, task: Any, world_size: int, rdvz: str, completion: Any) -> None:
-    """torch's worker loop for one task, on a subclass of ``cls`` of the rank's own (its class attributes)."""
-    own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    """torch's worker loop for one task, on a subclass of ``cls`` of the rank's own (its class attributes), whose
+    state is the class's as its module made it (a worker process imports the module; the parent's setUpClass ran
+    in the parent only)."""
+    own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                      **_as_a_worker_sees_it(cls)})
     tq: queue.Queue = queue.Queue()
     tq.put(task)
     tq.put(None)

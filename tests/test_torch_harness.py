@@ -497,6 +497,49 @@ def test_continuous_device_type_tests_and_skipped_set_ups_keep_torchs_verdicts(t
     assert out.count("Need at least 2 CUDA devices") >= 2, out[-6000:]
 
 
+_CONTINUOUS_SET_UP_CLASS_CASE = """
+import torch
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from torch.testing._internal.common_utils import run_tests
+
+class _SetsStateInSetUpClass:
+    world_size = 2
+    seen_at_import = "module"
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.device = torch.device("cpu")  # (the parent's: a worker process never runs this)
+        cls.seen_at_import = "parent"
+
+class UsesTheParentsDevice(_SetsStateInSetUpClass, MultiProcContinuousTest):
+    def test_device_from_set_up_class(self):
+        torch.ones(2, device=self.device)
+
+class SeesTheModulesState(_SetsStateInSetUpClass, MultiProcContinuousTest):
+    def test_state_as_imported(self):
+        assert not hasattr(type(self), "device") and self.seen_at_import == "module", self.seen_at_import
+        type(self).device = "the worker's own"  # (a worker sets class state of its own)
+        assert self.device == "the worker's own"
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
+def test_continuous_workers_see_the_class_as_imported_not_the_parents_set_up_class(tmp_path: Path,
+                                                                                   isolation: str) -> None:
+    """torch runs a MultiProcContinuousTest's setUpClass in the parent only; its workers import the module afresh, so
+    class state the parent's setUpClass set is not theirs (on gloo the first test fails with AttributeError)."""
+    rc, out = _pytest_written(tmp_path / isolation, _CONTINUOUS_SET_UP_CLASS_CASE, isolation, "-rA")
+    assert rc == 1 and "1 failed, 1 passed" in out, out[-6000:]
+    assert "PASSED test_case.py::SeesTheModulesState::test_state_as_imported" in out, out[-6000:]
+    assert "'UsesTheParentsDevice' object has no attribute 'device'" in out, out[-6000:]
+
+
 def test_the_environment_variable_turns_the_switch_on(tmp_path: Path) -> None:
     out = _run_case(tmp_path, "case_multiprocess.py", sim=None, tests=("HarnessCases::test_all_reduce",),
                     extra=("-p", "simulator.torch_harness"), env={"TENSORPLAY_SIM_HARNESS": "thread"})
