@@ -7,7 +7,8 @@ the outcome on its completion queue, while the parent waits on the completion qu
 ranks of a simulated world instead, one world per test: when the parent first waits for a test's outcome, every
 rank runs torch's own ``_worker_loop`` for that test (its process group set up, the test run, the outcome put on
 its completion queue, the group destroyed).  Each rank sees a subclass of the test class of its own, so the
-class attributes a worker sets (``rank``, ``pg``) are its own, as a process's would be.
+class attributes a worker sets (``rank``, ``pg``) are its own, as a process's would be, and the class state it
+starts from is the module's (collected before the parent's ``setUpClass``, which a worker process never runs).
 
 With ``--sim-harness process`` the ranks are rank processes (``isolation="process"``): each imports the test's
 module and runs the same loop, and hands its completion-queue items back as its result.
