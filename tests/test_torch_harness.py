@@ -108,7 +108,8 @@ SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_comm
 
 #: runs on rank processes that another default test covers: in the slow tier, the thread side by default (the c10d and
 #: device-type cases: MultiProcessTestCase on rank processes is case_multiprocess.py's and case_distributed_test.py's;
-#: the RPC case: its thread side runs every test on rank processes; MultiProcContinuousTest on rank processes:
+#: the RPC case: its thread side runs every test on rank processes; distributed_test.py: its thread side runs its
+#: profiler test on rank processes; MultiProcContinuousTest on rank processes:
 #: test_a_continuous_tests_failure_names_the_rank_that_failed_first)
 ISOLATIONS_PROCESS_SLOW = [pytest.param(i, marks=[pytest.mark.slow] if i == "process" else []) for i in ISOLATIONS]
 
@@ -253,7 +254,7 @@ def test_continuous_test_workers_are_simulated_ranks_with_torchs_verdicts(tmp_pa
     assert out.verdicts == _want(CONTINUOUS, isolation), out.output[-8000:]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
 def test_distributed_test_suite_selected_tests_on_simulated_ranks(tmp_path: Path, isolation: str) -> None:
     out = _run(tmp_path, "case_distributed_test.py", sim=isolation)
     assert out.verdicts == _want(DISTRIBUTED_TEST, isolation), out.output[-8000:]
