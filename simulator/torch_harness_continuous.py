@@ -189,9 +189,8 @@ class _Absent:
 def _data(namespace: Any) -> dict[str, Any]:
     """A class's own attributes that are state, not behaviour (methods are shared, and so is what is per thread
     already: a ``threading.local``, or the per-rank state the switch put in, see own_class_state)."""
-    return {k: v for k, v in namespace.items() if not (k.startswith("__") or callable(v)
-            or isinstance(v, (classmethod, staticmethod, property, threading.local)) or hasattr(v, "__get__")
-            or type(v).__module__.startswith("simulator."))}
+    return {k: v for k, v in namespace.items() if not (k.startswith("__") or callable(v) or hasattr(v, "__get__")
+            or isinstance(v, threading.local) or type(v).__module__.startswith("simulator."))}
 
 
 def remember_as_imported(cls: type) -> None:

@@ -30,6 +30,7 @@ from simulator.adapters.pg_split import SplitMixin
 from simulator.adapters.process_group_work import NcclDeviceRule, SimWork, _autograd_refusal, _backend_errors
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import rank_device
+from simulator.core.works import GroupTimeout
 
 __all__ = ["SimProcessGroup"]
 
@@ -114,8 +115,7 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         # sees their tensors without devices: not checked there)
         if "nccl" in self._named and standin is not None and standin.is_active() and hasattr(group.handle, "rule"):
             group.handle.rule = NcclDeviceRule(tuple(group.ranks))
-        #: the bound on each of its operations (init_process_group / new_group's timeout=), as gloo's
-        self._timeout = timeout if timeout else None
+        self._bound_operations_by(timeout if timeout else None)
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         # what torch's C++ side reads (DDP's logger, ...): "gloo" there would send it looking for a
@@ -145,9 +145,15 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
             opts._timeout = self._timeout or c10d.default_pg_timeout
         return opts
 
+    def _bound_operations_by(self, timeout: timedelta | None) -> None:
+        #: the bound on each of its operations (init_process_group / new_group's timeout=), as gloo's
+        self._timeout = timeout
+        #: the same, marked as the group's for the waits it bounds (their timeout error names the group's setting)
+        self._bound = GroupTimeout(seconds=timeout.total_seconds()) if timeout is not None else None
+
     def _set_default_timeout(self, timeout: timedelta) -> None:
         """The bound on the group's later operations (ProcessGroupGloo's ``_set_default_timeout``)."""
-        self._timeout = timeout
+        self._bound_operations_by(timeout)
         self.options._timeout = timeout
 
     set_timeout = _set_default_timeout

@@ -25,7 +25,6 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 from simulator.adapters import torch_profiling
 from simulator.adapters.torch_private import check_torch_version
 from simulator.core.state import Incident
-from simulator.core.works import GroupTimeout
 
 __all__ = ["SimWork", "forget_unwaited"]
 
@@ -80,8 +79,7 @@ class SimWork(tdist.Work):
         """Block (visibly to the simulator) until the operation finished, at most ``timeout`` (default: its group's
         timeout; torch's ``timedelta(0)`` means the same); raise its error if it failed."""
         if not self._done:
-            bound = timeout if isinstance(timeout, timedelta) and timeout else (
-                GroupTimeout(seconds=self._timeout.total_seconds()) if self._timeout is not None else None)
+            bound = timeout if isinstance(timeout, timedelta) and timeout else self._timeout
             try:
                 for w in self._works:
                     w.wait(bound)
@@ -257,7 +255,7 @@ def _backend_errors(method: Any) -> Any:
             raise
         if event is not None:
             work._event = event
-        work._timeout = timeout if timeout is not None else self._timeout
+        work._timeout = timeout if timeout is not None else self._bound  # (the call's own, else the group's)
         return work
 
     return call

@@ -21,6 +21,7 @@ from tensorplay.distributed.reduce_op import ReduceOp
 from tensorplay.distributed.spec import BACKEND_COLLECTIVES, CallKey
 
 from simulator.core import kernels
+from simulator.core.report import is_new_group
 from simulator.core.state import RankCall
 
 __all__ = ["Rule", "RULES", "Args", "outputs", "disagreement"]
@@ -68,14 +69,10 @@ def disagreement(calls: list[RankCall]) -> str | None:
                             shown = str(tuple(v))
                         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:8]}"
                         parts.append(f"{who}: {shown}")
-                    label = _field_label(calls, field)
-                    return f"{label} {'differ' if label == 'ranks' else 'differs'} ({'; '.join(parts)})"
+                    if field == "shape" and is_new_group(calls):
+                        return f"ranks differ ({'; '.join(parts)})"
+                    return f"{field} differs ({'; '.join(parts)})"
     return None
-
-
-def _field_label(calls: list[RankCall], field: str) -> str:
-    """What a key field means to the user: ``new_group``'s key carries its member list where others carry a shape."""
-    return "ranks" if field == "shape" and calls[0].key[0] == "new_group" else field
 
 
 def _storages(ts: Sequence[torch.Tensor]) -> set[int] | None:

@@ -14,7 +14,7 @@ from simulator.core.state import P2PRecord, Slot
 if TYPE_CHECKING:  # pragma: no cover
     from simulator.core.state import RankState, Run
 
-__all__ = ["mismatch_message", "describe_world", "fmt_ranks", "stall_headline", "timeout_headline"]
+__all__ = ["mismatch_message", "is_new_group", "describe_world", "fmt_ranks", "stall_headline", "timeout_headline"]
 
 _MAX_ROWS = 64
 _BACKWARD_FIX = ("call .backward() on every rank, e.g. y.sum().backward() — non-root outputs are zeros "
@@ -59,6 +59,11 @@ def _row_values(call: Any, group_ranks: tuple[int, ...]) -> list[str]:
     ]
 
 
+def is_new_group(calls: Sequence[Any]) -> bool:
+    """The calls are ``new_group``'s, whose key carries the member list where a collective's carries a shape."""
+    return all(c.key[0] == "new_group" for c in calls)
+
+
 def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], reason: str) -> str:
     """The table of what each rank called, for a :class:`CollectiveMismatchError`."""
     group_ranks = group.ranks
@@ -73,7 +78,7 @@ def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], r
         lines.append("  " + " | ".join(v.ljust(w) for v, w in zip(r, widths)))
     if len(calls) > _MAX_ROWS:
         lines.append(f"  ... ({len(calls) - _MAX_ROWS} more ranks)")
-    if all(c.key[0] == "new_group" for c in calls):  # (new_group's key carries the member list, not a shape)
+    if is_new_group(calls):
         lines.append("Fix: new_group is collective over the whole world: every rank calls it, in the same order, "
                      "with the same ranks (a rank outside the group passes them too and gets no group back)")
     else:

@@ -64,8 +64,8 @@ def _block(rs: RankState, w: Any, timeout: Optional[timedelta], name: str) -> No
                 "make every rank of the group call the operation, or pass a longer timeout= to "
                 "init_process_group / new_group")
         else:
-            call, whose, fix = "Work.wait", "the timeout passed to Work.wait", (
-                f"make every rank of the group call {name}, or pass a longer timeout to Work.wait")
+            call, whose, fix = "Work.wait", "the timeout given for this operation: Work.wait's, or the call's timeout=", (
+                f"make every rank of the group call {name}, or pass a longer timeout")
         return Incident(OperationTimeoutError, format_message(
             call, f"Timed out waiting {seconds * 1000:.0f}ms for the other ranks of the group to join {name} "
             f"({whose})", rank=rs.rank, values={"timeout": timedelta(seconds=seconds)}, fix=fix))
