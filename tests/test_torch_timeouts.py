@@ -50,6 +50,7 @@ def test_a_group_timeout_fails_only_the_rank_that_waits(mode: str, isolation: st
     assert TIMEOUT_S <= waited < TIMEOUT_S + 5, out  # wall clock, as the deadline of a real group
     assert " Timed out waiting " in text and "barrier" in text and "timeout=" in text, text
     assert "process group's timeout" in text and "init_process_group" in text, text  # the setting that fired
+    assert "group=[0, 1, 2]" in text, text
     assert [o[0] for o in out[1:]] == ["busy", "busy"]
 
 

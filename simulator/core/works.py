@@ -68,7 +68,8 @@ def _block(rs: RankState, w: Any, timeout: Optional[timedelta], name: str) -> No
                 f"make every rank of the group call {name}, or pass a longer timeout")
         return Incident(OperationTimeoutError, format_message(
             call, f"Timed out waiting {seconds * 1000:.0f}ms for the other ranks of the group to join {name} "
-            f"({whose})", rank=rs.rank, values={"timeout": timedelta(seconds=seconds)}, fix=fix))
+            f"({whose})", rank=rs.rank, values={"group": list(w.group.ranks), "timeout": timedelta(seconds=seconds)},
+            fix=fix))
 
     if seconds <= 0:  # (a process rank whose turn came after its operation's timeout ran out)
         raise timed_out().make(rs.rank)
