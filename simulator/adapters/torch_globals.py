@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 import torch.distributed as tdist
@@ -174,7 +174,7 @@ def _rendezvous_handler(scheme: str) -> Any:
             else:
                 # one in-memory store per simulated world, shared by its rank threads; never a socket or a file
                 with _lock:
-                    store = _stores.setdefault(key, tdist.HashStore())
+                    store = _connected(_stores.setdefault(key, tdist.HashStore()))
             yield store, st.rank, st.world_size
         raise DistRuntimeError(format_message(
             "init_process_group", "a simulated rank cannot re-rendezvous", values={"init_method": url},
@@ -182,6 +182,28 @@ def _rendezvous_handler(scheme: str) -> Any:
 
     handler.__name__ = f"_sim_{scheme}_rendezvous_handler"
     return handler
+
+
+class WorldStore:
+    """A rank process's client of the run's real ``TCPStore``, connected when the program first needs it.
+
+    Most programs never do (their groups live on the simulator), and each connection costs a socket and, in
+    torch, a reverse lookup of the server's address: on a machine whose DNS answers slowly that stalls the rank's
+    start by seconds (glibc's ``getnameinfo`` of ``::ffff:127.0.0.1``, seen at 5 s)."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._store: Any = None
+
+    def store(self) -> Any:
+        if self._store is None:
+            self._store = self._connect()
+        return self._store
+
+
+def _connected(store: Any) -> Any:
+    """``store``, or the TCPStore client a :class:`WorldStore` stands for (connected now, at its first use)."""
+    return store.store() if isinstance(store, WorldStore) else store
 
 
 def _in_rank_process(key: int) -> bool:
@@ -196,7 +218,7 @@ def _rendezvous_store(key: int, where: Any) -> Any:
         store = _stores.get((key, "rendezvous", where))
         if store is None:
             # rank processes share the run's real TCPStore (torch_native.rank_process); rank threads a HashStore
-            store = (tdist.PrefixStore(f"tensorplay-rendezvous/{where!r}", _stores[key])
+            store = (tdist.PrefixStore(f"tensorplay-rendezvous/{where!r}", _connected(_stores[key]))
                      if _in_rank_process(key) else tdist.HashStore())
             _stores[(key, "rendezvous", where)] = store
         return store

@@ -61,7 +61,7 @@ from simulator.adapters.torch_tables import _ISOLATED
 from simulator.adapters.torch_globals import (_SCHEMES, _NameTable, _PerRankWorld, _ProcessGroupGloo,
                                               _RankWorld, _TCPStore,
                                               _is_barrier_after_init, _new_process_group_helper, _rendezvous_handler,
-                                              _saved, _set_debug_level_from_env, _store_wait, _stores,
+                                              WorldStore, _saved, _set_debug_level_from_env, _store_wait, _stores,
                                               rendezvous_files)
 from simulator.adapters.torch_private import SUPPORTED_TORCH, check_torch_version
 from simulator.core.state import current_rank_state
@@ -173,7 +173,8 @@ def rank_process(world_key: Any, host: str, port: int, world_size: int, timeout:
     c10d._world = _saved["world"]
     _set_thread_isolation_mode(False)
     # (the program's own TCPStores are real ones too: see _TCPStore)
-    _stores[id(world_key)] = _saved["TCPStore"](host, port, world_size, False, timeout, wait_for_workers=False)
+    _stores[id(world_key)] = WorldStore(lambda: _saved["TCPStore"](host, port, world_size, False, timeout,
+                                                                   wait_for_workers=False))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+import weakref
 from datetime import timedelta
 from multiprocessing import spawn
 from multiprocessing.connection import Connection
@@ -244,12 +245,21 @@ def serve(fd: int) -> None:
         except OSError:  # (a coordinator that ended while this interpreter imported ahead: no traceback)
             gone()
 
+    # a rank process's end wakes this loop at once (SIGCHLD writes to the pipe): the coordinator waits for it
+    woken, wake = os.pipe()
+    for end in (woken, wake):
+        os.set_blocking(end, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # (a handler of Python's: the wakeup fd is written)
+    signal.set_wakeup_fd(wake)
     tell(WARM_READY, os.getpid(), 0)
     while True:
-        ready, _, _ = select.select([ctrl], [], [], 0.05)
+        ready, _, _ = select.select([ctrl, woken], [], [], 0.05)
+        if woken in ready:
+            while _drained(woken):
+                pass
         for pid, code in _reap(children):
             tell(WARM_EXITED, pid, code)
-        if not ready:
+        if ctrl not in ready:
             continue
         try:
             data, fds, _, _ = socket.recv_fds(ctrl, warm.MAX_REQUEST, 8)
@@ -271,6 +281,10 @@ def serve(fd: int) -> None:
             continue
         pid = os.fork()
         if pid == 0:
+            signal.set_wakeup_fd(-1)  # (this loop's, not the program's)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(woken)
+            os.close(wake)
             _rank_process(ctrl, env, fds)  # never returns
         for f in fds:
             os.close(f)
@@ -283,6 +297,14 @@ def _thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def _drained(fd: int) -> bool:
+    """Read what is waiting on a non-blocking pipe; False once it is empty."""
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
 
 
 def _preload(names: list[str], threads: int, reap: Callable[[], Any]) -> int | None:
@@ -393,4 +415,20 @@ def _finalize() -> None:
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     finally:
+        _skip_operator_deregistration()
         atexit._run_exitfuncs()
+
+
+def _skip_operator_deregistration() -> None:
+    """Detach the exit-time finalizers that deregister each ``torch.library.Library`` (torch's, the program's)
+    from the dispatcher.
+
+    They were most of a rank process's end (20-80 ms: a ``torch._C`` reset for each of about 170 libraries), and
+    nothing outside the process can see them: it ends by ``os._exit`` right after.  The program's atexit handlers
+    and its other finalizers still run."""
+    import torch.library
+
+    deregister = getattr(torch.library, "_del_library", None)
+    for fin, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if deregister is not None and getattr(info, "func", None) is deregister:
+            fin.detach()

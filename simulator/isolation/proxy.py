@@ -112,17 +112,29 @@ class ProcessRanks(ProxyHandlers):
         rpc_secret = secrets.token_hex(32)  # the workers' shared RPC secret, unless the program sets its own
         self.ranks: list[RankProcess] = []
         slow = warm.SlowStartNote(self.n)  # (a first world takes seconds: said once, on stderr, if it does)
+        pairs: list[tuple[socket.socket, socket.socket]] = []
+        asked: list[bool] = []
         try:
             envs = [self._env(r, master_port) for r in range(self.n)]
             servers = self._servers = warm.POOL.servers(envs) if warm.enabled() else [None] * self.n
+            pairs = [socket.socketpair() for _ in range(self.n)]
+            asked = [False] * self.n
+            for r in range(self.n):  # every fork asked for first: the warm interpreters fork side by side
+                if servers[r] is not None:  # a fork of the warm interpreter of this hash seed (see .warm)
+                    try:
+                        servers[r].ask_fork(pairs[r][1].fileno(), envs[r])  # type: ignore[union-attr]
+                        asked[r] = True
+                    except OSError:
+                        pass
             for r in range(self.n):
                 env = envs[r]
-                parent, child = socket.socketpair()
+                parent, child = pairs[r]
                 try:
                     proc: Any = None
-                    if servers[r] is not None:  # a fork of the warm interpreter of this hash seed (see .warm)
+                    if asked[r]:
+                        asked[r] = False
                         try:
-                            proc = servers[r].fork(child.fileno(), env)  # type: ignore[union-attr]
+                            proc = servers[r].forked_process()  # type: ignore[union-attr]
                         except OSError:
                             proc = None
                     if proc is None:
@@ -149,6 +161,16 @@ class ProcessRanks(ProxyHandlers):
                 self.ranks[-1].where = Connection(ask.detach())
             self._await_ready()
         except BaseException:
+            # forks asked for and not taken: their answers are not left for the next world, and their channels
+            # close (so the processes stop at once)
+            for r in range(len(self.ranks), len(pairs)):
+                if asked[r]:
+                    try:
+                        servers[r].forked_process()  # type: ignore[union-attr]
+                    except OSError:
+                        pass
+                for end in pairs[r]:
+                    end.close()
             self.close()
             raise
         finally:

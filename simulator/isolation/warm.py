@@ -142,9 +142,10 @@ class Forked:
         """Its return code once it ended; ``subprocess.TimeoutExpired`` after ``timeout`` seconds (always bounded)."""
         deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
-            time.sleep(0.01)
+            self._server.await_message(min(left, 0.05))  # (the warm interpreter says at once when it reaps one)
         return self.returncode  # type: ignore[return-value]
 
 
@@ -164,6 +165,8 @@ class _Server:
         self.tainted = False  # an import ahead started a thread: it refused to fork and ended
         self.culprit = -1  # which of its last batch started a thread (-1: not known)
         self.loading = False  # it is importing ahead (between two runs): a fork request waits for that
+        self.replies: list[int] = []  # the pids of rank processes forked and not yet claimed (see ask_fork)
+        self.asked: list[float] = []  # the deadlines of the fork requests not answered yet, oldest first
 
     def _read(self, timeout: float) -> tuple[bytes, int, int] | None:
         """One message from the warm interpreter within ``timeout`` s (None: none yet; EOFError: it is gone)."""
@@ -176,6 +179,9 @@ class _Server:
         kind, pid, status = WARM_RECORD.unpack(data)
         if kind == WARM_EXITED:
             self.exits[pid] = status
+        elif kind == WARM_FORKED:
+            self.forked.append(pid)
+            self.replies.append(pid)
         elif kind == WARM_READY:
             self.ready = True
         elif kind == WARM_LOADED:  # (see import_ahead)
@@ -223,20 +229,38 @@ class _Server:
             self.loading = True
 
     def fork(self, chan: int, env: dict[str, str]) -> Forked:
+        """A rank process forked for ``chan`` and ``env`` (OSError: none was)."""
+        self.ask_fork(chan, env)
+        return self.forked_process()
+
+    def ask_fork(self, chan: int, env: dict[str, str]) -> None:
+        """Send a fork request and return at once: the ranks of one world are forked by their warm interpreters
+        side by side (a fork of an interpreter with torch imported takes 10-20 ms); :meth:`forked_process`
+        takes the answers in the order they were asked for."""
         with self.lock:
             data, preload = self._request(env)
             socket.send_fds(self.ctrl, [data], [chan, 0, 1, 2])
-            deadline = time.monotonic() + _REPLY_S + (_START_S if preload or self.loading else 0.0)
-            while time.monotonic() < deadline:
+            self.asked.append(time.monotonic() + _REPLY_S + (_START_S if preload or self.loading else 0.0))
+
+    def forked_process(self) -> Forked:
+        """The rank process of the oldest fork request not claimed yet (OSError: it was not forked)."""
+        with self.lock:
+            deadline = self.asked.pop(0)
+            while not self.replies and time.monotonic() < deadline:
                 msg = self._read(0.2)
-                if msg is not None and msg[0] == WARM_FORKED:
-                    self.forked.append(msg[1])
-                    return Forked(self, msg[1])
-                if msg is not None and msg[0] == WARM_TAINTED:
+                if (msg is not None and msg[0] == WARM_TAINTED) or self.proc.poll() is not None:
                     break
-                if self.proc.poll() is not None:
-                    break
+            if self.replies:
+                return Forked(self, self.replies.pop(0))
             raise OSError("the warm interpreter did not fork a rank process")
+
+    def await_message(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the next message (an exit status, most often), and keep it."""
+        with self.lock:
+            try:
+                self._read(timeout)
+            except (EOFError, OSError):
+                pass
 
     def exit_status(self, pid: int) -> int | None:
         with self.lock:
