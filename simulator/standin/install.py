@@ -122,6 +122,8 @@ def _register_once() -> None:
     lib.impl(torch.ops.aten.record_stream.default, _record_stream_kernel, "PrivateUse1")
     for op in _KERNEL_OVER_COMPOSITE:
         lib.impl(op, _kernel_over_composite(op), "AutogradPrivateUse1")
+    for name in _FUSED_STEPS_WITHOUT_META:
+        lib.impl(_overload(name), _updates_in_place, "Meta")
     _libraries.extend([fallback, lib, *amp.register(), *attention.register()])
 
 
@@ -129,6 +131,18 @@ def _register_once() -> None:
 #: composite, which rounds differently from the kernel (SiLU's and Mish's gradients by an ulp)
 _KERNEL_OVER_COMPOSITE = (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default,
                           torch.ops.aten.native_channel_shuffle.default)
+
+
+#: fused optimizer steps that torch 2.13 gives no Meta kernel.  DTensor (FSDP2's parameters) derives an operator's
+#: output by running it on fake tensors; without a Meta kernel fake mode runs it on real tensors of the fake's device,
+#: which for a stand-in it cannot make ("func != nullptr INTERNAL ASSERT FAILED"), so ``SGD(fused=True)`` failed where
+#: a GPU runs it.  Each updates its lists in place and returns nothing: all a Meta kernel has to say.
+_FUSED_STEPS_WITHOUT_META = ("_fused_sgd_", "_fused_sgd_.tensor_lr", "_fused_adagrad_", "_fused_adagrad_.tensor_lr",
+                             "_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr")
+
+
+def _updates_in_place(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _kernel_over_composite(op: Any) -> Any:
