@@ -1,6 +1,8 @@
 """PyTorch's own test harness on simulated ranks vs on real gloo processes: the same test files, side by side.
 
-Run: ``python bench/bench_harness.py`` (takes a few minutes: the gloo side starts a process per rank per test).
+Run: ``python bench/bench_harness.py [FILE ...]`` (takes a few minutes: the gloo side starts a process per rank per
+test); FILE names a case file or one of the two synthetic files (:data:`SYNTHETIC`: 32 trivial tests on 4 ranks,
+``MultiProcContinuousTest`` and ``MultiProcessTestCase``, where the per-test cost of each side shows).
 Each case file of ``tests/torch_harness_cases/`` (our own small suites on ``MultiProcessTestCase``,
 ``DTensorTestBase`` and torch's ``distributed_test.py``) runs under pytest in a fresh folder on real processes,
 with ``--sim-harness thread`` and with ``--sim-harness process`` (``simulator.harness_diff.run_file``).  Prints each
@@ -24,10 +26,45 @@ DISTRIBUTED_TESTS = ("test_barrier", "test_get_rank", "test_all_reduce_sum", "te
                      "test_monitored_barrier_gloo")
 
 
+_TRIVIAL = """
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import {base}
+from torch.testing._internal.common_utils import run_tests
+
+class Trivial({base}):
+{body}
+
+for i in range(32):
+    def _case(self, i=i):
+{init}        x = torch.tensor(float(self.rank + i))
+        dist.all_reduce(x)
+        self.assertEqual(x.item(), 6 + 4 * i)
+{end}    setattr(Trivial, f"test_{{i:02d}}", _case)
+
+if __name__ == "__main__":
+    run_tests()
+"""
+#: synthetic case files: a class of 32 trivial tests (an all_reduce each) on 4 ranks, on each harness base
+SYNTHETIC = {
+    "trivial_continuous.py": _TRIVIAL.format(
+        base="MultiProcContinuousTest", init="", end="",
+        body="    world_size = 4\n    @classmethod\n    def backend_str(cls): return 'gloo'\n"
+             "    @classmethod\n    def device_type(cls): return 'cpu'"),
+    "trivial_multiprocess.py": _TRIVIAL.format(
+        base="MultiProcessTestCase", end="        dist.destroy_process_group()\n",
+        init="        dist.init_process_group('gloo', rank=self.rank, world_size=4, init_method=f'file://{self.file_name}')\n",
+        body="    world_size = 4\n    def setUp(self):\n        super().setUp()\n        self._spawn_processes()"),
+}
+
+
 def _run(case: str, side: str) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        shutil.copy(CASES / case, tmp / case)
+        if case in SYNTHETIC:
+            (tmp / case).write_text(SYNTHETIC[case])
+        else:
+            shutil.copy(CASES / case, tmp / case)
         env: dict[str, str] = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         args: list[str] = []
         if case == "case_distributed_test.py":  # what torch's test_distributed_spawn.py sets up
@@ -39,9 +76,9 @@ def _run(case: str, side: str) -> tuple[float, str]:
     return out.wall_s, f"{v.count('passed')} passed, {v.count('failed')} failed, {v.count('skipped')} skipped"
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     print(f"{'case file':28} {'gloo processes':>34} {'thread ranks':>34} {'rank processes':>34}")
-    for case in sorted(p.name for p in CASES.glob("case_*.py")):
+    for case in argv or sorted(p.name for p in CASES.glob("case_*.py")):
         g_wall, g_sum = _run(case, "gloo")
         cells = [f"{g_wall:7.1f} s ({g_sum:>22})"]
         for side in ("thread", "process"):
@@ -51,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

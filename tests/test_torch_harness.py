@@ -91,7 +91,8 @@ C10D_COMMON = {t: "passed" for t in (
 # failing test poisons the rest of its class, as torch's harness does
 CONTINUOUS = {"test_1_ranks_are_what_the_switch_says": "passed", "test_2_all_reduce": "passed",
               "test_2b_environment_is_the_workers_own": "passed", "test_parent_environment_untouched": "passed",
-              "test_3_rank_and_group": "passed", "test_a_fails_on_rank_1": "failed", "test_b_after_failure": "skipped"}
+              "test_3_rank_and_group": "passed", "test_a_fails_on_rank_1": "failed", "test_b_after_failure": "skipped",
+              "test_1_leaves_state_on_the_worker": "passed", "test_2_finds_it": "passed"}
 # torch's RPC test fixtures: torch's own agent, its RRef context, a torch future completed by RPC callbacks
 RPC = {"test_rpc_sync_and_pid": "passed", "test_nested_callbacks_and_errors": "passed",
        "test_rref_context_is_torchs": "passed"}

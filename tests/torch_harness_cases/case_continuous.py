@@ -40,6 +40,16 @@ class ContinuousCases(_GlooOnCpu, MultiProcContinuousTest):
         dist.all_gather_object(x, self.rank * 5)
         self.assertEqual(x, [0, 5])
 
+class ContinuousWorkersKeepTheirState(_GlooOnCpu, MultiProcContinuousTest):
+    # torch starts a class's workers once: what one test leaves on a worker (its class, its group) the next finds
+    world_size = 2
+    def test_1_leaves_state_on_the_worker(self):
+        type(self).left = ("left by test_1", self.rank, id(self.pg))
+        dist.barrier()
+    def test_2_finds_it(self):
+        self.assertEqual(getattr(type(self), "left", None), ("left by test_1", self.rank, id(self.pg)))
+        dist.barrier()
+
 class ContinuousFailure(_GlooOnCpu, MultiProcContinuousTest):
     world_size = 3
     def test_a_fails_on_rank_1(self):
