@@ -279,6 +279,9 @@ def serve(fd: int) -> None:
         if env is None:  # import ahead only (between two runs)
             tell(WARM_LOADED, 0, 0)
             continue
+        # what this interpreter holds (torch, the simulator, the libraries imported ahead) is never garbage: frozen,
+        # a rank process's collections skip it (a full one otherwise walks torch's objects, about 0.1-0.2 s)
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)  # (this loop's, not the program's)
