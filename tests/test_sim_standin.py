@@ -388,6 +388,68 @@ def test_sdpa_kernel_restricted_to_a_kernel_that_cannot_run_refuses_as_cuda_does
     assert torch.nn.functional.scaled_dot_product_attention(q, q, q).is_cuda  # the math kernel is back
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_dropout_takes_the_memory_efficient_kernel_with_one_mask_for_forward_and_backward(two_gpus, causal):
+    import math
+
+    from simulator.standin.attention import choose
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gout = (torch.randn(1, 2, 8, 8, generator=g) for _ in range(4))
+    p = 0.3
+    scores = q @ k.transpose(-2, -1) / math.sqrt(8)
+    if causal:
+        scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    state = torch.cuda.get_rng_state()
+    # with the identity for the values the output is the dropped-out probabilities: it shows the mask drawn
+    shown = F.scaled_dot_product_attention(q.cuda(), k.cuda(), torch.eye(8).expand(1, 2, 8, 8).cuda(),
+                                           dropout_p=p, is_causal=causal).cpu()
+    keep = shown != 0
+    assert 0.5 < keep[probs > 0].float().mean() < 0.9
+    assert torch.allclose(shown, probs * keep / (1 - p), atol=1e-6)
+    torch.cuda.set_rng_state(state)  # the same draw again, on values that need a gradient
+    qs, ks, vs = (t.cuda().requires_grad_() for t in (q, k, v))
+    assert choose(qs, ks, vs, None, p, False) == "efficient"  # (CUDA's memory-efficient kernel takes dropout)
+    out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=p, is_causal=causal)
+    out.backward(gout.cuda())
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    scores = qc @ kc.transpose(-2, -1) / math.sqrt(8)
+    if causal:
+        scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (torch.softmax(scores, -1) * keep / (1 - p)) @ vc
+    ref.backward(gout)
+    assert torch.allclose(out.cpu(), ref.detach(), atol=1e-5)
+    for mine, want in ((qs, qc), (ks, kc), (vs, vc)):
+        assert torch.allclose(mine.grad.cpu(), want.grad, atol=1e-5)
+
+
+def _tensor_parallel_attention_with_dropout():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tdist.init_process_group("nccl")
+    torch.cuda.set_device(tdist.get_rank())
+    mesh = init_device_mesh("cuda", (2,))
+    torch.manual_seed(0)
+    sharded = [distribute_tensor(torch.randn(2, 4, 8, 16, device="cuda"), mesh, [Shard(1)]).requires_grad_()
+               for _ in range(3)]  # by heads, as tensor parallel does
+    out = torch.nn.functional.scaled_dot_product_attention(*sharded, dropout_p=0.1, is_causal=True)
+    out.sum().backward()
+    grads = [t.grad.to_local() for t in sharded]
+    return out.placements, [bool(g.is_cuda and g.isfinite().all() and g.abs().sum() > 0) for g in grads]
+
+
+def test_tensor_parallel_attention_with_dropout_runs_on_standins_as_on_gpus():
+    # (the math composite, taken with dropout before, mixed a plain mask tensor with DTensors and failed)
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_tensor_parallel_attention_with_dropout, 2)
+    from torch.distributed.tensor import Shard
+
+    assert got == [((Shard(1),), [True, True, True])] * 2
+
+
 def test_device_mixing_raises_torchs_error(two_gpus):
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):

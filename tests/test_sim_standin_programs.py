@@ -443,10 +443,13 @@ def test_sdpa_takes_the_fused_cuda_operator_and_gives_the_cpu_result(two_gpus, d
         torch.nn.functional.scaled_dot_product_attention(qc, kc.detach().to("cuda:0"), vc)
 
 
-def test_sdpa_with_dropout_takes_the_math_path(two_gpus):
+def test_sdpa_with_dropout_takes_the_memory_efficient_operator_where_cuda_takes_a_fused_one(two_gpus):
     q = torch.randn(1, 2, 4, 8, device="cuda", requires_grad=True)
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
-    assert "Fused" not in str(out.grad_fn) and "Efficient" not in str(out.grad_fn) and out.shape == q.shape
+    assert "ScaledDotProductEfficientAttentionBackward" in str(out.grad_fn) and out.shape == q.shape
+    odd = torch.randn(1, 2, 4, 6, device="cuda", requires_grad=True)  # head size 6: no fused kernel takes it
+    out = torch.nn.functional.scaled_dot_product_attention(odd, odd, odd, dropout_p=0.5)
+    assert "Efficient" not in str(out.grad_fn) and "Flash" not in str(out.grad_fn) and out.shape == odd.shape
 
 
 def _head_sharded_attention(q, k, v):
