@@ -214,6 +214,9 @@ class _ClassWorld:
                         f"Exception in worker process (simulated rank {r}):\n{self.error}"))
                 elif deadline is not None and time.monotonic() > deadline:
                     return
+        if any(isinstance(item, Exception) and not isinstance(item, unittest.SkipTest)
+               for items in self.answers for item in items):
+            self.join(1.0)  # a world that a failure ended is gone before the next test is sent (it starts a new one)
         if self.isolation == "thread":
             self._moved_to_processes()
         _name_every_failure(self.cls, self.answers)
