@@ -450,6 +450,32 @@ def test_tensor_parallel_attention_with_dropout_runs_on_standins_as_on_gpus():
     assert got == [((Shard(1),), [True, True, True])] * 2
 
 
+def _cuda_in_a_forked_child(conn) -> None:
+    try:
+        torch.zeros(1, device="cuda")
+        conn.send("ok")
+    except RuntimeError as e:
+        conn.send(str(e))
+
+
+def test_a_child_forked_after_cuda_was_used_cannot_use_it_as_on_a_gpu(two_gpus):
+    # (a DataLoader worker forked from a rank that had used its GPU: torch's "bad fork")
+    import multiprocessing
+
+    from simulator.standin.ranks import BAD_FORK
+
+    torch.ones(1, device="cuda")
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_cuda_in_a_forked_child, args=(there,))
+    child.start()
+    try:
+        assert here.poll(60) and here.recv() == BAD_FORK
+    finally:
+        child.join(30)
+    assert torch.zeros(1, device="cuda").is_cuda  # (this process goes on using its devices)
+
+
 def test_device_mixing_raises_torchs_error(two_gpus):
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):

@@ -45,7 +45,7 @@ DEVICE_NAME = "tensorplay CPU stand-in (cuda:{})"
 
 def lazy_init() -> None:
     """``torch.cuda._lazy_init``: nothing to start; marks the calling rank's CUDA state as initialized."""
-    state().initialized = True
+    ranks.initialize(state())
 
 
 def is_initialized() -> bool:
@@ -71,7 +71,7 @@ def device_count() -> int:
 def current_device() -> int:
     """The calling rank's current device index."""
     st = state()
-    st.initialized = True
+    ranks.initialize(st)
     return st.current
 
 
@@ -82,7 +82,7 @@ def set_device(device: Any) -> None:
     idx = resolve_index(device, "torch.cuda.set_device")
     st = state()
     st.current = idx
-    st.initialized = True
+    ranks.initialize(st)
 
 
 def exchange_device(idx: int) -> int:

@@ -63,7 +63,7 @@ _CPU_ONLY = "Torch not compiled with CUDA enabled"
 _lock = threading.Lock()
 _libraries: list[Any] = []  # the operator registrations, kept for the life of the process
 _saved: list[tuple[Any, Any, bool, Any]] = []
-_active = [False]
+_active = ranks.enabled  # (one flag, which ranks.py's fork hook reads too)
 
 
 def active() -> bool:

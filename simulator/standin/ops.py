@@ -114,7 +114,7 @@ def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     idx = target(dev) if dev is not None else ranks.state().current
     if idx is None:  # not a CUDA device after all (cannot happen through these keys): run as given
         return func(*args, **kwargs)
-    ranks.state().initialized = True
+    ranks.initialize(ranks.state())
     if args and isinstance(args[0], (list, tuple)) and args[0] and all(type(n) is int for n in args[0]):
         # a size: the memory is known before it is taken (torch.empty(...) of more than the GPU holds)
         ranks.check_room(idx, math.prod(args[0]) * (kwargs.get("dtype") or torch.get_default_dtype()).itemsize)

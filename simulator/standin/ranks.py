@@ -132,6 +132,34 @@ _create = threading.Lock()
 _cache = threading.local()  # per thread: (rank state, its DeviceState), the last one looked up
 
 
+#: what torch raises in a process forked from one that had used CUDA (torch's "bad fork"), at its first CUDA use
+BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
+            "'spawn' start method")
+_in_bad_fork = [False]
+
+
+def initialize(st: "DeviceState") -> None:
+    """The calling rank uses its devices (torch's lazy CUDA initialisation): refused in a bad fork, as torch does,
+    e.g. in a DataLoader worker forked from a rank that had used its GPU."""
+    if _in_bad_fork[0]:
+        raise RuntimeError(BAD_FORK)
+    st.initialized = True
+
+
+#: whether a stand-in is enabled (set by simulator.standin.install, which imports this module)
+enabled = [False]
+
+
+def _after_fork_in_child() -> None:
+    # the forking thread's rank had used its stand-in devices: this process is in torch's bad fork
+    if enabled[0] and state().initialized:
+        _in_bad_fork[0] = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def state() -> DeviceState:
     """The calling rank's device state (the process's outside a simulated rank)."""
     rs = current_rank_state()
@@ -249,7 +277,7 @@ def track(inner: torch.Tensor, dev: int) -> None:
         return
     size = -(-n // BLOCK) * BLOCK
     st = state()
-    st.initialized = True
+    initialize(st)
     used = st.mem[dev][0] if dev in st.mem else 0
     cfg = config()
     if used + size > cfg.total_memory or dev in st.fraction:

@@ -15,7 +15,7 @@ import torch
 from tensorplay.distributed.errors import format_message
 
 from simulator.standin.errors import StandInError
-from simulator.standin.ranks import resolve_index, state
+from simulator.standin.ranks import initialize, resolve_index, state
 
 __all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream", "generic_event"]
 
@@ -39,7 +39,7 @@ class Stream(torch.Stream):
             sid, idx = kwargs["stream_id"], kwargs["device_index"]
         else:
             sid, idx = next(_ids), resolve_index(device, "torch.cuda.Stream")
-        state().initialized = True
+        initialize(state())
         s = super().__new__(cls, stream_id=sid, device_index=idx, device_type=_CUDA_TYPE)
         # as CUDA maps a priority outside the device's range to the range's nearest end
         s._priority = min(_LEAST_PRIORITY, max(_GREATEST_PRIORITY, int(priority)))
@@ -117,7 +117,7 @@ def set_stream(stream: Any) -> None:
     st = state()
     st.streams[idx] = stream if isinstance(stream, Stream) else Stream(stream_id=stream.stream_id, device_index=idx)
     st.current = idx
-    st.initialized = True
+    initialize(st)
 
 
 class Event:
