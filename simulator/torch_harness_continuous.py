@@ -204,7 +204,8 @@ class _ClassWorld:
     def _collect(self, timeout: float | None) -> None:
         """Wait until every rank answered the current test, or the world ended (then a rank without an answer gets
         the world's error); then every failure is named in the first, and thread-only failures run again."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # (a get without a timeout waits as long as a rank waits for its next test id: bounded all the same)
+        deadline = time.monotonic() + (_NEXT_TASK_S if timeout is None else timeout)
         for r in range(self.n):
             while not self.answers[r]:
                 if self._read(r, 0.05):
@@ -212,10 +213,9 @@ class _ClassWorld:
                 if not self.alive() and not self._read(r, 0.0):
                     self.answers[r].append(RuntimeError(
                         f"Exception in worker process (simulated rank {r}):\n{self.error}"))
-                elif deadline is not None and time.monotonic() > deadline:
+                elif time.monotonic() > deadline:
                     return
-        if any(isinstance(item, Exception) and not isinstance(item, unittest.SkipTest)
-               for items in self.answers for item in items):
+        if any(_failed(item) for items in self.answers for item in items):
             self.join(1.0)  # a world that a failure ended is gone before the next test is sent (it starts a new one)
         if self.isolation == "thread":
             self._moved_to_processes()
@@ -269,6 +269,11 @@ def _run_world(cls: type, tasks: list, isolation: str, s: Any, answers: list[lis
             os.unlink(rdvz)
 
 
+def _failed(item: Any) -> bool:
+    """A worker's outcome that is a failure (a skip is not)."""
+    return isinstance(item, Exception) and not isinstance(item, unittest.SkipTest)
+
+
 def _name_every_failure(cls: type, answers: list[list[Any]]) -> None:
     """The parent raises the first failed rank's outcome only; it is made to carry the other ranks' failures too.
 
@@ -277,7 +282,7 @@ def _name_every_failure(cls: type, answers: list[list[Any]]) -> None:
     the timeout).  The parent reads rank 0's outcome first: without this, the report would be the deadlock, not
     the cause."""
     failed = [(r, item) for r, items in enumerate(answers) for item in items
-              if isinstance(item, Exception) and not isinstance(item, unittest.SkipTest)]
+              if _failed(item)]
     if len(failed) < 2:
         return
     (first, reported), others = failed[0], failed[1:]
@@ -384,9 +389,11 @@ class _Tasks:
     OS for the parent's next test id.  In coop mode it keeps the baton meanwhile, so every rank starts the next
     test where the schedule left it, and a run stays a function of its seed."""
 
-    def __init__(self, conn: Any, group: Any) -> None:
+    def __init__(self, conn: Any, group: Any, cls: type, rank: int) -> None:
         self._conn = conn
         self._group = group
+        self._cls = cls
+        self._rank = rank
         self._first = True
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
@@ -395,8 +402,13 @@ class _Tasks:
         self._first = False
         try:
             if not self._conn.poll(_NEXT_TASK_S):
-                raise RuntimeError(f"MultiProcContinuousTest: no next test id from the test process within "
-                                   f"{_NEXT_TASK_S:g} s (the parent stopped without ending the class)")
+                from tensorplay.distributed.errors import format_message  # (imports torch: see the module)
+
+                raise RuntimeError(format_message(
+                    "MultiProcContinuousTest._worker_loop", "no next test id came from the test process",
+                    rank=self._rank, values={"class": self._cls.__qualname__, "waited_s": _NEXT_TASK_S},
+                    fix="let pytest run the class's tests to their end (tearDownClass sends the workers' end), "
+                        "or run them without pausing the test process for an hour"))
             return self._conn.recv()
         except (EOFError, OSError):
             return None  # the parent is gone: the class is over
@@ -432,7 +444,7 @@ def _serve(cls: type, rank: int, world_size: int, rdvz: str, tasks: Any, done: A
     import tensorplay.distributed as tpd  # (imports torch: this module loads with the plugin)
 
     between_tests = tpd.new_group(list(range(world_size)))  # (every rank makes it first: before any test's group)
-    _own_class(cls)._worker_loop(rank, world_size, rdvz, _Tasks(tasks, between_tests), _Done(done))
+    _own_class(cls)._worker_loop(rank, world_size, rdvz, _Tasks(tasks, between_tests, cls, rank), _Done(done))
 
 
 def _rank_process_serves(module: str, qualname: str, world_size: int, rdvz: str, tasks: Any, done: Any) -> None:

@@ -432,6 +432,8 @@ def _skip_operator_deregistration() -> None:
     import torch.library
 
     deregister = getattr(torch.library, "_del_library", None)
+    if deregister is None:
+        return
     for fin, info in list(getattr(weakref.finalize, "_registry", {}).items()):
-        if deregister is not None and getattr(info, "func", None) is deregister:
+        if getattr(info, "func", None) is deregister:
             fin.detach()

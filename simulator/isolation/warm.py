@@ -158,7 +158,6 @@ class _Server:
         self.lock = threading.Lock()
         self.ready = False
         self.exits: dict[int, int] = {}
-        self.forked: list[int] = []
         self.preload: list[str] = []  # libraries its rank processes imported: imported ahead of the next fork
         self.sent = 0  # how many of them it was asked to import
         self.batch: list[str] = []  # the ones of the last request
@@ -180,7 +179,6 @@ class _Server:
         if kind == WARM_EXITED:
             self.exits[pid] = status
         elif kind == WARM_FORKED:
-            self.forked.append(pid)
             self.replies.append(pid)
         elif kind == WARM_READY:
             self.ready = True
@@ -228,11 +226,6 @@ class _Server:
                 return
             self.loading = True
 
-    def fork(self, chan: int, env: dict[str, str]) -> Forked:
-        """A rank process forked for ``chan`` and ``env`` (OSError: none was)."""
-        self.ask_fork(chan, env)
-        return self.forked_process()
-
     def ask_fork(self, chan: int, env: dict[str, str]) -> None:
         """Send a fork request and return at once: the ranks of one world are forked by their warm interpreters
         side by side (a fork of an interpreter with torch imported takes 10-20 ms); :meth:`forked_process`
@@ -247,7 +240,10 @@ class _Server:
         with self.lock:
             deadline = self.asked.pop(0)
             while not self.replies and time.monotonic() < deadline:
-                msg = self._read(0.2)
+                try:
+                    msg = self._read(0.2)
+                except (EOFError, OSError):  # it is gone: the caller starts the rank process afresh
+                    break
                 if (msg is not None and msg[0] == WARM_TAINTED) or self.proc.poll() is not None:
                     break
             if self.replies:

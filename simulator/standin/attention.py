@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from simulator.standin.ranks import state
-from simulator.standin.rng import _mix, generator
+from simulator.standin.rng import _MASK, _mix, advance, generator
 from simulator.standin.tensor import _SAME_DEVICE, _SPECIAL, StandInTensor, fresh
 
 __all__ = ["register", "choose"]
@@ -178,7 +178,7 @@ def _efficient(func: Any, args: tuple, kwargs: dict) -> Any:
         g = generator(state(), idx)
         seed, offset = g[0], g[1]
         shape = (*q.shape[:-1], k.size(-2))
-        g[1] = (offset + -(-math.prod(shape) // 4) * 4) & ((1 << 64) - 1)
+        advance(g, math.prod(shape))
         out, lse = _attention_with_dropout(q, k, v, bias, a["is_causal"], a["scale"],
                                            _dropout_mask(shape, p, seed, offset), p)
     else:
@@ -199,7 +199,7 @@ def _efficient_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     idx, (g, q, k, v, bias, o, lse) = _inners(func, [a[n] for n in names])
     p = a["dropout_p"]
     if p > 0.0:  # the forward's mask again, from the seed and offset it returned
-        seed, offset = (int(t) & ((1 << 64) - 1) for t in (a["philox_seed"], a["philox_offset"]))
+        seed, offset = (int(t) & _MASK for t in (a["philox_seed"], a["philox_offset"]))
         keep = _dropout_mask((*q.shape[:-1], k.size(-2)), p, seed, offset)
         gq, gk, gv = _attention_with_dropout_backward(g, q, k, v, bias, a["is_causal"], a["scale"], keep, p)
         return fresh(gq, idx), fresh(gk, idx), fresh(gv, idx), None

@@ -32,7 +32,7 @@ import torch
 from simulator.standin.ranks import DeviceState, device_count, resolve_index, state
 from simulator.standin.device_type import replacement_class
 
-__all__ = ["generator", "draw", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator",
+__all__ = ["generator", "draw", "advance", "get_state", "set_state", "seed_devices", "all_devices", "StandInGenerator",
            "generator_class", "CudaGenerator"]
 
 _MASK = (1 << 64) - 1
@@ -72,8 +72,13 @@ def draw(idx: int, call: Callable[[], Any]) -> Any:
         out = call()
     finally:
         cpu.set_state(saved)
-    g[1] = (g[1] + max(4, -(-_numel(out) // 4) * 4)) & _MASK
+    advance(g, _numel(out))
     return out
+
+
+def advance(g: list[int], numel: int) -> None:
+    """Move generator ``g``'s offset past a draw of ``numel`` numbers (rounded up to 4, as DTensor computes it)."""
+    g[1] = (g[1] + max(4, -(-numel // 4) * 4)) & _MASK
 
 
 def get_state(idx: int) -> torch.Tensor:
