@@ -258,9 +258,10 @@ class SimBackend(Backend):
                                   mismatch_message(slot.name, slot.group, slot.seq, calls, reason))
         elif refused is not None:
             slot.error = refused
-        else:
+        nbytes = max([c.nbytes for c in calls])
+        if reason is None and refused is None:
             try:
-                if max(c.nbytes for c in calls) >= _OFFLOAD_BYTES:
+                if nbytes >= _OFFLOAD_BYTES:
                     slot.result = run.execute(lambda: _no_grad(kernel, calls))
                 else:
                     slot.result = _no_grad(kernel, calls)
@@ -270,8 +271,8 @@ class SimBackend(Backend):
                     group=slot.group.ranks, fix="check that every rank passes tensors on compatible devices"),
                     cause=e)
         # starts when the last member issued it and its members' links are free (see simulator.timing.cost)
-        start = links_start(run, slot.group.ranks, max(c.vstart for c in calls))
-        slot.vend = start + run.cost.cost(slot.name, max(c.nbytes for c in calls), slot.group.size)
+        start = links_start(run, slot.group.ranks, max([c.vstart for c in calls]))
+        slot.vend = start + run.cost.cost(slot.name, nbytes, slot.group.size)
         links_reserve(run, slot.group.ranks, slot.vend)
         slot.done = True
         # the results are written: the slot lets go of the members' calls (each work keeps its own), so a rank's
