@@ -181,7 +181,8 @@ class _Harness:
 
             self._undo_continuous = torch_harness_continuous.install(
                 sys.modules[_HARNESS_MODULE], self.settings, self.isolation, thread_only=_shared_process_reason,
-                moved=lambda test_id, why: self._moved.__setitem__(test_id, self._MOVED + why))
+                moved=lambda test_id, why: self._moved.__setitem__(test_id, self._MOVED + why),
+                before_processes=_hint_libraries)
         if not _is_harness_test(item):
             return (yield)
         isolation = self.isolation_of(item)
@@ -290,6 +291,21 @@ def _is_continuous_test(item: pytest.Item) -> bool:
     return base is not None and isinstance(cls, type) and issubclass(cls, base)
 
 
+_hinted: set[str] = set()
+
+
+def _hint_libraries() -> None:
+    """Tell the warm interpreters which of torch's modules the rank processes will import: those this process
+    imported with the test files (the ranks import the same files).  Each warm interpreter then imports them
+    before its first fork, not after the first world, while the second test waits."""
+    from simulator.isolation import child, warm  # (import torch: see _simulated)
+
+    new = [n for n in list(sys.modules) if (n == "torch" or n.startswith("torch.")) and n not in _hinted]
+    if new:
+        _hinted.update(new)
+        warm.POOL.hint(child.library_modules(new))
+
+
 @contextlib.contextmanager
 def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: str) -> Iterator[None]:
     """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
@@ -301,6 +317,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     from simulator.launch import _Launcher, patched  # (imports torch: see above)
 
     harness = sys.modules[_HARNESS_MODULE]
+    if isolation == "process":
+        _hint_libraries()
     timeout = settings.timeout
     if timeout is None:  # the harness's own bound on the test (300 s, or its TIMEOUT_OVERRIDE entry)
         timeout = float(harness.get_timeout(item.name))

@@ -171,6 +171,8 @@ class _ClassWorld:
             if self.isolation == "process":
                 from simulator.isolation import run_processes  # (imports torch: this module loads with the plugin)
 
+                cls._tp_sim_before_processes()
+
                 world = simulator.World(n, seed=s.seed, mode=s.mode, timeout=None, stall_timeout=s.stall_timeout,
                                         isolation="process")
                 run_processes(world, _rank_process_serves, (), {},
@@ -251,6 +253,7 @@ def _run_world(cls: type, tasks: list, isolation: str, s: Any, answers: list[lis
     import simulator  # (imports torch: this module loads with the plugin)
 
     world_size = len(tasks)
+    cls._tp_sim_before_processes()
     fd, rdvz = tempfile.mkstemp(prefix="tp-continuous-")
     os.close(fd)
     os.unlink(rdvz)
@@ -456,21 +459,23 @@ def _rank_process_serves(module: str, qualname: str, world_size: int, rdvz: str,
 
 def install(harness: Any, settings: Any, isolation: str = "thread",
             thread_only: Callable[[str], str | None] = lambda text: None,
-            moved: Callable[[str, str], None] = lambda test_id, why: None) -> Any:
+            moved: Callable[[str, str], None] = lambda test_id, why: None,
+            before_processes: Callable[[], None] = lambda: None) -> Any:
     """Make ``MultiProcContinuousTest``'s workers simulated ranks (``isolation``: threads or rank processes);
     returns the undo.
 
     ``thread_only(text)``: why the failures ``text`` of thread ranks come from their sharing one process, or
     None; such a test runs again on rank processes, whose outcome the parent reads, and ``moved(test_id, why)``
-    is told."""
+    is told; ``before_processes()`` runs before a world of rank processes starts."""
     base = harness.MultiProcContinuousTest
     saved = base.__dict__["_spawn_processes"]
     base._spawn_processes = _spawn(settings, isolation)
     base._tp_sim_thread_only = staticmethod(thread_only)
     base._tp_sim_moved = staticmethod(moved)
+    base._tp_sim_before_processes = staticmethod(before_processes)
 
     def undo() -> None:
         base._spawn_processes = saved
-        del base._tp_sim_thread_only, base._tp_sim_moved
+        del base._tp_sim_thread_only, base._tp_sim_moved, base._tp_sim_before_processes
 
     return undo

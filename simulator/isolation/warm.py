@@ -295,6 +295,7 @@ class WarmPool:
         self._servers: dict[tuple, _Server] = {}
         self._leased: dict[int, int] = {}  # id(server) -> runs using it now (never closed while used)
         self._refused: set[str] = set()  # modules whose import ahead started a thread
+        self._hints: list[str] = []  # libraries every rank process will import (see hint)
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
         self._requests: "queue.Queue[tuple[list[str], dict[str, str], socket.socket, queue.Queue]]" = queue.Queue()
@@ -350,7 +351,8 @@ class WarmPool:
                         carry = [n for n in s.preload if n not in self._refused]
                         s.close()
                     s = self._spawn(dict(key))
-                    s.preload = carry
+                    known = set(carry)
+                    s.preload = carry + [n for n in self._hints if n not in known and n not in self._refused]
                 self._servers[key] = s  # most recently used last
                 out.append(s)
             for s in set(out):
@@ -387,6 +389,18 @@ class WarmPool:
             known = set(server.preload)
             server.preload.extend(n for n in names if n not in known and n not in self._refused)
         server.import_ahead()  # while the program runs on, not when the next world starts
+
+    def hint(self, names: list[str]) -> None:
+        """Libraries the coming rank processes will import, known before any of them runs (a test file's modules,
+        which the pytest process imported too): imported before the first fork, where :meth:`learn` would have
+        them imported again after the first world, in every warm interpreter, while the next world waits."""
+        with self._lock:
+            known = set(self._hints)
+            new = [n for n in names if n not in known and n not in self._refused]
+            self._hints.extend(new)
+            for s in self._servers.values():
+                have = set(s.preload)
+                s.preload.extend(n for n in new if n not in have)
 
     def close(self) -> None:
         with self._lock:
