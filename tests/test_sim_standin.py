@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import warnings
 
 import pytest
@@ -932,6 +933,53 @@ def test_nccl_refuses_two_ranks_of_a_node_on_one_gpu(world):
         assert simulator.run(_all_reduce_on, 2, args=((1, 0), world)) == [[3.0, 3.0]] * 2
     with standin.enabled(gpus_per_node=1):  # two nodes of one GPU each: cuda:0 on both is right
         assert simulator.run(_all_reduce_on, 2, args=((0, 0), world)) == [[3.0, 3.0]] * 2
+
+
+def _all_gather_reshaped(backend: str, case: str):
+    """A list all_gather whose outputs are not of the input's shape (ml-engineering's benchmark gathers 0-dim flags
+    into (1,) outputs; uneven: rank j contributes j + 1 elements)."""
+    tdist.init_process_group(backend)
+    r, w = tdist.get_rank(), tdist.get_world_size()
+    dev = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(r)
+        dev = "cuda"
+    if case == "scalar":
+        out = [torch.zeros(1, device=dev) for _ in range(w)]
+        tdist.all_gather(out, torch.tensor(10.0 * r + 1, device=dev))
+    elif case == "uneven":
+        out = [torch.zeros(j + 1, device=dev) for j in range(w)]
+        tdist.all_gather(out, torch.arange(r + 1, device=dev) + 10.0 * r)
+    else:  # "short": outputs of one shape holding fewer elements than the input
+        out = [torch.zeros(1, device=dev) for _ in range(w)]
+        try:
+            tdist.all_gather(out, torch.zeros(2, device=dev))
+        except DistBackendError as e:  # (each rank's message names its rank)
+            return str(e)
+    return [t.cpu().tolist() for t in out]
+
+
+def _refused_by_gloo(case: str) -> str:
+    try:
+        _all_gather_reshaped("gloo", case)
+    except DistBackendError as e:
+        return str(e)
+    return "not refused"
+
+
+@pytest.mark.parametrize("case", ["scalar", "uneven"])
+def test_nccl_list_all_gather_compares_element_counts_and_takes_uneven_sizes(case):
+    """ProcessGroupNCCL::allgather gathers into one flat buffer when the outputs share a shape (only element counts
+    must agree) and broadcasts rank by rank when they do not; gloo refuses both, as torch's gloo does."""
+    want = [[10.0 * j + 1] for j in range(3)] if case == "scalar" else \
+        [[10.0 * j + i for i in range(j + 1)] for j in range(3)]
+    with standin.enabled(gpus_per_node=3):
+        assert simulator.run(_all_gather_reshaped, 3, args=("nccl", case)) == [want] * 3
+        for r, msg in enumerate(simulator.run(_all_gather_reshaped, 3, args=("nccl", "short"))):
+            assert re.search(rf"ProcessGroupNCCL::allgather\) \(group \[0, 1, 2\], rank {r}\): each output tensor "
+                             r"must hold as many elements as the input.*output_numel=1, input_numel=2.*Fix: ", msg)
+    for msg in simulator.run(_refused_by_gloo, 3, args=(case,)):
+        assert re.search(r"ProcessGroupGloo\.allgather.*invalid tensor size", msg)
 
 
 def _one_visible_gpu_each():

@@ -24,6 +24,7 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 from tensorplay.distributed.group import ProcessGroup as TpGroup
 
 from simulator.adapters.gloo_composites import reduce_scatter_sized, sparse_allreduce
+from simulator.adapters.nccl_composites import allgather_reshaped
 from simulator.adapters.gloo_rules import GlooRules, combine, premul_factor, reduce_op, root_of, tensor_list
 from simulator.adapters.pg_lanes import LanesMixin, device_types_for
 from simulator.adapters.pg_split import SplitMixin
@@ -339,6 +340,9 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
                 raise rules.fail(f"invalid output tensor list at index {i} (expected length {n * w}, got {len(o)})",
                                  f"give each output list {n * w} tensors (inputs per rank x group size)")
         rules.dense(ins)
+        if n == 1 and self._speaks_nccl(ins[0]) and any(o.shape != ins[0].shape for o in outs[0]):
+            return SimWork([], allgather_reshaped(self._lane(ins[0]), outs[0], ins[0]),
+                           refuse=_autograd_refusal("all_gather", self._g.rank(), outs[0]))
         rules.type_and_sizes(ins)
         for o in outs:
             rules.type_and_sizes(o, like=ins[0])
@@ -386,7 +390,7 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         w = self._g.size()
         rows = part.shape[0] if part.dim() else 1
         want = (w * rows, *part.shape[1:])
-        if self._named == "nccl":
+        if self._speaks_nccl(part):
             if tuple(flat.shape) == want or tuple(flat.shape) == (w, *part.shape) or not flat.is_contiguous():
                 return flat
             if flat.numel() != w * part.numel():
