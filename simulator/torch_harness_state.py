@@ -266,37 +266,17 @@ def patches_are_per_process(item: pytest.Item) -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_profiler_per_process(item: pytest.Item) -> Iterator[None]:
-    """torch's profiler (``torch.autograd.profiler.profile``, ``torch.profiler.profile``) is one per process: on
-    thread ranks each rank's would record every rank's operations, and a second rank's start or stop crashes the
-    process (a segmentation fault in ``_disable_profiler``).  Starting one on a rank fails instead, naming the fix,
-    and marks the test, which then runs again on rank processes (see
+    """torch's profiler (``torch.autograd.profiler.profile``, ``torch.profiler.profile``) is one per process; a
+    world refuses it on thread ranks (:mod:`simulator.adapters.torch_profiling`).  Under the harness the refusal
+    names the harness's fix and marks the test, which then runs again on rank processes (see
     :func:`simulator.torch_harness._thread_only_failure`).
     """
-    nodeid = item.nodeid
-    import torch.autograd.profiler as autograd_profiler
+    from simulator.adapters import torch_profiling  # (imports torch: see _simulated)
 
-    from tensorplay.distributed.errors import format_message  # (imports torch: see _simulated)
+    def mark() -> None:
+        item.stash[NEEDS_A_PROCESS] = PROFILER_WHY
 
-    from simulator.core.errors import SimError  # (imports torch: see _simulated)
-
-    cls = autograd_profiler.profile
-    original = cls.__dict__["_prepare_trace"]
-
-    def _prepare_trace(self: Any) -> Any:
-        rs = current_rank_state()
-        if rs is not None:
-            item.stash[NEEDS_A_PROCESS] = PROFILER_WHY
-            raise SimError(format_message(
-                "simulator.torch_harness", "torch's profiler was started on a simulated thread rank; the profiler "
-                "is one per process, and thread ranks share this process (each rank would record the others' "
-                "operations, and a second rank's start or stop crashes the process)", rank=rs.rank,
-                values={"test": nodeid},
-                fix=f"run it on simulated ranks with a process each: python -m pytest '{nodeid}' --sim-harness "
-                    f"process"))
-        return original(self)
-
-    cls._prepare_trace = _prepare_trace
-    try:
+    with torch_profiling.harness_names_the_fix(
+            f"run it on simulated ranks with a process each: python -m pytest '{item.nodeid}' --sim-harness process",
+            mark):
         yield
-    finally:
-        cls._prepare_trace = original

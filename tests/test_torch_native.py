@@ -562,6 +562,30 @@ def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -
     assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
 
 
+def _profiled_all_reduce() -> tuple:
+    """torch's profiler around an all_reduce on a rank: the gloo events it recorded, and the result."""
+    tdist.init_process_group("gloo")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t = torch.ones(4) * (tdist.get_rank() + 1)
+            tdist.all_reduce(t)
+    except simulator.SimError as e:
+        return "refused", str(e)
+    return [e.key for e in prof.key_averages() if e.key.startswith("gloo:")], t.tolist()
+
+
+def test_the_profiler_on_one_of_several_thread_ranks_is_refused_with_the_fix_and_runs_on_rank_processes() -> None:
+    """torch's profiler is one per process: thread ranks sharing it crashed the process (a segmentation fault in
+    _disable_profiler) and recorded each other's operations; a rank alone, and rank processes, have their own."""
+    for r, (what, msg) in enumerate(simulator.run(_profiled_all_reduce, 2)):
+        assert what == "refused" and re.search(rf"torch\.profiler\.profile \(rank {r}\): torch's profiler was started "
+                                               r"on a simulated thread rank.*world_size=2.*Fix: .*isolation='process'", msg)
+    assert simulator.run(_profiled_all_reduce, 1) == [(["gloo:all_reduce"], [1.0] * 4)]
+    assert simulator.run(_profiled_all_reduce, 2, isolation="process") == [(["gloo:all_reduce"], [3.0] * 4)] * 2
+    assert "_prepare_trace" in vars(torch.autograd.profiler.profile)  # torch's own method is back after the runs
+    assert torch.autograd.profiler.profile._prepare_trace.__module__.startswith("torch")
+
+
 def test_fsdp1_profiler_tables_are_per_rank_while_a_world_runs_and_restored_after() -> None:
     from torch.distributed.fsdp._debug_utils import SimpleProfiler
 

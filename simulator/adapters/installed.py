@@ -11,6 +11,7 @@ torch_rpc          ``torch.distributed.rpc`` and its distributed autograd
 clock_hooks        import time (not compute) and ``torch.optim`` steps (the step time)
 per_rank_state     process-global state of libraries (Hydra) kept per rank
 per_rank_streams   ``sys.stdout``/``stderr``, ``print``, warning filters, loggers' settings
+torch_profiling    torch's profiler, one per process: refused on one of several thread ranks
 =================  ==========================================================================
 
 The CUDA stand-in (:mod:`simulator.standin`) is installed before these when a world runs with
@@ -21,11 +22,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from simulator.adapters import clock_hooks, per_rank_state, per_rank_streams, threads, torch_native, torch_rpc
+from simulator.adapters import (clock_hooks, per_rank_state, per_rank_streams, threads, torch_native, torch_profiling,
+                                torch_rpc)
 
 __all__ = ["ADAPTERS", "enabled"]
 
-ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state, per_rank_streams)
+ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state, per_rank_streams, torch_profiling)
 
 
 @contextlib.contextmanager

@@ -7,21 +7,32 @@ the profiler marks the event asynchronous.  Programs and torch's own tests look 
 (``distributed_test.py``'s ``call_dist_op`` counts them and checks their shapes).  The simulated process group does
 the same while a profiler is on: :func:`issued` opens the event, :func:`completed` closes it on a thread of its own.
 
-Thread ranks share one profiler (one per process), so each rank's profiler would see every rank's events; PyTorch's
-test harness refuses the profiler there (see :mod:`simulator.torch_harness`), and process ranks have their own.
+Thread ranks share one profiler (one per process): each rank's profiler would record every rank's operations, and
+a second rank's start or stop crashes the process (a segmentation fault in torch's ``_disable_profiler``).  While a
+world runs, :func:`enabled` makes a profiler started on one of several thread ranks fail at once, naming the fix
+(rank processes, which have a profiler each); PyTorch's test harness names its own fix and runs the test again on
+rank processes (:data:`harness_refusal`).
 
 The private torch names it reads are listed in :mod:`simulator.adapters.torch_private`.
 """
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import queue
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 
-__all__ = ["TITLES", "issued", "completed"]
+from tensorplay.distributed.errors import format_message
+
+from simulator.adapters._patch import Installation, replace
+from simulator.core._actor import current_rank_state
+from simulator.core.errors import SimError
+
+__all__ = ["TITLES", "issued", "completed", "enabled", "harness_refusal"]
 
 
 def _first(a: Sequence[Any]) -> list[torch.Tensor]:
@@ -111,3 +122,62 @@ def completed(event: Any) -> None:
     done.acquire()
     _requests.put((event, done))
     done.acquire(timeout=_CLOSE_S)
+
+
+# ---------------------------------------------------------------------------
+# one profiler per process: refused on thread ranks that share one
+# ---------------------------------------------------------------------------
+#: while PyTorch's harness runs a test on thread ranks: ``(fix, mark)``, its own fix for the message and ``mark()``,
+#: which has the test run again on rank processes (see simulator.torch_harness_state.one_profiler_per_process)
+harness_refusal: list[Any] = [None]
+
+
+def _refusing(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def _prepare_trace(self: Any) -> Any:
+        rs = current_rank_state()
+        if rs is not None and len(rs.run.ranks) > 1:  # (one rank alone has the process's profiler to itself)
+            fix = ("run the ranks with a process each, which have a profiler each: isolation='process' "
+                   "(python -m simulator --isolation process ...)")
+            hook = harness_refusal[0]
+            if hook is not None:
+                fix = hook[0]
+                hook[1]()
+            raise SimError(format_message(
+                "torch.profiler.profile", "torch's profiler was started on a simulated thread rank; the profiler is "
+                "one per process, and thread ranks share this process (each rank would record the others' "
+                "operations, and a second rank's start or stop crashes the process)", rank=rs.rank,
+                values={"world_size": len(rs.run.ranks)}, fix=fix))
+        return original(self)
+
+    return _prepare_trace
+
+
+_undo: list[Callable[[], None]] = []
+
+
+def _install() -> None:
+    cls = autograd_profiler.profile
+    _undo.append(replace(cls, "_prepare_trace", _refusing(cls.__dict__["_prepare_trace"])))
+
+
+def _uninstall() -> None:
+    while _undo:
+        _undo.pop()()
+
+
+_INSTALLATION = Installation(_install, _uninstall)
+
+
+def enabled() -> ContextManager[None]:
+    """While a world runs: torch's profiler started on one of several thread ranks fails, naming the fix."""
+    return _INSTALLATION.enabled()
+
+
+@contextlib.contextmanager
+def harness_names_the_fix(fix: str, mark: Callable[[], None]) -> Any:
+    """For PyTorch's harness: a refusal while the block runs names ``fix`` and calls ``mark()``."""
+    harness_refusal[0] = (fix, mark)
+    try:
+        yield
+    finally:
+        harness_refusal[0] = None
