@@ -4,7 +4,8 @@ the behaviour itself).
 * a closure's call sites, whatever cloudpickle's version does to code objects;
 * an ``async_op=True`` operation that is never waited still writes its outputs and frees its staging;
 * ``/dev/shm`` full is a clear error on the rank, not SIGBUS;
-* a kept exception does not keep the run's arenas mapped; at most ``_MAX_WARM`` warm interpreters stay;
+* a kept exception does not keep the run's arenas mapped; at most ``_MAX_WARM`` warm interpreters stay (or the
+  last world's);
 * a coordinator killed by SIGTERM or SIGKILL leaves no arena and no process; stale arenas are swept;
 * a script read from stdin; the one-line note of a slow first start-up.
 
@@ -178,11 +179,17 @@ def test_kept_failures_keep_no_arena_mapped():
 
 
 def test_at_most_max_warm_interpreters_stay(monkeypatch):
-    """A world of more ranks than the cap starts what it needs; afterwards the cap holds again."""
+    """A world of more ranks than the cap starts what it needs and keeps them for its next run (PyTorch's harness
+    starts the same world for every test of a class); after a smaller world the cap holds again."""
     from simulator.isolation import warm
 
     monkeypatch.setattr(warm, "_MAX_WARM", 2)
     simulator.run(lambda: dist.get_rank(), 3, isolation="process")
+    kept = list(warm.POOL._servers.values())
+    assert len(kept) == 3 and all(s.proc.poll() is None for s in kept), len(kept)
+    simulator.run(lambda: dist.get_rank(), 3, isolation="process")
+    assert list(warm.POOL._servers.values()) == kept  # the same three warm interpreters forked the next world
+    simulator.run(lambda: dist.get_rank(), 1, isolation="process")
     servers = list(warm.POOL._servers.values())
     assert len(servers) <= 2, len(servers)
     assert all(s.proc.poll() is None for s in servers)

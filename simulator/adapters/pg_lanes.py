@@ -62,7 +62,7 @@ class LanesMixin:
             self._cpu_lane = type(self).member_group(dist_state.current(), tuple(self._g.ranks))
 
     def _speaks_nccl(self, t: torch.Tensor) -> bool:
-        """Whether calls on ``t`` follow NCCL's rules here: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
+        """Whether calls on ``t`` follow NCCL's rules: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
         named: str = self._named  # type: ignore[attr-defined]
         return named == "nccl" or (":" in named and backends_by_device(named).get(t.device.type) == "nccl")
 

@@ -289,13 +289,17 @@ class _Server:
 
 
 class WarmPool:
-    """Warm interpreters by (hash seed, start environment), at most ``_MAX_WARM`` of them (least recently used go)."""
+    """Warm interpreters by (hash seed, start environment): at most ``_MAX_WARM`` of them, or as many as the last
+    world had ranks if it had more (least recently used go)."""
 
     def __init__(self) -> None:
         self._servers: dict[tuple, _Server] = {}
         self._leased: dict[int, int] = {}  # id(server) -> runs using it now (never closed while used)
         self._refused: set[str] = set()  # modules whose import ahead started a thread
         self._hints: list[str] = []  # libraries every rank process will import (see hint)
+        # warm interpreters kept between runs: a world of more ranks than _MAX_WARM keeps its own for the next run
+        # (PyTorch's harness starts the same world for every test of a class); the peak is that world's anyway
+        self._keep = _MAX_WARM
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
         self._requests: "queue.Queue[tuple[list[str], dict[str, str], socket.socket, queue.Queue]]" = queue.Queue()
@@ -355,6 +359,7 @@ class WarmPool:
                     s.preload = carry + [n for n in self._hints if n not in known and n not in self._refused]
                 self._servers[key] = s  # most recently used last
                 out.append(s)
+            self._keep = max(_MAX_WARM, len({id(s) for s in out}))
             for s in set(out):
                 self._leased[id(s)] = self._leased.get(id(s), 0) + 1
             self._trim()
@@ -362,8 +367,8 @@ class WarmPool:
         return [s if s.await_ready(deadline) else None for s in out]
 
     def release(self, servers: list["_Server | None"]) -> None:
-        """A run that used ``servers`` has ended: keep at most ``_MAX_WARM`` warm interpreters (a world of more
-        ranks than that started more, for its own run only)."""
+        """A run that used ``servers`` has ended: keep at most ``_MAX_WARM`` warm interpreters, or the last world's
+        if it had more (its next run, a class's next test, forks them again)."""
         with self._lock:
             for s in {id(s): s for s in servers if s is not None}.values():
                 n = self._leased.get(id(s), 0) - 1
@@ -374,9 +379,9 @@ class WarmPool:
             self._trim()
 
     def _trim(self) -> None:
-        """Close the least recently used warm interpreters no run uses, down to ``_MAX_WARM`` (holds ``_lock``)."""
+        """Close the least recently used warm interpreters no run uses, down to the number kept (holds ``_lock``)."""
         for key in list(self._servers):
-            if len(self._servers) <= _MAX_WARM:
+            if len(self._servers) <= self._keep:
                 break
             s = self._servers[key]
             if id(s) not in self._leased:
