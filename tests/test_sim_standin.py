@@ -477,6 +477,32 @@ def test_a_child_forked_after_cuda_was_used_cannot_use_it_as_on_a_gpu(two_gpus):
     assert torch.zeros(1, device="cuda").is_cuda  # (this process goes on using its devices)
 
 
+def test_export_and_the_pipeline_tracer_see_standins_as_cuda_tensors(two_gpus):
+    """torch.export (and pipelining's pipeline(), which exports) fakify parameters and inputs on cuda:i as a GPU's
+    tensors are fakified: FakeTensors on cuda:i, views sharing their base's fake storage (before: the meta converter
+    rebuilt the stand-in over a fake of its CPU tensor and refused the shared storage)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    torch.cuda.set_device(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).cuda()
+    x = torch.randn(3, 8).cuda()
+    want = model(x)
+    ep = torch.export.export(model, (x,))
+    assert {str(n.meta["val"].device) for n in ep.graph.nodes if n.op == "placeholder"} == {"cuda:1"}
+    got = ep.module()(x)
+    assert got.device == torch.device("cuda", 1) and torch.equal(got.cpu(), want.cpu())
+    pipe = pipeline(model, mb_args=(x,), split_spec={"2": SplitPoint.BEGINNING})
+    staged = pipe.get_stage_module(1)(pipe.get_stage_module(0)(x))
+    assert pipe.num_stages == 2 and torch.equal(staged.cpu(), want.cpu())
+    view = x[1:]
+    with FakeTensorMode() as mode:
+        fx, fv = mode.from_tensor(x), mode.from_tensor(view)
+    assert isinstance(fx, FakeTensor) and fx.device == fv.device == torch.device("cuda", 1)
+    assert fv.untyped_storage()._cdata == fx.untyped_storage()._cdata and fv.storage_offset() == 8
+
+
 def test_device_mixing_raises_torchs_error(two_gpus):
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match=f"^{SAME_DEVICE}, cuda:0 and cpu!$"):

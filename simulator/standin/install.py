@@ -40,13 +40,14 @@ import torch.overrides
 import torch.profiler
 import torch.serialization
 import torch.utils._device
+from torch._subclasses import meta_utils
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
 from simulator.standin import _native, amp, attention, cuda_api as api, fsdp1, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
-from simulator.standin.fakecache import DeviceKeyedCache
+from simulator.standin.fakecache import DeviceKeyedCache, plain_to_fakes
 from simulator.standin.device_type import device_class
 from simulator.standin.streams import generic_event
 from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
@@ -445,7 +446,8 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
     t += cuda_only_table()  # CUDA runtime entry points: refused, naming the fix
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
-    t += [(FakeTensorMode, "cache", DeviceKeyedCache())]
+    t += [(FakeTensorMode, "cache", DeviceKeyedCache()),  # torch.export fakifies a stand-in as a CUDA tensor
+          (meta_utils, "is_traceable_wrapper_subclass", plain_to_fakes(meta_utils.is_traceable_wrapper_subclass))]
     backward = _no_multithreading(torch.autograd.graph._engine_run_backward)
     t += [(torch.autograd, "_engine_run_backward", backward), (torch.autograd.graph, "_engine_run_backward", backward)]
     import torch.distributed.autograd as dist_autograd
