@@ -133,3 +133,49 @@ def test_large_world_gc_tuning_is_undone_and_leaves_a_program_freeze_alone(monke
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def _polls_until_complete() -> tuple:
+    """Rank 0 spins on ``is_completed()`` of an async all_reduce and an irecv that rank 1 issues only after
+    computing; without a hand-off at each poll, coop mode's baton would stay with rank 0 forever."""
+    r = dist.get_rank()
+    x = torch.full((2,), float(r + 1))
+    polls = 0
+    if r == 0:
+        w = dist.all_reduce(x, async_op=True)
+        while not w.is_completed():
+            polls += 1
+        got = torch.zeros(1)
+        w = dist.irecv(got, src=1)
+        while not w.is_completed():
+            polls += 1
+        w.wait()
+        return x.tolist(), got.item(), polls
+    sum(range(20000))
+    dist.all_reduce(x)
+    dist.send(torch.tensor([7.0]), dst=0)
+    return x.tolist(), None, polls
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_a_rank_polling_is_completed_lets_the_others_run(isolation, mode):
+    for seed in range(3):
+        out = simulator.run(_polls_until_complete, 2, seed=seed, mode=mode, isolation=isolation, timeout=60)
+        assert [o[:2] for o in out] == [([3.0, 3.0], 7.0), ([3.0, 3.0], None)], (seed, out)
+        if mode == "coop" and isolation == "thread":  # a poll is a seeded choice: the same seed, the same polls
+            assert simulator.run(_polls_until_complete, 2, seed=seed, mode=mode, timeout=60) == out
+
+
+def test_a_rank_that_polls_forever_is_a_stall_not_a_hang():
+    """Polling is no progress: a rank polling a receive nobody sends, while its peer waits for it, ends in the
+    stall report, as a rank computing forever does."""
+    def body() -> None:
+        if dist.get_rank() == 0:
+            w = dist.irecv(torch.zeros(1), src=1)
+            while not w.is_completed():
+                pass
+        dist.barrier()
+
+    with pytest.raises(simulator.SimTimeoutError):
+        simulator.run(body, 2, stall_timeout=2.0, timeout=60)

@@ -89,6 +89,16 @@ def notify(rs: RankState, w: Any, error: Incident | None, source: int | None = N
         hook(error, source)
 
 
+def _polled(rs: RankState) -> None:
+    """The calling actor of ``rs``'s rank asked about an operation that has not completed: let the others run (see
+    :meth:`simulator.core.sched.CoopScheduler.poll`)."""
+    me = caller(rs)
+    try:
+        me.run.sched.poll(me)
+    finally:
+        done_with(me)
+
+
 def done_with(rs: RankState) -> None:
     """After an operation of a rank's thread: the thread goes back to running outside the schedule."""
     if rs.parent is not None:
@@ -132,6 +142,8 @@ class CollWork(Work):
         return True
 
     def is_completed(self) -> bool:
+        if not self._slot.done:
+            _polled(self._rs)
         return self._slot.done
 
     def is_success(self) -> bool:
@@ -165,6 +177,8 @@ class P2PWork(Work):
         return True
 
     def is_completed(self) -> bool:
+        if not self._rec.done:
+            _polled(self._rec.rs)
         return self._rec.done
 
     def is_success(self) -> bool:
