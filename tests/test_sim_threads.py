@@ -311,6 +311,50 @@ def test_a_rank_installs_signal_handlers_of_its_own(isolation):
     assert signal.getsignal(signal.SIGUSR1) == process_handler
 
 
+def _alarm_interrupts_a_long_wait() -> str:
+    """A watchdog written with signal.alarm: a process's handler interrupts the rank's long sleep."""
+    import signal
+    import time
+
+    class Timeout(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Timeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.alarm(1)
+        try:
+            if dist.get_rank() == 0:
+                time.sleep(5)
+            outcome = "not interrupted"
+        except Timeout:
+            outcome = "interrupted"
+        finally:
+            signal.alarm(0)
+    except simulator.SimError as e:  # (thread ranks: refused before any timer is set)
+        outcome = str(e)
+    dist.barrier()
+    return outcome
+
+
+@isolations
+def test_a_timer_signal_is_a_rank_processes_own_and_refused_on_thread_ranks(isolation):
+    """SIGALRM goes to a process: rank processes get their own; on thread ranks the shared process would have been
+    killed by the signal's default action (no message), so setting the timer fails, naming the fix."""
+    import signal
+
+    out = simulator.run(_alarm_interrupts_a_long_wait, 2, isolation=isolation, timeout=60)
+    if isolation == "process":
+        assert out == ["interrupted", "not interrupted"]
+    else:
+        for r, msg in enumerate(out):
+            assert re.search(rf"^signal\.alarm \(rank {r}\): a timer signal .*seconds=1\. Fix: .*isolation='process'",
+                             msg), msg
+    assert type(signal.alarm).__name__ == "builtin_function_or_method"  # the real one is back after the run
+
+
 def _silence_all_but_rank_zero():
     import builtins
     import io

@@ -31,7 +31,8 @@ docs/simulator.md, "A rank that exits").  ``signal.signal`` on a rank's own thre
 installs the rank's handler, as a process's main thread may (``getsignal``
 answers it): the handlers are kept per rank and never called, since the signals
 the process gets are the simulator's (a program that must receive them runs
-with ``isolation="process"``).  ``atexit.register`` on a rank registers a handler
+with ``isolation="process"``); ``signal.alarm``/``setitimer`` on a rank, whose timer signal would end every
+rank, are refused naming that fix.  ``atexit.register`` on a rank registers a handler
 the rank runs when its function ends (last first, its process group still
 there), as a process runs its handlers at exit; ``os._exit`` skips them.
 ``os.chdir`` on a rank changes that rank's working directory: in ``coop`` mode,
@@ -233,7 +234,8 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
 # adapter was installed (a test may have replaced them)
 _REAL: dict[str, Any] = {"sleep": time.sleep, "getpid": os.getpid, "pid": os.getpid(), "os_exit": os._exit,
                          "signal": signal.signal, "getsignal": signal.getsignal, "atexit_register": atexit.register,
-                         "atexit_unregister": atexit.unregister, "chdir": os.chdir}
+                         "atexit_unregister": atexit.unregister, "chdir": os.chdir,
+                         "alarm": getattr(signal, "alarm", None), "setitimer": getattr(signal, "setitimer", None)}
 #: the simulator's own modules: their sleeps (a Delay fault's real sleep, inside an operation) stay in the schedule;
 #: and ``subprocess``, whose polls wait for the rank's own child process (compute, waiting for no other rank): a rank
 #: stepping out there while it holds a lock of the process's would hand the turn to a rank that blocks on that
@@ -404,6 +406,42 @@ def _getsignal(signalnum: Any) -> Any:
     return own[int(signalnum)] if int(signalnum) in own else _REAL["getsignal"](signalnum)
 
 
+def _on_a_thread_rank() -> RankState | None:
+    rs = current_rank_state()
+    return rs if rs is not None and threading.current_thread() is not threading.main_thread() else None
+
+
+def _timer_refused(call: str, rs: RankState, values: dict[str, Any]) -> Exception:
+    from simulator.core.errors import SimError  # (here: the errors module imports torch, this one must not early)
+
+    return SimError(format_message(
+        call, "a timer signal (SIGALRM, SIGVTALRM, SIGPROF) goes to the process, which every thread rank shares: "
+        "the rank's handler is its own and would never run, and the signal's default action ends every rank at "
+        "once", rank=rs.rank, values=values,
+        fix="run the ranks with a process each, which have their own signals: isolation='process' (python -m "
+            "simulator --isolation process)"))
+
+
+def _alarm(seconds: int) -> int:
+    """``signal.alarm`` while a world runs: refused on a thread rank (``alarm(0)``, the cancel, answers 0)."""
+    rs = _on_a_thread_rank()
+    if rs is None:
+        return _REAL["alarm"](seconds)
+    if int(seconds) == 0:  # (no alarm of the rank's can be pending: setting one was refused)
+        return 0
+    raise _timer_refused("signal.alarm", rs, {"seconds": seconds})
+
+
+def _setitimer(which: int, seconds: float, interval: float = 0.0) -> tuple[float, float]:
+    """``signal.setitimer`` while a world runs: refused on a thread rank, as :func:`_alarm`."""
+    rs = _on_a_thread_rank()
+    if rs is None:
+        return _REAL["setitimer"](which, seconds, interval)
+    if seconds == 0:
+        return (0.0, 0.0)
+    raise _timer_refused("signal.setitimer", rs, {"which": which, "seconds": seconds, "interval": interval})
+
+
 #: where installed code lives (the standard library, site-packages): its atexit handlers stay the process's
 _INSTALLED = tuple(sorted({os.path.join(p, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
                            if (p := sysconfig.get_paths().get(key))}))
@@ -466,6 +504,10 @@ def _install() -> None:
         _REAL["os_exit"] = os._exit
     if signal.signal is not _signal:
         _REAL["signal"], _REAL["getsignal"] = signal.signal, signal.getsignal
+    if _REAL["alarm"] is not None and signal.alarm is not _alarm:
+        _REAL["alarm"], _REAL["setitimer"] = signal.alarm, signal.setitimer
+    if _REAL["alarm"] is not None:
+        signal.alarm, signal.setitimer = _alarm, _setitimer
     if atexit.register is not _atexit_register:
         _REAL["atexit_register"], _REAL["atexit_unregister"] = atexit.register, atexit.unregister
     if os.chdir is not _chdir:
@@ -487,6 +529,8 @@ def _uninstall() -> None:
     os.getpid = _REAL["getpid"]
     os._exit = _REAL["os_exit"]
     signal.signal, signal.getsignal = _REAL["signal"], _REAL["getsignal"]
+    if _REAL["alarm"] is not None:
+        signal.alarm, signal.setitimer = _REAL["alarm"], _REAL["setitimer"]
     atexit.register, atexit.unregister = _REAL["atexit_register"], _REAL["atexit_unregister"]
     os.chdir = _REAL["chdir"]
     _CWD.stop()  # the process is back in the directory the first rank left

@@ -88,9 +88,9 @@ def format_message(
         where.append(f"group {list(group)}")
     if rank is not None:
         where.append(f"rank {rank}")
-    # the harness's own calls ("simulator.run", "conformance.check"), torch's ("torch.distributed.send") and os's are
-    # named as they are; the rest are ours
-    qualified = collective.split(".", 1)[0] in ("simulator", "conformance", "torch", "os")
+    # the harness's own calls ("simulator.run", "conformance.check"), torch's ("torch.distributed.send"), os's and
+    # signal's are named as they are; the rest are ours
+    qualified = collective.split(".", 1)[0] in ("simulator", "conformance", "torch", "os", "signal")
     head = collective if qualified else f"tensorplay.distributed.{collective}"
     if where:
         head += f" ({', '.join(where)})"
