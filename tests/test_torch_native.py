@@ -562,6 +562,28 @@ def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -
     assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
 
 
+def _send_recv_with_tag(tag) -> str:
+    tdist.init_process_group("gloo")
+    try:
+        if tdist.get_rank() == 0:
+            tdist.send(torch.ones(1), 1, tag=tag)
+        else:
+            tdist.recv(torch.zeros(1), 0, tag=tag)
+    except (RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("tag,want", [(-1, r"DistBackendError: .*Tag must be nonnegative: tag=-1\. Fix: "),
+                                      (2 ** 40, r"TypeError: .*incompatible function arguments.*tag=1099511627776"),
+                                      (2 ** 31 - 1, r"^ok$")])
+def test_point_to_point_tags_are_checked_as_gloo_checks_them(tag, want):
+    """gloo refuses a negative tag ("Tag must be nonnegative") and torch's binding one beyond a C int (a TypeError),
+    on both ranks, before anything is sent."""
+    out = simulator.run(_send_recv_with_tag, 2, args=(tag,), timeout=60)
+    assert all(re.search(want, o) for o in out), out
+
+
 def _profiled_all_reduce() -> tuple:
     """torch's profiler around an all_reduce on a rank: the gloo events it recorded, and the result."""
     tdist.init_process_group("gloo")

@@ -118,6 +118,16 @@ class GlooRules:
             raise self.fail(f"invalid root tensor: {index}", "pass opts.rootTensor as an index into the tensor list",
                             rootTensor=index, tensors=count)
 
+    def tag(self, tag: Any, nccl: bool = False) -> None:
+        """A point-to-point tag: a C int (torch's binding refuses others), non-negative on gloo (NCCL ignores it)."""
+        op = self.call.rsplit(".", 1)[-1]
+        if isinstance(tag, bool) or not isinstance(tag, int) or not -2 ** 31 <= tag < 2 ** 31:
+            raise TypeError(format_message(
+                self.call, f"{op}(): incompatible function arguments (the tag is a C int)", group=self.group,
+                rank=self.rank, values={"tag": tag}, fix="pass a tag in 0..2**31-1"))
+        if tag < 0 and not nccl:
+            raise self.fail("Tag must be nonnegative", "pass a tag in 0..2**31-1", tag=tag)
+
     def non_empty(self, tensors: list[torch.Tensor], what: str = "tensor list") -> None:
         if not tensors:
             raise self.fail(f"requires non-empty {what}", "pass at least one tensor", tensors=0)
