@@ -5,6 +5,10 @@ With ``--nproc-per-node N`` the script runs torchrun-style on N ranks; without i
 """
 import sys
 
-from simulator.cli import main
+from simulator.hash_seeds import reexec_with_seeded_hash
+
+reexec_with_seeded_hash()  # before torch is imported: a string-hash order that follows --seed (see the module)
+
+from simulator.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -623,3 +623,47 @@ def test_env_rendezvous_of_a_spawned_rank_fails_on_gloo_as_simulated(tmp_path):
         real, sim = _real(tmp_path, script, given), _sim(tmp_path, script, given)
         assert real.returncode == sim.returncode == 0, (real.stderr[-3000:], sim.stderr[-3000:])
         assert _lines(sim.stdout) == _lines(real.stdout) and "ValueError" in real.stdout, (real.stdout, sim.stdout)
+
+
+_SET_ORDER = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+params = {"weight": torch.ones(3), "bias": torch.ones(1), "scale": torch.ones(2), "emb": torch.ones(5)}
+for name in set(params):  # a set of strings: its order is the interpreter's hash order
+    dist.all_reduce(params[name])
+if dist.get_rank() == 0:
+    print("order", list(set(params)))
+"""
+
+
+def test_the_cli_string_hash_order_follows_the_seed(tmp_path):
+    """Thread ranks share one interpreter: `python -m simulator` starts it with PYTHONHASHSEED from --seed (rank 0's
+    value, as rank processes get theirs), so a program that iterates a set of strings repeats itself per seed.
+    (On rank processes, whose hash seeds differ per rank, this program is a collective mismatch, as on gloo.)"""
+    script = tmp_path / "set_order.py"
+    script.write_text(_SET_ORDER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+
+    def order(seed: int, **extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2", "--seed", str(seed),
+                              str(script)], capture_output=True, text=True, timeout=300, env={**env, **extra})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return next(line for line in out.stdout.splitlines() if line.startswith("order"))
+
+    orders = {seed: order(seed) for seed in range(4)}
+    assert len(set(orders.values())) > 1  # the seed moves it (4 seeds: all alike would be a 1 in 10^4 chance)
+    assert order(0) == orders[0] and order(3) == orders[3]
+    assert order(0, PYTHONHASHSEED="12") == order(3, PYTHONHASHSEED="12")  # the user's own choice stands
+
+
+def test_the_cli_seed_is_read_before_the_script_and_its_value_options_are_the_parsers():
+    from simulator.cli import _parser
+    from simulator.hash_seeds import CLI_VALUE_OPTIONS, cli_seed
+
+    takes_value = {o for a in _parser()._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+    assert takes_value == CLI_VALUE_OPTIONS
+    assert cli_seed(["--nproc-per-node", "2", "--seed", "5", "train.py", "--seed", "9"]) == 5
+    assert cli_seed(["--seed=7", "--summary", "train.py"]) == 7
+    assert cli_seed(["--trace", "--seed", "train.py"]) == 0  # (--seed here is --trace's value)
+    assert cli_seed(["train.py"]) == 0
+    assert cli_seed(["pytest", "--seed", "3"]) is None and cli_seed(["calibrate"]) is None

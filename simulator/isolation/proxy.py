@@ -15,7 +15,6 @@ kind, is :mod:`.proxy_handlers`.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import shutil
@@ -34,6 +33,7 @@ from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, forma
 from simulator.adapters import _environ
 from simulator.core.errors import RankExitError, SimTimeoutError
 from simulator.core.state import current_rank_state
+from simulator.hash_seeds import hash_seed
 from simulator.isolation import _wire, cleanup, pickling, warm
 from simulator.isolation.messages import END, EXIT, FDS_PASSED, FDS_WHERE, READY, Setup
 from simulator.isolation.proxy_handlers import Channel, ProxyHandlers, RankProcess
@@ -43,12 +43,6 @@ __all__ = ["ProcessRanks", "hash_seed"]
 _CHILD = warm.PROLOGUE + "from simulator.isolation.child import main\nmain()\n"  # a rank process spawned afresh
 _GRACE_S = 3.0  # how long a rank process may take to exit after the world ended, before it is killed
 _STARTUP_S = 300.0  # bound on the rank processes' start-up (an interpreter and ``import torch`` each)
-
-
-def hash_seed(run_seed: int, rank: int) -> int:
-    """The ``PYTHONHASHSEED`` of rank ``rank``'s process: distinct per rank, a pure function of the run's seed (1..2**32-1)."""
-    digest = hashlib.blake2b(f"tensorplay-simulator-hash:{run_seed}:{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 4294967295 + 1  # 0 would switch hash randomisation off
 
 
 def _free_port() -> int:

@@ -32,6 +32,7 @@ from tensorplay.distributed.group import ProcessGroup
 from simulator.adapters import threads, torch_groups
 from simulator.adapters.clock_hooks import mark_step
 from simulator.core.sched import CoopScheduler
+from simulator.core.works import own_checks
 from simulator.isolation import _wire, warm
 from simulator.isolation._wire import SHARED_BASE, Arena, GroupRef, SharedStorage, TensorRef
 from simulator.isolation.messages import FINAL, OK, REQUESTS, SERVED, handler_table
@@ -425,7 +426,7 @@ class ProxyHandlers(RpcRouteHandlers):
     def _completed(me: RankProcess) -> list[tuple[int, bool]]:
         """``[(id, ok), ...]`` of the rank's async works completed since the last answer (sent with each answer:
         the process then copies their outputs back and frees their staging, waited or not)."""
-        with me.lock:
+        with me.lock, own_checks():
             done = [(wid, w.is_success()) for wid, w in me.unreported.items() if w.is_completed()]
             for wid, _ in done:
                 del me.unreported[wid]

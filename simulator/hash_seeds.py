@@ -1,0 +1,68 @@
+"""The ``PYTHONHASHSEED`` values a run's seed gives, and ``python -m simulator``'s own (light: no torch).
+
+A string's hash, and with it the iteration order of a ``set`` or ``dict`` of strings, is fixed by the
+interpreter's hash seed when it starts.  Each rank process gets :func:`hash_seed` of the run's seed and its rank.
+Thread ranks share one interpreter: under ``python -m simulator`` that interpreter starts again with rank 0's
+value (:func:`reexec_with_seeded_hash`) unless ``PYTHONHASHSEED`` is set already, so a program that iterates a
+set of strings (issuing collectives in that order, say) runs the same way for the same ``--seed``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["hash_seed", "reexec_with_seeded_hash", "CLI_VALUE_OPTIONS"]
+
+
+def hash_seed(run_seed: int, rank: int) -> int:
+    """The ``PYTHONHASHSEED`` of rank ``rank``'s process: distinct per rank, a pure function of the run's seed (1..2**32-1)."""
+    digest = hashlib.blake2b(f"tensorplay-simulator-hash:{run_seed}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 4294967295 + 1  # 0 would switch hash randomisation off
+
+
+#: the options of ``python -m simulator`` that take a value (tests/test_sim_launch.py checks this against its parser)
+CLI_VALUE_OPTIONS = frozenset({"--nproc-per-node", "--nproc_per_node", "--seed", "--mode", "--timeout",
+                               "--stall-timeout", "--p2p", "--trace", "--cost", "--compute-scale", "--isolation",
+                               "--devices", "--gpus-per-node"})
+
+
+def cli_seed(args: Sequence[str]) -> int | None:
+    """``--seed`` among the options before the script (0 when not given); None for the subcommands and usage
+    errors, which run no ranks of a script."""
+    if not args or args[0] in ("calibrate", "pytest"):
+        return None
+    seed, i = "0", 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            break
+        if not a.startswith("-") or a == "-":  # the script: its own arguments follow
+            break
+        name, eq, value = a.partition("=")
+        if name in CLI_VALUE_OPTIONS and not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        if name == "--seed":
+            seed = value
+        i += 1
+    try:
+        return int(seed)
+    except ValueError:
+        return None  # (the parser reports it)
+
+
+def reexec_with_seeded_hash() -> None:
+    """Start this ``python -m simulator`` again with ``PYTHONHASHSEED`` from ``--seed`` (see the module docstring);
+    returns when there is nothing to do (the variable set, a subcommand, no ``exec`` on this system)."""
+    if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random") or os.name != "posix":
+        return
+    seed = cli_seed(sys.argv[1:])
+    orig = getattr(sys, "orig_argv", None)  # the interpreter's own flags (-X, -W, -u) too
+    if seed is None or not orig:
+        return
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed(seed, 0)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(orig), env)
