@@ -46,7 +46,7 @@ from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistTypeError, DistValueError, format_message
 
 from simulator.adapters import _environ, installed, torch_native
-from simulator.adapters.threads import RankOsExit, run_exit_handlers
+from simulator.adapters.threads import RankOsExit, join_non_daemon_threads, run_exit_handlers
 from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
@@ -401,7 +401,11 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
             try:
                 rs.result = fn(*args, **kwargs)
             finally:
-                if not isinstance(sys.exc_info()[1], RankOsExit):  # (os._exit skips them, as in a process)
+                ending = sys.exc_info()[1]
+                if ending is None or (isinstance(ending, SystemExit) and not isinstance(ending, RankOsExit)
+                                      and ending.code in (None, 0)):
+                    join_non_daemon_threads(rs)  # (the interpreter's own wait, before its exit handlers)
+                if not isinstance(ending, RankOsExit):  # (os._exit skips them, as in a process)
                     run_exit_handlers(rs)
     except SystemExit as e:
         if e.code not in (None, 0):  # a process that exits non-zero has failed; 0 is a normal return

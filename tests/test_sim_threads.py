@@ -197,6 +197,39 @@ def test_deadlock_through_a_thread_is_named_not_timed_out(mode, isolation):
     assert "rank 1 has returned" in text
 
 
+def _non_daemon_thread_outlives_the_rank(out_dir: str):
+    """torch.distributed in a non-daemon thread after the rank's function returned: a process's interpreter waits
+    for the thread before its exit handlers, and the process group is still there (an atexit handler sees both)."""
+    import atexit
+    import os
+    import time
+
+    r = dist.get_rank()
+    x = torch.full((1,), float(r + 1))
+    done = []
+
+    def worker():
+        time.sleep(0.2)  # (the rank has returned by now)
+        tdist.all_reduce(x)
+        done.append(x.item())
+
+    def at_exit():
+        with open(os.path.join(out_dir, f"rank{r}"), "w") as f:
+            f.write(f"{done} {tdist.is_initialized()}")
+
+    tdist.init_process_group("gloo")
+    atexit.register(at_exit)
+    threading.Thread(target=worker, daemon=False).start()
+    return r
+
+
+@isolations
+def test_a_non_daemon_thread_communicates_after_its_rank_returned(tmp_path, isolation):
+    assert simulator.run(_non_daemon_thread_outlives_the_rank, 2, args=(str(tmp_path),), timeout=60,
+                         isolation=isolation) == [0, 1]
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["[3.0] True"] * 2
+
+
 def _daemon_thread_left_behind():
     stop = threading.Event()
     threading.Thread(target=stop.wait, args=(30.0,), daemon=True).start()
@@ -494,6 +527,7 @@ _EXITS: list = []
 
 def _registers_exit_handlers(fail: bool):
     import atexit
+    import time
 
     r = dist.get_rank()
 

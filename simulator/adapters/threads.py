@@ -75,13 +75,14 @@ from tensorplay.distributed.errors import format_message
 from simulator.adapters import _environ
 from simulator.adapters._patch import Installation
 from simulator.core._handoff import _CWD
+from simulator.core._actor import DONE
 from simulator.core._actor import quiet as _quiet
 from simulator.core.actors import join_actor, sleep_in, sleep_out, start_actor, start_plain, step_in, step_out
 from simulator.core.state import RankState, _local, current_rank_state
 
 #: (start_actor ... sleep_in are simulator.core.actors', re-exported for the rank-process proxy)
 __all__ = ["enabled", "adopt", "adopt_c10d", "run_adopted", "start_actor", "join_actor", "step_out", "step_in", "start_plain",
-           "sleep_out", "sleep_in", "run_exit_handlers"]
+           "sleep_out", "sleep_in", "run_exit_handlers", "join_non_daemon_threads"]
 
 # the originals, kept for good: a thread may still be inside a patched call when the last world's adapters go
 _ORIGINAL = {"start": threading.Thread.start, "bootstrap_inner": threading.Thread._bootstrap_inner,  # type: ignore[attr-defined]
@@ -474,6 +475,19 @@ def _atexit_unregister(func: Callable[..., Any]) -> None:
     handlers = _exit_handlers(rs)
     handlers[:] = [h for h in handlers if h[0] != func]
     return None
+
+
+def join_non_daemon_threads(rs: RankState) -> None:
+    """At a thread rank's return: wait for the non-daemon threads the rank started (and theirs), as a process's
+    interpreter does before its exit handlers, while the rank's process group is still there; scheduler waits, so
+    a thread that never ends is named as a deadlock or a stall."""
+    run = rs.run
+    while True:
+        live = [c for c in run.children if c.parent is rs and c.waits_exit and c.state != DONE]
+        if not live:
+            return
+        for c in live:
+            join_actor(rs, c)
 
 
 def run_exit_handlers(rs: RankState) -> None:
