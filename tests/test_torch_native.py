@@ -562,6 +562,32 @@ def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -
     assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
 
 
+def _init_after_changing_the_environment(var: str, value: str) -> str:
+    import os
+
+    os.environ[var] = value  # (torch's env:// reads RANK and WORLD_SIZE when init_process_group is called)
+    try:
+        tdist.init_process_group("gloo")
+    except tdist_errors.DistValueError as e:
+        return str(e)
+    return f"rank {tdist.get_rank()} of {tdist.get_world_size()}"
+
+
+@pytest.mark.parametrize("var,value,want", [
+    ("WORLD_SIZE", "4", r"asks for world_size=4 \(its environment's WORLD_SIZE, which the launcher set to 2 and the "
+                        r"program changed\), but this simulated rank has world_size=2.*Fix: "),
+    ("RANK", "0", None)])
+def test_env_rendezvous_reads_what_the_program_set_in_its_environment(var, value, want):
+    """env:// takes RANK and WORLD_SIZE from the environment when init_process_group is called; a program that
+    changed them gets them checked against the simulated world (gloo would hang waiting for ranks that never come)."""
+    out = simulator.run(_init_after_changing_the_environment, 2, args=(var, value), torchrun_env=True, timeout=60)
+    if want is not None:
+        assert all(re.search(want, o) for o in out), out
+    else:  # every rank claims rank 0: rank 1 is refused, naming the rank it has
+        assert re.search(r"asks for rank=0 \(its environment's RANK.*has rank=1", out[1]), out
+        assert out[0] == "rank 0 of 2", out
+
+
 def _send_recv_with_tag(tag) -> str:
     tdist.init_process_group("gloo")
     try:

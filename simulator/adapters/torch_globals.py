@@ -126,16 +126,26 @@ def _sim_state() -> Any:
     return st if st is not None and isinstance(st.backend, SimBackend) else None
 
 
-def _mismatch(call: str, what: str, given: int, st: Any) -> DistValueError:
+def _mismatch(call: str, what: str, given: int, st: Any, env: str | None = None) -> DistValueError:
     actual = st.rank if what == "rank" else st.world_size
+    source = f" (its environment's {env}, which the launcher set to {actual} and the program changed)" if env else ""
     return DistValueError(format_message(
-        call, f"the program asks for {what}={given}, but this simulated rank has {what}={actual}",
+        call, f"the program asks for {what}={given}{source}, but this simulated rank has {what}={actual}",
         values={what: given, f"simulated_{what}": actual, "simulated_rank": st.rank,
                 "simulated_world_size": st.world_size},
         fix=f"start as many simulated ranks as the program expects (python -m simulator --nproc-per-node "
             f"{given if what == 'world_size' else 'N'} script.py; for a script that starts its own ranks, "
             f"nprocs=N or N Process objects), or let the program read its rank and world size from the "
             "environment (RANK, WORLD_SIZE) as torchrun sets them"))
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer the rank's environment holds (``-1``-style ``default`` when unset or not a number: torch's own
+    handler then reports it)."""
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
 
 
 def _rendezvous_handler(scheme: str) -> Any:
@@ -156,6 +166,9 @@ def _rendezvous_handler(scheme: str) -> Any:
             started_processes.require_env(url, query, _saved["rdzv"]["env"], kwargs)
         size = int(query.get("world_size", -1))
         rank = int(query.get("rank", -1))
+        if scheme == "env":  # torch's env:// reads what the URL lacks from the environment, the program's changes too
+            rank = rank if "rank" in query else _env_int("RANK", rank)
+            size = size if "world_size" in query else _env_int("WORLD_SIZE", size)
         key = id(st.backend.world_key())
         # a rank process is a process: its file rendezvous is torch's FileStore on that file, as on gloo (a
         # FileStore's operations interleave where the run's TCPStore client serialises them: torch's dynamic
@@ -166,9 +179,10 @@ def _rendezvous_handler(scheme: str) -> Any:
             _tls.rendezvous = where  # the helper joins the group's members there
             yield tdist.FileStore(parsed.path, size) if on_file else _rendezvous_store(key, where), rank, size
         else:
-            for what, given in (("rank", rank), ("world_size", size)):
+            for what, given, var in (("rank", rank, "RANK"), ("world_size", size, "WORLD_SIZE")):
                 if given != -1 and given != (st.rank if what == "rank" else st.world_size):
-                    raise _mismatch("init_process_group", what, given, st)
+                    from_env = scheme == "env" and what not in query
+                    raise _mismatch("init_process_group", what, given, st, var if from_env else None)
             if on_file:
                 store = tdist.FileStore(parsed.path, st.world_size)
             else:
