@@ -562,6 +562,35 @@ def test_explicit_tcp_store_on_simulated_ranks_is_the_worlds_in_memory_store() -
     assert tdist.TCPStore.__module__.startswith("torch")  # the real class is back after the run
 
 
+def _new_groups(skip: bool) -> float:
+    """new_group is called by every rank of the default group, in one order, members or not; ``skip``: rank 0
+    skips one (as if it were not a member), so torch names the next group differently on rank 0 (gloo hangs)."""
+    tdist.init_process_group("gloo")
+    r = tdist.get_rank()
+    # (members only: torch names it by a hash of its ranks and of how many groups the rank has, here the same)
+    local = tdist.new_group([1, 2], use_local_synchronization=True) if r in (1, 2) else None
+    if not (skip and r == 0):
+        tdist.new_group([1, 2])
+    b = tdist.new_group([0, 1])
+    x = torch.tensor([float(r + 1)])
+    if r in (0, 1):
+        tdist.all_reduce(x, group=b)
+    if local is not None:
+        tdist.all_reduce(x, group=local)
+    return x.item()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_rank_that_skips_a_new_group_call_is_a_deadlock_named_with_the_fix(isolation):
+    """gloo's members meet under torch's name of a group, a count of new_group calls: a rank that skipped one names
+    the next group differently, and gloo hangs; the simulator's members meet under that name too, and report it."""
+    assert simulator.run(_new_groups, 3, args=(False,), timeout=60, isolation=isolation) == [3.0, 6.0, 6.0]
+    with pytest.raises(simulator.DeadlockError, match=r"(?s)rank 0 waits in all_reduce.*rank 1 waits in all_reduce.*"
+                       r"Hint: the members of group \[0, 1\] wait in different groups: torch named the group '1' on "
+                       r"rank 0, '2' on rank 1 .*Fix: call new_group on every rank"):
+        simulator.run(_new_groups, 3, args=(True,), timeout=60, isolation=isolation)
+
+
 def _init_after_changing_the_environment(var: str, value: str) -> str:
     import os
 

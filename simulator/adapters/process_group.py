@@ -545,7 +545,7 @@ for _alias, _name in _ALIASES.items():
 # ---------------------------------------------------------------------------
 # groups: the world, and member-only subgroups
 # ---------------------------------------------------------------------------
-def _tp_group_for(global_ranks: list[int]) -> TpGroup:
+def _tp_group_for(global_ranks: list[int], name: str | None = None) -> TpGroup:
     st = dist_state.current()
     if st is None or st.backend.name != "sim":
         raise DistRuntimeError(format_message(
@@ -565,12 +565,13 @@ def _tp_group_for(global_ranks: list[int]) -> TpGroup:
         inner = getattr(c10d._world, "sim_members", None)
         # (in torch's order: new_group(ranks, sort_ranks=False) makes group rank i the i-th rank given)
         ranks = tuple(global_ranks) if inner is None else tuple(inner[r] for r in global_ranks)
-    return _member_group(st, ranks)
+    return _member_group(st, ranks, name)
 
 
-def _member_group(st: Any, ranks: tuple[int, ...]) -> TpGroup:
-    """A new communicator of this simulated rank's world over the simulated ranks ``ranks`` (in that order)."""
-    pg = TpGroup(ranks, st.backend, st.backend.member_group_handle(ranks), group_id=len(st.groups) + 1)
+def _member_group(st: Any, ranks: tuple[int, ...], name: str | None = None) -> TpGroup:
+    """A new communicator of this simulated rank's world over the simulated ranks ``ranks`` (in that order; ``name``:
+    torch's name of the group, under which its members meet)."""
+    pg = TpGroup(ranks, st.backend, st.backend.member_group_handle(ranks, name), group_id=len(st.groups) + 1)
     st.groups.append(pg)
     return pg
 
@@ -594,5 +595,6 @@ _tls = threading.local()
 
 
 def _create(dist_backend_opts: Any, backend_options: Any) -> SimProcessGroup:
-    return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group)),
+    return SimProcessGroup(_tp_group_for(list(dist_backend_opts.global_ranks_in_group),
+                                         getattr(dist_backend_opts, "group_id", None) or None),
                            getattr(_tls, "named", None) or "sim", getattr(dist_backend_opts, "timeout", None))

@@ -142,21 +142,29 @@ class SimBackend(Backend):
         """An object that identifies this simulated world (the same for all of its ranks)."""
         return self._rs.run
 
-    def member_group_handle(self, ranks: tuple[int, ...]) -> SimGroup:
+    def member_group_handle(self, ranks: tuple[int, ...], name: str | None = None) -> SimGroup:
         """A group created by its members only (torch's new_group skips non-members).
 
         Members ask for the groups of one rank set in the same order, so the
-        k-th request for ``ranks`` from any member names the same group.
+        k-th request for ``ranks`` from any member names the same group.  A group
+        torch makes has a name (``name``: from a per-process count of new_group
+        calls, which every rank makes in the same order, or a hash of the ranks),
+        and members meet under it as gloo's members meet under it in the store: a
+        rank that skipped a new_group call names the next group differently, and
+        its collectives on it wait for members that are in another group, a
+        deadlock report where gloo hangs.
         """
         run = self._rs.run
         counts = self._member_group_counts
-        k = counts.get(ranks, 0)
-        counts[ranks] = k + 1
+        key: tuple = ranks if name is None else (ranks, "torch", name)
+        k = counts.get(key, 0)
+        counts[key] = k + 1
         with run.sched.lock:
             table = run.member_groups
-            g = table.get((ranks, k))
+            g = table.get((key, k))
             if g is None:
-                g = table[(ranks, k)] = SimGroup(run.next_gid, tuple(ranks))
+                g = table[(key, k)] = SimGroup(run.next_gid, tuple(ranks))
+                g.torch_name = name
                 run.next_gid += 1
         return g
 

@@ -221,6 +221,7 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
                                  f"{_BACKWARD_FIX}")
             if len(hints) > 8:
                 break
+    hints.extend(_groups_named_apart(run))
     for h in hints:
         lines.append("Hint: " + h)
     which = bound or "timeout"
@@ -235,6 +236,24 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
         lines.append("Fix: every member of a group must reach the same collectives in the same order, and every "
                      "recv needs a matching send (same group and tag)")
     return "\n".join(lines)
+
+
+def _groups_named_apart(run: "Run") -> list[str]:
+    """Members of one rank set that wait in different groups torch named differently: a rank skipped a new_group."""
+    by_ranks: dict[tuple[int, ...], dict[str, list[int]]] = {}
+    for rs in run.ranks:
+        w = rs.waiting if rs.state == BLOCKED else None
+        name = getattr(getattr(w, "group", None), "torch_name", None)
+        if name is not None:
+            by_ranks.setdefault(w.group.ranks, {}).setdefault(name, []).append(rs.rank)
+    return [f"the members of group {fmt_ranks(ranks)} wait in different groups: torch named the group "
+            + ", ".join(f"{n!r} on rank{'s' if len(rs) > 1 else ''} {_and(rs)}" for n, rs in names.items())
+            + " (torch names a group by a count of new_group calls, which every rank of the default group makes in "
+              "the same order, members or not; with use_local_synchronization=True by a hash of its ranks and of "
+              "how many groups the rank has): ranks that name it differently never meet, and gloo hangs there. "
+              "Fix: call new_group on every rank, in the same order (a local-synchronization group: on members "
+              "that have the same groups so far)"
+            for ranks, names in by_ranks.items() if len(names) > 1]
 
 
 # -- the report of a bound that ran out (see simulator.core.progress) ---------------------------------------------

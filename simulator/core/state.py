@@ -369,7 +369,7 @@ OVER_TEXT = format_message(
 class SimGroup:
     """The world-wide identity of a group: its ranks and its open slots."""
 
-    __slots__ = ("gid", "ranks", "size", "index", "slots", "rule")
+    __slots__ = ("gid", "ranks", "size", "index", "slots", "rule", "torch_name")
 
     def __init__(self, gid: int, ranks: tuple[int, ...]) -> None:
         self.gid = gid
@@ -377,6 +377,7 @@ class SimGroup:
         self.size = len(ranks)
         self.index = {g: i for i, g in enumerate(ranks)}
         self.slots: dict[int, Slot] = {}
+        self.torch_name: str | None = None  # torch's name of the group, where torch made it
         #: a rule of the backend the program named for this group (NCCL's one device per rank): its ``tag(data)``
         #: runs on each member's thread as it issues a call (the call keeps the result as ``tag``), its
         #: ``check(name, calls)`` once all members' calls of collective ``name`` arrived, giving an

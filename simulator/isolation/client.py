@@ -94,8 +94,8 @@ class ClientBackend(SimBackend):
     def new_group_handle(self, ranks: tuple[int, ...], timeout: timedelta) -> int | None:
         return self._group("new_group_handle", ranks)
 
-    def member_group_handle(self, ranks: tuple[int, ...]) -> int:
-        return self._group("member_group_handle", ranks)
+    def member_group_handle(self, ranks: tuple[int, ...], name: str | None = None) -> int:
+        return self._group("member_group_handle", ranks, name)
 
     def rendezvous(self, key: Any, rank: int, size: int) -> tuple[int, ...]:
         """Claim ``rank`` of the ``size``-rank group over part of the world meeting at ``key``, in the coordinator
@@ -213,12 +213,12 @@ class ClientBackend(SimBackend):
             staged.release()
         return value
 
-    def _group(self, method: str, ranks: tuple[int, ...]) -> int | None:
+    def _group(self, method: str, ranks: tuple[int, ...], name: str | None = None) -> int | None:
         """``new_group_handle``/``member_group_handle`` in the coordinator: the group's id there."""
         self._own_process(method)
         site = call_site(1)
         try:
-            return self._exchange((GROUP, method, tuple(ranks), site, self._cpu_delta()))
+            return self._exchange((GROUP, method, tuple(ranks), site, self._cpu_delta(), name))
         finally:
             self._cpu.mark = time.thread_time()
 

@@ -33,7 +33,8 @@ __all__ = [
 #: :mod:`.staging`), issued at ``site`` during ``backward`` (or None), ``cpu`` s of compute since the last
 #: request; answers None, the source rank (a blocking recv) or the id of an ``async_op`` call's work
 CALL = "call"
-#: ``(GROUP, method, ranks, site, cpu)``: ``new_group_handle`` or ``member_group_handle`` over ``ranks``;
+#: ``(GROUP, method, ranks, site, cpu, name)``: ``new_group_handle`` or ``member_group_handle`` over ``ranks`` (``name``:
+#: torch's name of the group, or None);
 #: answers the group's id (None: not a member)
 GROUP = "group"
 #: ``(RENDEZVOUS, key, rank, size, cpu)``: claim ``rank`` of the ``size``-rank process group over part of the

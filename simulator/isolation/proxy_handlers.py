@@ -204,10 +204,11 @@ class ProxyHandlers(RpcRouteHandlers):
                                      lambda: self._perform(me, rs.backend, name, enc, site, backward))
 
     def handle_group(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> int | None:
-        _, method, ranks, site, cpu = msg
+        _, method, ranks, site, cpu, name = msg
         rs.cpu_mark = time.thread_time() - cpu
         backend = rs.backend
-        args: tuple = (ranks, timedelta(seconds=self.world.pg_timeout)) if method == "new_group_handle" else (ranks,)
+        args: tuple = (ranks, timedelta(seconds=self.world.pg_timeout)) if method == "new_group_handle" else (ranks,
+                                                                                                          name)
         h = _at(site)(getattr(backend, method), args)
         if h is None:
             return None
