@@ -794,3 +794,21 @@ def test_both_front_doors_refuse_outside_a_world_alike(name: str, api: Callable[
     assert api_msg.startswith(f"tensorplay.distributed.{name}: ")
     assert fn_msg.startswith(f"tensorplay.distributed.nn.functional.{name}: ")
     assert api_msg.split(": ", 1)[1] == fn_msg.split(": ", 1)[1]
+
+
+def _all_reduce_expanded() -> str:
+    try:
+        dist.all_reduce(torch.ones(1).expand(3))
+    except dist.DistBackendError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_an_output_whose_elements_share_memory_names_the_clone_fix() -> None:
+    """An expanded view (stride 0) cannot take a collective's result element by element: the failure says so and
+    names the fix, not a device mix-up."""
+    import simulator
+
+    for msg in simulator.run(_all_reduce_expanded, 2, timeout=60):
+        assert "refers to a single memory location" in msg and "Fix: pass output tensors whose elements have " \
+            "memory of their own: t.contiguous() or t.clone()" in msg, msg

@@ -56,6 +56,14 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
+def _kernel_fix(e: Exception) -> str:
+    """The fix for a collective whose result could not be written, as its error says why."""
+    if "refers to a single memory location" in str(e):  # an output whose elements share memory (expand, stride 0)
+        return ("pass output tensors whose elements have memory of their own: t.contiguous() or t.clone() of an "
+                "expanded view (a collective writes every element)")
+    return "check that every rank passes tensors on compatible devices"
+
+
 def _no_grad(kernel: Callable[[list["RankCall"]], Any], calls: list["RankCall"]) -> Any:
     """Run a kernel as c10d does: on the tensors' memory, invisible to autograd.
 
@@ -276,8 +284,7 @@ class SimBackend(Backend):
             except Exception as e:  # noqa: BLE001  (a kernel failure fails the collective on every member)
                 slot.error = Incident(DistBackendError, format_message(
                     slot.name, f"the simulator failed to compute the result: {type(e).__name__}: {e}",
-                    group=slot.group.ranks, fix="check that every rank passes tensors on compatible devices"),
-                    cause=e)
+                    group=slot.group.ranks, fix=_kernel_fix(e)), cause=e)
         # starts when the last member issued it and its members' links are free (see simulator.timing.cost)
         start = links_start(run, slot.group.ranks, max([c.vstart for c in calls]))
         slot.vend = start + run.cost.cost(slot.name, nbytes, slot.group.size)

@@ -188,7 +188,8 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
             verb = text.replace("waits ", "wait ", 1).replace("has ", "have ", 1).replace("is running", "are running", 1).replace("is ready", "are ready", 1)
             lines.append(f"  ranks {_and(ranks)} {verb}")
     send_waiters = [rs.rank for rs in run.ranks
-                    if rs.state == BLOCKED and isinstance(rs.waiting, P2PRecord) and rs.waiting.kind == "send"]
+                    if rs.state == BLOCKED and isinstance(rs.waiting, P2PRecord) and rs.waiting.kind == "send"
+                    and run.ranks[rs.waiting.dst].state != DONE]  # (a receiver that returned never posts it)
     if send_waiters:
         hints.append(f"rank{'s' if len(send_waiters) > 1 else ''} {_and(send_waiters)} wait{'' if len(send_waiters) > 1 else 's'} "
                      f"in a blocking send until the receiver posts its recv (p2p='rendezvous'): gloo and NCCL do "
