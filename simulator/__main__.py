@@ -5,7 +5,7 @@ With ``--nproc-per-node N`` the script runs torchrun-style on N ranks; without i
 """
 import sys
 
-from simulator.hash_seeds import reexec_with_seeded_hash
+from simulator.core.hash_seeds import reexec_with_seeded_hash
 
 reexec_with_seeded_hash()  # before torch is imported: a string-hash order that follows --seed (see the module)
 

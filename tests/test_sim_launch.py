@@ -658,7 +658,7 @@ def test_the_cli_string_hash_order_follows_the_seed(tmp_path):
 
 def test_the_cli_seed_is_read_before_the_script_and_its_value_options_are_the_parsers():
     from simulator.cli import _parser
-    from simulator.hash_seeds import CLI_VALUE_OPTIONS, cli_seed
+    from simulator.core.hash_seeds import CLI_VALUE_OPTIONS, cli_seed
 
     takes_value = {o for a in _parser()._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
     assert takes_value == CLI_VALUE_OPTIONS

@@ -33,7 +33,7 @@ from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, forma
 from simulator.adapters import _environ
 from simulator.core.errors import RankExitError, SimTimeoutError
 from simulator.core.state import current_rank_state
-from simulator.hash_seeds import hash_seed
+from simulator.core.hash_seeds import hash_seed
 from simulator.isolation import _wire, cleanup, pickling, warm
 from simulator.isolation.messages import END, EXIT, FDS_PASSED, FDS_WHERE, READY, Setup
 from simulator.isolation.proxy_handlers import Channel, ProxyHandlers, RankProcess
