@@ -1115,6 +1115,28 @@ def test_cuda_checkpoints_load_onto_standins(two_gpus):
     assert torch.load(buf)["w"].device.type == "cpu"  # no map_location: where it was saved
 
 
+def test_a_whole_pickled_cuda_module_loads_back_onto_its_device_as_on_a_gpu(two_gpus):
+    """torch.save(model) of a module on cuda:1, loaded: its parameters are parameters on cuda:1 that require grad,
+    tied weights stay one, its buffers are there too, and it trains on a cuda input (before: CPU tensors)."""
+    torch.cuda.set_device(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False),
+                                torch.nn.BatchNorm1d(5)).cuda()
+    model[0].weight = model[1].weight = torch.nn.Parameter(torch.randn(5, 4).cuda())
+    buf = io.BytesIO()
+    torch.save({"model": model, "step": 3}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)["model"]
+    for (name, p), (_, q) in zip(loaded.named_parameters(), model.named_parameters()):
+        assert isinstance(p, torch.nn.Parameter) and p.requires_grad and p.device == torch.device("cuda", 1), name
+        assert torch.equal(p.cpu(), q.cpu()), name
+    assert loaded[0].weight is loaded[1].weight
+    assert {str(b.device) for b in loaded.buffers()} == {"cuda:1"}
+    x = torch.tensor([1, 3]).cuda()
+    loaded(x).sum().backward()
+    assert loaded[0].weight.grad.device == torch.device("cuda", 1)
+
+
 def test_checkpoints_load_through_a_map_location_moving_storages(two_gpus):
     """map_location=lambda storage, loc: storage.cuda(gpu) (PyTorch's ImageNet example) loads onto cuda:gpu."""
     state = {"w": torch.arange(3.0), "steps": [torch.tensor([4, 5])]}

@@ -14,8 +14,9 @@ is enabled, :func:`deserialize_cuda` replaces it: the storage stays on the CPU
 and is noted with its device (the saved ``cuda:i``, or ``map_location``'s), and
 :func:`patched_load` turns the tensors over noted storages into stand-ins on
 that device.  Tensors are found in the loaded object's dicts, lists and tuples
-(state dicts, optimizer states, checkpoints of those); a tensor inside any other
-object (a whole pickled ``nn.Module``) loads on the CPU.
+(state dicts, optimizer states, checkpoints of those) and in the parameters and
+buffers of a whole pickled ``nn.Module``; a tensor inside any other object loads
+on the CPU.
 """
 from __future__ import annotations
 
@@ -88,7 +89,14 @@ def storage_to(original: Callable[..., Any]) -> Callable[..., Any]:
     return to
 
 
-def _convert(obj: Any, marks: dict[int, int]) -> Any:
+def _convert(obj: Any, marks: dict[int, int], memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` with its tensors over noted storages as stand-ins; ``memo``: one stand-in per loaded tensor, so a
+    tensor met twice (a tied weight) stays one."""
+    memo = {} if memo is None else memo
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
+    out: Any = obj
     if isinstance(obj, torch.Tensor) and not isinstance(obj, StandInTensor):
         idx = marks.get(obj.untyped_storage()._cdata) if obj.layout is torch.strided else None
         if idx is None:
@@ -96,13 +104,21 @@ def _convert(obj: Any, marks: dict[int, int]) -> Any:
         ranks.track(obj, idx)
         out = wrap(obj.detach(), idx)
         if isinstance(obj, torch.nn.Parameter):
-            return torch.nn.Parameter(out, requires_grad=obj.requires_grad)
-        return out.requires_grad_() if obj.requires_grad else out
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _convert(v, marks)) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_convert(v, marks) for v in obj)
-    return obj
+            out = torch.nn.Parameter(out, requires_grad=obj.requires_grad)
+        elif obj.requires_grad:
+            out.requires_grad_()
+    elif isinstance(obj, torch.nn.Module):  # a whole pickled module: its parameters and buffers, in place
+        for m in obj.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        table[name] = _convert(t, marks, memo)
+    elif type(obj) in (dict, OrderedDict):
+        out = type(obj)((k, _convert(v, marks, memo)) for k, v in obj.items())
+    elif type(obj) in (list, tuple):
+        out = type(obj)(_convert(v, marks, memo) for v in obj)
+    memo[id(obj)] = out
+    return out
 
 
 def patched_load(original: Callable[..., Any]) -> Callable[..., Any]:

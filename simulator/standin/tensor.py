@@ -199,6 +199,13 @@ class StandInTensor(torch.Tensor):
         marks = getattr(saving, "marks", None)
         if marks is not None:
             marks[self._inner.untyped_storage()._cdata] = self._idx
+            if getattr(self, "_is_param", False) or self.requires_grad:
+                # as a GPU's: a parameter (a whole pickled module's) is saved as one, requires_grad kept; the alias
+                # shares the inner tensor's storage, which is what the file records
+                alias = self._inner.detach()
+                if getattr(self, "_is_param", False):
+                    return torch.nn.Parameter(alias, requires_grad=self.requires_grad).__reduce_ex__(proto)
+                return alias.requires_grad_().__reduce_ex__(proto)
         return self._inner.__reduce_ex__(proto)
 
 
