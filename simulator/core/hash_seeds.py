@@ -59,10 +59,12 @@ def reexec_with_seeded_hash() -> None:
     if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random") or os.name != "posix":
         return
     seed = cli_seed(sys.argv[1:])
-    orig = getattr(sys, "orig_argv", None)  # the interpreter's own flags (-X, -W, -u) too
-    if seed is None or not orig:
+    orig = list(getattr(sys, "orig_argv", None) or [])  # the interpreter's own flags (-X, -W, -u) too
+    # only an interpreter started as `python -m simulator` (run_module from other code would run that code twice)
+    started_here = "-m" in orig and orig.index("-m") + 1 < len(orig) and orig[orig.index("-m") + 1] == "simulator"
+    if seed is None or not started_here:
         return
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed(seed, 0)))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, list(orig), env)
+    os.execve(sys.executable, orig, env)
