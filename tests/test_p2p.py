@@ -406,7 +406,7 @@ def test_cli_p2p_option(tmp_path: Any, p2p: str) -> None:
         assert out.returncode == 1 and "DeadlockError" in out.stderr and "wait in a blocking send" in out.stderr
 
 
-def _both_send_first() -> None:
+def _both_block_in_send() -> None:
     peer = 1 - dist.get_rank()
     dist.send(tp.ones(1), dst=peer)
     dist.recv(tp.zeros(1), src=peer)
@@ -422,7 +422,7 @@ def test_the_blocking_send_hint_is_given_where_the_receiver_is_itself_blocked() 
     so and how to reorder; a send to a rank that returned is the missing recv itself, with no such advice."""
     with pytest.raises(simulator.DeadlockError, match=r"(?s)Hint: ranks 0 and 1 wait in a blocking send.*post sends "
                                                       r"with isend"):
-        simulator.run(_both_send_first, 2, timeout=60)
+        simulator.run(_both_block_in_send, 2, timeout=60)
     with pytest.raises(simulator.DeadlockError) as e:
         simulator.run(_send_to_a_rank_that_returns, 2, timeout=60)
     assert "rank 1 has returned" in str(e.value) and "blocking send" not in str(e.value)
