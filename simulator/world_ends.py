@@ -36,7 +36,18 @@ def refused_thread(run: Any, started: list[threading.Thread], e: RuntimeError) -
 
 def warn_unmatched_p2p(run: Run) -> None:
     """After a run that ended well: name the sends nobody received (a buffered send, p2p="eager", completes at once)
-    and the receives nothing matched (an irecv never waited for), which a real backend would leave pending."""
+    and the receives nothing matched (an irecv never waited for), which a real backend would leave pending; and the
+    asynchronous collectives some members issued, never waited for, that the others never joined."""
+    open_colls = [w for w in run.unwaited if not w._slot.done]
+    if open_colls:
+        what = "; ".join(f"rank {w._call.rs.rank}'s {w._slot.name} #{w._slot.seq} on group {list(w._slot.group.ranks)} "
+                         f"at {w._call.site}" for w in open_colls[:8])
+        warnings.warn(format_message(
+            "simulator.run", f"{len(open_colls)} asynchronous collective(s) were never waited for and never joined "
+            f"by every member before the run ended: {what}",
+            fix="issue the collective on every member of the group (and wait for it), or drop it; on gloo and NCCL "
+                "it is left pending, and a member can hang at its exit or in destroy_process_group"),
+            RuntimeWarning, stacklevel=4)  # (the caller of simulator.run)
     left = [r for q in (*run.sends.values(), *run.recvs.values()) for r in q]
     if not left:
         return

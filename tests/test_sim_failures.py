@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -598,3 +599,23 @@ def test_a_stack_size_threads_cannot_take_is_refused_with_the_fix(stack_size):
     with pytest.raises(dist.DistValueError, match=r"^simulator.run: stack_size must be 0 \(the platform's\) or at "
                                                   r"least 32 KiB, in bytes: stack_size=.*Fix: pass e.g. stack_size="):
         simulator.run(lambda: None, 2, stack_size=stack_size)
+
+
+def _async_all_reduces(extra_on_rank_0: bool) -> int:
+    dist.all_reduce(torch.ones(2), async_op=True)  # never waited: every member issues it, so it completes
+    if extra_on_rank_0 and dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3), async_op=True)  # issued by rank 0 only, never waited for
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_an_async_collective_some_members_never_join_is_named_when_the_run_ends(isolation) -> None:
+    """gloo leaves it pending (and a member may hang at its exit); the run ends well and warns, naming it, while an
+    unwaited collective every member joined is no warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert simulator.run(_async_all_reduces, 2, args=(False,), isolation=isolation) == [0, 1]
+    with pytest.warns(RuntimeWarning, match=r"1 asynchronous collective\(s\) were never waited for and never joined "
+                                            r"by every member before the run ended: rank 0's all_reduce #2 on group "
+                                            r"\[0, 1\] at test_sim_failures.py:\d+.*Fix: issue the collective"):
+        assert simulator.run(_async_all_reduces, 2, args=(True,), isolation=isolation) == [0, 1]

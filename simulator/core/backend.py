@@ -311,8 +311,11 @@ class SimBackend(Backend):
         rs = rs or self._rs
         charge_compute(rs, starts=False)  # the compute after the rank's last operation is part of its run
         for w in rs.unflushed:
-            if isinstance(w, CollWork) and w._slot.done:
-                observe_coll(rs, w._slot, w._call)
+            if isinstance(w, CollWork):
+                if w._slot.done:
+                    observe_coll(rs, w._slot, w._call)
+                else:  # the others may still issue it; what is still open when the run ends is named then
+                    rs.run.unwaited.append(w)
             elif isinstance(w, P2PWork) and w._rec.done:
                 observe_p2p(rs, w._rec)
         rs.unflushed.clear()

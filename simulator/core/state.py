@@ -217,6 +217,8 @@ class Run:
         self.sched: Scheduler = scheduler(self)
         # p2p mailboxes, keyed by destination global rank (lists created on first use)
         self.sends: dict[int, list] = {}
+        #: async collectives a rank never waited for and that were open when it ended (see world_ends)
+        self.unwaited: list[Any] = []
         self.recvs: dict[int, list] = {}
         self.next_gid = 1
         # large kernels run on the thread that called run() (see execute())
