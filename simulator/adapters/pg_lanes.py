@@ -52,11 +52,12 @@ class LanesMixin:
     member_group: Any = None
     _g: Any
     _cpu_lane: Any = None
+    _by_device: dict[str, str] = {}
 
     def _open_lanes(self, named: str) -> None:
         """Give the CPU tensors a communicator of their own when CPU and CUDA have different backends here (only
         where CUDA tensors can exist: on GPUs or stand-ins)."""
-        by_device = backends_by_device(named)
+        by_device = self._by_device = backends_by_device(named)  # (read at every call: see _speaks_nccl)
         if "cpu" in by_device and by_device.get("cuda", by_device["cpu"]) != by_device["cpu"] \
                 and torch.cuda.is_available():
             self._cpu_lane = type(self).member_group(dist_state.current(), tuple(self._g.ranks))
@@ -64,7 +65,12 @@ class LanesMixin:
     def _speaks_nccl(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow NCCL's rules: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
         named: str = self._named  # type: ignore[attr-defined]
-        return named == "nccl" or (":" in named and backends_by_device(named).get(t.device.type) == "nccl")
+        return named == "nccl" or (":" in named and self._by_device.get(t.device.type) == "nccl")
+
+    def _check_tag(self, call: str, tag: Any, t: torch.Tensor) -> None:
+        """A point-to-point tag as the backend serving ``t`` checks it (``GlooRules.tag``)."""
+        if type(tag) is not int or not 0 <= tag < 2 ** 31:  # (a tag in range costs the send this test only)
+            self._rules(call).tag(tag, nccl=self._speaks_nccl(t))  # type: ignore[attr-defined]
 
     def _lane(self, t: Any) -> Any:
         """The communicator for an operation on ``t`` (a tensor or a device; ``None``: the group's own)."""

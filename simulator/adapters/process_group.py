@@ -512,16 +512,16 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
 
     # -- point to point ----------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
-        self._rules("send").tag(tag, nccl=self._speaks_nccl(tensors[0]))
+        self._check_tag("send", tag, tensors[0])
         return SimWork([tpd.isend(t, group=self._lane(t), group_dst=dst, tag=tag) for t in tensors], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
-        self._rules("recv").tag(tag, nccl=self._speaks_nccl(tensors[0]))
+        self._check_tag("recv", tag, tensors[0])
         works = [tpd.irecv(t, group=self._lane(t), group_src=src, tag=tag) for t in tensors]
         return SimWork(works, tensors, source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
-        self._rules("recvAnysource").tag(tag, nccl=self._speaks_nccl(tensors[0]))
+        self._check_tag("recvAnysource", tag, tensors[0])
         w = tpd.irecv(tensors[0], group=self._lane(tensors[0]), tag=tag)
         # tensorplay reports the sender as a global rank; torch's _source_rank() is a group rank
         return SimWork([w], tensors, source=lambda: self._g.group_rank(w.source_rank()))

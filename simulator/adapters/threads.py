@@ -518,9 +518,9 @@ def _install() -> None:
         _REAL["os_exit"] = os._exit
     if signal.signal is not _signal:
         _REAL["signal"], _REAL["getsignal"] = signal.signal, signal.getsignal
-    if _REAL["alarm"] is not None and signal.alarm is not _alarm:
-        _REAL["alarm"], _REAL["setitimer"] = signal.alarm, signal.setitimer
-    if _REAL["alarm"] is not None:
+    if _REAL["alarm"] is not None:  # (POSIX)
+        if signal.alarm is not _alarm:
+            _REAL["alarm"], _REAL["setitimer"] = signal.alarm, signal.setitimer
         signal.alarm, signal.setitimer = _alarm, _setitimer
     if atexit.register is not _atexit_register:
         _REAL["atexit_register"], _REAL["atexit_unregister"] = atexit.register, atexit.unregister

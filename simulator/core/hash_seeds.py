@@ -61,8 +61,8 @@ def reexec_with_seeded_hash() -> None:
     seed = cli_seed(sys.argv[1:])
     orig = list(getattr(sys, "orig_argv", None) or [])  # the interpreter's own flags (-X, -W, -u) too
     # only an interpreter started as `python -m simulator` (run_module from other code would run that code twice)
-    started_here = "-m" in orig and orig.index("-m") + 1 < len(orig) and orig[orig.index("-m") + 1] == "simulator"
-    if seed is None or not started_here:
+    i = orig.index("-m") + 1 if "-m" in orig else len(orig)
+    if seed is None or orig[i:i + 1] != ["simulator"]:
         return
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed(seed, 0)))
     sys.stdout.flush()

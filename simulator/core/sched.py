@@ -113,10 +113,13 @@ class _SchedulerBase:
             deadlines.pop(rs, None)
 
     def poll(self, rs: "RankState") -> None:
-        """``rs`` asked whether an operation that has not completed has (``Work.is_completed()``): free-running
-        ranks need nothing (the OS runs the others meanwhile); see :meth:`CoopScheduler.poll`."""
-        if rs.pending is not None or self.run.fatal is not None or self.run.over:
-            self.check(rs)
+        """``rs`` asked whether an operation that has not completed has (``while not work.is_completed(): ...``):
+        a scheduling point, so in coop mode a seeded choice of who runs next (holding the baton, the loop would
+        keep the ranks it waits for from ever running).  A poll is no progress: the stamp a point sets is put
+        back, so a rank that polls forever is a stall."""
+        stamp = rs.stamp
+        self.point(rs)
+        rs.stamp = stamp
 
     def check(self, rs: "RankState") -> None:
         """Raise the incident pending for ``rs`` or the world's failure, if any."""
@@ -349,20 +352,6 @@ class CoopScheduler(_SchedulerBase):
             if nxt is not rs:
                 self._handoff(rs, nxt)
                 rs.stamp = self.clock()  # it computes again from now (a rank waiting for its turn is not computing)
-        self.check(rs)
-
-    def poll(self, rs: "RankState") -> None:
-        """A rank that polls an operation that has not completed (``while not work.is_completed(): ...``) gives
-        a seeded choice of who runs next, as at a scheduling point: holding the baton, its loop would keep the
-        ranks it waits for from ever running.  A poll is no progress (a rank that polls forever is a stall)."""
-        if rs.state == FREE:
-            self._join(rs)
-        if self.requests or self.timeouts:
-            self._drain()
-        if len(self.runnable) > 1:
-            nxt = self._pick()
-            if nxt is not rs:
-                self._handoff(rs, nxt)
         self.check(rs)
 
     def block(self, rs: "RankState", w: Any) -> None:

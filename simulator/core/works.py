@@ -94,16 +94,17 @@ def notify(rs: RankState, w: Any, error: Incident | None, source: int | None = N
 def own_checks() -> Iterator[None]:
     """The simulator's own questions about completion (a rank process's proxy reporting which works finished, with
     every answer) are no polls of the program's: no scheduling choice, whose number would follow real timing."""
+    outer = _local.__dict__.get("own_checks", False)
     _local.own_checks = True
     try:
         yield
     finally:
-        _local.own_checks = False
+        _local.own_checks = outer
 
 
 def _polled(rs: RankState) -> None:
     """The calling actor of ``rs``'s rank asked about an operation that has not completed: let the others run (see
-    :meth:`simulator.core.sched.CoopScheduler.poll`)."""
+    :meth:`simulator.core.sched._SchedulerBase.poll`)."""
     if _local.__dict__.get("own_checks"):
         return
     me = caller(rs)
