@@ -164,6 +164,55 @@ def test_deadlock_both_wait_in_recv(mode):
     assert all(isinstance(x, simulator.DeadlockError) for x in world.errors)
 
 
+def _skips_its_recv_in_a_batch():
+    r = dist.get_rank()
+    ops = [dist.P2POp(dist.isend, tp.ones(2), 1 - r)] + ([dist.P2POp(dist.irecv, tp.zeros(2), 1 - r)] if r == 0 else [])
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deadlock_on_a_peer_that_returned_names_the_skipped_operation(mode):
+    """The hint names the rank that returned without the matching operation, not a cycle of waits or a blocking
+    send (the send here is already an isend, and the fix is on the other rank)."""
+    e, world, _ = _fail(_skips_its_recv_in_a_batch, 2, mode, simulator.DeadlockError)
+    msg = str(e)
+    assert "rank 1 returned without posting the recv that matches rank 0's send (tag 0, at " + HERE in msg
+    assert "left it out on rank 1" in msg
+    assert "blocking send" not in msg and "nobody issues" not in msg
+    assert isinstance(world.errors[0], simulator.DeadlockError) and world.errors[1] is None
+
+
+def _broadcasts_object_lists_of_two_lengths():
+    import torch.distributed as tdist  # (torch's own object collectives, which issue tensors of their own)
+    tdist.init_process_group("sim")
+    tdist.broadcast_object_list([1, 2, 3] if tdist.get_rank() == 0 else [None, None], src=0)
+
+
+def _sends_an_object_list_of_another_length():
+    import torch.distributed as tdist  # (as above)
+    tdist.init_process_group("sim")
+    if tdist.get_rank() == 0:
+        tdist.send_object_list(["a", "b"], dst=1)
+    else:
+        tdist.recv_object_list([None], src=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mismatch_inside_torchs_object_collectives_names_them_and_the_list_length(mode):
+    """broadcast_object_list and send/recv_object_list first send one int64 size per object: a mismatch there is
+    reported on the call the program made, with what the shape means."""
+    e, _, _ = _fail(_broadcasts_object_lists_of_two_lengths, 2, mode, simulator.CollectiveMismatchError)
+    msg = str(e)
+    assert "shape differs (rank 0: (3,); rank 1: (2,))" in msg
+    assert "issued inside broadcast_object_list: its first broadcast carries one int64 size per object" in msg
+    assert re.search(HERE + r"\d+ in broadcast_object_list", msg)
+    e, _, _ = _fail(_sends_an_object_list_of_another_length, 2, mode, simulator.CollectiveMismatchError)
+    msg = str(e)
+    assert "issued inside recv_object_list and send_object_list" in msg and "len(object_list)" in msg
+    assert re.search(HERE + r"\d+ in send_object_list", msg) and re.search(HERE + r"\d+ in recv_object_list", msg)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_deadlock_crossed_groups(mode):
     def fn():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from simulator.core.callsite import split_site
 from simulator.core.progress import is_waiting
 from simulator.core._actor import BLOCKED, DONE, FREE, RUNNABLE
 from simulator.core.state import P2PRecord, Slot
@@ -64,11 +65,37 @@ def is_new_group(calls: Sequence[Any]) -> bool:
     return all(c.key[0] == "new_group" for c in calls)
 
 
+# what torch's composite calls (simulator.core.callsite.COMPOSITES) send, for a mismatch inside one
+_COMPOSITE_NOTES = {
+    "broadcast_object_list": "its first broadcast carries one int64 size per object, so its shape (n,) is "
+                             "len(object_list): every rank must pass a list of the same length",
+    "send_object_list": "its first message carries one int64 size per object: the receiver's len(object_list) "
+                        "must equal the sender's",
+    "scatter_object_list": "it broadcasts the largest pickled size, then scatters one padded byte tensor per rank",
+    "gather_object": "it exchanges each rank's pickled size, then the padded pickled bytes",
+}
+_COMPOSITE_NOTES["recv_object_list"] = _COMPOSITE_NOTES["send_object_list"]
+_COMPOSITE_NOTES["all_gather_object"] = _COMPOSITE_NOTES["gather_object"]
+
+
+def _composite_note(kind: str, calls: Sequence[Any]) -> str | None:
+    """A line naming the torch calls the mismatched operation was issued in, if every rank was in one (a pair of
+    send_object_list and recv_object_list counts as one)."""
+    apis = sorted({split_site(c.site)[1] for c in calls})
+    notes = {_COMPOSITE_NOTES.get(a) for a in apis}
+    if len(notes) != 1 or None in notes:
+        return None
+    return f"  this {kind} is torch's own, issued inside {' and '.join(apis)}: {notes.pop()}"
+
+
 def mismatch_message(kind: str, group: Any, seq: int | None, calls: list[Any], reason: str) -> str:
     """The table of what each rank called, for a :class:`CollectiveMismatchError`."""
     group_ranks = group.ranks
     where = f"call #{seq} on group {group_label(group)}" if seq is not None else f"a {kind} on group {group_label(group)}"
     head = f"tensorplay.distributed ranks disagree in {where}: {reason}"
+    note = _composite_note(kind, calls)
+    if note is not None:
+        head += "\n" + note
     cols = ["rank", "collective", "op", "root", "dtype", "shape", "called at"]
     rows = [_row_values(c, group_ranks) for c in calls[:_MAX_ROWS]]
     widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
@@ -197,9 +224,22 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
                      f"would let it through. Fix: post sends with isend (or batch_isend_irecv) before the recvs, "
                      f"or order the send/recv pairs so that one side receives first")
     lines.extend(threads)
-    if len(recv_waiters) >= 2:
-        both = "both" if len(recv_waiters) == 2 else "all"
-        hints.append(f"ranks {_and(recv_waiters)} {both} wait in recv: each waits for a send nobody issues")
+    # a p2p operation whose peer has returned or failed: that peer is the cause, whatever else waits
+    orphaned: set[int] = set()
+    for rs in run.ranks:
+        w = rs.waiting if rs.state == BLOCKED else None
+        peer = w.dst if isinstance(w, P2PRecord) and w.kind == "send" else getattr(w, "src", None)
+        if isinstance(w, P2PRecord) and peer is not None and run.ranks[peer].state == DONE:
+            orphaned.add(rs.rank)
+            ended = "returned" if run.ranks[peer].exc is None else "failed"
+            want = "recv" if w.kind == "send" else "send"
+            hints.append(f"rank {peer} {ended} without posting the {want} that matches rank {rs.rank}'s {w.kind} "
+                         f"(tag {w.tag}, at {w.site}): a rank-dependent branch, or a batch_isend_irecv list, left "
+                         f"it out on rank {peer}")
+    cyclic = [r for r in recv_waiters if r not in orphaned]
+    if len(cyclic) >= 2:
+        both = "both" if len(cyclic) == 2 else "all"
+        hints.append(f"ranks {_and(cyclic)} {both} wait in recv: each waits for a send nobody issues")
     # a collective issued inside an autograd backward that another rank never joins
     seen: set[int] = set()
     for rs in run.ranks:

@@ -31,6 +31,7 @@ from tensorplay.distributed.group import ProcessGroup
 
 from simulator.adapters import threads, torch_groups
 from simulator.adapters.clock_hooks import mark_step
+from simulator.core.callsite import C10D_FILE, split_site
 from simulator.core.sched import CoopScheduler
 from simulator.core.works import own_checks
 from simulator.isolation import _wire, warm
@@ -49,23 +50,34 @@ def _template(f, a):  # noqa: ANN001,ANN202  (its code object is re-labelled wit
 _site_runners: dict[str, Callable[[Callable[..., Any], Sequence[Any]], Any]] = {}
 
 
+def _relabel(filename: str, line: int, name: str) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
+    """``_template`` with its frame shown at ``filename:line`` in function ``name``."""
+    # the body line of _template is one below its first line
+    code = _template.__code__.replace(co_filename=filename, co_firstlineno=line - 1, co_name=name)
+    return types.FunctionType(code, {})
+
+
 def _at(site: str) -> Callable[[Callable[..., Any], Sequence[Any]], Any]:
     """A caller whose frame is ``site`` (``"file.py:12"`` in the rank process) for the simulator's call-site lookup.
 
     The simulator names a call by the first frame outside the library; in the
     coordinator that frame is this one, so its code object carries the rank
-    process's file name and line.
+    process's file name and line.  A site inside one of torch's composite calls
+    (``"file.py:12 in broadcast_object_list"``) gets a second frame, torch's, named
+    after that call.
     """
     fn = _site_runners.get(site)
     if fn is None:
-        name, _, line = site.rpartition(":")
+        where, within = split_site(site)
+        name, _, line = where.rpartition(":")
         if not name or not line.isdigit():
             fn = _template
+        elif within:
+            inner = _relabel(C10D_FILE, 2, within)
+            outer = _relabel(name, int(line), "<rank process>")
+            fn = lambda f, a: outer(inner, (f, a))  # noqa: E731
         else:
-            # the body line of _template is one below its first line
-            code = _template.__code__.replace(co_filename=name, co_firstlineno=int(line) - 1,
-                                              co_name="<rank process>")
-            fn = types.FunctionType(code, {})
+            fn = _relabel(name, int(line), "<rank process>")
         _site_runners[site] = fn
     return fn
 
