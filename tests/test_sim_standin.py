@@ -389,6 +389,34 @@ def test_sdpa_kernel_restricted_to_a_kernel_that_cannot_run_refuses_as_cuda_does
     assert torch.nn.functional.scaled_dot_product_attention(q, q, q).is_cuda  # the math kernel is back
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["efficient", "gqa", "dropout"])
+def test_sdpa_with_a_boolean_mask_masks_where_it_is_false_on_every_kernel(two_gpus, dtype, how):
+    """A bool mask keeps the scores where it is True and removes the rest, as torch's front end converts it before
+    any kernel (before: the fused kernel refused it, and the math and dropout paths added it as 0/1)."""
+    import math
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    heads_kv = 1 if how == "gqa" else 2
+    q = torch.randn(1, 2, 6, 8, generator=g, dtype=dtype)
+    k = torch.randn(1, heads_kv, 6, 8, generator=g, dtype=dtype)
+    v = torch.randn(1, heads_kv, 6, 8, generator=g, dtype=dtype)
+    v[..., -1, :] = 1000.0  # the last key: a row that may not see it must not carry its value
+    keep = torch.ones(6, 6, dtype=torch.bool).tril()
+    kw = {"enable_gqa": how == "gqa", "dropout_p": 0.2 if how == "dropout" else 0.0}
+    out = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), attn_mask=keep.cuda(), **kw).cpu()
+    assert out[..., :-1, :].abs().max() < 100  # no row before the last sees the last key
+    if how == "dropout":
+        return
+    # the reference, written out: softmax over the kept scores only
+    kk, vv = (t.float().repeat_interleave(2 // heads_kv, dim=1) for t in (k, v))
+    scores = (q.float() @ kk.transpose(-2, -1) / math.sqrt(8)).masked_fill(~keep, float("-inf"))
+    want = torch.softmax(scores, -1) @ vv
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2.0, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), want, **tol)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_dropout_takes_the_memory_efficient_kernel_with_one_mask_for_forward_and_backward(two_gpus, causal):
     import math

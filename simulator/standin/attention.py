@@ -59,6 +59,11 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
 
 def _sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
           *, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # as torch's front end does before it picks a kernel: True keeps a score (adds 0), False masks it (-inf);
+        # every kernel below adds the mask to the scores
+        attn_mask = torch.where(attn_mask, 0.0, torch.full((), -math.inf, dtype=query.dtype,
+                                                            device=attn_mask.device))
     kind = choose(query, key, value, attn_mask, dropout_p, enable_gqa)
     aten = torch.ops.aten
     if kind == "flash":
