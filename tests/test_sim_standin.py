@@ -768,6 +768,21 @@ def test_autocast_computes_in_bf16_on_the_cpu(two_gpus):
     assert model.weight.grad.dtype == torch.float32 and torch.isfinite(model.weight.cpu()).all()
 
 
+def test_autocast_refuses_binary_cross_entropy_as_cuda_does(two_gpus):
+    """CUDA's autocast bans F.binary_cross_entropy / nn.BCELoss (a GPU program that uses it fails on a GPU), and
+    allows the logits form; outside autocast, or with it disabled, BCE runs."""
+    p, y = torch.rand(4, device="cuda"), torch.ones(4, device="cuda")
+    want = torch.nn.functional.binary_cross_entropy(p.cpu(), y.cpu())
+    for region in (lambda: torch.autocast("cuda"), lambda: torch.autocast("cuda", dtype=torch.bfloat16)):
+        with region():
+            with pytest.raises(RuntimeError, match="binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast"):
+                torch.nn.BCELoss()(p, y)
+            assert torch.nn.functional.binary_cross_entropy_with_logits(p, y).dtype == torch.float32
+            with torch.autocast("cuda", enabled=False):
+                assert torch.equal(torch.nn.functional.binary_cross_entropy(p, y).cpu(), want)
+    assert torch.equal(torch.nn.functional.binary_cross_entropy(p, y).cpu(), want)
+
+
 # -- refusals -------------------------------------------------------------------------------------------
 def test_compiled_code_runs_eagerly_on_standins(two_gpus, monkeypatch):
     # a GPU-written script compiles by default (nanoGPT): on stand-ins the model keeps a compiled module's shape

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["LOWER", "FP32", "PROMOTE", "register", "mirror_enabled", "mirror_dtype"]
+__all__ = ["LOWER", "FP32", "PROMOTE", "BANNED", "register", "mirror_enabled", "mirror_dtype"]
 
 #: CUDA's lower-precision list: computed in the autocast dtype
 LOWER = ("_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
@@ -41,6 +41,15 @@ FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2"
 #: CUDA's promote list: computed in the widest floating input type
 PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
            "tensordot", "scatter_add")
+
+#: CUDA's banned list: refused under autocast, since a sigmoid's fp16 output saturates before the log
+BANNED = ("binary_cross_entropy",)
+#: CUDA's message for them (autocast_mode.cpp), whose words programs and tests look for
+_BANNED_MESSAGE = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+                   "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+                   "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+                   "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+                   "safe to autocast.")
 
 _KEY = "AutocastPrivateUse1"
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
@@ -71,6 +80,8 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 def _kernel(op: Any, rule: str) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
+        if rule == "banned":
+            raise RuntimeError(_BANNED_MESSAGE)
         dtype = torch.float32 if rule == "fp32" else \
             _widest(args, kwargs) if rule == "promote" else torch.get_autocast_dtype("cuda")
         if dtype is not None:
@@ -87,7 +98,7 @@ def register() -> list[torch.library.Library]:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(torch.library.fallthrough_kernel, _KEY)
     lib = torch.library.Library("aten", "IMPL")
-    for rule, names in (("lower", LOWER), ("fp32", FP32), ("promote", PROMOTE)):
+    for rule, names in (("lower", LOWER), ("fp32", FP32), ("promote", PROMOTE), ("banned", BANNED)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
