@@ -364,17 +364,41 @@ def test_operators_compute_the_cpu_results(two_gpus):
     assert "device='cuda:0'" in repr(ga) and ga.type() == "torch.cuda.FloatTensor"
 
 
-def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(two_gpus):
+def test_standins_and_their_parameters_print_as_cuda_tensors(two_gpus):
+    """torch prints a CUDA tensor as tensor(..., device='cuda:0'), wrapping and indenting by "tensor(", and a
+    parameter as "Parameter containing:" above it (not as a subclass, Parameter(StandInTensor(...)))."""
+    half = torch.nn.Parameter(torch.zeros(2, device="cuda").half())
+    assert repr(half) == ("Parameter containing:\n"
+                          "tensor([0., 0.], device='cuda:0', dtype=torch.float16, requires_grad=True)")
+    frozen = torch.nn.Parameter(torch.ones(2, device="cuda:1"), requires_grad=False)
+    assert str(frozen) == "Parameter containing:\ntensor([1., 1.], device='cuda:1')"
+    doubled = torch.zeros(2, 2, device="cuda", dtype=torch.float64, requires_grad=True) * 2
+    assert repr(doubled) == ("tensor([[0., 0.],\n        [0., 0.]], device='cuda:0', dtype=torch.float64,\n"
+                             "       grad_fn=<MulBackward0>)")
+    wide = torch.arange(12.0).reshape(1, 12) / 7
+    cpu_lines = repr(wide).splitlines()  # (the CPU's text is the same up to the device suffix)
+    assert repr(wide.cuda()).splitlines()[:-1] == cpu_lines[:-1]
+    assert repr(wide.cuda()).splitlines()[-1] == cpu_lines[-1][:-1] + ", device='cuda:0')"
+    assert type(half).__name__ == "StandInTensor"  # (named "tensor" only while torch prints it)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+@pytest.mark.parametrize("targets_on", ["cuda", "cpu"])
+def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(two_gpus, reduction, targets_on):
+    """CUDA's ctc_loss takes its lengths as CPU tensors (and its targets on the CPU too, moving them for the user),
+    with every reduction ("mean" divides by the target lengths)."""
     torch.manual_seed(0)
     log_probs = torch.randn(5, 2, 4).log_softmax(2)
-    targets, lengths = torch.tensor([[1, 2], [1, 1]]), (torch.tensor([5, 5]), torch.tensor([2, 2]))
+    targets, lengths = torch.tensor([[1, 2], [1, 1]]), (torch.tensor([5, 4]), torch.tensor([2, 1], dtype=torch.int32))
     on_gpu = log_probs.cuda().requires_grad_()
-    got = torch.nn.CTCLoss(reduction="sum")(on_gpu, targets.cuda(), *lengths)
-    got.backward()
+    got = torch.nn.CTCLoss(reduction=reduction)(on_gpu, targets.to(targets_on), *lengths)
+    got.sum().backward()
     on_cpu = log_probs.clone().requires_grad_()
-    want = torch.nn.CTCLoss(reduction="sum")(on_cpu, targets, *lengths)
-    want.backward()
+    want = torch.nn.CTCLoss(reduction=reduction)(on_cpu, targets, *lengths)
+    want.sum().backward()
     assert got.is_cuda and torch.equal(got.cpu(), want) and torch.equal(on_gpu.grad.cpu(), on_cpu.grad)
+    with pytest.raises(RuntimeError, match="target_lengths must be integral"):
+        torch.nn.functional.ctc_loss(on_gpu, targets.cuda(), lengths[0], lengths[1].float())
 
 
 def test_sdpa_kernel_restricted_to_a_kernel_that_cannot_run_refuses_as_cuda_does(two_gpus):

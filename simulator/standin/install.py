@@ -99,6 +99,18 @@ def _record_stream_kernel(tensor: torch.Tensor, stream: Any) -> None:
     return None
 
 
+def _ctc_loss_lengths_on_host(log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, blank: int = 0,
+                              reduction: int = 1, zero_infinity: bool = False) -> Any:
+    """``ctc_loss`` with Tensor lengths, as CUDA computes it: the lengths read to the host first (torch's path for
+    plain tensors), so that ``reduction="mean"`` divides by lengths on the loss's device.  A subclass would take
+    torch's composite path, which divides a GPU loss by lengths left on the CPU."""
+    for name, t in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise RuntimeError(f"{name} must be integral")
+    return torch.ops.aten.ctc_loss.IntList(log_probs, targets, input_lengths.tolist(), target_lengths.tolist(), blank,
+                                           reduction, zero_infinity)
+
+
 def _overload(name: str) -> Any:
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
@@ -123,6 +135,7 @@ def _register_once() -> None:
     lib.impl(torch.ops.aten.record_stream.default, _record_stream_kernel, "PrivateUse1")
     for op in _KERNEL_OVER_COMPOSITE:
         lib.impl(op, _kernel_over_composite(op), "AutogradPrivateUse1")
+    lib.impl(torch.ops.aten.ctc_loss.Tensor, _ctc_loss_lengths_on_host, "AutogradPrivateUse1")
     for name in _FUSED_STEPS_WITHOUT_META:
         lib.impl(_overload(name), _updates_in_place, "Meta")
     _libraries.extend([fallback, lib, *amp.register(), *attention.register()])

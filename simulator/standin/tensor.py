@@ -68,6 +68,10 @@ _TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "_c10d_functional_auto
                      "profiler", "debugprims", "rngprims", "quantized_decomposed"}
 
 
+#: held while torch prints a stand-in under the name "tensor" (see StandInTensor.__repr__)
+_PRINTING = threading.RLock()
+
+
 def cuda_device(idx: int) -> torch.device:
     """The Python-visible device ``cuda:idx``."""
     return CUDA_DEVICES[idx]
@@ -142,11 +146,16 @@ class StandInTensor(torch.Tensor):
             else torch.Tensor.type(self, dtype, non_blocking, **kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        # torch's printer names the class; a CUDA tensor prints as tensor(..., device='cuda:i')
-        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
-        head = type(self).__name__ + "("
-        if text.startswith(head):
-            text = "tensor(" + text[len(head):].replace("\n" + " " * len(head), "\n" + " " * len("tensor("))
+        # torch's printer names the class and indents and wraps by that name; a CUDA tensor prints as
+        # tensor(..., device='cuda:i'): the class is named "tensor" while torch prints it
+        with _PRINTING:
+            StandInTensor.__name__ = "tensor"
+            try:
+                text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+            finally:
+                StandInTensor.__name__ = "StandInTensor"
+        if text.startswith("Parameter(") and text.endswith(")"):  # (torch's mark of a parameter of a subclass)
+            text = text[len("Parameter("):-1]
         return "Parameter containing:\n" + text if getattr(self, "_is_param", False) else text
 
     def __format__(self, spec: str) -> str:
