@@ -933,6 +933,39 @@ def test_each_rank_has_its_own_current_device_and_memory(mode):
     assert out == [(False, True, 0, 0, "cuda:0", 4096, 0), (False, True, 0, 1, "cuda:1", 4096, 0)]
 
 
+class _Symmetric(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def _remove_a_parametrization_under_ddp(device_type: str):
+    from torch.nn.utils import parametrize
+
+    tdist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    r = tdist.get_rank()
+    dev = torch.device(device_type, r) if device_type == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 3).to(dev)
+    parametrize.register_parametrization(m, "weight", _Symmetric())
+    original = m.parametrizations.weight.original
+    ddp = DDP(m, device_ids=[r] if device_type == "cuda" else None)  # (its reducer holds the parameter)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.full((2, 3), float(r + 1), device=dev)).sum().backward()
+    opt.step()
+    parametrize.remove_parametrizations(m, "weight")
+    return m.weight.detach().cpu(), m.weight is original and original.requires_grad
+
+
+def test_removing_a_parametrization_under_ddp_sets_the_parameter_in_place_as_on_gpus():
+    """remove_parametrizations writes the parametrized value into the original parameter, which keeps its identity
+    (a GPU sets it in place) while DDP's reducer holds it (before: torch's swap of a subclass refused)."""
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_remove_a_parametrization_under_ddp, 2, args=("cuda",))
+    want = simulator.run(_remove_a_parametrization_under_ddp, 2, args=("cpu",))
+    for (w, kept), (ref, _) in zip(got, want):
+        assert kept and torch.equal(w, ref) and torch.equal(w, w.t())
+
+
 def _ddp_grads(use_cuda: bool, backend: str):
     tdist.init_process_group(backend)
     r = tdist.get_rank()

@@ -341,6 +341,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "torch.load restores cuda-tagged storages through this registry's cuda entry"),
     _P("torch._subclasses.fake_tensor.FakeTensorMode.cache", "standin.install, standin.fakecache", "patches",
        "the fake-tensor dispatch cache, one per process: keyed by the current device while enabled"),
+    _P("torch.nn.utils.parametrize._maybe_set", "standin.install, standin.swap", "patches",
+       "removing a parametrization of a stand-in parameter sets it in place as on a GPU, not by a swap"),
     _P("torch._subclasses.meta_utils.is_traceable_wrapper_subclass", "standin.install, standin.fakecache",
        "patches", "the meta converter's subclass test: a stand-in is fakified as a plain tensor on cuda:i"),
     *(_P(f"torch.ops.aten.{op}", "standin.attention, standin.amp", "reads",

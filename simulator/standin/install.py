@@ -42,6 +42,7 @@ import torch.serialization
 import torch.utils._device
 from torch._subclasses import meta_utils
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils import parametrize
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
@@ -50,7 +51,7 @@ from simulator.standin import syncbn  # noqa: F401  (its operators, registered o
 from simulator.standin.fakecache import DeviceKeyedCache, plain_to_fakes
 from simulator.standin.device_type import device_class
 from simulator.standin.streams import generic_event
-from simulator.standin.swap import SWAP_WEAKREFS, swap_unless_same
+from simulator.standin.swap import SWAP_WEAKREFS, set_like_a_gpu, swap_unless_same
 from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
                                        ProcessGroupNCCL, compile_guard, cuda_only_table, profile_cpu_only)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
@@ -453,6 +454,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch, "device", device_class(torch.device)),
           (torch.utils, "swap_tensors", swap_unless_same(torch.utils.swap_tensors)),
           (torch.utils, "weakref", SWAP_WEAKREFS),
+          (parametrize, "_maybe_set", set_like_a_gpu(parametrize._maybe_set)),
           (torch.Tensor, "type", legacy.patched_type(torch.Tensor.type)),
           (torch, "set_default_tensor_type", legacy.patched_set_default_tensor_type(torch.set_default_tensor_type))]
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]

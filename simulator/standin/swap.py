@@ -12,7 +12,7 @@ import torch
 
 from simulator.standin.tensor import StandInTensor
 
-__all__ = ["same_standin", "swap_unless_same", "SwapWeakrefs", "SWAP_WEAKREFS"]
+__all__ = ["same_standin", "swap_unless_same", "set_like_a_gpu", "SwapWeakrefs", "SWAP_WEAKREFS"]
 
 
 def same_standin(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -45,6 +45,23 @@ def swap_unless_same(original: Callable[..., None]) -> Callable[..., None]:
         original(t1, t2)
 
     return swap_tensors
+
+
+def set_like_a_gpu(original: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``torch.nn.utils.parametrize._maybe_set``: removing a parametrization writes the result into the original
+    parameter, by ``set_`` on a GPU and by a swap for a wrapper subclass, which torch refuses while anything else
+    holds the parameter (DDP's reducer, an optimizer).  A stand-in takes the GPU's ``set_``: it keeps its identity
+    and follows the new data (see ``simulator.standin.tensor._follow``)."""
+
+    @functools.wraps(original)
+    def _maybe_set(dest: torch.Tensor, src: torch.Tensor) -> None:
+        if isinstance(dest, StandInTensor) and isinstance(src, StandInTensor) \
+                and not torch.__future__.get_swap_module_params_on_conversion():
+            dest.set_(src)
+            return
+        original(dest, src)
+
+    return _maybe_set
 
 
 class SwapWeakrefs:
