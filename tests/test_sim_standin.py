@@ -807,6 +807,39 @@ def test_autocast_refuses_binary_cross_entropy_as_cuda_does(two_gpus):
     assert torch.equal(torch.nn.functional.binary_cross_entropy(p, y).cpu(), want)
 
 
+def test_torchscript_modules_move_save_and_load_as_on_a_gpu(two_gpus, tmp_path):
+    """A scripted or traced module moves onto the device after scripting, saves from it, and loads back onto it
+    (without map_location: the devices it was saved from), computing what the CPU module computes."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).eval()
+    x = torch.randn(5, 4)
+    want = eager(x)
+    source = copy.deepcopy(eager)
+    scripted = torch.jit.script(source).to("cuda:1")
+    traced = torch.jit.trace(copy.deepcopy(eager), x).cuda()
+    # the parameters are the eager module's objects, now on the device (a GPU's .data = keeps them); buffers are
+    # replaced, as Module._apply replaces them
+    assert getattr(scripted, "0").weight is source[0].weight and source[0].weight.device == torch.device("cuda", 1)
+    assert getattr(scripted, "1").running_mean.is_cuda and not source[1].running_mean.is_cuda
+    assert torch.equal(scripted(x.to("cuda:1")).cpu(), want) and torch.equal(traced(x.cuda()).cpu(), want)
+    weight = getattr(scripted, "0").weight
+    path, buf = tmp_path / "m.pt", io.BytesIO()
+    torch.jit.save(scripted, path, _extra_files={"note": "kept"})
+    scripted.save_to_buffer()
+    torch.jit.save(traced, buf)
+    assert getattr(scripted, "0").weight is weight and weight.is_cuda  # (saving leaves the module as it was)
+    extra = {"note": "", "absent": ""}
+    for loaded, dev in ((torch.jit.load(path, _extra_files=extra), "cuda:1"),
+                        (torch.jit.load(io.BytesIO(buf.getvalue())), "cuda:0"),
+                        (torch.jit.load(path, map_location="cuda:0"), "cuda:0"),
+                        (torch.jit.load(path, map_location="cpu"), "cpu")):
+        assert {str(t.device) for t in (*loaded.parameters(), *loaded.buffers())} == {dev}
+        assert torch.equal(loaded(x.to(dev)).cpu(), want)
+    assert extra == {"note": b"kept", "absent": b""}  # (the caller's files only, as torch answers)
+    back = torch.jit.load(path).cpu()
+    assert not getattr(back, "0").weight.is_cuda and torch.equal(back(x), want)
+
+
 # -- refusals -------------------------------------------------------------------------------------------
 def test_compiled_code_runs_eagerly_on_standins(two_gpus, monkeypatch):
     # a GPU-written script compiles by default (nanoGPT): on stand-ins the model keeps a compiled module's shape

@@ -49,6 +49,7 @@ from simulator.adapters.after_import import when_imported
 from simulator.standin import _native, amp, attention, cuda_api as api, fsdp1, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache, plain_to_fakes
+from simulator.standin.jit import patched_jit_load, plain_slots, script_apply
 from simulator.standin.device_type import device_class
 from simulator.standin.streams import generic_event
 from simulator.standin.swap import SWAP_WEAKREFS, set_like_a_gpu, swap_unless_same
@@ -448,6 +449,11 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.profiler.profile, "__init__", profile_cpu_only(torch.profiler.profile.__init__)),
           (torch, "set_autocast_enabled", amp.mirror_enabled(torch.set_autocast_enabled)),
           (torch, "set_autocast_dtype", amp.mirror_dtype(torch.set_autocast_dtype))]
+    # TorchScript modules (scripted, loaded, traced): moved, saved and loaded as on a GPU
+    t += [(torch.jit.ScriptModule, "_apply", script_apply(torch.jit.ScriptModule._apply)),
+          (torch.jit, "load", patched_jit_load(torch.jit.load))]
+    t += [(c, n, plain_slots(vars(c)[n])) for c in (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule)
+          for n in ("save", "save_to_buffer")]
     t += [(torch, "load", patched_load(torch.load)), (torch, "save", patched_save(torch.save)),
           (torch.UntypedStorage, "to", storage_to(torch.UntypedStorage.to)),
           (torch, "Generator", rng.generator_class(torch.Generator)),
@@ -488,7 +494,9 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.Tensor.device",
     "torch.Tensor.is_cuda", "torch.Tensor.data", "torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.pin_memory",
     "torch.Tensor.new_tensor", "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.load", "torch.save",
-    "torch.UntypedStorage.to",
+    "torch.UntypedStorage.to", "torch.jit.load", "torch.jit.ScriptModule.save",
+    "torch.jit.ScriptModule.save_to_buffer", "torch.jit.RecursiveScriptModule.save",
+    "torch.jit.RecursiveScriptModule.save_to_buffer",
     "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart", "torch.Event",
     "torch.cuda.profiler.cudart", "torch.cuda.check_error", "torch.cuda.profiler.check_error",
     "torch.autograd.profiler.emit_nvtx.__enter__", "torch.autograd.profiler.emit_nvtx.__exit__",
