@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import runpy
 import shlex
 import sys
 import traceback
@@ -47,6 +46,7 @@ import torch
 from torch.multiprocessing.spawn import ProcessException
 
 from simulator import launch as _launch
+from simulator.adapters import per_rank_main
 from simulator.timing.calibrate import main as calibrate_main
 from simulator.timing.cost import default_cost, resolve_cost
 from simulator.isolation import ISOLATIONS
@@ -347,7 +347,7 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
 def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     def rank_main() -> None:
         try:
-            runpy.run_path(script, run_name="__main__")
+            per_rank_main.run_path(script)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
         except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
             if e.code not in (None, 0):
                 raise

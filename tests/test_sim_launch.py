@@ -667,3 +667,40 @@ def test_the_cli_seed_is_read_before_the_script_and_its_value_options_are_the_pa
     assert cli_seed(["--trace", "--seed", "train.py"]) == 0  # (--seed here is --trace's value)
     assert cli_seed(["train.py"]) == 0
     assert cli_seed(["pytest", "--seed", "3"]) is None and cli_seed(["calibrate"]) is None
+
+
+#: a torchrun-style script whose RPC handler keeps state in the script's globals (torch's parameter-server shape)
+MAIN_GLOBALS = textwrap.dedent("""\
+    import os, pickle
+    import __main__
+    import torch.distributed.rpc as rpc
+    COUNT = 0
+    RANK = int(os.environ["RANK"])
+
+    def incr():
+        global COUNT
+        COUNT += 1
+        return COUNT, RANK
+
+    r, w = RANK, int(os.environ["WORLD_SIZE"])
+    assert __main__.RANK == r and pickle.loads(pickle.dumps(incr)) is incr  # this rank's module, by name
+    rpc.init_rpc(f"worker{{r}}", rank=r, world_size=w)
+    if r > 0:
+        print(f"rank {{r}} answers", [rpc.rpc_sync("worker0", incr) for _ in range(2)])
+    rpc.shutdown()
+    if r == 0:
+        print("rank 0 counted", COUNT)
+""")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_scripts_functions_are_found_in_each_ranks_own_main_module(tmp_path, isolation):
+    """Pickle names a script's function by ``__main__``: the receiving rank finds it in its own script module, so
+    an RPC handler runs against the callee's globals, as in the callee's process (before, on thread ranks: in a
+    copy of the caller's, and the server's count was lost)."""
+    script = _write(tmp_path, "main_globals.py", MAIN_GLOBALS)
+    p = _sim(tmp_path, "--nproc-per-node", "3", "--isolation", isolation, script)
+    assert p.returncode == 0, p.stderr
+    answers = {line for line in p.stdout.splitlines() if "answers" in line}
+    calls = sorted(int(c) for line in answers for c in re.findall(r"\((\d), 0\)", line))
+    assert calls == [1, 2, 3, 4] and len(answers) == 2 and "rank 0 counted 4" in p.stdout

@@ -11,6 +11,7 @@ torch_rpc          ``torch.distributed.rpc`` and its distributed autograd
 clock_hooks        import time (not compute) and ``torch.optim`` steps (the step time)
 per_rank_state     process-global state of libraries (Hydra) kept per rank
 per_rank_streams   ``sys.stdout``/``stderr``, ``print``, warning filters, loggers' settings
+per_rank_main      ``sys.modules["__main__"]``: each rank's own script module
 torch_profiling    torch's profiler, one per process: refused on one of several thread ranks
 =================  ==========================================================================
 
@@ -22,12 +23,13 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from simulator.adapters import (clock_hooks, per_rank_state, per_rank_streams, threads, torch_native, torch_profiling,
-                                torch_rpc)
+from simulator.adapters import (clock_hooks, per_rank_main, per_rank_state, per_rank_streams, threads, torch_native,
+                                torch_profiling, torch_rpc)
 
 __all__ = ["ADAPTERS", "enabled"]
 
-ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state, per_rank_streams, torch_profiling)
+ADAPTERS = (threads, torch_native, torch_rpc, clock_hooks, per_rank_state, per_rank_streams, per_rank_main,
+            torch_profiling)
 
 
 @contextlib.contextmanager
