@@ -18,8 +18,9 @@ is also checked against a local reference model, step by step.
 from __future__ import annotations
 
 import gc
-
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -468,6 +469,53 @@ def test_a_torch_future_completed_by_rpc_callbacks_is_waited_for_in_turn(mode):
     with pytest.raises(DeadlockError, match=r"(?s)rank 1 \(thread 'rpc-rpc_sync-from-worker0-\d+'\) waits in "
                                             r"torch\.futures\.Future\.wait\(\)"):
         simulator.run(stuck, 2, mode=mode, timeout=30)
+
+
+_RELEASE = threading.Event()
+
+
+def serve_until_released() -> int:
+    while not _RELEASE.wait(0.05):  # (a wait in the OS: the simulator's ranks go on meanwhile)
+        pass
+    return 1
+
+
+def quick(x: int) -> int:
+    return x + 1
+
+
+@pytest.mark.parametrize("mode", ["coop", "threads"])
+def test_an_rpc_times_out_at_its_timeout_while_its_handler_still_runs(mode):
+    """torch fails a call at its timeout, with a RuntimeError, whatever the handler does (before: the error came
+    when the handler returned, and a handler that never returned hung the caller); the late answer is dropped,
+    and an unknown worker is a RuntimeError too."""
+    def main():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        out = []
+        if me == 0:
+            for how in ("rpc_sync", "rpc_async"):
+                t0 = time.monotonic()
+                try:
+                    if how == "rpc_sync":
+                        rpc.rpc_sync("worker1", serve_until_released, timeout=0.3)
+                    else:
+                        rpc.rpc_async("worker1", serve_until_released, timeout=0.3).then(lambda f: f.wait()).wait()
+                except RuntimeError as e:
+                    out.append((how, type(e).__name__, "timeout" in str(e), time.monotonic() - t0 < 10))
+            _RELEASE.set()  # the handlers finish now: their answers come too late
+            out.append(rpc.rpc_sync("worker1", quick, args=(1,)))
+            try:
+                rpc.rpc_sync("nosuch", quick, args=(1,))
+            except RuntimeError as e:
+                out.append(("unknown", "nosuch" in str(e)))
+        rpc.shutdown()
+        return out
+
+    _RELEASE.clear()
+    got = simulator.run(main, 2, mode=mode, timeout=60)[0]
+    assert got == [("rpc_sync", "RpcTimeoutError", True, True), ("rpc_async", "RpcTimeoutError", True, True), 2,
+                   ("unknown", True)]
 
 
 def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():

@@ -114,13 +114,28 @@ def _timeout(timeout: Any) -> Any:
     return float("inf") if t == 0 else t
 
 
+_RUNTIME_KINDS: dict[type, type] = {}
+
+
+def _with_runtime_error(t: type) -> type:
+    """``t`` that is also a ``RuntimeError``: torch's RPC raises every error of its own (a timeout, an unknown
+    worker) as one, so a program catches them that way; tensorplay's type stays, for its own API's callers."""
+    kind = _RUNTIME_KINDS.get(t)
+    if kind is None:
+        kind = _RUNTIME_KINDS[t] = type(t.__name__, (t, RuntimeError), {"__module__": t.__module__,
+                                                                        "__qualname__": t.__qualname__})
+    return kind
+
+
 def _as_torch_error(e: BaseException) -> BaseException:
     """A remote exception as torch's RPC raises it from ``rpc_sync``/``Future.wait`` (measured on TensorPipe):
     torch re-creates the remote type from the message ``On WorkerInfo(...):\n<repr>\n<traceback>``, and its C++
     layer re-raises that as ``"<Type>: <str(re-created)>"``, a ValueError or TypeError for those types and
     their subclasses, else a RuntimeError (the original exception is its cause here)."""
     worker = getattr(e, "remote_worker", None)
-    if worker is None:  # not raised by the remote function: the transport's own error
+    if worker is None:  # not raised by the remote function: the transport's own error, a RuntimeError as torch's
+        if not isinstance(e, RuntimeError):
+            e.__class__ = _with_runtime_error(type(e))
         return e
     wid = "?"
     a = rpc_transport.current()
@@ -141,17 +156,16 @@ def _rpc_call(name: str) -> Callable[..., Any]:
     def call(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None,
              timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
         fn = getattr(api, name)
-        if name == "remote":
-            return fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
-        if name == "rpc_sync":
-            try:
-                return fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
-            except Exception as e:
-                err = _as_torch_error(e)
-                if err is e:
-                    raise
-                raise err from e
-        fut = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+        try:
+            out = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+        except Exception as e:
+            err = _as_torch_error(e)
+            if err is e:
+                raise
+            raise err from e
+        if name != "rpc_async":
+            return out
+        fut = out
 
         def torch_errors(f: Any) -> Any:
             try:

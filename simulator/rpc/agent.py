@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import random
 import time
@@ -206,6 +207,8 @@ class SimAgent(Agent):
             rec.sent()
         cid = rpc_autograd.current_context_id()
         fut: Future[Any] = Answer(what=call)
+        if 0 < timeout < math.inf:  # the caller's wait ends at the call's timeout, wherever the handler is
+            fut._bound = (time.monotonic() + timeout, fut, lambda: self._timed_out(call, dst, timeout))
         world = self.world
         sched = world.run.sched
 
@@ -234,11 +237,8 @@ class SimAgent(Agent):
                 if answer is not None:
                     rec.transfer(answer)
                     delay += peer._fault(call, dst, "answer", timeout, rec)
-                    if not pending and delay + took > timeout:
-                        raise RpcTimeoutError(rpc_message(
-                            call, "the call did not finish within its timeout", worker=self.name,
-                            values={"to": dst.name, "timeout": timeout, "took_s": round(delay + took, 6)},
-                            fix="raise timeout=, or make the remote function faster"))
+                    if not pending and delay + took > timeout:  # (a delay of the run's faults: virtual)
+                        raise self._timed_out(call, dst, timeout, took_s=round(delay + took, 6))
                     result = self._decode_answer(answer)
                     if type(result) is RemoteFailure:
                         exc, result = result.to_exception(), None
@@ -248,7 +248,8 @@ class SimAgent(Agent):
                 rpc_autograd.set_context_id(None)
                 rec.close()
             # completed as the caller: its then() callbacks run as they would on the caller's agent
-            self._as_sender(lambda: fut.set_exception(exc) if exc is not None else fut.set_result(result))
+            # (dropped if the call timed out meanwhile, as torch's agent drops a late answer)
+            self._as_sender(lambda: fut.complete_once(result, exc))
             with sched.lock:
                 world.handlers -= 1
                 world.settle(world.shutdown_barrier)
@@ -263,6 +264,13 @@ class SimAgent(Agent):
                 world.settle(world.shutdown_barrier)
             raise
         return fut
+
+    def _timed_out(self, call: str, dst: WorkerInfo, timeout: float, **values: Any) -> RpcTimeoutError:
+        """The error of a call to ``dst`` that did not finish within ``timeout`` seconds."""
+        return RpcTimeoutError(rpc_message(
+            call, "the call did not finish within its timeout", worker=self.name,
+            values={"to": dst.name, "timeout": timeout, **values},
+            fix="raise timeout=, or make the remote function faster"))
 
     def _serve(self, req: Message, keep_rid: int | None = None, caller: "SimAgent | None" = None) -> Any:
         """Run a request as this (callee) worker (see :func:`run_request`).

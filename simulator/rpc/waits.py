@@ -8,6 +8,7 @@ and a wait nobody can end is reported as a deadlock naming the handler thread.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from tensorplay.distributed.rpc.futures import Future
 
 from simulator.core.errors import RankFailedError
 from simulator.core.sched import FREE
-from simulator.core.state import current_rank_state
+from simulator.core.state import Incident, current_rank_state
 
 __all__ = ["Answer", "Pending", "FutureWait", "rng_lender", "coop_wait", "resolve_async"]
 
@@ -69,6 +70,14 @@ class FutureWait:
 rng_lender = threading.local()  # .rs: the rank whose torch RNG stream this thread draws from while it serves a call
 
 
+class _PastDeadline(Exception):
+    """A wait on a call that ran past its own timeout (raised in the waiting rank, see :func:`coop_wait`)."""
+
+
+def _past_deadline() -> Incident:
+    return Incident(_PastDeadline, "the call ran past its timeout")
+
+
 def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     """A simulated rank waiting for a future hands over to the others until it completes.
 
@@ -90,11 +99,23 @@ def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     lender = getattr(rng_lender, "rs", None)  # a handler drawing from its callee's stream: others draw meanwhile
     if lender is not None:
         lender.torch_rng = torch.get_rng_state()
+    bound = getattr(fut, "_bound", None)  # the call's own timeout (an RPC's: see SimAgent._send)
     try:
         while True:
             try:
-                sched.block(rs, w)
+                left = None if bound is None or bound[1].done() else bound[0] - time.monotonic()
+                if left is None:
+                    sched.block(rs, w)
+                elif left <= 0:
+                    raise _PastDeadline()
+                else:
+                    sched.block_until(rs, w, left, _past_deadline)
                 break
+            except _PastDeadline:  # the call fails with its timeout here, on the waiting rank: its chain follows
+                fut.expire()
+                if w.done:
+                    break
+                bound = None  # (this future hangs on the call through callbacks of the program's: wait for them)
             except RankFailedError:
                 if not isinstance(fut, Answer):
                     raise

@@ -64,10 +64,14 @@ def _devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
 
+class _AlreadyCompleted(RuntimeError):
+    """A second completion of a future."""
+
+
 class Future(_TorchFuture[T]):
     """The eventual result of an asynchronous RPC (a ``torch.futures.Future``)."""
 
-    __slots__ = ("_event", "_lock", "_result", "_exc", "_callbacks", "_waiter", "_what")
+    __slots__ = ("_event", "_lock", "_result", "_exc", "_callbacks", "_waiter", "_what", "_bound")
 
     def __init__(self, *, waiter: Waiter | None = None, what: str = "Future", devices: Any = None) -> None:
         super().__init__(devices=_devices() if devices is None else devices)
@@ -78,6 +82,9 @@ class Future(_TorchFuture[T]):
         self._callbacks: list[Callable[["Future[T]"], None]] = []
         self._waiter = waiter or _thread_wait
         self._what = what
+        #: ``(deadline, source, error)``: the call this future waits on fails with ``error()`` once
+        #: ``time.monotonic()`` passes ``deadline`` (an RPC's own timeout; kept by the futures ``then`` makes)
+        self._bound: tuple[float, "Future[Any]", Callable[[], BaseException]] | None = None
 
     # -- completing -------------------------------------------------------
     def set_result(self, result: T) -> None:
@@ -88,10 +95,25 @@ class Future(_TorchFuture[T]):
             raise TypeError(f"Future.set_exception: exc={exc!r} is not an exception")
         self._complete(None, exc)
 
+    def complete_once(self, result: Any, exc: BaseException | None) -> bool:
+        """Complete the future unless it already is (an answer that comes after its call timed out is dropped,
+        as torch's agent drops it); returns whether this call completed it."""
+        try:
+            self._complete(result, exc)
+        except _AlreadyCompleted:
+            return False
+        return True
+
+    def expire(self) -> None:
+        """Fail the call this future waits on with its timeout error, unless it completed (see ``_bound``)."""
+        if self._bound is not None:
+            _, source, error = self._bound
+            source.complete_once(None, error())
+
     def _complete(self, result: Any, exc: BaseException | None) -> None:
         with self._lock:
             if self._event.is_set():
-                raise RuntimeError(f"{self._what}: the future is already completed; it can be completed once")
+                raise _AlreadyCompleted(f"{self._what}: the future is already completed; it can be completed once")
             self._result, self._exc = result, exc
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
@@ -168,6 +190,7 @@ class Future(_TorchFuture[T]):
     def then(self, callback: Callable[["Future[T]"], Any]) -> "Future[Any]":
         """A new future holding ``callback(self)``'s return value, or the exception it raised."""
         nxt: Future[Any] = Future(waiter=self._waiter, what=self._what)
+        nxt._bound = self._bound
 
         def chain(f: "Future[T]") -> None:
             try:
