@@ -518,6 +518,34 @@ def test_an_rpc_times_out_at_its_timeout_while_its_handler_still_runs(mode):
                    ("unknown", True)]
 
 
+def times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+def test_a_second_distributed_backward_through_a_freed_graph_fails_as_in_torch():
+    """torch frees a context's graph after a backward without retain_graph: a second one fails (before: it added
+    the gradients again); with retain_graph=True the second adds, as in torch."""
+    def main():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        out = []
+        if me == 0:
+            for retain in (True, False):
+                a = torch.tensor([1.0, 2.0], requires_grad=True)
+                with dist_autograd.context() as cid:
+                    z = rpc.rpc_sync("worker1", times, args=(a, a)).sum()
+                    dist_autograd.backward(cid, [z], retain_graph=retain)
+                    try:
+                        dist_autograd.backward(cid, [z])
+                        out.append(("again", dist_autograd.get_gradients(cid)[a].tolist()))
+                    except RuntimeError as e:
+                        out.append(("refused", "backward through the graph a second time" in str(e)))
+        rpc.shutdown()
+        return out
+
+    assert simulator.run(main, 2, timeout=60)[0] == [("again", [4.0, 8.0]), ("refused", True)]
+
+
 def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():
     """The server's rank starts the trainers by RPC; each trainer's rpc_sync waits for the whole batch."""
     for mode in ("coop", "threads"):

@@ -44,7 +44,7 @@ _tl = threading.local()
 
 
 class _Ctx:
-    __slots__ = ("cid", "grads", "sends", "recvs", "next_send")
+    __slots__ = ("cid", "grads", "sends", "recvs", "next_send", "freed")
 
     def __init__(self, cid: int) -> None:
         self.cid = cid
@@ -52,6 +52,9 @@ class _Ctx:
         self.sends: dict[int, torch.Tensor] = {}
         self.recvs: dict[int, tuple[torch.Tensor, str, int]] = {}
         self.next_send = itertools.count(1)
+        #: the roots' graph nodes of the backward passes made without ``retain_graph``: torch frees those graphs
+        #: (this module keeps them, see above), so a second pass from one of them fails as it does in torch
+        self.freed: list[Any] = []
 
 
 def current_context_id() -> int | None:
@@ -246,7 +249,17 @@ def _backward_from_send(cid: int, sid: int, grad: torch.Tensor) -> None:
 def backward(cid: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     a = _sim_agent("backward")
     ctx = _ctx(a, cid, False, "backward")
+    nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+    if any(n is f for n in nodes for f in ctx.freed):
+        raise DistRuntimeError(rpc_message(
+            "torch.distributed.autograd.backward", "Trying to backward through the graph a second time (or "
+            "directly access saved tensors after they have already been freed): an earlier backward in this "
+            "context freed this graph", worker=a.name, values={"context_id": cid, "retain_graph": retain_graph},
+            fix="pass retain_graph=True to the earlier backward if the graph is needed again, or start a new "
+                "dist_autograd.context() for the next step"))
     _propagate(a, ctx, roots, [torch.ones_like(r) for r in roots])
+    if not retain_graph:
+        ctx.freed.extend(nodes)
 
 
 def get_gradients(cid: int) -> dict[torch.Tensor, torch.Tensor]:
