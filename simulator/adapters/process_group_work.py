@@ -237,6 +237,8 @@ def _backend_errors(method: Any) -> Any:
         timeout = kwargs.pop("timeout", None)
         if self._named == "nccl":
             _nccl_devices(args)
+        elif name not in _ANY_DTYPE:
+            _gloo_dtypes(self, name, args)
         seq = self.__dict__.get("_tp_seq", 0)
         checks = self.__dict__.get("_tp_wrapper")
         if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
@@ -320,6 +322,34 @@ def _nccl_devices(args: tuple) -> None:
             dev = standin.device_of(a)
             if dev.type != "cuda":
                 raise RuntimeError(f"No backend type associated with device type {dev.type}")
+
+
+#: the dtypes ProcessGroupGloo's collectives take (a complex tensor travels as its real pairs, except in gather);
+#: any other (int16, uint16..uint64, float8) fails there with "Invalid scalar type"
+_GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128})
+#: the calls that move any dtype (as bytes) or none
+_ANY_DTYPE = frozenset({"send", "recv", "recv_anysource", "barrier", "monitored_barrier"})
+
+
+def _gloo_dtypes(group: Any, name: str, args: tuple) -> None:
+    """gloo's dtype rule, before anything is communicated, on a group whose tensors go to gloo."""
+    named: str = group._named
+    if named != "gloo" and ":" not in named:
+        return
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif isinstance(a, torch.Tensor) and (a.dtype not in _GLOO_DTYPES or (name == "gather" and a.is_complex())) \
+                and (named == "gloo" or group._by_device.get(a.device.type) == "gloo"):
+            raise DistBackendError(format_message(
+                f"torch.distributed.ProcessGroupGloo.{name}",
+                "Invalid scalar type: gloo does not take tensors of this dtype",
+                group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
+                fix="cast to a dtype gloo takes (float32, float64, float16, bfloat16, int8, uint8, int32, int64, "
+                    "bool) and back, or move the bytes with send/recv, which take any dtype"))
 
 
 class NcclDeviceRule:

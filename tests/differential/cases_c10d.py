@@ -524,3 +524,30 @@ def mixed_collectives_many_rounds(ctx):
         w.wait()
         acc += b + x.sum()
     return acc
+
+
+@case(front_doors=("torch",), world_sizes=(2,))
+def gloo_dtype_rules(ctx):
+    """Which dtypes gloo's collectives take: int16 and the unsigned 16/32-bit types fail each call on every rank
+    before it communicates ("Invalid scalar type"); send/recv move any dtype; complex fails only in gather."""
+    d, r = ctx.dist, ctx.rank
+    calls = {
+        "all_reduce": lambda t: d.all_reduce(t),
+        "broadcast": lambda t: d.broadcast(t, 0),
+        "all_gather": lambda t: d.all_gather([torch.empty_like(t) for _ in range(2)], t),
+        "all_gather_into_tensor": lambda t: d.all_gather_into_tensor(torch.empty(2, dtype=t.dtype), t),
+        "all_to_all_single": lambda t: d.all_to_all_single(torch.empty(2, dtype=t.dtype), t.repeat(2)),
+        "gather": lambda t: d.gather(t, [torch.zeros_like(t) for _ in range(2)] if r == 0 else None, 0),
+        "scatter": lambda t: d.scatter(t, [torch.zeros_like(t) for _ in range(2)] if r == 0 else None, 0),
+        "send_recv": lambda t: d.send(t, 1) if r == 0 else d.recv(t, 0),
+    }
+    out = {}
+    for dt in (torch.int16, torch.uint16, torch.uint32, torch.complex64, torch.int32):
+        for name, call in calls.items():
+            t = torch.full((1,), 3 + r).to(dt)
+            try:
+                call(t)
+                out[f"{dt}.{name}"] = t.tolist()  # (a uint16 tensor does not cross between processes)
+            except RuntimeError as e:
+                out[f"{dt}.{name}"] = ("RuntimeError", "Invalid scalar type" in str(e))
+    return out
