@@ -313,15 +313,21 @@ def _nccl_devices(args: tuple) -> None:
     standin = _loaded.get("simulator.standin")
     if standin is None or not standin.is_active():
         return
+    for a in _tensors_in(args):
+        dev = standin.device_of(a)
+        if dev.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {dev.type}")
+
+
+def _tensors_in(args: tuple) -> Any:
+    """The tensors among a group call's arguments (in lists of lists too)."""
     stack = list(args)
     while stack:
         a = stack.pop()
         if isinstance(a, (list, tuple)):
             stack.extend(a)
         elif isinstance(a, torch.Tensor):
-            dev = standin.device_of(a)
-            if dev.type != "cuda":
-                raise RuntimeError(f"No backend type associated with device type {dev.type}")
+            yield a
 
 
 #: the dtypes ProcessGroupGloo's collectives take (a complex tensor travels as its real pairs, except in gather);
@@ -337,12 +343,8 @@ def _gloo_dtypes(group: Any, name: str, args: tuple) -> None:
     named: str = group._named
     if named != "gloo" and ":" not in named:
         return
-    stack = list(args)
-    while stack:
-        a = stack.pop()
-        if isinstance(a, (list, tuple)):
-            stack.extend(a)
-        elif isinstance(a, torch.Tensor) and (a.dtype not in _GLOO_DTYPES or (name == "gather" and a.is_complex())) \
+    for a in _tensors_in(args):
+        if (a.dtype not in _GLOO_DTYPES or (name == "gather" and a.is_complex())) \
                 and (named == "gloo" or group._by_device.get(a.device.type) == "gloo"):
             raise DistBackendError(format_message(
                 f"torch.distributed.ProcessGroupGloo.{name}",
