@@ -589,6 +589,17 @@ def test_a_rank_that_skips_a_new_group_call_is_a_deadlock_named_with_the_fix(iso
                        r"Hint: the members of group \[0, 1\] wait in different groups: torch named the group '1' on "
                        r"rank 0, '2' on rank 1 .*Fix: call new_group on every rank"):
         simulator.run(_new_groups, 3, args=(True,), timeout=60, isolation=isolation)
+    # every rank made both groups, but the ranks pass different ones: the hint says that, not "call new_group"
+    with pytest.raises(simulator.DeadlockError, match=r"(?s)Hint: the members of group \[0, 1\] wait in different "
+                       r"groups of the same ranks: the one torch named '1' on rank 0, '2' on rank 1\. Every member "
+                       r"made each of these groups, so the ranks passed different group objects"):
+        simulator.run(_different_group_objects, 2, timeout=60, isolation=isolation)
+
+
+def _different_group_objects() -> None:
+    tdist.init_process_group("gloo")
+    first, second = tdist.new_group([0, 1]), tdist.new_group([0, 1])
+    tdist.all_reduce(torch.ones(1), group=first if tdist.get_rank() == 0 else second)
 
 
 def _init_after_changing_the_environment(var: str, value: str) -> str:

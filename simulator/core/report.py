@@ -287,14 +287,29 @@ def _groups_named_apart(run: "Run") -> list[str]:
         name = getattr(getattr(w, "group", None), "torch_name", None)
         if name is not None:
             by_ranks.setdefault(w.group.ranks, {}).setdefault(name, []).append(rs.rank)
-    return [f"the members of group {fmt_ranks(ranks)} wait in different groups: torch named the group "
-            + ", ".join(f"{n!r} on rank{'s' if len(rs) > 1 else ''} {_and(rs)}" for n, rs in names.items())
-            + " (torch names a group by a count of new_group calls, which every rank of the default group makes in "
-              "the same order, members or not; with use_local_synchronization=True by a hash of its ranks and of "
-              "how many groups the rank has): ranks that name it differently never meet, and gloo hangs there. "
-              "Fix: call new_group on every rank, in the same order (a local-synchronization group: on members "
-              "that have the same groups so far)"
-            for ranks, names in by_ranks.items() if len(names) > 1]
+    hints = []
+    for ranks, names in by_ranks.items():
+        if len(names) < 2:
+            continue
+        where = ", ".join(f"{n!r} on rank{'s' if len(rs) > 1 else ''} {_and(rs)}" for n, rs in names.items())
+        if all(_made(run.ranks[r], ranks, n) for r in ranks for n in names):  # every member made every one
+            hints.append(f"the members of group {fmt_ranks(ranks)} wait in different groups of the same ranks: "
+                         f"the one torch named {where}. Every member made each of these groups, so the ranks "
+                         f"passed different group objects to the collective. Fix: pass the same group (the "
+                         f"result of the same new_group call) on every member")
+            continue
+        hints.append(f"the members of group {fmt_ranks(ranks)} wait in different groups: torch named the group "
+                     f"{where} (torch names a group by a count of new_group calls, which every rank of the default "
+                     f"group makes in the same order, members or not; with use_local_synchronization=True by a hash "
+                     f"of its ranks and of how many groups the rank has): ranks that name it differently never "
+                     f"meet, and gloo hangs there. Fix: call new_group on every rank, in the same order (a "
+                     f"local-synchronization group: on members that have the same groups so far)")
+    return hints
+
+
+def _made(rs: "RankState", ranks: tuple[int, ...], name: str) -> bool:
+    """Whether rank ``rs`` made the group of ``ranks`` that torch named ``name``."""
+    return (ranks, "torch", name) in getattr(rs.backend, "_member_group_counts", {})
 
 
 # -- the report of a bound that ran out (see simulator.core.progress) ---------------------------------------------
