@@ -258,6 +258,8 @@ def _backend_errors(method: Any) -> Any:
         if event is not None:
             work._event = event
         work._timeout = timeout if timeout is not None else self._bound  # (the call's own, else the group's)
+        if name in _GLOO_VERSION_BUMPS:
+            _bump_versions(self, name, args)
         return work
 
     return call
@@ -352,6 +354,25 @@ def _gloo_dtypes(group: Any, name: str, args: tuple) -> None:
                 group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
                 fix="cast to a dtype gloo takes (float32, float64, float16, bfloat16, int8, uint8, int32, int64, "
                     "bool) and back, or move the bytes with send/recv, which take any dtype"))
+
+
+#: how many times gloo's collectives count a write of each output in its autograd version counter (measured on
+#: torch 2.13: these write their outputs through copies that autograd counts; all_reduce, broadcast, reduce,
+#: scatter, all_to_all_single and recv write in place, uncounted): an output saved for backward then fails the
+#: backward ("modified by an inplace operation") as on gloo.  0: once per rank of the group (all_gather_into_tensor
+#: copies each rank's part into the output)
+_GLOO_VERSION_BUMPS = {"all_gather_single": 0, "allgather": 1, "reduce_scatter_single": 1, "alltoall": 1,
+                       "gather": 1}
+
+
+def _bump_versions(group: Any, name: str, args: tuple) -> None:
+    named: str = group._named
+    if not args or (named != "gloo" and ":" not in named):
+        return
+    for t in _tensors_in(args[:1]):  # (the outputs are every one of these calls' first argument)
+        if not t.is_inference() and (named == "gloo" or group._by_device.get(t.device.type) == "gloo"):
+            for _ in range(_GLOO_VERSION_BUMPS[name] or group._g.size()):
+                torch.autograd.graph.increment_version(t)
 
 
 class NcclDeviceRule:

@@ -453,8 +453,8 @@ class SimBackend(Backend):
             s.error = r.error = inc
         else:
             try:
-                with torch.no_grad():  # c10d writes the buffer as memory: autograd never sees it
-                    rt.copy_(st if st.shape == rt.shape else st.reshape(rt.shape))
+                with torch.no_grad():  # c10d writes the buffer as memory: autograd never sees it (nor counts it)
+                    rt.data.copy_(st if st.shape == rt.shape else st.reshape(rt.shape))
             except Exception as e:  # noqa: BLE001
                 s.error = r.error = Incident(DistBackendError, format_message(
                     "recv", f"the simulator failed to copy the message: {type(e).__name__}: {e}",

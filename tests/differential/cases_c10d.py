@@ -551,3 +551,38 @@ def gloo_dtype_rules(ctx):
             except RuntimeError as e:
                 out[f"{dt}.{name}"] = ("RuntimeError", "Invalid scalar type" in str(e))
     return out
+
+
+@case(front_doors=("torch",), world_sizes=(2, 3))
+def output_version_counters(ctx):
+    """How often each collective counts a write of its outputs in their autograd version counters (gloo writes
+    some through counted copies: an output saved for backward then fails the backward, on both sides)."""
+    d, r, w = ctx.dist, ctx.rank, ctx.world_size
+    out = {}
+
+    def run(name, outs, call):
+        before = [o._version for o in outs]
+        work = call()
+        if work is not None:
+            work.wait()
+        out[name] = [o._version - b for o, b in zip(outs, before)]
+
+    x = torch.ones(4)
+    run("all_reduce", [x], lambda: d.all_reduce(x, async_op=True))
+    run("broadcast", [x], lambda: d.broadcast(x, 0, async_op=True))
+    o = torch.empty(2 * w)
+    run("all_gather_into_tensor", [o], lambda: d.all_gather_into_tensor(o, torch.ones(2), async_op=True))
+    os_ = [torch.empty(2) for _ in range(w)]
+    run("all_gather", os_, lambda: d.all_gather(os_, torch.ones(2), async_op=True))
+    o = torch.empty(2)
+    run("reduce_scatter_tensor", [o], lambda: d.reduce_scatter_tensor(o, torch.ones(2 * w), async_op=True))
+    o = torch.empty(2 * w)
+    run("all_to_all_single", [o], lambda: d.all_to_all_single(o, torch.ones(2 * w), async_op=True))
+    os_ = [torch.empty(2) for _ in range(w)]
+    run("all_to_all", os_, lambda: d.all_to_all(os_, [torch.ones(2) for _ in range(w)], async_op=True))
+    os_ = [torch.empty(2) for _ in range(w)] if r == 0 else []
+    run("gather", os_, lambda: d.gather(torch.ones(2), os_ if r == 0 else None, 0, async_op=True))
+    if w > 1:
+        y = torch.zeros(2)
+        run("send_recv", [y], lambda: d.isend(y, 1) if r == 0 else (d.irecv(y, 0) if r == 1 else None))
+    return out
