@@ -546,6 +546,26 @@ def test_a_second_distributed_backward_through_a_freed_graph_fails_as_in_torch()
     assert simulator.run(main, 2, timeout=60)[0] == [("again", [4.0, 8.0]), ("refused", True)]
 
 
+def reduce_in_a_handler() -> float:
+    t = torch.ones(1)
+    tpd.all_reduce(t)
+    return t.item()
+
+
+def test_a_collective_inside_an_rpc_handler_is_reported_as_unsupported():
+    def main():
+        me = tpd.get_rank()
+        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+        if me == 0:
+            rpc.rpc_sync("worker1", reduce_in_a_handler)
+        rpc.shutdown()
+
+    with pytest.raises(DeadlockError, match=r"(?s)Hint: rank 1 \(thread 'rpc-rpc_sync-from-worker0-\d+'\) serves an "
+                                            r"RPC and waits in a collective: collectives inside RPC handlers are not "
+                                            r"supported"):
+        simulator.run(main, 2, timeout=30)
+
+
 def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():
     """The server's rank starts the trainers by RPC; each trainer's rpc_sync waits for the whole batch."""
     for mode in ("coop", "threads"):

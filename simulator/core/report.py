@@ -204,6 +204,12 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
     for rs in run.children:
         if rs.state == BLOCKED:
             threads.append(f"  {rs.label} waits " + describe_wait(run, rs))
+            name = rs.thread.name if rs.thread is not None else ""
+            if isinstance(rs.waiting, Slot) and name.startswith("rpc-"):
+                hints.append(f"{rs.label} serves an RPC and waits in a collective: collectives inside RPC "
+                             f"handlers are not supported (docs/rpc.md; on real processes the call times out). "
+                             f"Fix: issue the collective from the ranks' own code, and have the handler return "
+                             f"what it needs")
         elif rs.state != DONE:
             threads.append(f"  {rs.label} is running outside the schedule (a thread the simulator cannot see waiting)")
     lines = [f"{headline} (world_size={run.n}, mode={run.mode!r}, seed={run.seed})"]
