@@ -459,16 +459,17 @@ def test_a_torch_future_completed_by_rpc_callbacks_is_waited_for_in_turn(mode):
 
     assert simulator.run(main, 3, mode=mode, timeout=60) == [[r + 3.0] * 2 for r in range(3)]
     # a wait nobody can end is a named deadlock, not a hang (before, the rank blocked in C++ holding its turn)
-    def stuck():
-        me = tpd.get_rank()
-        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
-        if me == 0:
-            rpc.rpc_sync("worker1", wait_for_a_future_nobody_completes)
-        rpc.shutdown()
-
     with pytest.raises(DeadlockError, match=r"(?s)rank 1 \(thread 'rpc-rpc_sync-from-worker0-\d+'\) waits in "
                                             r"torch\.futures\.Future\.wait\(\)"):
-        simulator.run(stuck, 2, mode=mode, timeout=30)
+        simulator.run(_rank0_calls_rank1, 2, args=(wait_for_a_future_nobody_completes,), mode=mode, timeout=30)
+
+
+def _rank0_calls_rank1(fn) -> None:
+    me = tpd.get_rank()
+    rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+    if me == 0:
+        rpc.rpc_sync("worker1", fn)
+    rpc.shutdown()
 
 
 _RELEASE = threading.Event()
@@ -553,17 +554,10 @@ def reduce_in_a_handler() -> float:
 
 
 def test_a_collective_inside_an_rpc_handler_is_reported_as_unsupported():
-    def main():
-        me = tpd.get_rank()
-        rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
-        if me == 0:
-            rpc.rpc_sync("worker1", reduce_in_a_handler)
-        rpc.shutdown()
-
     with pytest.raises(DeadlockError, match=r"(?s)Hint: rank 1 \(thread 'rpc-rpc_sync-from-worker0-\d+'\) serves an "
                                             r"RPC and waits in a collective: collectives inside RPC handlers are not "
                                             r"supported"):
-        simulator.run(main, 2, timeout=30)
+        simulator.run(_rank0_calls_rank1, 2, args=(reduce_in_a_handler,), timeout=30)
 
 
 def test_batch_server_tutorial_shape_on_the_simulator_matches_a_local_model():
