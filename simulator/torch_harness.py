@@ -165,11 +165,14 @@ class _Harness:
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         # MultiProcContinuousTest classes as their module made them, before the parent's setUpClass: what a worker
-        # process, which imports the module afresh, sees of them
-        from simulator import torch_harness_continuous
+        # process, which imports the module afresh, sees of them (imported only then: a session without such a
+        # class imports nothing more, so torch's own threaded tests run exactly as under plain pytest)
+        classes = {item.cls for item in items if _is_continuous_test(item)}  # type: ignore[union-attr]
+        if classes:
+            from simulator import torch_harness_continuous
 
-        for cls in {item.cls for item in items if _is_continuous_test(item)}:  # type: ignore[union-attr]
-            torch_harness_continuous.remember_as_imported(cls)
+            for cls in classes:
+                torch_harness_continuous.remember_as_imported(cls)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
