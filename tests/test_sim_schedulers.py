@@ -179,3 +179,27 @@ def test_a_rank_that_polls_forever_is_a_stall_not_a_hang():
 
     with pytest.raises(simulator.SimTimeoutError):
         simulator.run(body, 2, stall_timeout=2.0, timeout=60)
+
+
+def _sleeps_then_draws() -> list[list[float]]:
+    import time
+
+    r = dist.get_rank()
+    torch.manual_seed(1234)
+    draws = []
+    for k in range(4):
+        for _ in range((r + k) % 3):  # (a file-barrier poll: some ranks sleep, some do not)
+            time.sleep(0.002)
+        draws.append(torch.randn(3).tolist())
+        dist.barrier()
+    return draws
+
+
+def test_a_rank_that_takes_a_parked_baton_after_a_sleep_keeps_every_ranks_random_stream():
+    """A rank back from a sleep may take a baton the last blocked rank has just parked; that rank's random streams
+    are saved before it parks, so neither rank draws from the other's (before: now and then a rank repeated an
+    earlier draw, and PyTorch's distributed_test.py compared different `randn` objects on thread ranks)."""
+    torch.manual_seed(1234)
+    want = [torch.randn(3).tolist() for _ in range(4)]  # every rank seeded alike draws this sequence
+    for _ in range(25):  # (the interleaving is the wall clock's: several runs)
+        assert simulator.run(_sleeps_then_draws, 4, timeout=60) == [want] * 4

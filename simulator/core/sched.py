@@ -364,10 +364,13 @@ class CoopScheduler(_SchedulerBase):
             rs.waiting = w
             self.blocked += 1
             self._remove(rs)
-            if not self.runnable and not self._park_or_deadlock():
-                self.run.deadlock()  # makes every blocked rank runnable with a DeadlockError pending
-            if not self.runnable:  # parked: a FREE thread takes the baton and wakes us when it can
+            if not self.runnable:
+                # saved before the baton is parked: a FREE thread may take a parked baton at once and load its own
+                # streams, which a save after the parking would record as this rank's
                 self._save_rng(rs)
+                if not self._park_or_deadlock():
+                    self.run.deadlock()  # makes every blocked rank runnable with a DeadlockError pending
+            if not self.runnable:  # parked: a FREE thread takes the baton and wakes us when it can
                 self._acquire(rs)
                 self._take(rs)
                 continue
