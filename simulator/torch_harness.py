@@ -169,7 +169,7 @@ class _Harness:
         # class imports nothing more, so torch's own threaded tests run exactly as under plain pytest)
         classes = {item.cls for item in items if _is_continuous_test(item)}  # type: ignore[union-attr]
         if classes:
-            from simulator import torch_harness_continuous
+            from simulator import torch_harness_continuous  # (only here: see above)
 
             for cls in classes:
                 torch_harness_continuous.remember_as_imported(cls)
