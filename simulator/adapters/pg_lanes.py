@@ -67,6 +67,11 @@ class LanesMixin:
         named: str = self._named  # type: ignore[attr-defined]
         return named == "nccl" or (":" in named and self._by_device.get(t.device.type) == "nccl")
 
+    def _speaks_gloo(self, t: torch.Tensor) -> bool:
+        """Whether calls on ``t`` follow gloo's rules: a "gloo" group, or the CPU side of "cpu:gloo,cuda:nccl"."""
+        named: str = self._named  # type: ignore[attr-defined]
+        return named == "gloo" or (":" in named and self._by_device.get(t.device.type) == "gloo")
+
     def _check_tag(self, call: str, tag: Any, t: torch.Tensor) -> None:
         """A point-to-point tag as the backend serving ``t`` checks it (``GlooRules.tag``)."""
         if type(tag) is not int or not 0 <= tag < 2 ** 31:  # (a tag in range costs the send this test only)

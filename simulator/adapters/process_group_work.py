@@ -342,12 +342,8 @@ _ANY_DTYPE = frozenset({"send", "recv", "recv_anysource", "barrier", "monitored_
 
 def _gloo_dtypes(group: Any, name: str, args: tuple) -> None:
     """gloo's dtype rule, before anything is communicated, on a group whose tensors go to gloo."""
-    named: str = group._named
-    if named != "gloo" and ":" not in named:
-        return
     for a in _tensors_in(args):
-        if (a.dtype not in _GLOO_DTYPES or (name == "gather" and a.is_complex())) \
-                and (named == "gloo" or group._by_device.get(a.device.type) == "gloo"):
+        if (a.dtype not in _GLOO_DTYPES or (name == "gather" and a.is_complex())) and group._speaks_gloo(a):
             raise DistBackendError(format_message(
                 f"torch.distributed.ProcessGroupGloo.{name}",
                 "Invalid scalar type: gloo does not take tensors of this dtype",
@@ -366,11 +362,8 @@ _GLOO_VERSION_BUMPS = {"all_gather_single": 0, "allgather": 1, "reduce_scatter_s
 
 
 def _bump_versions(group: Any, name: str, args: tuple) -> None:
-    named: str = group._named
-    if not args or (named != "gloo" and ":" not in named):
-        return
     for t in _tensors_in(args[:1]):  # (the outputs are every one of these calls' first argument)
-        if not t.is_inference() and (named == "gloo" or group._by_device.get(t.device.type) == "gloo"):
+        if not t.is_inference() and group._speaks_gloo(t):
             for _ in range(_GLOO_VERSION_BUMPS[name] or group._g.size()):
                 torch.autograd.graph.increment_version(t)
 

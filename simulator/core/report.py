@@ -234,8 +234,10 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
     orphaned: set[int] = set()
     for rs in run.ranks:
         w = rs.waiting if rs.state == BLOCKED else None
-        peer = w.dst if isinstance(w, P2PRecord) and w.kind == "send" else getattr(w, "src", None)
-        if isinstance(w, P2PRecord) and peer is not None and run.ranks[peer].state == DONE:
+        if not isinstance(w, P2PRecord):
+            continue
+        peer = w.dst if w.kind == "send" else w.src  # (None: a recv from any rank)
+        if peer is not None and run.ranks[peer].state == DONE:
             orphaned.add(rs.rank)
             ended = "returned" if run.ranks[peer].exc is None else "failed"
             want = "recv" if w.kind == "send" else "send"

@@ -88,14 +88,15 @@ def _write_slot(owner: Any, kind: str, name: str, value: torch.Tensor) -> None:
     getattr(owner, kind)[name] = value
 
 
-def _standin_slots(module: Any) -> list[tuple[Any, str, str, StandInTensor]]:
-    """(module, "_parameters" or "_buffers", name, stand-in) of every stand-in in the module's slots."""
+def _standin_slots(module: Any) -> list[tuple[Any, str, str, StandInTensor, str]]:
+    """(module, "_parameters" or "_buffers", name, stand-in, its dotted name from ``module``) of every stand-in in
+    the module's slots."""
     found = []
-    for m in module.modules():
+    for prefix, m in module.named_modules():
         for kind in ("_parameters", "_buffers"):
             for name, t in list(getattr(m, kind).items()):
                 if type(t) is StandInTensor:
-                    found.append((m, kind, name, t))
+                    found.append((m, kind, name, t, f"{prefix}.{name}" if prefix else name))
     return found
 
 
@@ -109,25 +110,17 @@ def plain_slots(original: Callable[..., Any]) -> Callable[..., Any]:
         if not slots:
             return original(self, *args, **kwargs)
         extra = dict(kwargs.get("_extra_files") or {})
-        extra[DEVICES_FILE] = json.dumps({f"{_path(self, owner)}{name}": [kind, t._idx]
-                                          for owner, kind, name, t in slots}, sort_keys=True)
+        extra[DEVICES_FILE] = json.dumps({path: [kind, t._idx] for _, kind, _, t, path in slots}, sort_keys=True)
         kwargs["_extra_files"] = extra
         try:
-            for owner, kind, name, t in slots:
+            for owner, kind, name, t, _ in slots:
                 _write_slot(owner, kind, name, _as(t, t._inner) if kind == "_parameters" else t._inner)
             return original(self, *args, **kwargs)
         finally:
-            for owner, kind, name, t in slots:  # the stand-ins themselves again: the program's references stay valid
+            for owner, kind, name, t, _ in slots:  # the stand-ins themselves again: the program's references stay valid
                 _write_slot(owner, kind, name, t)
 
     return save
-
-
-def _path(root: Any, owner: Any) -> str:
-    for prefix, sub in root.named_modules():
-        if sub is owner:
-            return f"{prefix}." if prefix else ""
-    return ""
 
 
 def patched_jit_load(original: Callable[..., Any]) -> Callable[..., Any]:
