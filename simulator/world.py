@@ -55,7 +55,7 @@ from simulator.core.report import describe_world, needs_cuda, per_process_state
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
 from simulator.core.sched import make_scheduler
 from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
-from simulator.core.state import (Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
+from simulator.core.state import (NUDGE, Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
                                   current_rank_state, rank_device)
 from simulator.timing.cost import CostModel, resolve_cost
 from simulator.world_ends import refused_thread, warn_still_running, warn_unmatched_p2p
@@ -370,6 +370,8 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
             continue
         if job is None:
             return None, None
+        if job is NUDGE:
+            continue
         run.job_since = clock()  # a kernel running here is progress (its rank waits for it)
         try:
             job()

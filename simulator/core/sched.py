@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from simulator.core._actor import BLOCKED, DONE, FREE, NOT_STARTED, RUNNABLE
+from simulator.core.progress import poll_interval
 from simulator.core._handoff import _CWD, _NP_RNG, _PY_RNG, _STEER, _TORCH_RNG, _PyRngSwap  # noqa: F401  (_PyRngSwap: the determinism tests check it)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,8 +106,11 @@ class _SchedulerBase:
         """:meth:`block`, bounded by ``seconds`` of the run's clock: past them the wait fails with the incident
         ``timed_out()`` makes (an operation's own timeout, as torch's process groups bound each operation; the
         main thread watches the deadline, see :func:`simulator.core.progress.expire`)."""
-        deadlines = self.run.deadlines
+        run = self.run
+        deadlines = run.deadlines
         deadlines[rs] = (self.clock() + seconds, timed_out)
+        if seconds < 10 * poll_interval(run):  # the main thread may be in a slice of up to a poll interval: wake it
+            run.nudge()
         try:
             self.block(rs, w)
         finally:
@@ -265,6 +269,17 @@ class CoopScheduler(_SchedulerBase):
                 rs.wake.release()
             else:
                 self.timeouts.append(rs)
+
+    def serve_timeouts(self, rs: "RankState") -> None:
+        """Baton holder ``rs`` waits in the OS for a while (its rank process computes): hand the baton to an actor
+        whose operation ran past its own timeout, so that it fails now, as on real processes (a wall-clock
+        event: such a run is no pure function of its seed anyway)."""
+        late = self.timeouts[0] if self.timeouts else None
+        self._drain()
+        if late is not None and late is not rs and late.state == RUNNABLE:
+            self._handoff(rs, late)
+            rs.stamp = self.clock()
+        self.check(rs)
 
     def _join(self, rs: "RankState") -> None:
         """A FREE actor enters the schedule: wait for the baton (or take it when parked)."""

@@ -176,6 +176,10 @@ def on_simulated_rank() -> bool:
     return current_rank_state() is not None and dist_state.current() is not None
 
 
+#: a no-op on the main thread's job queue: wakes it to look at the deadlines again (see :meth:`Run.nudge`)
+NUDGE = object()
+
+
 class Run:
     """The shared state of one execution of a world."""
 
@@ -260,6 +264,10 @@ class Run:
         if box[1] is not None:
             raise box[1]
         return box[0]
+
+    def nudge(self) -> None:
+        """Have the main thread look at the deadlines now (one sooner than its current slice was added)."""
+        self.jobs.put(NUDGE)
 
     def finished(self) -> None:
         """The last rank (or non-daemon thread) has exited (called under the scheduler lock)."""

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 __all__ = [
     "CALL", "GROUP", "RENDEZVOUS", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
     "SLEEP", "WAKE", "FREE", "RPC_START", "RPC_CALL", "RPC_WAIT", "RPC_ANSWER", "RPC_REF", "RPC_READY",
-    "RPC_SHUTDOWN", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
+    "RPC_SHUTDOWN", "STILL_PENDING", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
     "REQUESTS", "NOTES", "FINAL", "SERVED", "ANSWERS", "Setup", "FDS_REQUEST", "FDS_WHERE", "FDS_PASSED",
     "WARM_RECORD", "WARM_READY", "WARM_FORKED", "WARM_EXITED", "WARM_TAINTED", "WARM_LOADED", "handler_table",
 ]
@@ -89,9 +89,11 @@ RPC_START = "rpc_start"
 #: answer's message (or fails with the call's error), "async" the call's id at once, "remote" the RRef's id,
 #: "fetch" (``RRef.to_here``: a copy of the owner's value, no event on the trace) the answer's message
 RPC_CALL = "rpc_call"
-#: ``(RPC_WAIT, call_id, books, cpu)``: wait for async call ``call_id``; answers ``(True, message)``,
-#: ``(False, error)``, or None when the answer went to the process's dispatcher already
+#: ``(RPC_WAIT, call_id, timeout, books, cpu)``: wait for async call ``call_id`` (``timeout``: the waiter's own
+#: bound, seconds or None); answers ``(True, message)``, ``(False, error)``, :data:`STILL_PENDING` when the bound
+#: passed first, or None when the answer went to the process's dispatcher already
 RPC_WAIT = "rpc_wait"
+STILL_PENDING = "still pending"
 #: ``(RPC_ANSWER, request_id, message, was_async, books, cpu)``: a handler thread's answer to a request (on the
 #: thread's channel, which the request's handler actor serves)
 RPC_ANSWER = "rpc_answer"

@@ -32,6 +32,7 @@ from tensorplay.distributed.errors import DistRuntimeError, DistTypeError, forma
 
 from simulator.adapters import _environ
 from simulator.core.errors import RankExitError, SimTimeoutError
+from simulator.core._actor import RUNNABLE
 from simulator.core.state import current_rank_state
 from simulator.core.hash_seeds import hash_seed
 from simulator.isolation import _wire, cleanup, pickling, warm
@@ -236,6 +237,10 @@ class ProcessRanks(ProxyHandlers):
                     return _wire.recv(conn)
             except (EOFError, ConnectionResetError, OSError):
                 return self._ended(me) if main else (END,)
+            if getattr(run.sched, "timeouts", None) and run.fatal is None and rs.state == RUNNABLE:
+                # coop: this rank's process computes while another actor's operation ran past its own timeout;
+                # the computation is a scheduling point, so the timed-out actor fails now, as on real processes
+                run.sched.serve_timeouts(rs)
             if me.proc.poll() is not None:
                 try:
                     if conn.poll(0):

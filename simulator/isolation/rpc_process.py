@@ -67,7 +67,7 @@ from tensorplay.distributed.rpc.worker import WorkerInfo
 from simulator.core.callsite import call_site
 from simulator.adapters.torch_rpc import wait_pending
 from simulator.isolation import _wire, rank_threads
-from simulator.isolation.messages import RPC_ANSWER, RPC_CALL, RPC_READY, RPC_REF, RPC_SHUTDOWN, RPC_START, RPC_WAIT
+from simulator.isolation.messages import RPC_ANSWER, RPC_CALL, RPC_READY, RPC_REF, RPC_SHUTDOWN, RPC_START, RPC_WAIT, STILL_PENDING
 from simulator.rpc import autograd as rpc_autograd
 from simulator.rpc.agent import run_request, seal_answer, seal_request, warn_missing
 from simulator.rpc import codec
@@ -382,9 +382,11 @@ class ProcAgent(Agent):
         scheduler for the answer, then the chained callbacks run."""
         if not fut.done():
             try:
-                outcome = self._request(RPC_WAIT, call_id)
+                outcome = self._request(RPC_WAIT, call_id, timeout)
             except BaseException as e:  # noqa: BLE001  the call's failure (a timeout, a dead worker)
                 outcome = (False, e)
+            if outcome == STILL_PENDING:  # this wait's own bound passed (Future.wait raises it)
+                return False
             if outcome is not None:  # else the dispatcher has the answer: it completes the future
                 with self.lock:
                     self.calls.pop(call_id, None)

@@ -33,13 +33,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tensorplay.distributed.errors import DistRuntimeError
-from tensorplay.distributed.rpc.errors import WorkerUnavailableError, rpc_message
+from tensorplay.distributed.rpc.errors import RpcTimeoutError, WorkerUnavailableError, rpc_message
 from tensorplay.distributed.rpc.futures import Future
 from tensorplay.distributed.rpc.worker import WorkerInfo
 
 from simulator.core.state import current_rank_state
 from simulator.isolation import _wire
-from simulator.isolation.messages import FDS_REQUEST
+from simulator.isolation.messages import FDS_REQUEST, STILL_PENDING
 from simulator.rpc import autograd as rpc_autograd
 from simulator.rpc import transport as sim_transport
 from simulator.rpc.agent import SimAgent, answer_map
@@ -239,12 +239,17 @@ class RpcRouteHandlers:
         return call_id
 
     def handle_rpc_wait(self, rs: Any, me: Any, chan: Any, msg: tuple) -> Any:
-        _, call_id, books, cpu = msg
+        _, call_id, timeout, books, cpu = msg
         agent = self._rpc_agent(rs, me, books, cpu, "Future.wait")
         fut = agent.calls.get(call_id)
         if fut is None:
             return None  # its answer went to the dispatcher: it completes the future
-        fut.wait()  # (the call's failure fails this request: the waiting thread raises it)
+        try:
+            fut.wait(timeout)  # (the call's failure fails this request: the waiting thread raises it)
+        except RpcTimeoutError:
+            if not fut.done():
+                return STILL_PENDING  # the waiter's own bound passed: the call goes on
+            raise
         return _outcome(fut)
 
     def handle_rpc_answer(self, rs: Any, me: Any, chan: Any, msg: tuple) -> None:

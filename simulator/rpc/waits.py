@@ -78,8 +78,17 @@ def _past_deadline() -> Incident:
     return Incident(_PastDeadline, "the call ran past its timeout")
 
 
+class _WaitOver(Exception):
+    """The waiter's own bound (``fut.wait(timeout=...)``) passed; the call itself goes on."""
+
+
+def _wait_over() -> Incident:
+    return Incident(_WaitOver, "the wait ran past its own timeout")
+
+
 def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
-    """A simulated rank waiting for a future hands over to the others until it completes.
+    """A simulated rank waiting for a future hands over to the others until it completes, or until the
+    waiter's own ``timeout`` (seconds) passes: then the future is left pending, and the caller raises.
 
     Returns ``False`` (not waited) when the calling thread is not a simulated rank.
     """
@@ -100,16 +109,26 @@ def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
     if lender is not None:
         lender.torch_rng = torch.get_rng_state()
     bound = getattr(fut, "_bound", None)  # the call's own timeout (an RPC's: see SimAgent._send)
+    mine = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             try:
-                left = None if bound is None or bound[1].done() else bound[0] - time.monotonic()
+                call = None if bound is None or bound[1].done() else bound[0]
+                # the nearer of the two deadlines decides which way the wait ends
+                if call is not None and (mine is None or call <= mine):
+                    left, over = call - time.monotonic(), _past_deadline
+                elif mine is not None:
+                    left, over = mine - time.monotonic(), _wait_over
+                else:
+                    left, over = None, _past_deadline
                 if left is None:
                     sched.block(rs, w)
                 elif left <= 0:
-                    raise _PastDeadline()
+                    raise over().cls()
                 else:
-                    sched.block_until(rs, w, left, _past_deadline)
+                    sched.block_until(rs, w, left, over)
+                break
+            except _WaitOver:  # the future stays pending: the caller reports its own bound
                 break
             except _PastDeadline:  # the call fails with its timeout here, on the waiting rank: its chain follows
                 fut.expire()

@@ -494,6 +494,16 @@ def timeout_case() -> dict:
         out["async"] = "no error"
     except RpcTimeoutError as e:
         out["async"] = str(e)
+    # the waiter's own bound: the wait fails, the call goes on and its answer can still be waited for
+    fut = rpc.rpc_async("worker1", sleep_then, (0.6, "slow"), timeout=30)
+    t = time.perf_counter()
+    try:
+        fut.wait(timeout=0.1)
+        out["own_bound"] = "no error"
+    except RpcTimeoutError as e:
+        out["own_bound"] = str(e)
+    out["own_bound_s"] = time.perf_counter() - t
+    out["late"] = fut.wait()
     out["after"] = rpc.rpc_sync("worker1", add, (1, 1))
     return out
 
@@ -503,6 +513,7 @@ def check_timeout(out: dict) -> None:
     assert "timeout" in out["async"], out
     # (bounded: far below what waiting out a stuck callee would take; margins for a loaded machine)
     assert out["sync_s"] < 5.0 and out["after"] == 2, out
+    assert "timeout=0.1" in out["own_bound"] and out["own_bound_s"] < 0.5 and out["late"] == "slow", out
 
 
 # ---------------------------------------------------------------------------

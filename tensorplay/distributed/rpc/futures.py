@@ -155,9 +155,10 @@ class Future(_TorchFuture[T]):
         """
         if not self._event.is_set():
             hook = coop_wait
-            if hook is not None and hook(self, timeout):
-                pass  # a simulated rank waited its turn until the future completed
-            elif not self._waiter(self._event, timeout):
+            # a simulated rank waits its turn (until completion or the bound); any other thread blocks
+            if not (hook is not None and hook(self, timeout)):
+                self._waiter(self._event, timeout)
+            if not self._event.is_set():
                 raise RpcTimeoutError(rpc_message(
                     f"{self._what}.wait", "the future did not complete in time", values={"timeout": timeout},
                     fix="raise the timeout, or check that the remote worker is alive and not blocked"))
