@@ -51,6 +51,9 @@ class Counter:
         self.value += n
         return self.value
 
+    def fail(self, kind: type, text: str) -> None:
+        raise kind(text)
+
 
 @rpc.functions.async_execution
 def async_add_then_double(to: str, x: torch.Tensor, y: float) -> torch.futures.Future:
@@ -118,14 +121,19 @@ def basic_program(rank: int, world_size: int, init_method: str) -> dict:
         out["async_class"] = rpc.rpc_async("worker1", AsyncOps.class_add, args=(last, x, 6)).wait()
         out["async_bound"] = rpc.remote("worker1", AsyncOps).rpc_sync().bound_add(x, 7)
         # torch's RPC raises a remote KeyError as "RuntimeError: KeyError: '...'", a ValueError or TypeError (and
-        # their subclasses) as themselves, "ValueError: On WorkerInfo(...)..."
+        # their subclasses) as themselves, "ValueError: On WorkerInfo(...)..."; RRef.to_here raises the remote type
+        # itself, "On WorkerInfo(...)..."; an RRef's proxies as rpc_sync and rpc_async do
         for kind in (KeyError, ValueError, TypeError, UnicodeError, ZeroDivisionError):
-            for how in ("sync", "async"):
+            for how in ("sync", "async", "to_here", "proxy"):
                 try:
                     if how == "sync":
                         rpc.rpc_sync("worker1", raise_kind, args=(kind, "missing"))
-                    else:
+                    elif how == "async":
                         rpc.rpc_async("worker1", raise_kind, args=(kind, "missing")).wait()
+                    elif how == "to_here":
+                        rpc.remote("worker1", raise_kind, args=(kind, "missing")).to_here()
+                    else:
+                        counter.rpc_async().fail(kind, "missing").wait()
                 except Exception as e:  # noqa: BLE001
                     out.setdefault("remote_exceptions", []).append(
                         (kind.__name__, how, type(e).__name__, str(e).split(" ")[:2], "name=worker1" in str(e),
@@ -328,11 +336,13 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
     assert torch.equal(out["async_fn_remote"], (x + 4) * 2)
     assert torch.equal(out["async_static"], x + 5) and torch.equal(out["async_class"], x + 106)
     assert torch.equal(out["async_bound"], x + 7)
+    quote = {"KeyError": "'"}
     assert out["remote_exceptions"] == [
-        (kind, how, raised, [f"{kind}:", "'On" if kind == "KeyError" else "On"], True, True)
+        (kind, how, raised, [f"{kind}:", quote.get(kind, "") + "On"], True, True) if how != "to_here" else
+        (kind, how, kind, [quote.get(kind, "") + "On", "WorkerInfo(id=1,"], True, True)
         for kind, raised in (("KeyError", "RuntimeError"), ("ValueError", "ValueError"), ("TypeError", "TypeError"),
                              ("UnicodeError", "ValueError"), ("ZeroDivisionError", "RuntimeError"))
-        for how in ("sync", "async")]
+        for how in ("sync", "async", "to_here", "proxy")]
     assert out["infos"] == ("worker0", 0, "worker1", 1)
 
 

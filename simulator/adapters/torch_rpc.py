@@ -61,6 +61,7 @@ from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.nn import RemoteModule as TpRemoteModule
 from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOptimizer
 from tensorplay.distributed.rpc import RRef as TpRRef
+from tensorplay.distributed.rpc.rref import _invoke_on_rref, _Proxy
 from tensorplay.distributed.rpc import api
 from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc import futures as tp_futures
@@ -127,11 +128,12 @@ def _with_runtime_error(t: type) -> type:
     return kind
 
 
-def _as_torch_error(e: BaseException) -> BaseException:
-    """A remote exception as torch's RPC raises it from ``rpc_sync``/``Future.wait`` (measured on TensorPipe):
-    torch re-creates the remote type from the message ``On WorkerInfo(...):\n<repr>\n<traceback>``, and its C++
-    layer re-raises that as ``"<Type>: <str(re-created)>"``, a ValueError or TypeError for those types and
-    their subclasses, else a RuntimeError (the original exception is its cause here)."""
+def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
+    """A remote exception as torch's RPC raises it (measured on TensorPipe): torch re-creates the remote type from
+    the message ``On WorkerInfo(...):\n<repr>\n<traceback>``; ``RRef.to_here`` (``fetched``) raises that, while
+    ``rpc_sync``/``Future.wait`` go through its C++ layer, which re-raises it as ``"<Type>: <str(re-created)>"``,
+    a ValueError or TypeError for those types and their subclasses, else a RuntimeError (the original exception
+    is the cause here)."""
     worker = getattr(e, "remote_worker", None)
     if worker is None:  # not raised by the remote function: the transport's own error, a RuntimeError as torch's
         if not isinstance(e, RuntimeError):
@@ -143,13 +145,63 @@ def _as_torch_error(e: BaseException) -> BaseException:
         wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
     text = f"On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n{getattr(e, 'remote_traceback', '')}"
     try:
-        text = str(type(e)(text))  # (a KeyError's str quotes its message, as torch's does)
+        remade = type(e)(text)
     except Exception:  # noqa: BLE001  a type that cannot be made from one string: its message as it is
-        pass
-    kind = ValueError if isinstance(e, ValueError) else TypeError if isinstance(e, TypeError) else RuntimeError
-    err = kind(f"{type(e).__name__}: {text}")
+        remade = None
+    if fetched and remade is not None:
+        err = remade
+    else:
+        text = text if remade is None else str(remade)  # (a KeyError's str quotes its message, as torch's does)
+        kind = ValueError if isinstance(e, ValueError) else TypeError if isinstance(e, TypeError) else RuntimeError
+        err = kind(f"{type(e).__name__}: {text}")
     err.__cause__ = e
     return err
+
+
+def _raise_as_torch(e: BaseException, fetched: bool = False) -> None:
+    err = _as_torch_error(e, fetched)
+    if err is e:
+        raise e
+    raise err from e
+
+
+class _TorchRRef(TpRRef):
+    """An RRef of a worker that started through torch's API: its failures read as torch's (see :func:`_as_torch_error`)
+    and its proxies' calls go through torch's API here."""
+
+    __slots__ = ()
+
+    def to_here(self, timeout: Any = None) -> Any:
+        try:
+            return super().to_here(None if timeout is None else _timeout(timeout))
+        except Exception as e:
+            _raise_as_torch(e, fetched=True)
+
+    def rpc_sync(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
+        return _TorchProxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
+        return _TorchProxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
+        return _TorchProxy(self, "remote", timeout)
+
+
+class _TorchProxy(_Proxy):
+    """``rref.rpc_sync().m(*a)`` and the like, through torch's API (its timeout conventions and errors)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("__"):
+            raise AttributeError(method)
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return _OURS[mode](rref.owner(), _invoke_on_rref, args=(rref, method, args, kwargs), timeout=timeout)
+
+        call.__name__ = method
+        return call
 
 
 def _rpc_call(name: str) -> Callable[..., Any]:
@@ -159,10 +211,7 @@ def _rpc_call(name: str) -> Callable[..., Any]:
         try:
             out = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
         except Exception as e:
-            err = _as_torch_error(e)
-            if err is e:
-                raise
-            raise err from e
+            _raise_as_torch(e)
         if name != "rpc_async":
             return out
         fut = out
@@ -197,6 +246,7 @@ _OURS: dict[str, Callable[..., Any]] = {
 def _init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
               rpc_backend_options: Any = None) -> None:
     api.init_rpc(name, backend=backend, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)
+    rpc_transport.current().rref_type = _TorchRRef  # the RRefs this worker makes and receives read as torch's
 
 
 def _dispatch(original: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
@@ -320,7 +370,9 @@ def _route_new(cls: type, ours: Callable[..., Any], *, exact: bool = True) -> Ca
 
 
 def _rref(value: Any, type_hint: Any = None) -> Any:
-    return TpRRef(value, type_hint)
+    r = TpRRef(value, type_hint)
+    r.__class__ = _TorchRRef
+    return r
 
 
 def _dist_optimizer(optimizer_class: type, params_rref: Any, *args: Any, **kwargs: Any) -> Any:

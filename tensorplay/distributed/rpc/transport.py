@@ -103,6 +103,7 @@ def wrap_rref(impl: Any) -> RRef[Any]:
     ``impl`` answers what an RRef is asked and the RRef forwards to it:
     ``owner()``, ``is_owner()``, ``confirmed_by_owner()``, ``to_here(timeout)``,
     ``local_value()``, ``here()`` (this worker's name), ``ident()`` and
-    ``reduce()`` (how the RRef pickles when sent to another worker).
+    ``reduce()`` (how the RRef pickles when sent to another worker).  The calling worker's agent may name
+    an :class:`RRef` subclass to use (``agent.rref_type``: the simulator's torch API gives torch's errors).
     """
-    return RRef._wrap(impl)
+    return getattr(current(), "rref_type", RRef)._wrap(impl)
