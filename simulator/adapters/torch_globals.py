@@ -410,6 +410,11 @@ def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_
         # ("fake": torch's process-local group for tracing, every process its own world over a FakeStore, nothing
         # communicated: torch's own, on a simulated rank too; likewise a backend the program registered itself)
         return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args, **kwargs)
+    if group_size == 0 and group_rank is None:  # new_group(ranks=[]): torch's ProcessGroup(store, None, 0) refuses it
+        raise TypeError(format_message(
+            "torch.distributed.new_group", "ranks is empty: a process group needs at least one member", rank=st.rank,
+            values={"ranks": list(global_ranks_in_group)},
+            fix="pass the global ranks of the group's members, or ranks=None for a group of every rank"))
     default = len(global_ranks_in_group) == 0
     members = None
     if default:

@@ -44,6 +44,21 @@ def new_group_with_rank_outside_world_raises(ctx):
     return None
 
 
+@case(world_sizes=(2,), front_doors=("torch",))
+def new_group_of_no_ranks_is_a_type_error_and_later_groups_work(ctx):
+    """torch refuses ``new_group([])`` with a TypeError on every rank; the next group still forms."""
+    d = ctx.dist
+    try:
+        d.new_group([])
+        refused = None
+    except TypeError:
+        refused = "TypeError"
+    g = d.new_group()
+    x = _x(ctx)
+    d.all_reduce(x, group=g)
+    return [refused, x]
+
+
 @case(world_sizes=(3,), raises=True)
 def get_group_rank_of_non_member_raises(ctx):
     g = ctx.dist.new_group([2, 0])
