@@ -128,6 +128,9 @@ class _Launcher:
         #: the count was not chosen: a world of more ranks than GPUs gets a GPU per rank (a script that starts N
         #: processes and puts rank r on cuda:r was written for a machine of at least N GPUs)
         self.gpus_follow_ranks = False
+        #: rank processes keep torch's own RPC agent (TensorPipe) rather than the simulator's: torch's RPC test
+        #: fixtures test that agent itself (set by simulator.torch_harness)
+        self.own_torch_rpc = False
         self.seeds: SeedWatch | None = None  # where the script seeded torch (a launcher script only)
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
@@ -181,6 +184,7 @@ class _Launcher:
                           gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
+            world.own_torch_rpc = self.own_torch_rpc
             if self.seeds is not None:  # (a script: where its children's torch RNGs start)
                 world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
             world.launched = True  # ranks for processes the program started (adapters.started_processes)

@@ -333,6 +333,7 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                          stall_timeout=settings.stall_timeout, device="cpu", replay_hint=replay,
                          bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "), isolation=isolation,
                          clean_exit_codes=frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values()))
+    launcher.own_torch_rpc = _process_only(item) is not None  # (torch's RPC fixtures test torch's own agent)
     default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook

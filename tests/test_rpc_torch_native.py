@@ -292,8 +292,18 @@ def local_reference(steps: int = 3) -> list:
     return out
 
 
-def on_sim(program, world_size: int, *args):
-    return simulator.run(lambda: program(tpd.get_rank(), world_size, "tcp://127.0.0.1:1", *args), world_size)
+def on_sim(program, world_size: int, *args, **options):
+    return simulator.run(_Bound(program, world_size, args), world_size, **options)
+
+
+class _Bound:
+    """``program(rank, world_size, url, *args)`` on each rank (a class, so that rank processes can unpickle it)."""
+
+    def __init__(self, program, world_size: int, args: tuple) -> None:
+        self.program, self.world_size, self.args = program, world_size, args
+
+    def __call__(self):
+        return self.program(tpd.get_rank(), self.world_size, "tcp://127.0.0.1:1", *self.args)
 
 
 def on_real(pool, program, world_size: int, *args):
@@ -344,6 +354,15 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
                              ("UnicodeError", "ValueError"), ("ZeroDivisionError", "RuntimeError"))
         for how in ("sync", "async", "to_here", "proxy")]
     assert out["infos"] == ("worker0", 0, "worker1", 1)
+
+
+def test_torchs_rpc_api_between_rank_processes_is_the_simulators():
+    """With isolation="process", torch's own RPC API runs on the simulator's transport too (not TensorPipe): the
+    same answers as thread ranks, every call an event on the trace, and the trace a function of the seed."""
+    outs = on_sim(basic_program, 2, isolation="process", seed=3)
+    _assert_same(outs, on_sim(basic_program, 2, seed=3))
+    trace = simulator.check_reproducible(_Bound(parameter_server_program, 2, ()), 2, seed=3, isolation="process")
+    assert {"rpc_sync", "remote"} <= {e.op for e in trace.events}
 
 
 def test_parameter_server_tutorial_shape_matches_a_local_model():

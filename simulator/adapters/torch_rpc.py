@@ -81,25 +81,31 @@ _undo: list[Callable[[], None]] = []
 _contexts = threading.local()  # open torch-style autograd contexts of this thread: {context id: ours}
 #: the agent class of the simulator's transport (:class:`simulator.rpc.agent.SimAgent`), registered by that module
 #: when it loads: the adapters may not import the rpc wing, and no simulated agent exists before it loads
-_sim_agent_class: type | None = None
+_sim_agent_classes: tuple[type, ...] = ()
 
 
 def register_sim_agent(cls: type) -> None:
-    """Make ``cls`` the agent class of simulated ranks: on a simulated rank, torch's "is an RPC agent set?"
-    answers whether the calling thread's agent is one (called by :mod:`simulator.rpc.agent`)."""
-    global _sim_agent_class
-    _sim_agent_class = cls
+    """Count ``cls`` among the agent classes of simulated ranks: on a simulated rank, torch's "is an RPC agent set?"
+    answers whether the calling thread's agent is one (called by :mod:`simulator.rpc.agent` and, in a rank process,
+    :mod:`simulator.isolation.child`)."""
+    global _sim_agent_classes
+    if cls not in _sim_agent_classes:
+        _sim_agent_classes += (cls,)
+
+
+#: True in a rank process (``--isolation process``) whose torch RPC runs on the simulator: every thread of the
+#: process is the rank's (set by :mod:`simulator.isolation.child`)
+process_rank = False
 
 
 def _on_sim() -> bool:
     """Whether the calling thread is a simulated rank (tensorplay.distributed bound to the simulator)."""
-    return on_simulated_rank()
+    return process_rank or on_simulated_rank()
 
 
 def _sim_agent() -> Any:
     a = rpc_transport.current()
-    cls = _sim_agent_class
-    return a if cls is not None and isinstance(a, cls) else None
+    return a if isinstance(a, _sim_agent_classes) else None
 
 
 # ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
-from simulator.adapters import torch_globals, torch_native
+from simulator.adapters import torch_globals, torch_native, torch_rpc
 from simulator.adapters.clock_hooks import timed_imports
 from simulator.isolation import _wire, cleanup, mark_rank_process, pickling, rank_threads, rpc_process, warm
 from simulator.core.seeds import numpy_seed
@@ -141,6 +141,17 @@ def _own_c10d(backend: ClientBackend, setup: Setup) -> None:
     torch_native.rank_process(backend.world_key(), host, port, setup.world_size, timedelta(seconds=setup.timeout))
 
 
+def _torch_rpc(setup: Setup) -> ContextManager[None]:
+    """torch's RPC API in this rank process: the simulator's transport (matched, traced, seeded, under the run's
+    faults, as on thread ranks), or, for torch's RPC test fixtures, torch's own agent."""
+    if setup.own_torch_rpc:
+        rpc_process.torch_rpc_leaves_the_schedule(coop=setup.mode == "coop")
+        return contextlib.nullcontext()
+    torch_rpc.process_rank = True  # (every thread of this process is the rank's)
+    torch_rpc.register_sim_agent(rpc_process.ProcAgent)
+    return torch_rpc.enabled()
+
+
 def main(fd: int | None = None) -> None:
     """Entry point of a rank process; ``fd`` (default ``argv[1]``) is its socket to the coordinator."""
     _die_with_parent()  # (armed already by the start-up command; again for a caller that did not)
@@ -166,8 +177,7 @@ def main(fd: int | None = None) -> None:
     install_backend(backend, timedelta(seconds=setup.timeout))
     # (after this module's own threads: those are not the program's)
     rank_threads.install(backend, coop=setup.mode == "coop")
-    rpc_process.torch_rpc_leaves_the_schedule(coop=setup.mode == "coop")
-    with _devices(setup), torch_native.enabled():
+    with _devices(setup), torch_native.enabled(), _torch_rpc(setup):
         _own_c10d(backend, setup)
         _honest_clock(backend)
         _wire.send(conn, (READY,))  # start-up done: the run's timeout counts from every rank's READY

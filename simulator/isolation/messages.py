@@ -165,6 +165,9 @@ class Setup(NamedTuple):
     #: what the whole rank runs inside (a picklable factory of a context manager, handed in by the world: the
     #: CUDA stand-in's devices with devices="cuda"), or None
     device_context: Any = None
+    #: torch's RPC API keeps torch's own agent (real TensorPipe between the rank processes), rather than the
+    #: simulator's transport (torch's RPC test fixtures, which test that agent; see simulator.torch_harness)
+    own_torch_rpc: bool = False
 
 
 #: the one-byte payloads that carry descriptors (``socket.send_fds``), right after what they belong to

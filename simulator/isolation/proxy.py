@@ -147,7 +147,8 @@ class ProcessRanks(ProxyHandlers):
                                        timeout=world.pg_timeout, store=("127.0.0.1", self.store.port),
                                        learn=isinstance(proc, warm.Forked), mode=world.mode,
                                        rpc_secret=rpc_secret,
-                                       device_context=getattr(world, "device_context", None)))
+                                       device_context=getattr(world, "device_context", None),
+                                       own_torch_rpc=getattr(world, "own_torch_rpc", False)))
                 ask, answer = socket.socketpair()
                 with answer, socket.socket(fileno=os.dup(conn.fileno())) as raw:
                     socket.send_fds(raw, [FDS_WHERE], [answer.fileno()])

@@ -25,8 +25,9 @@ Every wait (for an answer, for the other workers in ``init_rpc`` and
 ``shutdown``) is a wait of the rank's actor in the coordinator's scheduler, so a
 process-isolated RPC run follows the seeded schedule like its collectives, and a
 wait nobody can end is reported as a deadlock.  torch's own RPC API
-(``torch.distributed.rpc.init_rpc``) stays torch's in a rank process: its agent is
-TensorPipe, as in any process (:func:`torch_rpc_leaves_the_schedule`).
+(``torch.distributed.rpc.init_rpc`` and the rest) runs on this agent too, through
+:mod:`simulator.adapters.torch_rpc`, as on thread ranks; only torch's RPC test fixtures
+keep torch's TensorPipe agent (:func:`torch_rpc_leaves_the_schedule`).
 
 The workers authenticate every message (:mod:`tensorplay.distributed.rpc.transport`)
 under the environment's ``TENSORPLAY_RPC_SECRET``/``_FILE`` when the program
