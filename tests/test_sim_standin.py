@@ -594,6 +594,14 @@ def test_sparse_tensors_are_refused_on_stand_ins_with_the_fix(two_gpus):
     with pytest.raises(StandInError, match=r"^torch.nn.functional.embedding: .*sparse=True\. Fix: use "
                                            r"nn.Embedding\(\.\.\., sparse=False\)"):
         torch.nn.Embedding(5, 2, sparse=True).cuda()(torch.tensor([1, 2], device="cuda"))
+    for padding_idx in (None, 0):  # (torch's two operators of a bag)
+        with pytest.raises(StandInError, match=r"^torch.nn.functional.embedding_bag: .*sparse=True\. Fix: use "
+                                               r"nn.EmbeddingBag\(\.\.\., sparse=False\)"):
+            torch.nn.EmbeddingBag(5, 2, sparse=True, padding_idx=padding_idx).cuda()(
+                torch.tensor([[1, 2]], device="cuda"))
+    bag = torch.nn.EmbeddingBag(5, 2, mode="sum").cuda()
+    bag(torch.tensor([[1, 2], [2, 3]], device="cuda")).sum().backward()
+    assert torch.equal(bag.weight.grad.cpu().sum(dim=1), torch.tensor([0.0, 2.0, 4.0, 2.0, 0.0]))
     dense = torch.nn.Embedding(5, 2).cuda()
     dense(torch.tensor([1, 2], device="cuda")).sum().backward()
     assert dense.weight.grad.device == torch.device("cuda", 0)

@@ -500,15 +500,18 @@ def _indices_on_cpu_or_self(args: tuple, kwargs: dict, seen: list) -> None:
                                f"({own})")
 
 
-def _dense_embedding(args: tuple, kwargs: dict, seen: list) -> None:
+def _dense_embedding(at: int, call: str, module: str) -> Callable[[tuple, dict, list], None]:
     """A sparse embedding's gradient is a sparse tensor, which a stand-in cannot be (refused here, before the
-    backward, where torch's engine would abort the process)."""
-    if (args[4] if len(args) > 4 else kwargs.get("sparse", False)) and seen[2] is not None:
-        raise StandInError(format_message(
-            "torch.nn.functional.embedding", "a sparse embedding's gradient is a sparse tensor, and sparse tensors on "
-            "a GPU are not simulated (docs/deviations.md)", values={"sparse": True},
-            fix="use nn.Embedding(..., sparse=False) (dense gradients; optimizers other than SparseAdam take them), "
-                "or keep the embedding on the CPU"))
+    backward, where torch's engine would abort the process); ``at``: where the operator takes ``sparse``."""
+    def check(args: tuple, kwargs: dict, seen: list) -> None:
+        if (args[at] if len(args) > at else kwargs.get("sparse", False)) and seen[2] is not None:
+            raise StandInError(format_message(
+                call, "a sparse embedding's gradient is a sparse tensor, and sparse tensors on a GPU are not "
+                "simulated (docs/deviations.md)", values={"sparse": True},
+                fix=f"use nn.{module}(..., sparse=False) (dense gradients; optimizers other than SparseAdam take "
+                    "them), or keep the embedding on the CPU"))
+
+    return check
 
 
 def _no_nested(args: tuple, kwargs: dict, seen: list) -> None:
@@ -523,7 +526,11 @@ def _no_nested(args: tuple, kwargs: dict, seen: list) -> None:
 
 
 _CHECKS = {"aten::index.Tensor": _indices_on_cpu_or_self, "aten::_unsafe_index.Tensor": _indices_on_cpu_or_self,
-           "aten::embedding": _dense_embedding}
+           "aten::embedding": _dense_embedding(4, "torch.nn.functional.embedding", "Embedding"),
+           # (the bag's forward-only variant makes no gradient: not checked)
+           "aten::_embedding_bag": _dense_embedding(5, "torch.nn.functional.embedding_bag", "EmbeddingBag"),
+           "aten::embedding_bag": _dense_embedding(5, "torch.nn.functional.embedding_bag", "EmbeddingBag"),
+           "aten::embedding_bag.padding_idx": _dense_embedding(5, "torch.nn.functional.embedding_bag", "EmbeddingBag")}
 
 
 def passes_generator(sp: _Spec, args: Any, kwargs: dict) -> bool:
