@@ -650,24 +650,32 @@ def test_point_to_point_tags_are_checked_as_gloo_checks_them(tag, want):
     assert all(re.search(want, o) for o in out), out
 
 
-def _profiled_all_reduce() -> tuple:
-    """torch's profiler around an all_reduce on a rank: the gloo events it recorded, and the result."""
+def _profiled_all_reduce(scheduled: bool = False) -> tuple:
+    """torch's profiler around an all_reduce on a rank (with a schedule: the trace starts in ``step()``, and the
+    profiler's exit starts it again after a refused step): the gloo events it recorded, and the result."""
     tdist.init_process_group("gloo")
+    kw = {"schedule": torch.profiler.schedule(wait=0, warmup=1, active=1)} if scheduled else {}
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **kw) as prof:
             t = torch.ones(4) * (tdist.get_rank() + 1)
             tdist.all_reduce(t)
+            if scheduled:
+                prof.step()
     except simulator.SimError as e:
         return "refused", str(e)
     return [e.key for e in prof.key_averages() if e.key.startswith("gloo:")], t.tolist()
 
 
-def test_the_profiler_on_one_of_several_thread_ranks_is_refused_with_the_fix_and_runs_on_rank_processes() -> None:
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_the_profiler_on_one_of_several_thread_ranks_is_refused_with_the_fix_and_runs_on_rank_processes(scheduled):
     """torch's profiler is one per process: thread ranks sharing it crashed the process (a segmentation fault in
-    _disable_profiler) and recorded each other's operations; a rank alone, and rank processes, have their own."""
-    for r, (what, msg) in enumerate(simulator.run(_profiled_all_reduce, 2)):
+    _disable_profiler) and recorded each other's operations; a rank alone, and rank processes, have their own.
+    With a schedule, the profiler's exit started the trace after the refused step: that crashed too."""
+    for r, (what, msg) in enumerate(simulator.run(_profiled_all_reduce, 2, args=(scheduled,))):
         assert what == "refused" and re.search(rf"torch\.profiler\.profile \(rank {r}\): torch's profiler was started "
                                                r"on a simulated thread rank.*world_size=2.*Fix: .*isolation='process'", msg)
+    if scheduled:
+        return
     assert simulator.run(_profiled_all_reduce, 1) == [(["gloo:all_reduce"], [1.0] * 4)]
     assert simulator.run(_profiled_all_reduce, 2, isolation="process") == [(["gloo:all_reduce"], [3.0] * 4)] * 2
     assert "_prepare_trace" in vars(torch.autograd.profiler.profile)  # torch's own method is back after the runs

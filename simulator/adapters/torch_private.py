@@ -238,8 +238,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
          "torch.nn's process-wide module hooks (ModTracker, CommDebugMode): one table per thread rank")
       for table in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
                     "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")),
-    _P("torch.autograd.profiler.profile._prepare_trace", "torch_harness_state", "patches",
-       "the profiler is one per process: starting it on a thread rank fails, naming the fix"),
+    *(_P(f"torch.autograd.profiler.profile.{step}", "torch_harness_state", "patches",
+         "the profiler is one per process: starting it on a thread rank fails, naming the fix")
+      for step in ("_prepare_trace", "_start_trace")),
     # -- libraries' process-wide singletons (adapters.per_rank_state) ------------------------------------------
     _P("torch.distributed.device_mesh.DeviceMesh._thread_id", "adapters.per_rank_state", "patches",
        "what tells thread ranks' meshes apart in torch (its threaded backend sets it): a simulated rank's identity",

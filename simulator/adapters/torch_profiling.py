@@ -133,7 +133,7 @@ harness_refusal: list[Any] = [None]
 
 
 def _refusing(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def _prepare_trace(self: Any) -> Any:
+    def refused(self: Any) -> Any:
         rs = current_rank_state()
         if rs is not None and len(rs.run.ranks) > 1:  # (one rank alone has the process's profiler to itself)
             fix = ("run the ranks with a process each, which have a profiler each: isolation='process' "
@@ -149,7 +149,8 @@ def _refusing(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 values={"world_size": len(rs.run.ranks)}, fix=fix))
         return original(self)
 
-    return _prepare_trace
+    refused.__name__ = original.__name__
+    return refused
 
 
 _undo: list[Callable[[], None]] = []
@@ -157,7 +158,10 @@ _undo: list[Callable[[], None]] = []
 
 def _install() -> None:
     cls = autograd_profiler.profile
-    _undo.append(replace(cls, "_prepare_trace", _refusing(cls.__dict__["_prepare_trace"])))
+    # both steps of a start: a scheduled profiler whose step() was refused still starts the trace on its way out
+    # (torch.profiler.profile.__exit__ moves its schedule on), which must fail as loudly, not crash in C++
+    for step in ("_prepare_trace", "_start_trace"):
+        _undo.append(replace(cls, step, _refusing(cls.__dict__[step])))
 
 
 def _uninstall() -> None:
