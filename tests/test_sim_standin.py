@@ -1408,6 +1408,58 @@ def test_the_world_switch_gives_each_rank_its_stand_in_devices(isolation):
     assert not torch.cuda.is_available()  # restored after the run
 
 
+class _SeesItsDevice(torch.nn.Module):
+    """A DataParallel replica's forward: a tensor on "cuda" (its thread's current device), and what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.arange(3, device="cuda") * 0 + torch.cuda.current_device()
+
+
+def _threads_have_their_own_device_and_stream() -> tuple:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tensorplay.distributed as tpd
+
+    tpd.init_process_group("sim")
+    r = tpd.get_rank()
+    torch.cuda.set_device(r)
+    seen: dict = {}
+
+    def worker() -> None:  # a new host thread starts on device 0; its set_device is its own
+        seen["start"] = torch.cuda.current_device(), str(torch.zeros(1, device="cuda").device)
+        torch.cuda.set_device(1 - r)
+        seen["set"] = torch.cuda.current_device()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: torch.cuda.current_stream() == s).result()
+        mine = torch.cuda.current_stream() == s
+    # DataParallel on one rank over both GPUs: each replica's thread on its own device, the caller's left alone
+    torch.cuda.set_device(0)
+    dp = torch.nn.DataParallel(_SeesItsDevice().cuda())
+    outs = [dp(torch.zeros(4, 3, device="cuda"))[:, 0].cpu() - dp.module.lin.bias[0].cpu() for _ in range(5)]
+    return seen, torch.cuda.current_device(), mine, other, [o.tolist() for o in outs]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_the_current_device_and_stream_are_each_host_threads_own(isolation):
+    """CUDA keeps the current device and stream per host thread: a rank's threads start on device 0 and the
+    default stream, and their choices are their own (before: shared by the rank, so DataParallel's replica threads
+    moved each other's and the caller's device, and failed at random with "Expected all tensors ...")."""
+    got = simulator.run(_threads_have_their_own_device_and_stream, 2, devices="cuda", isolation=isolation)
+    for r, (seen, after, mine, other, outs) in enumerate(got):
+        assert seen == {"start": (0, "cuda:0"), "set": 1 - r} and after == 0 and mine and not other
+        assert all(torch.allclose(torch.tensor(o), torch.tensor([0.0, 0.0, 1.0, 1.0])) for o in outs), outs
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(devices="tpu"), "devices='tpu'"),
     (dict(devices="cuda", gpus_per_node=0), "gpus_per_node=0"),

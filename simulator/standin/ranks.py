@@ -60,8 +60,8 @@ def push_config(cfg: Config) -> None:
 def pop_config(cfg: Config) -> None:
     _configs.remove(cfg)
     if not _configs:  # the stand-in's machine is gone: a later one starts on its device 0, as a new process would
-        _process.current = 0
-        _process.streams.clear()
+        _process._current = 0
+        _process._streams.clear()
         _process.visible = _UNREAD
 
 
@@ -79,22 +79,47 @@ _UNREAD = object()
 
 
 class DeviceState:
-    """One rank's (or the process's) CUDA state."""
+    """One rank's (or the process's) CUDA state.
 
-    __slots__ = ("current", "initialized", "mem", "streams", "fraction", "rng", "lock", "visible", "__weakref__")
+    The current device and the current streams are CUDA's per host thread: the rank's own thread (a thread rank,
+    or a rank process's main thread) keeps them here; any other thread (one the rank started, DataParallel's
+    replicas, an RPC handler) has its own, starting on device 0 and the default streams, as a new thread does.
+    """
+
+    __slots__ = ("_current", "initialized", "mem", "_streams", "fraction", "rng", "lock", "visible", "__weakref__")
 
     def __init__(self) -> None:
-        self.current = 0
+        self._current = 0
         self.initialized = False
         #: CUDA_VISIBLE_DEVICES as read when CUDA started on this rank (the node's GPUs it sees, in order; None:
         #: all of them), or _UNREAD before
         self.visible: Any = _UNREAD
         #: device -> [allocated, peak, reserved, peak reserved, allocations, frees, bytes allocated, bytes freed]
         self.mem: dict[int, list[int]] = {}
-        self.streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
+        self._streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
         self.fraction: dict[int, float] = {}
         self.rng: dict[int, list[int]] = {}  # device -> [seed, offset] of its generator (see rng)
         self.lock = threading.Lock()  # rank threads run at once in threads mode; finalizers on any thread
+
+    @property
+    def current(self) -> int:
+        """The calling thread's current device."""
+        own = _own(self)
+        return self._current if own is None else own[0]
+
+    @current.setter
+    def current(self, idx: int) -> None:
+        own = _own(self)
+        if own is None:
+            self._current = idx
+        else:
+            own[0] = idx
+
+    @property
+    def streams(self) -> dict[int, Any]:
+        """The calling thread's current stream per device (absent: the default stream)."""
+        own = _own(self)
+        return self._streams if own is None else own[1]
 
     def counters(self, dev: int) -> list[int]:
         """The memory counters of ``dev`` (see ``mem``)."""
@@ -122,6 +147,24 @@ class DeviceState:
             c[0] -= size
             c[5] += 1
             c[7] += size
+
+
+_threads = threading.local()  # .own: {DeviceState: [current device, streams]} of a thread not its rank's own
+
+
+def _own(st: DeviceState) -> list | None:
+    """The calling thread's own current device and streams for ``st``, or None on the rank's own thread (a thread
+    rank; outside one, the process's main thread: a rank process's)."""
+    rs = current_rank_state()
+    if rs.parent is None if rs is not None else threading.current_thread() is threading.main_thread():
+        return None
+    own = getattr(_threads, "own", None)
+    if own is None:
+        own = _threads.own = weakref.WeakKeyDictionary()
+    rec = own.get(st)
+    if rec is None:
+        rec = own[st] = [0, {}]
+    return rec
 
 
 _process = DeviceState()
