@@ -1102,6 +1102,45 @@ def test_nccl_refuses_two_ranks_of_a_node_on_one_gpu(world):
         assert simulator.run(_all_reduce_on, 2, args=((0, 0), world)) == [[3.0, 3.0]] * 2
 
 
+def _coalesced(backend: str, async_ops: bool):
+    """Megatron's shape: collectives of one kind under ``_coalescing_manager(device=...)``, waited for together."""
+    tdist.init_process_group(backend)
+    r, w = tdist.get_rank(), tdist.get_world_size()
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(r)
+        dev = torch.device("cuda", r)
+    sums = [torch.full((2,), r + 1.0, device=dev), torch.arange(3.0, device=dev) * (r + 1)]
+    gathered = [torch.empty(2 * w, device=dev), torch.empty(w, device=dev)]
+    scattered = [torch.empty(1, device=dev)]
+    try:
+        with tdist._coalescing_manager(device=dev, async_ops=async_ops) as cm:
+            for t in sums:
+                tdist.all_reduce(t)
+        if async_ops:
+            cm.wait()
+        with tdist._coalescing_manager(device=dev) as cm:
+            tdist.all_gather_into_tensor(gathered[0], torch.full((2,), float(r), device=dev))
+            tdist.all_gather_into_tensor(gathered[1], torch.tensor([10.0 + r], device=dev))
+        with tdist._coalescing_manager(device=dev) as cm:
+            tdist.reduce_scatter_tensor(scattered[0], torch.arange(float(w), device=dev) + r)
+    except RuntimeError as e:
+        return str(e)
+    return [t.cpu().tolist() for t in sums + gathered + scattered]
+
+
+@pytest.mark.parametrize("async_ops", [False, True])
+def test_nccl_coalescing_with_a_device_waits_for_every_operation_in_the_block(async_ops):
+    """NCCL implements startCoalescing/endCoalescing: the end's work covers the block's operations (results as
+    issued one by one); gloo does not implement it and says so."""
+    with standin.enabled(gpus_per_node=2):
+        got = simulator.run(_coalesced, 2, args=("nccl", async_ops))
+    assert got == [[[3.0, 3.0], [0.0, 3.0, 6.0], [0.0, 0.0, 1.0, 1.0], [10.0, 11.0], [float(2 * r + 1)]]
+                   for r in range(2)]
+    refused = simulator.run(_coalesced, 2, args=("gloo", async_ops))
+    assert all("backend gloo does not implement startCoalescing" in e for e in refused), refused
+
+
 def _all_gather_reshaped(backend: str, case: str):
     """A list all_gather whose outputs are not of the input's shape (ml-engineering's benchmark gathers 0-dim flags
     into (1,) outputs; uneven: rank j contributes j + 1 elements)."""

@@ -18,6 +18,9 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 
 from tensorplay.distributed import state as dist_state
+from tensorplay.distributed.errors import format_message
+
+from simulator.adapters.process_group_work import SimWork, coalescing
 
 from simulator.core.state import rank_device
 
@@ -64,8 +67,36 @@ class LanesMixin:
 
     def _speaks_nccl(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow NCCL's rules: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
+        return self._nccl_for(t.device.type)
+
+    def _nccl_for(self, device_type: str) -> bool:
         named: str = self._named  # type: ignore[attr-defined]
-        return named == "nccl" or (":" in named and self._by_device.get(t.device.type) == "nccl")
+        return named == "nccl" or (":" in named and self._by_device.get(device_type) == "nccl")
+
+    # -- NCCL's coalescing (dist._coalescing_manager(device=...)): gloo has none ----------------------------------
+    def _start_coalescing(self, device: Any) -> None:
+        """Start NCCL's group of operations: those this thread issues until ``_end_coalescing`` are waited for by
+        the work that returns (issued at once here; NCCL launches them together at the end, with the same results)."""
+        self._coalescing_backend("_start_coalescing", device)
+        coalescing.works = []
+
+    def _end_coalescing(self, device: Any) -> SimWork:
+        self._coalescing_backend("_end_coalescing", device)
+        works = coalescing.__dict__.pop("works", None)
+        if works is None:
+            raise RuntimeError(format_message(
+                "ProcessGroup._end_coalescing", "no coalescing was started on this thread", values={
+                    "device": str(device)}, fix="call _start_coalescing(device) first, or use "
+                "torch.distributed._coalescing_manager(device=...)"))
+        return SimWork(works, [])
+
+    def _coalescing_backend(self, call: str, device: Any) -> None:
+        named: str = self._named  # type: ignore[attr-defined]
+        if not self._nccl_for(torch.device(device).type):
+            raise RuntimeError(format_message(
+                f"ProcessGroup.{call}", f"backend {named} does not implement startCoalescing",
+                values={"backend": named, "device": str(device)},
+                fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
 
     def _speaks_gloo(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow gloo's rules: a "gloo" group, or the CPU side of "cpu:gloo,cuda:nccl"."""

@@ -184,15 +184,6 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SimProcessGroup(ranks={list(self._g.ranks)}, rank={self._g.rank()}, backend={self._named!r})"
 
-    def _start_coalescing(self, device: Any) -> None:
-        # gloo has no coalescing either; torch's generic paths (batch_isend_irecv, ...) never ask for it here
-        raise RuntimeError(format_message(
-            "ProcessGroup._start_coalescing", f"backend {self._named} does not implement startCoalescing",
-            values={"backend": self._named, "device": str(device)},
-            fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
-
-    _end_coalescing = _start_coalescing
-
     # -- collectives (torch passes group ranks in opts.rootRank) -------------
     # torch's front door passes one tensor in a list and an options object; a program calling the group itself
     # may pass several tensors or use the pybind overloads (pg.allreduce(t), pg.broadcast(t, root=0)): both are

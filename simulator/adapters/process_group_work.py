@@ -47,6 +47,10 @@ def forget_unwaited() -> None:
 check_torch_version()  # (refuses an unsupported torch before its classes are subclassed below)
 
 
+#: per thread, ``.works``: the works issued since an NCCL group's ``_start_coalescing`` (see LanesMixin)
+coalescing = threading.local()
+
+
 class SimWork(tdist.Work):
     """torch's ``Work`` for an operation issued on the simulator with ``async_op=True``.
 
@@ -62,6 +66,9 @@ class SimWork(tdist.Work):
     def __init__(self, works: list[Any], result: list[Any], *, source: Any = None, refuse: str | None = None,
                  after: Any = None, weak_result: bool = False) -> None:
         super().__init__()
+        collected = coalescing.__dict__.get("works")
+        if collected is not None:  # (issued inside an NCCL group's coalescing: its end's work waits for it)
+            collected.append(self)
         self._weak = weak_result  # once waited, hold the outputs weakly (see wait)
         self._after = after  # () -> None: writes the results out once the exchange is done (several-tensor calls)
         self._refuse = refuse  # an error gloo gives this rank once the exchange is done (see _autograd_refusal)
