@@ -410,6 +410,10 @@ def test_sdpa_kernel_restricted_to_a_kernel_that_cannot_run_refuses_as_cuda_does
             torch.nn.functional.scaled_dot_product_attention(q, q, q)
         half = q.half()  # one flash takes
         assert torch.nn.functional.scaled_dot_product_attention(half, half, half).dtype == torch.float16
+        # flash takes dropout too (a train step with flash forced): its rows still average v's rows
+        v = torch.arange(8.0, device="cuda").repeat_interleave(16).reshape(1, 1, 8, 16).expand(2, 4, 8, 16).half()
+        out = torch.nn.functional.scaled_dot_product_attention(half, half, v, dropout_p=0.5)
+        assert out.shape == half.shape and torch.isfinite(out).all() and not torch.equal(out, v.mean(2, True) + 0 * v)
     assert torch.nn.functional.scaled_dot_product_attention(q, q, q).is_cuda  # the math kernel is back
 
 

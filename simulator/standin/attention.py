@@ -13,7 +13,7 @@ math fallback; so the stand-in registers the choice for ``AutogradPrivateUse1``:
   and a multiple of 8 (and ``torch.backends.cuda.flash_sdp_enabled()``);
 * memory-efficient when the head size is a multiple of 8 (4 for float32) and the mask does not require grad
   (and ``mem_efficient_sdp_enabled()``), with dropout too (flash takes dropout on a GPU as well; here the
-  memory-efficient operator takes it, whose DTensor rule is the same);
+  memory-efficient operator takes it, whose DTensor rule is the same, also when flash is the only kernel enabled);
 * the math composite otherwise (dropout draws from the device's generator there).
 
 The fused operators then run the CPU's fused kernel (``_scaled_dot_product_flash_attention_for_cpu``
@@ -44,12 +44,15 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
     d = query.size(-1)
     plain = query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and \
         value.size(-1) == d and key.size(1) == query.size(1) and not enable_gqa
-    if plain and attn_mask is None and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) \
-            and d <= 256 and d % 8 == 0 and torch.backends.cuda.flash_sdp_enabled():
+    flash = plain and attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and d <= 256 \
+        and d % 8 == 0 and torch.backends.cuda.flash_sdp_enabled()
+    if flash and dropout_p == 0.0:
         return "flash"
     align = 4 if query.dtype == torch.float32 else 8
+    # (flash with dropout, even as the only kernel enabled: computed by the memory-efficient operator here)
     if plain and d % align == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32) \
-            and (attn_mask is None or not attn_mask.requires_grad) and torch.backends.cuda.mem_efficient_sdp_enabled():
+            and (attn_mask is None or not attn_mask.requires_grad) \
+            and (flash or torch.backends.cuda.mem_efficient_sdp_enabled()):
         return "efficient"
     if not (torch.backends.cuda.math_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled()):
         # (sdpa_kernel(SDPBackend.FLASH_ATTENTION) with inputs flash cannot take: fp32, a mask, ...)
