@@ -48,6 +48,9 @@ def test_device_queries_and_selection(two_gpus):
     props = torch.cuda.get_device_properties(0)
     assert (props.major, props.minor, props.total_memory) == (9, 0, standin.DEFAULT_TOTAL_MEMORY)
     assert props.multi_processor_count > 0 and torch.cuda.get_device_capability() == (9, 0)
+    # what MFU and bandwidth calculators read (a memory's peak: clock kHz x 2 x bus bits / 8)
+    assert props.memory_clock_rate * 2 * props.memory_bus_width // 8 * 1000 > 3e12 and props.clock_rate > 1e6
+    assert props.max_threads_per_block == 1024
     assert torch.cuda.is_bf16_supported()
     # NVML's readings (pynvml on a GPU machine): an idle device's
     assert [f(1) for f in (torch.cuda.utilization, torch.cuda.memory_usage, torch.cuda.temperature,
@@ -585,6 +588,38 @@ def test_device_mixing_raises_torchs_error(two_gpus):
         x.numpy()
 
 
+def test_start_up_knobs_of_gpu_programs_are_answered_and_runtime_only_calls_refused(two_gpus):
+    """What GPU programs call at start-up and change no result here is kept and answered as on a GPU (the preferred
+    libraries, cuFFT's plan cache, TunableOp's query and "off", CUDA-graph trees' step marker, the spin kernel);
+    what needs CUDA's runtime is refused with the fix, never a raw AttributeError from a CPU build."""
+    import torch.backends.cuda as tbc
+
+    assert str(tbc.preferred_linalg_library("cusolver")) == "_LinalgBackend.Cusolver"
+    assert str(tbc.preferred_linalg_library()) == "_LinalgBackend.Cusolver"
+    assert str(tbc.preferred_blas_library("cublaslt")) == "_BlasBackend.Cublaslt"
+    tbc.cufft_plan_cache.max_size = 0
+    assert tbc.cufft_plan_cache.max_size == 0 and tbc.cufft_plan_cache[1].size == 0
+    tbc.cufft_plan_cache.clear()
+    assert torch.cuda.tunable.is_enabled() is False
+    torch.cuda.tunable.enable(False)
+    with pytest.raises(StandInError, match=r"^torch.cuda.tunable.enable: .*TunableOp.*Fix: leave TunableOp off"):
+        torch.cuda.tunable.enable(True)
+    with pytest.raises(StandInError, match=r"^torch.cuda.get_stream_from_external: .*Fix: use torch.cuda.Stream"):
+        torch.cuda.get_stream_from_external(0)
+    assert torch.cuda._sleep(1000) is None and torch.compiler.cudagraph_mark_step_begin() is None
+    # invalid ordinals name the call the program made
+    with pytest.raises(torch.AcceleratorError, match=r"^torch.Tensor.to: CUDA error: invalid device ordinal"):
+        torch.ones(1).to("cuda:7")
+    # out-of-memory errors are counted, as CUDA's allocator counts them
+    before = torch.cuda.memory_stats(0)["num_ooms"]
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(standin.DEFAULT_TOTAL_MEMORY + 2 ** 30, dtype=torch.uint8, device="cuda:0")
+    assert torch.cuda.memory_stats(0)["num_ooms"] == before + 2
+    torch.cuda.reset_accumulated_memory_stats(0)
+    assert torch.cuda.memory_stats(0)["num_ooms"] == 0
+
+
 def test_sparse_tensors_are_refused_on_stand_ins_with_the_fix(two_gpus):
     """Sparse tensors on a GPU are not simulated: every way to one (a move, a factory, to_sparse, a sparse
     embedding, whose gradient would be one) is refused with the fix, never a crash of the process."""
@@ -911,7 +946,7 @@ CUDA_RUNTIME_CALLS = [
     ("caching_allocator_alloc", lambda: torch.cuda.caching_allocator_alloc(64), "caching allocator"),
     ("jiterator", lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"),
      "jiterator"),
-    ("tunable", lambda: torch.cuda.tunable.is_enabled(), "TunableOp"),
+    ("tunable", lambda: torch.cuda.tunable.tuning_enable(True), "TunableOp"),
     ("MemPool", lambda: torch.cuda.MemPool(), "memory pools"),
     ("ExternalStream", lambda: torch.cuda.ExternalStream(0), "streams created outside torch"),
     ("nccl.all_reduce", lambda: torch.cuda.nccl.all_reduce([torch.ones(2, device="cuda:0"),

@@ -119,6 +119,10 @@ class DeviceProperties:
     shared_memory_per_block_optin: int = 232448
     shared_memory_per_multiprocessor: int = 233472
     L2_cache_size: int = 50 << 20
+    clock_rate: int = 1_980_000  # kHz, as CUDA reports them (an H100 SXM's boost clock)
+    memory_clock_rate: int = 2_619_000  # kHz (its HBM3)
+    memory_bus_width: int = 5120  # bits
+    max_threads_per_block: int = 1024
     gcnArchName: str = "NVIDIA"  # noqa: N815  (torch's attribute name)
     uuid: str = "00000000-0000-0000-0000-000000000000"
 
@@ -200,10 +204,10 @@ def reset_peak_memory_stats(device: Any = None) -> None:
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
-    """Zero the allocation and free counts."""
+    """Zero the allocation and free counts, and the out-of-memory errors."""
     st, _, c = _mem(device, "torch.cuda.reset_accumulated_memory_stats")
     with st.lock:
-        c[4:8] = [0, 0, 0, 0]
+        c[4:9] = [0, 0, 0, 0, 0]
 
 
 def empty_cache() -> None:
@@ -235,7 +239,7 @@ def memory_stats(device: Any = None) -> dict[str, int]:
     for name in ("oversize_allocations", "oversize_segments"):
         for stat in ("current", "peak", "allocated", "freed"):
             stats[f"{name}.{stat}"] = 0
-    stats.update({"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+    stats.update({"num_alloc_retries": 0, "num_ooms": c[8], "num_sync_all_streams": 0, "num_device_alloc": 0,
                   "num_device_free": 0, "max_split_size": -1})
     return stats
 

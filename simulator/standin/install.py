@@ -54,7 +54,8 @@ from simulator.standin.device_type import device_class
 from simulator.standin.streams import generic_event
 from simulator.standin.swap import SWAP_WEAKREFS, set_like_a_gpu, swap_unless_same
 from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
-                                       ProcessGroupNCCL, compile_guard, cuda_only_table, profile_cpu_only)
+                                       ProcessGroupNCCL, compile_guard, cuda_only_table, profile_cpu_only,
+                                       cuda_library_table, tunable_enable)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
@@ -177,13 +178,13 @@ def _pu(device: Any) -> Any:
     if isinstance(device, bool):
         return device
     if isinstance(device, int):
-        return PU_DEVICES[ranks.resolve_index(device, "Tensor.to")]
+        return PU_DEVICES[ranks.resolve_index(device, "torch.Tensor.to")]
     if isinstance(device, str):
         if not (device.startswith("cuda") or device.startswith("privateuseone")):
             return device
         device = torch.device(device)
     if isinstance(device, torch.device) and device.type in ("cuda", "privateuseone"):
-        return PU_DEVICES[ranks.resolve_index(device, "Tensor.to")]
+        return PU_DEVICES[ranks.resolve_index(device, "torch.Tensor.to")]
     return device
 
 
@@ -202,7 +203,7 @@ def _patched_to(original: Callable[..., Any]) -> Callable[..., Any]:
 def _patched_cuda(original_to: Callable[..., Any]) -> Callable[..., Any]:
     def cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
              memory_format: torch.memory_format = torch.preserve_format) -> Any:
-        idx = ranks.resolve_index(device, "Tensor.cuda")
+        idx = ranks.resolve_index(device, "torch.Tensor.cuda")
         return original_to(self, PU_DEVICES[idx], non_blocking=non_blocking, memory_format=memory_format)
 
     return cuda
@@ -405,6 +406,11 @@ def _table() -> list[tuple[Any, str, Any]]:
           (cuda, "_lazy_init", api.lazy_init), (cuda, "_initialized", True),
           (cuda, "_exchange_device", api.exchange_device), (cuda, "_maybe_exchange_device", api.maybe_exchange_device),
           (cuda, "get_arch_list", lambda: ["sm_90"]), (cuda, "ipc_collect", lambda: None),
+          # (a GPU spin kernel that delays its stream, in overlap tests and benchmarks: nothing to delay here)
+          (cuda, "_sleep", lambda cycles: None),
+          (torch.cuda.tunable, "is_enabled", lambda: False), (torch.cuda.tunable, "enable", tunable_enable),
+          # compiled code runs eagerly on stand-ins (refuse.compile_guard): no CUDA graph trees to mark a step of
+          (torch.compiler, "cudagraph_mark_step_begin", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
           (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", _CUDART),
           (torch, "Event", generic_event(torch.Event)),
@@ -466,6 +472,7 @@ def _table() -> list[tuple[Any, str, Any]]:
     t += [(torch.cuda, name, cls) for name, cls in legacy.legacy_types().items()]
     t += [(torch._C, name, f) for name, f in multi_gpu.BINDINGS.items()]  # nn.DataParallel's copies
     t += cuda_only_table()  # CUDA runtime entry points: refused, naming the fix
+    t += cuda_library_table()  # the CUDA libraries' start-up knobs: kept and answered
     # DTensor's fake factories name a bare "cuda": their cached results belong to the current device
     t += [(FakeTensorMode, "cache", DeviceKeyedCache()),  # torch.export fakifies a stand-in as a CUDA tensor
           (meta_utils, "is_traceable_wrapper_subclass", plain_to_fakes(meta_utils.is_traceable_wrapper_subclass))]

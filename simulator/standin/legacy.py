@@ -91,7 +91,7 @@ def convert(t: torch.Tensor, spec: Any, non_blocking: bool) -> torch.Tensor | No
     device, dtype = target
     if device == "cpu":
         return t.to(device="cpu", dtype=dtype, non_blocking=non_blocking)
-    where = t.device if t.device.type == "cuda" else torch.device("cuda", resolve_index(None, "Tensor.type"))
+    where = t.device if t.device.type == "cuda" else torch.device("cuda", resolve_index(None, "torch.Tensor.type"))
     return t.to(device=where, dtype=dtype, non_blocking=non_blocking)
 
 

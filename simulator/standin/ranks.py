@@ -94,7 +94,8 @@ class DeviceState:
         #: CUDA_VISIBLE_DEVICES as read when CUDA started on this rank (the node's GPUs it sees, in order; None:
         #: all of them), or _UNREAD before
         self.visible: Any = _UNREAD
-        #: device -> [allocated, peak, reserved, peak reserved, allocations, frees, bytes allocated, bytes freed]
+        #: device -> [allocated, peak, reserved, peak reserved, allocations, frees, bytes allocated, bytes freed,
+        #: out-of-memory errors]
         self.mem: dict[int, list[int]] = {}
         self._streams: dict[int, Any] = {}  # device -> current stream (absent: the default stream)
         self.fraction: dict[int, float] = {}
@@ -125,7 +126,7 @@ class DeviceState:
         """The memory counters of ``dev`` (see ``mem``)."""
         c = self.mem.get(dev)
         if c is None:
-            c = self.mem.setdefault(dev, [0] * 8)
+            c = self.mem.setdefault(dev, [0] * 9)
         return c
 
     def alloc(self, dev: int, size: int) -> None:
@@ -348,6 +349,7 @@ def _check_limit(st: DeviceState, dev: int, used: int, size: int, cfg: Config) -
     if fraction is not None:
         limit = int(limit * fraction)
     if used + size > limit:
+        st.counters(dev)[8] += 1  # (memory_stats' num_ooms)
         raise torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {_human(size)}. GPU {dev} has a total capacity of "
             f"{_human(cfg.total_memory)} of which {_human(max(limit - used, 0))} is free. Of the allocated "

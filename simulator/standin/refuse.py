@@ -41,7 +41,7 @@ from simulator.standin.ranks import open_now
 from simulator.standin.tensor import StandInTensor
 
 __all__ = ["compile_guard", "NvtxStub", "CudartStub", "check_error", "emit_nvtx_enter", "emit_nvtx_exit",
-           "CUDA_ONLY", "cuda_only_table"]
+           "CUDA_ONLY", "cuda_only_table", "tunable_enable", "LibraryChoice", "cuda_library_table"]
 
 
 _warned: list[bool] = [False]
@@ -269,6 +269,8 @@ CUDA_ONLY = (
      "allocate from the default pool when simulating (leave out MemPool / use_mem_pool), or run on real GPUs"),
     (("cuda", "cuda.streams"), ("ExternalStream",), "streams created outside torch (a cudaStream_t)",
      "use torch.cuda.Stream() when simulating, or run on real GPUs"),
+    (("cuda",), ("get_stream_from_external",), "streams created outside torch (a cudaStream_t)",
+     "use torch.cuda.Stream() when simulating, or run on real GPUs"),
     (("cuda.jiterator",), ("_create_jit_fn", "_create_multi_output_jit_fn"),
      "jiterator kernels (CUDA C++ compiled at run time)",
      "compute the same with torch operators when simulating, or run on real GPUs"),
@@ -276,9 +278,44 @@ CUDA_ONLY = (
      "NCCL's single-process collectives (one process driving several GPUs)",
      "use torch.nn.parallel.comm (broadcast, reduce_add, scatter, gather) between one process's GPUs, or "
      "torch.distributed's collectives with one rank per GPU"),
-    (("cuda.tunable",), tuple(torch.cuda.tunable.__all__), "TunableOp (GEMM kernels tuned on the GPU)",
+    (("cuda.tunable",), tuple(n for n in torch.cuda.tunable.__all__ if n not in ("is_enabled", "enable")),
+     "TunableOp (GEMM kernels tuned on the GPU)",
      "leave TunableOp off when simulating (it tunes speed, not results), or run on real GPUs"),
 )
+
+
+class LibraryChoice:
+    """A GPU build's start-up knob the stand-in keeps and answers but that changes no result here (the CPU's
+    kernels compute): the preferred linear-algebra or BLAS library, cuFFT's plan cache size."""
+
+    def __init__(self, initial: Any) -> None:
+        self.value = initial
+
+    def set(self, value: Any, *_: Any) -> None:
+        self.value = value
+
+    def get(self, *_: Any) -> Any:
+        return self.value
+
+
+def cuda_library_table() -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) for the CUDA libraries' knobs (see :class:`LibraryChoice`)."""
+    c = torch._C
+    linalg, blas = LibraryChoice(c._LinalgBackend.Default), LibraryChoice(c._BlasBackend.Default)
+    plans = LibraryChoice(4096)  # (cuFFT's default plan cache capacity; the stand-in caches no plans)
+    # (torch.backends.cuda's plan cache properties hold torch's functions from its import: their slots are set)
+    cache = vars(torch.backends.cuda.cuFFTPlanCache)
+    return [(c, "_set_linalg_preferred_backend", linalg.set), (c, "_get_linalg_preferred_backend", linalg.get),
+            (c, "_set_blas_preferred_backend", blas.set), (c, "_get_blas_preferred_backend", blas.get),
+            (cache["max_size"], "getter", plans.get), (cache["max_size"], "setter", plans.set),
+            (cache["size"], "getter", lambda device: 0), (torch, "_cufft_clear_plan_cache", lambda device: None)]
+
+
+def tunable_enable(val: bool = True) -> None:
+    """``torch.cuda.tunable.enable``: off is what the stand-in has (``is_enabled()`` answers False); on is refused."""
+    if val:
+        _refusal("torch.cuda.tunable.enable", "TunableOp (GEMM kernels tuned on the GPU)",
+                 "leave TunableOp off when simulating (it tunes speed, not results), or run on real GPUs", False)()
 
 
 def _refusal(call: str, what: str, fix: str, cls: bool) -> Any:

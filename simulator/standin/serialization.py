@@ -78,7 +78,7 @@ def storage_to(original: Callable[..., Any]) -> Callable[..., Any]:
         dev = device if isinstance(device, torch.device) else torch.device(device)
         if dev.type not in ("cuda", "privateuseone"):
             return original(self, device=device, non_blocking=non_blocking)
-        idx = ranks.resolve_index(dev, "UntypedStorage.to")
+        idx = ranks.resolve_index(dev, "torch.UntypedStorage.to")
         marks = getattr(_noted, "marks", None)
         if marks is None:
             return self.clone()
