@@ -67,6 +67,9 @@ _SHARED_PROCESS_SIGNS = (
 )
 
 
+#: how many of the tests moved to rank processes the end-of-run note names, for each reason
+_NAMED = 10
+
 #: test classes that run on rank processes under ``--sim-harness thread``: (module, class, why)
 _PROCESS_ONLY = (
     ("torch.testing._internal.distributed.rpc.rpc_agent_test_fixture", "RpcAgentTestFixture",
@@ -219,10 +222,11 @@ class _Harness:
         if not self._moved:
             return
         for why in sorted(set(self._moved.values())):
-            n = sum(1 for w in self._moved.values() if w == why)
+            ids = [node for node, w in self._moved.items() if w == why]
+            shown = ", ".join(ids[:_NAMED]) + (f", and {len(ids) - _NAMED} more" if len(ids) > _NAMED else "")
             terminalreporter.write_line(
-                f"simulator.torch_harness: {n} test(s) ran on rank processes (as --sim-harness process) although "
-                f"--sim-harness thread was asked for: {why}")
+                f"simulator.torch_harness: {len(ids)} test(s) ran on rank processes (as --sim-harness process) "
+                f"although --sim-harness thread was asked for: {why}. The tests: {shown}")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:

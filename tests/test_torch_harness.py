@@ -247,6 +247,8 @@ def test_torchs_rpc_fixtures_run_on_rank_processes_and_the_run_says_so(tmp_path:
     assert out.verdicts == _want(RPC, isolation), out.output[-8000:]
     note = "3 test(s) ran on rank processes (as --sim-harness process) although --sim-harness thread was asked for"
     assert (note in out.output) == (isolation == "thread"), out.output[-3000:]
+    if isolation == "thread":  # (the note names them)
+        assert re.search(r"The tests: case_rpc\.py::\w+::test_\w+, case_rpc\.py::", out.output), out.output[-3000:]
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS_PROCESS_SLOW)
