@@ -131,6 +131,9 @@ class _Launcher:
         #: rank processes keep torch's own RPC agent (TensorPipe) rather than the simulator's: torch's RPC test
         #: fixtures test that agent itself (set by simulator.torch_harness)
         self.own_torch_rpc = False
+        #: () -> what each rank starts with of its own (World.rank_start), asked as each world starts; None: the
+        #: launcher's own process state (set by simulator.torch_harness: a test runner's filters are its own)
+        self.rank_start: Callable[[], dict] | None = None
         self.seeds: SeedWatch | None = None  # where the script seeded torch (a launcher script only)
         self.replay_hint = replay_hint
         self.pending: list[mp_process.BaseProcess] = []
@@ -185,6 +188,8 @@ class _Launcher:
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
             world.own_torch_rpc = self.own_torch_rpc
+            if self.rank_start is not None:
+                world.rank_start = self.rank_start()
             if self.seeds is not None:  # (a script: where its children's torch RNGs start)
                 world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
             world.launched = True  # ranks for processes the program started (adapters.started_processes)

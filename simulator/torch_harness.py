@@ -48,7 +48,7 @@ import pytest
 
 from simulator.torch_harness_state import (NEEDS_A_PROCESS, classes_put_back, no_pytest_log_handlers,
                                            one_profiler_per_process, own_class_state, patches_are_per_process,
-                                           test_process_registries)
+                                           test_process_registries, torch_settings_put_back)
 
 ENV = "TENSORPLAY_SIM_HARNESS"
 _CHOICES = ("off", "thread", "process")
@@ -313,6 +313,37 @@ def _hint_libraries() -> None:
         warm.POOL.hint(child.library_modules(new))
 
 
+def _pytest_filters(item: pytest.Item) -> list[tuple]:
+    """The warning filters pytest adds around ``item`` (its ``-W``, ``filterwarnings`` ini and marks, and its
+    "always show deprecations"), as ``warnings.filterwarnings`` enters them: a process the test starts has none."""
+    import re
+
+    from _pytest.config import parse_warning_filter  # (pytest's own parser: its entries exactly)
+
+    config = item.config
+    args = [(a, False) for a in config.getini("filterwarnings")]
+    args += [(a, True) for a in config.known_args_namespace.pythonwarnings or []]
+    args += [(a, False) for mark in item.iter_markers(name="filterwarnings") for a in mark.args]
+    out: list[tuple] = []
+    if not sys.warnoptions:
+        out += [("always", None, c, None, 0) for c in (DeprecationWarning, PendingDeprecationWarning)]
+    for arg, escape in args:
+        try:
+            action, message, category, module, lineno = parse_warning_filter(arg, escape=escape)
+        except Exception:  # noqa: BLE001  (pytest reported it already)
+            continue
+        out.append((action, re.compile(message, re.I) if message else None, category,
+                    re.compile(module) if module else None, lineno))
+    return out
+
+
+def _started_process_state(item: pytest.Item) -> dict:
+    """What each thread rank of ``item`` starts with of its own: a process's, not pytest's (see process_start)."""
+    from simulator.adapters.per_rank_streams import process_start  # (imports torch: see the module's docstring)
+
+    return process_start(_pytest_filters(item), lambda h: type(h).__module__.startswith("_pytest."))
+
+
 @contextlib.contextmanager
 def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: str) -> Iterator[None]:
     """One test as a launcher run: the processes it starts are ranks; the launcher is finished at its end."""
@@ -338,12 +369,14 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                          bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "), isolation=isolation,
                          clean_exit_codes=frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values()))
     launcher.own_torch_rpc = _process_only(item) is not None  # (torch's RPC fixtures test torch's own agent)
+    launcher.rank_start = lambda: _started_process_state(item)
     default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
     saved_method = getattr(default_ctx, "_actual_context", None)
     hook = sys.excepthook
     try:
         per_process = ((own_class_state(), one_profiler_per_process(item), patches_are_per_process(item),
-                        test_process_registries(), no_pytest_log_handlers(), classes_put_back(item))
+                        test_process_registries(), no_pytest_log_handlers(), classes_put_back(item),
+                        torch_settings_put_back())
                        if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \
                 contextlib.ExitStack() as stack:

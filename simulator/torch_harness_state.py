@@ -22,7 +22,8 @@ import pytest
 from simulator.core._actor import current_rank_state  # (light: no torch)
 
 __all__ = ["NEEDS_A_PROCESS", "PATCH_WHY", "PROFILER_WHY", "classes_put_back", "no_pytest_log_handlers",
-           "one_profiler_per_process", "own_class_state", "patches_are_per_process", "test_process_registries"]
+           "one_profiler_per_process", "own_class_state", "patches_are_per_process", "test_process_registries",
+           "torch_settings_put_back"]
 
 _DIST_TEST_MODULE = "torch.testing._internal.distributed.distributed_test"
 #: why a test that starts torch's profiler on a rank runs on rank processes under --sim-harness thread
@@ -129,8 +130,8 @@ def no_pytest_log_handlers() -> Iterator[None]:
     capture handlers (``_pytest.logging``'s) to every logger that does not propagate, in this process: torch's
     ``c10d-NullHandler-default``, which torch's ``test_c10d_logger.py`` expects to hold its one ``NullHandler``,
     showed thread ranks 5.  While a test's ranks are threads of this process, such loggers hold none of pytest's
-    handlers; they get them back after the test (the root logger keeps pytest's: the report still shows what the
-    ranks logged there)."""
+    handlers; they get them back after the test (each rank's root logger starts without pytest's too, as a started
+    process's does: see simulator.torch_harness._started_process_state)."""
     import logging
 
     taken: list[tuple[logging.Logger, logging.Handler]] = []
@@ -145,6 +146,35 @@ def no_pytest_log_handlers() -> Iterator[None]:
     finally:
         for logger, handler in taken:  # (before pytest's own exit takes them off again: this wrapper is inner)
             logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def torch_settings_put_back() -> Iterator[None]:
+    """Each test's rank processes start from torch's defaults; thread ranks share this process, so torch's
+    process-wide settings a test's ranks change (the default dtype, deterministic algorithms, matmul precision,
+    cuDNN's flags, the intra-op threads, anomaly mode) are put back after it, or the next test would start from
+    them (module globals a test sets are not: docs/torch-native.md)."""
+    import torch  # (a test with the switch on: see the module's docstring)
+
+    cudnn = torch.backends.cudnn
+    flags = ("enabled", "benchmark", "deterministic")
+    saved = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_float32_matmul_precision(),
+             [getattr(cudnn, f) for f in flags], torch.get_num_threads(), torch.is_anomaly_enabled(),
+             torch.is_anomaly_check_nan_enabled())
+    try:
+        yield
+    finally:
+        dtype, det, warn_only, precision, was, threads, anomaly, check_nan = saved
+        for flag, value in zip(flags, was):
+            if getattr(cudnn, flag) != value:  # (torch's harness locks these flags: set only what a test changed)
+                setattr(cudnn, flag, value)
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        torch.set_float32_matmul_precision(precision)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_anomaly_enabled(anomaly, check_nan)
 
 
 @contextlib.contextmanager

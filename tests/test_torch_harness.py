@@ -300,6 +300,38 @@ def _pytest_written(work: Path, text: str, isolation: str, *extra: str) -> tuple
     return proc.returncode, proc.stdout + proc.stderr
 
 
+_FRESH_PROCESS_CASE = _two_rank_case("""
+import logging
+import warnings
+
+import torch""", """
+    def test_a_rank_warns(self):  # (pytest's -W error::FutureWarning is pytest's process's, not a started one's)
+        warnings.warn("an old spelling, rank=%d" % self.rank, FutureWarning)
+
+    def test_b_basic_config_configures_the_rank(self):  # (pytest's log capture is its process's too)
+        logging.basicConfig(level=logging.INFO)
+        self.assertEqual((logging.getLogger().level, len(logging.getLogger().handlers)), (logging.INFO, 1))
+
+    def test_c_sets_torchs_defaults(self):
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+
+    def test_d_starts_from_torchs_defaults(self):
+        self.assertEqual(torch.get_default_dtype(), torch.float32)
+        self.assertFalse(torch.are_deterministic_algorithms_enabled())
+""")
+
+
+@pytest.mark.parametrize("isolation", ["off", *ISOLATIONS])
+def test_ranks_start_as_started_processes_do_without_pytests_filters_handlers_or_the_last_tests_settings(
+        tmp_path: Path, isolation: str) -> None:
+    """A started process has a new interpreter's warning filters and root logger, and torch's defaults: pytest's
+    -W and log capture, and the settings an earlier test's ranks changed, are not its (thread ranks had them all:
+    a FutureWarning failed, basicConfig did nothing, the next test saw float64)."""
+    rc, out = _pytest_written(tmp_path / isolation, _FRESH_PROCESS_CASE, isolation, "-W", "error::FutureWarning")
+    assert rc == 0 and "4 passed" in out, out[-4000:]
+
+
 _STUCK_CASE = _two_rank_case("import time", """
     def test_rank_zero_never_arrives(self):
         if self.rank == 0:

@@ -51,12 +51,12 @@ import logging
 import sys
 import types
 import warnings
-from typing import Any, ContextManager
+from typing import Any, Callable, Collection, ContextManager
 
 from simulator.adapters._patch import Installation
 from simulator.core.state import current_rank_state
 
-__all__ = ["NAMES", "enabled"]
+__all__ = ["NAMES", "enabled", "process_start"]
 
 #: the names made per rank, by module
 NAMES: dict[types.ModuleType, tuple[str, ...]] = {sys: ("stdout", "stderr"), builtins: ("print",),
@@ -181,6 +181,17 @@ def _add_filter(*item: Any, append: bool) -> None:
     elif item not in filters:
         filters.append(item)
     warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+def process_start(drop_filters: Collection[Any], drop_handler: Callable[[logging.Handler], bool]
+                  ) -> dict[tuple[int, str], Any]:
+    """What each rank of a world that stands for processes a test runner started has of its own at its start
+    (``World.rank_start``): the process's warning filters and root log handlers, less the runner's own
+    (``drop_filters``, ``drop_handler``), which a started process does not inherit (pytest's ``-W`` and
+    ``filterwarnings``, its log capture: on thread ranks ``-W error::FutureWarning`` failed torch's own warnings,
+    and ``logging.basicConfig`` did nothing)."""
+    return {(id(warnings), "filters"): [f for f in warnings.filters if f not in drop_filters],
+            (id(logging.root), "handlers"): [h for h in logging.root.handlers if not drop_handler(h)]}
 
 
 def resetwarnings() -> None:

@@ -133,7 +133,10 @@ class RankState:
         filters, logger settings (adapters.per_rank_streams), signal and atexit handlers (adapters.threads)."""
         root = self.parent or self
         if root.own_globals is None:
-            root.own_globals = {}
+            # a world may say what each rank starts with (a test runner's launched ranks: a new process's view,
+            # without the runner's own warning filters and log handlers; see simulator.torch_harness)
+            start = getattr(root.run.world, "rank_start", None) or {}
+            root.own_globals = {key: list(v) if type(v) is list else v for key, v in start.items()}
         return root.own_globals
 
     @property
