@@ -365,6 +365,41 @@ def test_torchs_rpc_api_between_rank_processes_is_the_simulators():
     assert {"rpc_sync", "remote"} <= {e.op for e in trace.events}
 
 
+SHARED = nn.Parameter(torch.zeros(200_000))
+
+
+def _shared_rref() -> RRef:
+    return RRef(SHARED)
+
+
+def _shared_loss(x: torch.Tensor) -> torch.Tensor:
+    return (SHARED * x).sum()
+
+
+def shared_parameter_program(steps: int) -> float | None:
+    """ddp_rpc's shape: two trainers' DistributedOptimizers step one parameter of the server, at once."""
+    me = tpd.get_rank()
+    rpc.init_rpc(f"worker{me}", rank=me, world_size=3)
+    if me:
+        opt = DistributedOptimizer(torch.optim.SGD, [rpc.rpc_sync("worker0", _shared_rref)], lr=1.0)
+        x = torch.full(SHARED.shape, float(me))
+        for _ in range(steps):
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [rpc.rpc_sync("worker0", _shared_loss, args=(x,))])
+                opt.step(cid)
+    rpc.shutdown()
+    return SHARED.detach().unique().tolist() if me == 0 else None
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_trainers_stepping_one_parameter_at_once_each_apply_their_own_gradient(isolation):
+    """Each step sets the parameter's .grad from its context and steps: another trainer's step, or a backward pass
+    that accumulates through .grad, must not interleave (it added gradients twice: -490 for -450 at 150 steps)."""
+    SHARED.data.zero_()
+    got = simulator.run(shared_parameter_program, 3, args=(60,), mode="threads", isolation=isolation)
+    assert got[0] == [-(1 + 2) * 60.0]
+
+
 def test_parameter_server_tutorial_shape_matches_a_local_model():
     sim = on_sim(parameter_server_program, 2)[0]
     ref = local_reference()

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -38,7 +38,8 @@ from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc.errors import rpc_message
 from tensorplay.distributed.rpc.futures import Future
 
-__all__ = ["context", "backward", "get_gradients", "on_send", "on_recv", "current_context_id", "set_context_id"]
+__all__ = ["context", "backward", "get_gradients", "grads_held", "on_send", "on_recv", "current_context_id",
+           "set_context_id"]
 
 _tl = threading.local()
 
@@ -189,6 +190,20 @@ class _Turns:
                     self.busy = False
 
 
+def _turns(agent: Any) -> _Turns:
+    turns = getattr(agent, "backward_turns", None)
+    if turns is None:
+        turns = agent.backward_turns = _Turns()
+    return turns
+
+
+def grads_held() -> ContextManager[None]:
+    """The calling worker's turn at its tensors' ``.grad``: a DistributedOptimizer's step, which sets each
+    parameter's ``.grad`` and reads it, runs in it, so that no backward pass here (which accumulates through
+    ``.grad``, see :func:`_through_accumulators`) adds to the gradient it set before its optimizer reads it."""
+    return _turns(_sim_agent("DistributedOptimizer.step")).held()
+
+
 def _through_accumulators(agent: Any, roots: list[torch.Tensor], leaves: list[torch.Tensor],
                           grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """The gradients of ``leaves`` from ``roots``, computed as torch's distributed engine does: through each leaf's
@@ -198,10 +213,7 @@ def _through_accumulators(agent: Any, roots: list[torch.Tensor], leaves: list[to
     ``.grad`` is the one place hooks write to, so a worker runs one pass at a time (two contexts' passes over the
     parameter server's table would mix their gradients).
     """
-    turns = getattr(agent, "backward_turns", None)
-    if turns is None:
-        turns = agent.backward_turns = _Turns()
-    with turns.held():
+    with _turns(agent).held():
         saved = [leaf.grad for leaf in leaves]
         try:
             for leaf in leaves:

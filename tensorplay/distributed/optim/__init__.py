@@ -17,6 +17,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from typing import Any, Sequence
@@ -34,16 +35,22 @@ __all__ = ["DistributedOptimizer"]
 class _LocalOptimizer:
     """Lives on a parameter owner: the optimizer over its parameters."""
 
+    #: one for all of a worker's optimizers, as torch's: several trainers' DistributedOptimizers may hold the same
+    #: parameters (data-parallel trainers of one parameter server), and a step sets each parameter's ``.grad``
+    #: before it reads it, which another optimizer's step must not interleave with
+    lock = threading.Lock()
+
     def __init__(self, optimizer_class: type, param_rrefs: list[RRef[Any]], args: tuple, kwargs: dict) -> None:
         self.params = [r.local_value() for r in param_rrefs]
         self.optim = optimizer_class(self.params, *args, **kwargs)
-        self.lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         from .. import autograd
 
         grads = autograd.get_gradients(context_id)
-        with self.lock:
+        # an engine whose backward passes accumulate through .grad (the simulator's) gives this step its turn there
+        held = getattr(autograd._engine("DistributedOptimizer.step")[1], "grads_held", contextlib.nullcontext)
+        with held(), _LocalOptimizer.lock:
             for p in self.params:
                 # a parameter without a gradient in this context must not reuse an old .grad
                 p.grad = grads.get(p)

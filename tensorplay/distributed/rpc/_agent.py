@@ -56,7 +56,10 @@ class DistributedAutograd(Protocol):
         """The backward pass from ``roots`` (checked scalars) in that context."""
 
     def get_gradients(self, context_id: int) -> dict[Any, Any]:
-        """This worker's gradients in that context."""
+        """This worker's gradients in that context.
+
+        An engine whose backward passes accumulate through the leaves' ``.grad`` also has ``grads_held()``: a
+        context manager that a DistributedOptimizer's step (which sets ``.grad`` and reads it) runs in."""
 
 
 class Transport(Protocol):
