@@ -88,6 +88,12 @@ def test_documented_example(rpc_world):
     C.check_documented_example(rpc_world.run(C.documented_example))
 
 
+@on_backends()
+def test_rrefs_inside_answers_are_the_receivers(rpc_world):
+    out = rpc_world.run(C.rrefs_in_answers)
+    assert out == {"inner": [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], "kept": [7.0]}, out
+
+
 @on_backends(modes=True)
 def test_async_execution_and_torch_futures(rpc_world):
     C.check_async(rpc_world.run(C.async_cases, 3))

@@ -94,8 +94,8 @@ RPC_CALL = "rpc_call"
 #: passed first, or None when the answer went to the process's dispatcher already
 RPC_WAIT = "rpc_wait"
 STILL_PENDING = "still pending"
-#: ``(RPC_ANSWER, request_id, message, was_async, books, cpu)``: a handler thread's answer to a request (on the
-#: thread's channel, which the request's handler actor serves)
+#: ``(RPC_ANSWER, request_id, message, was_async, retains, books, cpu)``: a handler thread's answer to a request
+#: (on the thread's channel, which the request's handler actor serves); ``retains``: the RRefs it carries
 RPC_ANSWER = "rpc_answer"
 #: ``(RPC_REF, books, cpu)``: a new RRef owned by this worker (``RRef(value)``); answers its id
 RPC_REF = "rpc_ref"

@@ -292,6 +292,7 @@ class ProcAgent(Agent):
         """A handler thread: run one request as this worker, in the caller's autograd context; send the answer."""
         rpc_autograd.set_context_id(cid)
         was_async = False
+        self.world.take_retains()  # (this thread's: a request's handler starts holding none)
         try:
             value = run_request(req, self.name, self.auth)
             if type(value) is Pending:  # an async function's future: its completion is the answer
@@ -304,7 +305,8 @@ class ProcAgent(Agent):
             answer = seal_answer(value, self.name, inverse, self.auth)
         finally:
             rpc_autograd.set_context_id(None)
-        self._request(RPC_ANSWER, rid, answer, was_async)
+        # the RRefs the answer carries are held by it while in flight, as a request's are (RPC_CALL)
+        self._request(RPC_ANSWER, rid, answer, was_async, self.world.take_retains())
 
     def _answered(self, call_id: int, ok: bool, payload: Any) -> None:
         with self.lock:

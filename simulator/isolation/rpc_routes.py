@@ -253,8 +253,10 @@ class RpcRouteHandlers:
         return _outcome(fut)
 
     def handle_rpc_answer(self, rs: Any, me: Any, chan: Any, msg: tuple) -> None:
-        _, rid, answer, was_async, books, cpu = msg
+        _, rid, answer, was_async, retains, books, cpu = msg
         agent = self._rpc_agent(rs, me, books, cpu, "rpc")
+        for owner, ref in retains:  # the answer holds these references while in flight
+            agent.world.retain(owner, ref)
         if rid in agent.replies:  # (the handler actor serving this thread reads it when the thread ends)
             agent.replies[rid] = Reply(answer, was_async)
 

@@ -8,6 +8,7 @@ by reference.  :class:`RpcWorld` runs a case on either transport.
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -287,6 +288,42 @@ def rrefs() -> dict:
         failed.to_here()
     except Boom as e:
         out["remote_failure"] = e.code
+    return out
+
+
+#: worker1's own reference to an RRef it also returns (rrefs_in_answers)
+KEPT_HERE: dict[str, Any] = {}
+
+
+def rref_list(n: int) -> list:
+    """RRefs made here, returned inside an answer (the answer holds them while in flight)."""
+    return [rpc.RRef(torch.full((2,), float(i))) for i in range(n)]
+
+
+def keep_and_return_rref() -> Any:
+    KEPT_HERE["r"] = rpc.RRef(torch.tensor([7.0]))
+    return KEPT_HERE["r"]
+
+
+def forget_kept() -> bool:
+    KEPT_HERE.clear()
+    gc.collect()
+    return True
+
+
+def rrefs_in_answers() -> dict:
+    """RRefs that come back inside answers are the receiver's: its references keep the values alive after the
+    owner, and the outer RRef that carried them, let go of theirs."""
+    out: dict[str, Any] = {}
+    outer = rpc.remote("worker1", rref_list, (3,))
+    inner = outer.to_here()
+    del outer
+    gc.collect()
+    r = rpc.rpc_sync("worker1", keep_and_return_rref)
+    for _ in range(2):  # (each request carries what was given back since the last)
+        rpc.rpc_sync("worker1", forget_kept)
+    out["inner"] = [x.to_here().tolist() for x in inner]
+    out["kept"] = r.to_here().tolist()
     return out
 
 
