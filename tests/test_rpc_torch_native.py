@@ -107,6 +107,13 @@ def basic_program(rank: int, world_size: int, init_method: str) -> dict:
         out["wait_all"] = torch.futures.wait_all(futs)
         out["collect_all"] = [f.value() for f in torch.futures.collect_all(futs).wait()]
         out["then"] = rpc.rpc_async("worker1", torch.add, args=(x, 1)).then(lambda f: f.value() * 10).wait()
+        # a future of the program's own, completed by an RPC's callback: waited for, alone and with wait_all
+        mine = torch.futures.Future()
+        rpc.rpc_async("worker1", torch.add, args=(x, 2)).then(lambda f: mine.set_result(f.value() * 3))
+        out["own_future"] = mine.wait()
+        mine = torch.futures.Future()
+        rpc.rpc_async("worker1", torch.add, args=(x, 3)).add_done_callback(lambda f: mine.set_result(f.value()))
+        out["own_future_wait_all"] = torch.futures.wait_all([mine])[0]
         rref = rpc.remote("worker1", torch.ones, args=((2, 2),))
         out["to_here"] = rref.to_here()
         out["owner"] = rref.owner().name
@@ -339,6 +346,7 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
     assert all(torch.equal(t, x * (r + 2)) for r, t in enumerate(out["wait_all"]))
     assert all(torch.equal(t, x * (r + 2)) for r, t in enumerate(out["collect_all"]))
     assert torch.equal(out["then"], (x + 1) * 10)
+    assert torch.equal(out["own_future"], (x + 2) * 3) and torch.equal(out["own_future_wait_all"], x + 3)
     assert torch.equal(out["to_here"], torch.ones(2, 2)) and out["owner"] == "worker1"
     assert out["proxy"] == [8, 12, 13]
     assert torch.equal(out["local_rref"], torch.full((2,), 7.0))

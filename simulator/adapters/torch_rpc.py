@@ -399,12 +399,14 @@ def _remote_module(remote_device: str, module_cls: type, args: Any = None, kwarg
 # torch.futures.wait_all / collect_all on futures that answer later
 # ---------------------------------------------------------------------------
 def wait_pending(futures: Any) -> None:
-    """Wait for the pending tensorplay futures among ``futures`` as their own ``wait()`` does: torch's
-    ``collect_all`` would block the rank in C++, where no other rank can run."""
+    """Wait for the pending futures among ``futures`` as ``Future.wait`` does on a simulated rank (a scheduler
+    wait; a program's own torch future too, completed by an RPC's callback): torch's ``collect_all`` would block
+    the rank in C++, where no other rank can run."""
+    wait = torch.futures.Future.wait  # (as installed: for torch's C++ futures, which have no Python wait)
     for f in futures:
-        if isinstance(f, TpFuture) and not f.done():
+        if not f.done():
             try:
-                f.wait()
+                f.wait() if isinstance(f, torch.futures.Future) else wait(f)
             except BaseException:  # noqa: BLE001  torch reports it from the collected future
                 pass
 

@@ -29,11 +29,12 @@ def _own_live_threads(rs: RankState) -> bool:
     return any(c.parent is root and c.state != DONE for c in rs.run.children)
 
 
-def step_out(rs: RankState | None) -> bool:
-    """Before a wait the scheduler cannot see: if the rank's own threads may need the turn this wait holds,
-    step out of the schedule so they can take it (True: call :func:`step_in` after the wait)."""
+def step_out(rs: RankState | None, others: bool = False) -> bool:
+    """Before a wait the scheduler cannot see: if the rank's own threads (or, ``others``, any actor: a future an
+    RPC answer completes) may need the turn this wait holds, step out of the schedule so they can take it (True:
+    call :func:`step_in` after the wait)."""
     if (rs is None or rs.state == FREE or rs.run.over or getattr(quiet, "depth", 0)
-            or not _own_live_threads(rs)):
+            or not (others or _own_live_threads(rs))):
         return False  # nothing of this rank's could be waiting for the baton this wait holds
     rs.run.sched.leave(rs)
     return True

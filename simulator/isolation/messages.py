@@ -60,8 +60,9 @@ SHARE = "share"
 THREAD = "thread"
 #: ``(JOIN, tid)``: ``Thread.join()`` without a timeout, a wait the scheduler sees
 JOIN = "join"
-#: ``(LEAVE,)``: the main thread steps out of the schedule around a wait the scheduler cannot see (an Event, a
-#: Queue, a Future); answers whether it left
+#: ``(LEAVE, others)``: the main thread steps out of the schedule around a wait the scheduler cannot see (an Event,
+#: a Queue, a Future), if its own threads may end it, or, ``others``, any actor (the process serves RPC); answers
+#: whether it left
 LEAVE = "leave"
 #: ``(REJOIN,)``: back from the wait of a LEAVE
 REJOIN = "rejoin"

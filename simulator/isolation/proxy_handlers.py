@@ -273,7 +273,7 @@ class ProxyHandlers(RpcRouteHandlers):
             threads.join_actor(rs, actor)
 
     def handle_leave(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> bool:
-        return threads.step_out(rs)
+        return threads.step_out(rs, others=len(msg) > 1 and msg[1])
 
     def handle_rejoin(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> None:
         threads.step_in(rs)

@@ -168,20 +168,22 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
     return stepped_out(lambda: _ORIGINAL["cond_wait"](self, timeout))
 
 
-def stepped_out(wait: Any) -> Any:
+def stepped_out(wait: Any, others: bool = False) -> Any:
     """Run ``wait`` (a wait the scheduler cannot see) outside the schedule if other actors may need the turn.
 
     Only the main thread's actor and those of RPC handler threads hold the turn while their thread computes (the
     actors of the threads the program starts leave the schedule after each call), so only their waits step out:
     the main thread's while threads it started live, or while the process serves RPC (a future it waits for may
-    be completed by an answer that other ranks compute); a handler thread's always.
+    be completed by an answer that other ranks compute); a handler thread's always.  The coordinator lets it out
+    when the rank's own threads may end the wait, or, ``others`` (a wait for a future of the program's own, which
+    an RPC answer's callback completes), when any actor may.
     """
     b = _backend
     if b is None or getattr(_quiet, "depth", 0):
         return wait()
     if not ((b.on_main_thread() and (_live or rpc_serving)) or (rpc_serving and b.has_channel())):
         return wait()
-    left = b._request((LEAVE,))
+    left = b._request((LEAVE, others and rpc_serving))
     try:
         return wait()
     finally:

@@ -172,7 +172,7 @@ def _torch_futures_wait_here() -> None:
     def wait(self: Any) -> Any:
         if isinstance(self, Future) or self.done():
             return original_wait(self)
-        return rank_threads.stepped_out(lambda: original_wait(self))
+        return rank_threads.stepped_out(lambda: original_wait(self), others=True)
 
     wait.__doc__ = original_wait.__doc__
     torch._C._collect_all = collect_all
