@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 
@@ -145,6 +146,16 @@ def basic_program(rank: int, world_size: int, init_method: str) -> dict:
                     out.setdefault("remote_exceptions", []).append(
                         (kind.__name__, how, type(e).__name__, str(e).split(" ")[:2], "name=worker1" in str(e),
                          "missing" in str(e)))
+        # torch's RPC raises its own errors as RuntimeErrors; a remote sys.exit, which its handler does not catch,
+        # as "SystemExit: <code>"
+        for what, call in (("exit", lambda: rpc.rpc_sync("worker1", sys.exit, args=(3,))),
+                           ("no_worker", lambda: rpc.get_worker_info("nobody")),
+                           ("no_context", lambda: dist_autograd.get_gradients(123456789))):
+            try:
+                call()
+            except RuntimeError as e:
+                first = str(e).splitlines()[0] if what == "exit" else "raised"  # (torch appends where it caught it)
+                out.setdefault("runtime_errors", []).append((what, first))
         me, other = rpc.get_worker_info(), rpc.get_worker_info("worker1")
         out["infos"] = (me.name, me.id, other.name, other.id)
     rpc.shutdown()
@@ -347,6 +358,7 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
     assert all(torch.equal(t, x * (r + 2)) for r, t in enumerate(out["collect_all"]))
     assert torch.equal(out["then"], (x + 1) * 10)
     assert torch.equal(out["own_future"], (x + 2) * 3) and torch.equal(out["own_future_wait_all"], x + 3)
+    assert out["runtime_errors"] == [("exit", "SystemExit: 3"), ("no_worker", "raised"), ("no_context", "raised")]
     assert torch.equal(out["to_here"], torch.ones(2, 2)) and out["owner"] == "worker1"
     assert out["proxy"] == [8, 12, 13]
     assert torch.equal(out["local_rref"], torch.full((2,), 7.0))

@@ -149,6 +149,10 @@ def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
     a = rpc_transport.current()
     if a is not None:
         wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
+    if not isinstance(e, Exception):  # (a remote sys.exit: torch's handler catches Exception only, its C++ the rest)
+        err = RuntimeError(f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
     text = f"On WorkerInfo(id={wid}, name={worker}):\n{e!r}\n{getattr(e, 'remote_traceback', '')}"
     try:
         remade = type(e)(text)
@@ -165,6 +169,8 @@ def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
 
 
 def _raise_as_torch(e: BaseException, fetched: bool = False) -> None:
+    if not isinstance(e, Exception) and getattr(e, "remote_worker", None) is None:
+        raise e  # (this thread's own KeyboardInterrupt or exit: not the call's)
     err = _as_torch_error(e, fetched)
     if err is e:
         raise e
@@ -180,7 +186,7 @@ class _TorchRRef(TpRRef):
     def to_here(self, timeout: Any = None) -> Any:
         try:
             return super().to_here(None if timeout is None else _timeout(timeout))
-        except Exception as e:
+        except BaseException as e:  # (a remote sys.exit too: torch raises it from the call)
             _raise_as_torch(e, fetched=True)
 
     def rpc_sync(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
@@ -216,7 +222,7 @@ def _rpc_call(name: str) -> Callable[..., Any]:
         fn = getattr(api, name)
         try:
             out = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
-        except Exception as e:
+        except BaseException as e:  # (a remote sys.exit too: torch raises it from the call)
             _raise_as_torch(e)
         if name != "rpc_async":
             return out
@@ -225,8 +231,8 @@ def _rpc_call(name: str) -> Callable[..., Any]:
         def torch_errors(f: Any) -> Any:
             try:
                 return f.value()
-            except Exception as e:
-                raise _as_torch_error(e) from e
+            except BaseException as e:
+                _raise_as_torch(e)
 
         return fut.then(torch_errors)
 
@@ -239,6 +245,19 @@ def _shutdown(graceful: bool = True, timeout: Any = 0) -> None:
     api.shutdown(graceful=graceful, timeout=api.DEFAULT_SHUTDOWN_TIMEOUT if t in (None, float("inf")) else t)
 
 
+def _as_torch_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose errors are RuntimeErrors as torch's are (the tensorplay type kept: see _with_runtime_error)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            _raise_as_torch(e)
+
+    call.__name__ = fn.__name__
+    return call
+
+
+@_as_torch_errors
 def _get_worker_info(worker_name: Any = None) -> Any:
     return api.get_worker_info(worker_name)
 
@@ -331,10 +350,12 @@ def _release_context(context_id: int) -> None:
         ctx.__exit__(None, None, None)
 
 
+@_as_torch_errors
 def _autograd_backward(context_id: int, roots: Any, retain_graph: bool = False) -> None:
     tp_autograd.backward(context_id, roots, retain_graph)
 
 
+@_as_torch_errors
 def _autograd_get_gradients(context_id: int) -> Any:
     return tp_autograd.get_gradients(context_id)
 
