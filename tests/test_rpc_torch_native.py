@@ -420,6 +420,33 @@ def test_trainers_stepping_one_parameter_at_once_each_apply_their_own_gradient(i
     assert got[0] == [-(1 + 2) * 60.0]
 
 
+def _slow_value(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def to_here_with_a_timeout() -> tuple | None:
+    me = tpd.get_rank()
+    rpc.init_rpc(f"worker{me}", rank=me, world_size=2)
+    out = None
+    if me == 0:
+        r = rpc.remote("worker1", _slow_value, args=(1.0,))
+        t0 = time.monotonic()
+        try:
+            r.to_here(timeout=0.3)
+            early = "no error"
+        except RuntimeError as e:
+            early = "timeout" in str(e) and time.monotonic() - t0 < 0.9
+        out = (early, r.to_here())  # (the value still comes: the wait failed, not the call)
+    rpc.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_to_here_fails_at_its_own_timeout_as_torch_does(isolation):
+    assert simulator.run(to_here_with_a_timeout, 2, isolation=isolation)[0] == (True, 1.0)
+
+
 def test_parameter_server_tutorial_shape_matches_a_local_model():
     sim = on_sim(parameter_server_program, 2)[0]
     ref = local_reference()

@@ -100,7 +100,8 @@ STILL_PENDING = "still pending"
 RPC_ANSWER = "rpc_answer"
 #: ``(RPC_REF, books, cpu)``: a new RRef owned by this worker (``RRef(value)``); answers its id
 RPC_REF = "rpc_ref"
-#: ``(RPC_READY, owner, rref_id, books, cpu)``: wait until the owner kept RRef ``rref_id``'s value; answers
+#: ``(RPC_READY, owner, rref_id, timeout, books, cpu)``: wait (at most ``timeout`` seconds, None: the run's bounds)
+#: until the owner kept RRef ``rref_id``'s value; answers
 #: None (or fails with the error that lost it)
 RPC_READY = "rpc_ready"
 #: ``(RPC_SHUTDOWN, graceful, books, cpu)``: ``rpc.shutdown``; answers the workers a graceful shutdown did not

@@ -431,7 +431,7 @@ class ProcAgent(Agent):
     def value_of(self, rid: int, call: str) -> Any:
         """The value of RRef ``rid`` this worker owns (once its ``remote`` kept it)."""
         if rid not in self.values:
-            self._request(RPC_READY, self.name, rid)  # fails if the request that makes it was lost
+            self._request(RPC_READY, self.name, rid, None)  # fails if the request that makes it was lost
         with self.kept:
             if not self.kept.wait_for(lambda: rid in self.values, timeout=self.timeout):
                 raise RpcTimeoutError(rpc_message(
@@ -485,7 +485,7 @@ class ProcRRef:
         if self.is_owner():
             return unwrap(self.agent.value_of(self.rid, "RRef.to_here"))
         a = self.agent
-        a._request(RPC_READY, self.owner_info.name, self.rid)  # the owner kept it (or the request was lost)
+        a._request(RPC_READY, self.owner_info.name, self.rid, timeout)  # the owner kept it (or the request was lost)
         t = a.timeout if timeout is None else timeout
         return unwrap(a._read(a._send("RRef.to_here", self.owner_info, _owner_value, (self.rid,), {}, t, "fetch")))
 

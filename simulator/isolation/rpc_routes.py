@@ -265,9 +265,10 @@ class RpcRouteHandlers:
         return self._rpc_agent(rs, me, books, cpu, "RRef").new_slot(KEPT)
 
     def handle_rpc_ready(self, rs: Any, me: Any, chan: Any, msg: tuple) -> None:
-        _, owner, rid, books, cpu = msg
+        _, owner, rid, timeout, books, cpu = msg
         agent = self._rpc_agent(rs, me, books, cpu, "RRef.to_here")
-        owner_value(agent.world, owner, rid, "RRef.to_here", agent.name)  # (its value is in the owner's process)
+        # (its value is in the owner's process; timeout: to_here's)
+        owner_value(agent.world, owner, rid, "RRef.to_here", agent.name, timeout)
 
     def handle_rpc_shutdown(self, rs: Any, me: Any, chan: Any, msg: tuple) -> list[str]:
         _, graceful, books, cpu = msg

@@ -71,15 +71,15 @@ class SimRRef:
     def ident(self) -> str:
         return f"{self.owner_info.id}:{self.rid}"
 
-    def _value(self, call: str) -> Any:
+    def _value(self, call: str, timeout: float | None = None) -> Any:
         me = rpc_transport.current()
-        return owner_value(self.world, self.owner_info.name, self.rid, call, getattr(me, "name", None))
+        return owner_value(self.world, self.owner_info.name, self.rid, call, getattr(me, "name", None), timeout)
 
     def local_value(self) -> Any:
         return unwrap(self._value("RRef.local_value"))
 
     def to_here(self, timeout: float | None) -> Any:
-        v = self._value("RRef.to_here")
+        v = self._value("RRef.to_here", timeout)
         if self.is_owner():
             return unwrap(v)
         owner = self.world.agents[self.owner_info.name]
@@ -92,9 +92,11 @@ class SimRRef:
         return message_reference(self.world, self.owner_info, self.rid, self.holder, _rebuild_sim_rref)
 
 
-def owner_value(world: RpcWorld, owner_name: str, rid: int, call: str, asker: str | None) -> Any:
+def owner_value(world: RpcWorld, owner_name: str, rid: int, call: str, asker: str | None,
+                timeout: float | None = None) -> Any:
     """The value of RRef ``rid`` in its owner's table, once its ``remote`` kept it (a lost one raises the error
-    that lost it); ``asker`` names the worker asking, for the error of an owner that is gone."""
+    that lost it; a wait past ``timeout`` seconds, ``to_here``'s, raises RpcTimeoutError); ``asker`` names the
+    worker asking, for the error of an owner that is gone."""
     owner = world.agents.get(owner_name)
     if owner is None or not owner.alive():
         raise WorkerUnavailableError(rpc_message(
@@ -106,7 +108,7 @@ def owner_value(world: RpcWorld, owner_name: str, rid: int, call: str, asker: st
                                            values={"owner": owner_name, "id": rid}))
     v = slot.value
     if type(v) is Pending:  # remote() of an @async_execution function that has not answered yet
-        v = v.outcome.wait()
+        v = v.outcome.wait(timeout)
     if type(v) is Dropped:
         raise v.error
     return v
