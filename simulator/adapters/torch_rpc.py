@@ -61,11 +61,9 @@ from tensorplay.distributed.errors import DistRuntimeError, format_message
 from tensorplay.distributed.nn import RemoteModule as TpRemoteModule
 from tensorplay.distributed.optim import DistributedOptimizer as TpDistributedOptimizer
 from tensorplay.distributed.rpc import RRef as TpRRef
-from tensorplay.distributed.rpc.rref import _invoke_on_rref, _Proxy
 from tensorplay.distributed.rpc import api
 from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc import futures as tp_futures
-from tensorplay.distributed.rpc.futures import Future as TpFuture
 
 from simulator.adapters.after_import import when_imported
 from simulator.adapters.torch_private import check_torch_version
@@ -177,6 +175,14 @@ def _raise_as_torch(e: BaseException, fetched: bool = False) -> None:
     raise err from e
 
 
+def _torch_errors(f: Any) -> Any:
+    """An RPC future's ``then``: its value, or its failure as torch's."""
+    try:
+        return f.value()
+    except BaseException as e:
+        _raise_as_torch(e)
+
+
 class _TorchRRef(TpRRef):
     """An RRef of a worker that started through torch's API: its failures read as torch's (see :func:`_as_torch_error`)
     and its proxies' calls go through torch's API here."""
@@ -190,27 +196,35 @@ class _TorchRRef(TpRRef):
             _raise_as_torch(e, fetched=True)
 
     def rpc_sync(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
-        return _TorchProxy(self, "rpc_sync", timeout)
+        return _TorchProxy(TpRRef.rpc_sync(self, _timeout(timeout)), "rpc_sync")
 
     def rpc_async(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
-        return _TorchProxy(self, "rpc_async", timeout)
+        return _TorchProxy(TpRRef.rpc_async(self, _timeout(timeout)), "rpc_async")
 
     def remote(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
-        return _TorchProxy(self, "remote", timeout)
+        return _TorchProxy(TpRRef.remote(self, _timeout(timeout)), "remote")
 
 
-class _TorchProxy(_Proxy):
-    """``rref.rpc_sync().m(*a)`` and the like, through torch's API (its timeout conventions and errors)."""
+class _TorchProxy:
+    """``rref.rpc_sync().m(*a)`` and the like with torch's errors: tensorplay's proxy ``inner``, whose failures
+    read as torch's (see :func:`_as_torch_error`)."""
 
-    __slots__ = ()
+    __slots__ = ("_inner", "_mode")
+
+    def __init__(self, inner: Any, mode: str) -> None:
+        self._inner, self._mode = inner, mode
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("__"):
             raise AttributeError(method)
-        rref, mode, timeout = self._rref, self._mode, self._timeout
+        ours, mode = getattr(self._inner, method), self._mode
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return _OURS[mode](rref.owner(), _invoke_on_rref, args=(rref, method, args, kwargs), timeout=timeout)
+            try:
+                out = ours(*args, **kwargs)
+            except BaseException as e:  # (a remote sys.exit too: torch raises it from the call)
+                _raise_as_torch(e)
+            return out.then(_torch_errors) if mode == "rpc_async" else out
 
         call.__name__ = method
         return call
@@ -224,17 +238,7 @@ def _rpc_call(name: str) -> Callable[..., Any]:
             out = fn(to, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
         except BaseException as e:  # (a remote sys.exit too: torch raises it from the call)
             _raise_as_torch(e)
-        if name != "rpc_async":
-            return out
-        fut = out
-
-        def torch_errors(f: Any) -> Any:
-            try:
-                return f.value()
-            except BaseException as e:
-                _raise_as_torch(e)
-
-        return fut.then(torch_errors)
+        return out.then(_torch_errors) if name == "rpc_async" else out
 
     call.__name__ = name
     return call
