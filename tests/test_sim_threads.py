@@ -699,3 +699,31 @@ def test_a_ranks_environment_assignment_reaches_the_c_environment():
     got = simulator.run(_rank_sets_a_c_variable, 2, torchrun_env=True, timeout=60)
     assert got == [("rank0", "rank0"), ("rank1", "rank1")]  # (coop: each reads right after its own assignment)
     assert "TP_TEST_C_ENV" not in os.environ and getenv(b"TP_TEST_C_ENV") is None
+
+
+def _ranks_poll_one_event(ev: threading.Event) -> int:
+    """Every rank polls one event (a flag the ranks share, set from outside) while a thread of its own waits:
+    each wait steps out of the schedule and back in, so the turn and the event's lock change hands often."""
+    done = threading.Event()
+    helper = threading.Thread(target=done.wait, args=(30,), name="helper")
+    helper.start()
+    polls = 0
+    while not ev.wait(0.001):
+        polls += 1
+    done.set()
+    helper.join()
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return int(x.item())
+
+
+def test_ranks_polling_one_event_never_wait_for_the_turn_holding_its_lock():
+    """A rank that wakes from ``Event.wait`` takes its turn before the event's lock: before, it waited for the
+    turn holding the lock while the turn's holder waited for that lock (the run hung to its bound)."""
+    ev = threading.Event()
+    timer = threading.Timer(0.4, ev.set)
+    timer.start()
+    try:
+        assert simulator.run(_ranks_poll_one_event, 3, args=(ev,), mode="coop", timeout=20) == [3] * 3
+    finally:
+        timer.cancel()

@@ -77,7 +77,7 @@ from simulator.adapters._patch import Installation
 from simulator.core._handoff import _CWD
 from simulator.core._actor import DONE
 from simulator.core._actor import quiet as _quiet
-from simulator.core.actors import join_actor, sleep_in, sleep_out, start_actor, start_plain, step_in, step_out
+from simulator.core.actors import condition_wait, join_actor, sleep_in, sleep_out, start_actor, start_plain, step_in, step_out
 from simulator.core.state import RankState, _local, current_rank_state
 
 #: (start_actor ... sleep_in are simulator.core.actors', re-exported for the rank-process proxy)
@@ -227,8 +227,7 @@ def _cond_wait(self: threading.Condition, timeout: float | None = None) -> bool:
     rs = current_rank_state()
     if rs is None or (timeout is not None and timeout <= 0):  # a poll (Semaphore.acquire(timeout=0)) never waits
         return _ORIGINAL["cond_wait"](self, timeout)
-    with _stepped_out(rs):
-        return _ORIGINAL["cond_wait"](self, timeout)
+    return condition_wait(rs, self, timeout, _ORIGINAL["cond_wait"])
 
 
 # time.sleep, os.getpid, os._exit, signal.signal/getsignal and atexit.register/unregister as they were when the

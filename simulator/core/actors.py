@@ -9,6 +9,7 @@ Nothing here patches anything: the thread adapter and a rank process's proxy cal
 """
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from typing import Any, Callable
 from simulator.core._actor import DONE, FREE, RUNNABLE, bind_env, quiet, start_thread_plainly, unbind_env
 from simulator.core.state import RankState, _local, current_rank_state
 
-__all__ = ["start_actor", "start_plain", "join_actor", "step_out", "step_in", "sleep_out", "sleep_in"]
+__all__ = ["start_actor", "start_plain", "join_actor", "step_out", "step_in", "sleep_out", "sleep_in", "condition_wait"]
 
 
 def start_plain(t: threading.Thread) -> None:
@@ -43,6 +44,64 @@ def step_out(rs: RankState | None, others: bool = False) -> bool:
 def step_in(rs: RankState) -> None:
     """After the wait :func:`step_out` stepped out for: take part in the schedule again."""
     rs.run.sched.rejoin(rs)
+
+
+def condition_wait(rs: RankState, cond: threading.Condition, timeout: float | None,
+                   wait: Callable[[threading.Condition, float | None], bool]) -> bool:
+    """``cond.wait(timeout)`` on rank actor ``rs`` (``wait``: the real ``Condition.wait``), stepped out of the
+    schedule so that the rank's own threads run meanwhile.
+
+    Waking up, the actor takes its turn *before* the condition's lock: waiting for the turn while holding the
+    lock would deadlock with a baton holder about to take it (two handlers polling one ``Event``).  The lock is
+    then taken at once if free; if not, the actor waits for it outside the schedule again.  The wait itself is
+    ``Condition.wait``'s own protocol (a waiter lock on the condition's queue, which ``notify`` releases)."""
+    if not step_out(rs):
+        return wait(cond, timeout)
+    c: Any = cond
+    if not c._is_owned():
+        step_in(rs)
+        raise RuntimeError("cannot wait on un-acquired lock")
+    waiter = _thread.allocate_lock()
+    waiter.acquire()
+    c._waiters.append(waiter)
+    saved = c._release_save()
+    got = False
+    try:
+        got = waiter.acquire() if timeout is None else waiter.acquire(True, timeout)
+    finally:
+        try:
+            step_in(rs)
+        finally:
+            _retake(rs, c, saved)
+            if not got:
+                try:
+                    c._waiters.remove(waiter)
+                except ValueError:  # notified just as the wait timed out
+                    pass
+    return got
+
+
+def _retake(rs: RankState, c: Any, saved: Any) -> None:
+    """Holding the turn, take condition ``c``'s lock back as ``Condition.wait`` would (``saved``: what its
+    ``_release_save`` gave), without ever waiting for the lock while holding the turn."""
+    lock = c._lock
+    while not lock.acquire(False):
+        if step_out(rs):  # its holder may need the turn to get to its release
+            try:
+                lock.acquire()
+                lock.release()
+            finally:
+                step_in(rs)
+        else:
+            lock.acquire()  # nothing of this rank's needs the turn: wait holding it, as before
+            break
+    # held once now; an RLock gets its recursion depth back (a Lock's saved state is None)
+    if isinstance(saved, tuple) and isinstance(saved[0], int):
+        for _ in range(saved[0] - 1):
+            lock.acquire()
+    elif saved is not None:  # a lock of another kind: its own restore (the lock is free for it by now)
+        lock.release()
+        c._acquire_restore(saved)
 
 
 class _ThreadEnd:

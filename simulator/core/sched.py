@@ -297,21 +297,25 @@ class CoopScheduler(_SchedulerBase):
         self._acquire(rs)
         self._take(rs)
 
-    def _park_or_deadlock(self) -> bool:
-        """No runnable actor: park the baton if a FREE actor may still act (True), else it is a deadlock (False)."""
+    def _park_or_deadlock(self) -> str:
+        """No runnable actor: park the baton if a FREE actor may still act (``"parked"``), run on when one became
+        runnable meanwhile (``"run"``), else it is a deadlock (``"deadlock"``).
+
+        Once parked, the caller holds no baton: it must not read the runnable set again, since a FREE actor (or
+        the main thread, timing a wait out) takes the parked baton by adding itself there and running at once."""
         self._drain()
         if self.runnable:
-            return True
+            return "run"
         with self.flock:
             if self.requests or self.timeouts:
                 pass  # raced in after the drain: handled by the caller's next pick
             elif self.free > 0:
                 self.parked = True
-                return True
+                return "parked"
         if self.requests or self.timeouts:
             self._drain()
-            return True
-        return False
+            return "run"
+        return "deadlock"
 
     def leave(self, rs: "RankState") -> None:
         """``rs`` (holding the baton) goes back to running outside the schedule (a thread after its operation,
@@ -383,12 +387,13 @@ class CoopScheduler(_SchedulerBase):
                 # saved before the baton is parked: a FREE thread may take a parked baton at once and load its own
                 # streams, which a save after the parking would record as this rank's
                 self._save_rng(rs)
-                if not self._park_or_deadlock():
+                how = self._park_or_deadlock()
+                if how == "deadlock":
                     self.run.deadlock()  # makes every blocked rank runnable with a DeadlockError pending
-            if not self.runnable:  # parked: a FREE thread takes the baton and wakes us when it can
-                self._acquire(rs)
-                self._take(rs)
-                continue
+                elif how == "parked":  # a FREE thread takes the baton and wakes us when it can
+                    self._acquire(rs)
+                    self._take(rs)
+                    continue
             nxt = self._pick()
             if nxt is not rs:
                 self._handoff(rs, nxt)
@@ -436,11 +441,14 @@ class CoopScheduler(_SchedulerBase):
                 run.finished()
             return
         self._wake_joiners(rs)
-        if not self.runnable and self.blocked and not self._park_or_deadlock():
-            run.deadlock()
+        how = "run"
+        if not self.runnable and self.blocked:
+            how = self._park_or_deadlock()
+            if how == "deadlock":
+                run.deadlock()
         if over and not self.runnable and not self.requests:
             run.finished()
-        elif not self.parked:
+        elif how != "parked":  # (parked: the baton is no longer ours to pass)
             self._pass_on()
 
 
