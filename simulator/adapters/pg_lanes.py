@@ -84,19 +84,22 @@ class LanesMixin:
         self._coalescing_backend("_end_coalescing", device)
         works = coalescing.__dict__.pop("works", None)
         if works is None:
-            raise RuntimeError(format_message(
-                "ProcessGroup._end_coalescing", "no coalescing was started on this thread", values={
-                    "device": str(device)}, fix="call _start_coalescing(device) first, or use "
-                "torch.distributed._coalescing_manager(device=...)"))
+            raise RuntimeError(self._coalescing_error(
+                "_end_coalescing", "no coalescing was started on this thread", device,
+                "call _start_coalescing(device) first, or use torch.distributed._coalescing_manager(device=...)"))
         return SimWork(works, [])
 
     def _coalescing_backend(self, call: str, device: Any) -> None:
         named: str = self._named  # type: ignore[attr-defined]
         if not self._nccl_for(torch.device(device).type):
-            raise RuntimeError(format_message(
-                f"ProcessGroup.{call}", f"backend {named} does not implement startCoalescing",
-                values={"backend": named, "device": str(device)},
-                fix="use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
+            raise RuntimeError(self._coalescing_error(
+                call, f"backend {named} does not implement startCoalescing", device,
+                "use _coalescing_manager() without device= (each op is issued on its own, as on gloo)"))
+
+    def _coalescing_error(self, call: str, problem: str, device: Any, fix: str) -> str:
+        named: str = self._named  # type: ignore[attr-defined]
+        return format_message(f"ProcessGroup.{call}", problem, rank=self._g.rank(), values={
+            "backend": named, "group": list(self._g.ranks), "device": str(device)}, fix=fix)
 
     def _speaks_gloo(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow gloo's rules: a "gloo" group, or the CPU side of "cpu:gloo,cuda:nccl"."""

@@ -189,9 +189,9 @@ class _TorchRRef(TpRRef):
 
     __slots__ = ()
 
-    def to_here(self, timeout: Any = None) -> Any:
+    def to_here(self, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
         try:
-            return super().to_here(None if timeout is None else _timeout(timeout))
+            return super().to_here(_timeout(timeout))
         except BaseException as e:  # (a remote sys.exit too: torch raises it from the call)
             _raise_as_torch(e, fetched=True)
 

@@ -124,7 +124,7 @@ def coop_wait(fut: Future[Any], timeout: float | None) -> bool:
                 if left is None:
                     sched.block(rs, w)
                 elif left <= 0:
-                    raise over().cls()
+                    raise _WaitOver() if over is _wait_over else _PastDeadline()
                 else:
                     sched.block_until(rs, w, left, over)
                 break

@@ -157,7 +157,8 @@ def _own(st: DeviceState) -> list | None:
     """The calling thread's own current device and streams for ``st``, or None on the rank's own thread (a thread
     rank; outside one, the process's main thread: a rank process's)."""
     rs = current_rank_state()
-    if rs.parent is None if rs is not None else threading.current_thread() is threading.main_thread():
+    mine = threading.current_thread() is threading.main_thread() if rs is None else rs.parent is None
+    if mine:
         return None
     own = getattr(_threads, "own", None)
     if own is None:
