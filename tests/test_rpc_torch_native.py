@@ -156,6 +156,19 @@ def basic_program(rank: int, world_size: int, init_method: str) -> dict:
             except RuntimeError as e:
                 first = str(e).splitlines()[0] if what == "exit" else "raised"  # (torch appends where it caught it)
                 out.setdefault("runtime_errors", []).append((what, first))
+        # what pickle refuses (a lock, an open file) is refused: as an argument, a TypeError before the call;
+        # as an answer, torch's agent fails in C++, a RuntimeError naming the TypeError
+        with open(__file__) as f:
+            for what, call in (("lock_arg", lambda: rpc_sync("worker1", type, args=(threading.Lock(),))),
+                               ("file_arg", lambda: rpc_sync("worker1", type, args=(f,))),
+                               ("lock_answer", lambda: rpc_sync("worker1", threading.Lock)),
+                               ("lock_answer_async", lambda: rpc_async("worker1", threading.RLock).wait())):
+                try:
+                    call()
+                except (TypeError, RuntimeError) as e:
+                    out.setdefault("unpicklable", []).append(
+                        (what, "RuntimeError" if isinstance(e, RuntimeError) else "TypeError",
+                         str(e).splitlines()[0] if what.startswith("lock_answer") else "cannot pickle" in str(e)))
         me, other = rpc.get_worker_info(), rpc.get_worker_info("worker1")
         out["infos"] = (me.name, me.id, other.name, other.id)
     rpc.shutdown()
@@ -374,6 +387,10 @@ def test_basic_program_on_the_simulator_gives_torchs_answers():
                              ("UnicodeError", "ValueError"), ("ZeroDivisionError", "RuntimeError"))
         for how in ("sync", "async", "to_here", "proxy")]
     assert out["infos"] == ("worker0", 0, "worker1", 1)
+    assert out["unpicklable"] == [("lock_arg", "TypeError", True), ("file_arg", "TypeError", True),
+                                  ("lock_answer", "RuntimeError", "TypeError: cannot pickle '_thread.lock' object"),
+                                  ("lock_answer_async", "RuntimeError",
+                                   "TypeError: cannot pickle '_thread.RLock' object")]
 
 
 def test_torchs_rpc_api_between_rank_processes_is_the_simulators():

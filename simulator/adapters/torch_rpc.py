@@ -140,14 +140,17 @@ def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
     is the cause here)."""
     worker = getattr(e, "remote_worker", None)
     if worker is None:  # not raised by the remote function: the transport's own error, a RuntimeError as torch's
-        if not isinstance(e, RuntimeError):
+        # (but for a TypeError: torch's pickler refuses arguments with one, before anything is sent)
+        if not isinstance(e, (RuntimeError, TypeError)):
             e.__class__ = _with_runtime_error(type(e))
         return e
     wid = "?"
     a = rpc_transport.current()
     if a is not None:
         wid = next((str(w.id) for w in a.worker_infos() if w.name == worker), "?")
-    if not isinstance(e, Exception):  # (a remote sys.exit: torch's handler catches Exception only, its C++ the rest)
+    if not isinstance(e, Exception) or getattr(e, "serialising_answer", False):
+        # (a remote sys.exit: torch's handler catches Exception only, its C++ the rest; an answer that does not
+        # pickle fails in that C++ layer too)
         err = RuntimeError(f"{type(e).__name__}: {e}")
         err.__cause__ = e
         return err

@@ -422,6 +422,10 @@ def seal_answer(value: Any, callee: str, device_map: dict | None, auth: Any) -> 
     try:
         return encode(value, callee, device_map).seal(auth)
     except BaseException as e:  # noqa: BLE001  an answer that does not pickle
+        try:  # (torch's agent fails here in its C++ layer: its caller gets a RuntimeError, see torch_rpc)
+            e.serialising_answer = True  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001  exceptions with __slots__
+            pass
         return encode(RemoteFailure.capture(e, callee), callee).seal(auth)
 
 

@@ -37,17 +37,32 @@ def _import_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
+def _os_resource_types() -> tuple[type, ...]:
+    import socket
+    import threading
+
+    return (type(threading.Lock()), type(threading.RLock()), socket.socket, io.FileIO, io.BufferedReader,
+            io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+
+
 def dill_pickler(f: io.BytesIO, pid: Callable[[Any], Any] | None = None) -> Any:
-    """A dill pickler that sends importable modules by name.
+    """A dill pickler that sends importable modules by name and refuses what plain pickle refuses for a reason.
 
     (dill pickles every module outside the standard library *by value*, state
     included, which drags half of tensorplay along with a lambda that merely
-    names ``rpc``.)
+    names ``rpc``.  It also "sends" locks, open files and sockets by making new
+    ones on the other side: a lock shared through a call would silently be two
+    locks, so those are refused with pickle's own error, as torch's RPC does.)
     """
     import dill
 
+    refused = _os_resource_types()
+
     class _Pickler(dill.Pickler):  # type: ignore[misc]
         def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, refused):
+                t = type(obj)
+                raise TypeError(f"cannot pickle '{t.__module__}.{t.__qualname__}' object")
             if isinstance(obj, types.ModuleType):
                 name = obj.__name__
                 if name != "__main__" and sys.modules.get(name) is obj:
