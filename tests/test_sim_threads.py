@@ -727,3 +727,31 @@ def test_ranks_polling_one_event_never_wait_for_the_turn_holding_its_lock():
         assert simulator.run(_ranks_poll_one_event, 3, args=(ev,), mode="coop", timeout=20) == [3] * 3
     finally:
         timer.cancel()
+
+
+def _a_thread_waits_on_the_ranks_async_ops():
+    """The rank issues async operations and a thread of its own waits for them (a comm-wait thread)."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    x = torch.full((3,), float(r + 1))
+    y = torch.full((2,), float(r))
+    z = torch.zeros(2)
+    works = [dist.all_reduce(x, async_op=True), dist.broadcast(y, src=w - 1, async_op=True)]
+    if r == 0:
+        works.append(dist.isend(torch.full((2,), 7.0), 1))
+    elif r == 1:
+        works.append(dist.irecv(z, 0))
+    t = threading.Thread(target=lambda: [wk.wait() for wk in works], name="waiter")
+    t.start()
+    t.join()  # (no timeout: a wait the scheduler sees, so a thread nobody wakes is a deadlock at once)
+    return x.tolist(), y.tolist(), z.tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@isolations
+def test_a_thread_waits_on_async_operations_its_rank_issued(mode, isolation):
+    """Completion woke only the actor that issued the operation: a thread of the rank waiting on it in coop mode
+    was never woken (the run ended in a deadlock report)."""
+    w = 3
+    got = simulator.run(_a_thread_waits_on_the_ranks_async_ops, w, mode=mode, timeout=30, isolation=isolation)
+    total = float(sum(r + 1 for r in range(w)))
+    assert got == [([total] * 3, [float(w - 1)] * 2, [7.0, 7.0] if r == 1 else [0.0, 0.0]) for r in range(w)]

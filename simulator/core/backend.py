@@ -43,7 +43,7 @@ from simulator.core.errors import CollectiveMismatchError, InjectedFault
 from simulator.core.faults import Crash, Delay
 from simulator.core.report import mismatch_message
 from simulator.core.state import Incident, P2PRecord, RankCall, RankState, SimGroup, Slot
-from simulator.core.works import CollWork, OperationTimeoutError, P2PWork, caller, done_with, notify, observe_coll, observe_p2p
+from simulator.core.works import CollWork, OperationTimeoutError, P2PWork, caller, done_with, notify, observe_coll, observe_p2p, wake_others
 
 __all__ = ["SimBackend", "OperationTimeoutError"]
 
@@ -298,6 +298,8 @@ class SimBackend(Backend):
         wake = run.sched.wake
         for w in slot.waiters:
             wake(w)
+        if slot.others is not None:
+            wake_others(slot, slot.error)
 
     def _run(self, name: str, data: Any, group: ProcessGroup, async_op: bool) -> Work | None:
         """One backend collective: described, filed and computed by its rule."""
@@ -473,6 +475,9 @@ class SimBackend(Backend):
         notify(r.rs, r, r.error, r.source)
         run.sched.wake(s.rs)
         run.sched.wake(r.rs)
+        for rec in (s, r):
+            if rec.others is not None:
+                wake_others(rec, rec.error, rec.source)
 
 
 register_backend("sim", SimBackend)

@@ -426,7 +426,7 @@ class RankCall:
 class Slot:
     """Collective number ``seq`` of a group: filled by the members' calls, completed by the last one."""
 
-    __slots__ = ("group", "seq", "name", "calls", "arrived", "waiters", "done", "error", "vend", "result")
+    __slots__ = ("group", "seq", "name", "calls", "arrived", "waiters", "others", "done", "error", "vend", "result")
 
     def __init__(self, group: SimGroup, seq: int, name: str) -> None:
         self.group = group
@@ -435,6 +435,7 @@ class Slot:
         self.calls: list[RankCall | None] = [None] * group.size
         self.arrived = 0
         self.waiters: list[RankState] = []
+        self.others: list[RankState] | None = None  # actors waiting on a work another actor of their rank issued
         self.done = False
         self.error: Incident | None = None
         self.vend = 0.0
@@ -445,7 +446,7 @@ class P2PRecord:
     """One posted send or receive."""
 
     __slots__ = ("kind", "rs", "src", "dst", "group", "tag", "tensor", "site", "vstart", "wall_start", "done",
-                 "error", "source", "vend", "backward", "seq", "observed", "key", "detail", "async_op")
+                 "error", "source", "vend", "backward", "seq", "observed", "key", "detail", "async_op", "others")
 
     def __init__(self, kind: str, rs: RankState, src: int | None, dst: int, group: SimGroup, tag: int,
                  tensor: torch.Tensor, site: str, async_op: bool) -> None:
@@ -470,5 +471,6 @@ class P2PRecord:
         self.key = CallKey(kind, None, None, tensor.dtype, tuple(tensor.shape))
         self.detail = None
         self.async_op = async_op
+        self.others: list[RankState] | None = None  # as Slot.others
 
 

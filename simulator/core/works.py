@@ -20,7 +20,7 @@ from simulator.core.state import Incident, P2PRecord, RankCall, RankState, Slot,
 from simulator.core.trace import Event
 
 __all__ = ["OperationTimeoutError", "GroupTimeout", "CollWork", "P2PWork", "timeout_arg", "caller", "done_with", "notify",
-           "observe_coll", "observe_p2p"]
+           "observe_coll", "observe_p2p", "wait_too", "wake_others"]
 
 _thread_time = time.thread_time
 _perf = time.perf_counter
@@ -81,6 +81,25 @@ def caller(rs: RankState) -> RankState:
     """The calling thread's actor when it is one of ``rs``'s rank (a rank's threads share its backend and works)."""
     me = _local.__dict__.get("rs")
     return me if me is not None and me is not rs and me.run is rs.run and me.rank == rs.rank else rs
+
+
+def wait_too(rs: RankState, issuer: RankState, w: Any) -> None:
+    """``rs``, another actor of ``issuer``'s rank (a thread waiting on a work the rank's main thread issued), is
+    about to wait for ``w``: its completion must wake ``rs`` too (it wakes the issuer only)."""
+    if rs is not issuer:
+        with rs.run.sched.lock:
+            if not w.done:  # (completed meanwhile: the wait sees it done and does not block)
+                if w.others is None:
+                    w.others = []
+                w.others.append(rs)
+
+
+def wake_others(w: Any, error: Incident | None, source: int | None = None) -> None:
+    """``w`` completed: wake the actors :func:`wait_too` registered (under the scheduler's lock)."""
+    others, w.others = w.others, None
+    for o in others:
+        notify(o, w, error, source)
+        o.run.sched.wake(o)
 
 
 def notify(rs: RankState, w: Any, error: Incident | None, source: int | None = None) -> None:
@@ -147,6 +166,7 @@ class CollWork(Work):
             if self._call.async_op and not self._call.observed:
                 charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not slot.done:
+                wait_too(rs, self._rs, slot)
                 _block(rs, slot, timeout, slot.name)
             observe_coll(rs, slot, self._call)
             _forget(self._rs, self)
@@ -182,6 +202,7 @@ class P2PWork(Work):
             if rec.async_op and not rec.observed:
                 charge_compute(rs)  # what the rank computed since the issue ran while the operation did
             if not rec.done:
+                wait_too(rs, rec.rs, rec)
                 _block(rs, rec, timeout, rec.kind)
             observe_p2p(rs, rec)
             _forget(rec.rs, self)
