@@ -334,9 +334,12 @@ class _Patches:
         if rs is None:
             return
         if self.launcher is None:
-            problem = (f"{call} was called on a simulated rank: this script starts its own ranks, but it was run "
-                       f"torchrun-style (every rank runs the whole script) because --nproc-per-node was given")
-            fix = f"run it as a launcher, without --nproc-per-node: {self.hint}"
+            problem = (f"{call} was called on a simulated thread rank (the script was run torchrun-style, every "
+                       f"rank running the whole script, because --nproc-per-node was given): a thread rank cannot "
+                       f"start a process of its own")
+            fix = (f"if the process is a helper of the rank (a producer, a server), run with --isolation process, "
+                   f"where each rank is a real process and starts its own; if the script starts its ranks itself, "
+                   f"run it as a launcher, without --nproc-per-node: {self.hint}")
         else:
             problem = f"{call} was called inside a simulated rank: a rank cannot start more ranks"
             fix = "start every rank from the launcher (the script's main code)"

@@ -275,7 +275,8 @@ def test_wrong_script_style_is_a_usage_error_not_a_hang(tmp_path):
     spawn = _write(tmp_path, "spawn_demo.py", SPAWN)
     p = _sim(tmp_path, "--nproc-per-node", "3", spawn)
     assert p.returncode == 2
-    assert "torch.multiprocessing.spawn was called on a simulated rank" in p.stderr
+    assert "torch.multiprocessing.spawn was called on a simulated thread rank" in p.stderr
+    assert "a helper of the rank (a producer, a server), run with --isolation process" in p.stderr
     assert f"without --nproc-per-node: python -m simulator --seed 0 --mode coop {spawn}" in p.stderr
     assert p.stderr.count("Fix:") == 1  # every rank raised it; said once
 
