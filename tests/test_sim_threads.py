@@ -755,3 +755,69 @@ def test_a_thread_waits_on_async_operations_its_rank_issued(mode, isolation):
     got = simulator.run(_a_thread_waits_on_the_ranks_async_ops, w, mode=mode, timeout=30, isolation=isolation)
     total = float(sum(r + 1 for r in range(w)))
     assert got == [([total] * 3, [float(w - 1)] * 2, [7.0, 7.0] if r == 1 else [0.0, 0.0]) for r in range(w)]
+
+
+def _ranks_talk_over_a_socket(port: int):
+    """Rank 1 blocks in recv() until rank 0, which computes first, sends (a wait in the kernel, on another rank)."""
+    import socket
+
+    r = dist.get_rank()
+    if r == 0:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", port))
+        srv.listen(1)
+    dist.barrier()
+    if r == 0:
+        conn, _ = srv.accept()
+        payload = str(float(torch.arange(4.0).sum())).encode()
+        conn.sendall(payload)
+        conn.close()
+        srv.close()
+        got = "sent"
+    else:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            got = c.recv(100).decode()
+    x = torch.tensor([float(r + 1)])
+    dist.all_reduce(x)
+    return got, x.item()
+
+
+def _select_on_a_pipe_a_thread_writes():
+    """The rank polls a pipe with select() while a thread of its own writes to it after a collective."""
+    import os
+    import select
+
+    rd, wr = os.pipe()
+
+    def writer():
+        x = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(x)
+        os.write(wr, str(x.item()).encode())
+        os.close(wr)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    buf = b""
+    while True:
+        ready, _, _ = select.select([rd], [], [], 0.02)
+        if ready:
+            chunk = os.read(rd, 100)
+            if not chunk:
+                break
+            buf += chunk
+    t.join()
+    os.close(rd)
+    return buf.decode()
+
+
+@isolations
+def test_a_coop_rank_waiting_in_the_kernel_for_another_lets_it_run(isolation):
+    """A socket recv() or a select() that would block steps out of the schedule (before: the rank kept the turn
+    in the kernel, and the peer it waited for never ran: the run hung)."""
+    from tensorplay.testing import free_port
+
+    got = simulator.run(_ranks_talk_over_a_socket, 2, args=(free_port(),), mode="coop", timeout=60,
+                        isolation=isolation)
+    assert got == [("sent", 3.0), ("6.0", 3.0)]
+    assert simulator.run(_select_on_a_pipe_a_thread_writes, 2, mode="coop", timeout=60,
+                         isolation=isolation) == ["3.0", "3.0"]

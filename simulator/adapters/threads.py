@@ -72,7 +72,7 @@ from typing import Any, Callable, ContextManager, Iterator
 from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import format_message
 
-from simulator.adapters import _environ
+from simulator.adapters import _environ, os_waits
 from simulator.adapters._patch import Installation
 from simulator.core._handoff import _CWD
 from simulator.core._actor import DONE
@@ -531,6 +531,7 @@ def _install() -> None:
     time.sleep = _sleep
     os.getpid = _getpid
     os._exit = _os_exit
+    os_waits.install()
 
 
 def _uninstall() -> None:
@@ -546,6 +547,7 @@ def _uninstall() -> None:
         signal.alarm, signal.setitimer = _REAL["alarm"], _REAL["setitimer"]
     atexit.register, atexit.unregister = _REAL["atexit_register"], _REAL["atexit_unregister"]
     os.chdir = _REAL["chdir"]
+    os_waits.uninstall()
     _CWD.stop()  # the process is back in the directory the first rank left
 
 

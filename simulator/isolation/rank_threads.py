@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from simulator.adapters import threads, torch_globals
+from simulator.adapters import os_waits, threads, torch_globals
 from simulator.isolation import _wire
 from simulator.isolation.messages import END, FREE, JOIN, LEAVE, REJOIN, SLEEP, THREAD, WAKE
 
@@ -60,8 +60,9 @@ def install(backend: Any, coop: bool) -> None:
     if coop:
         _ORIGINAL["sleep"] = time.sleep
         time.sleep = _sleep
-        torch_globals.wait_in_os = _wait_in_os
+        torch_globals.wait_in_os = os_waits.wait_in_os = _wait_in_os
         threads.poll_in_os = _poll_in_os
+        os_waits.install()
     threading.Thread.start = _start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread.join = _join  # type: ignore[method-assign]
