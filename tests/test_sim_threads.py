@@ -821,3 +821,33 @@ def test_a_coop_rank_waiting_in_the_kernel_for_another_lets_it_run(isolation):
     assert got == [("sent", 3.0), ("6.0", 3.0)]
     assert simulator.run(_select_on_a_pipe_a_thread_writes, 2, mode="coop", timeout=60,
                          isolation=isolation) == ["3.0", "3.0"]
+
+
+def _main_waits_for_a_lock_its_thread_holds_across_a_collective():
+    started, held = threading.Event(), threading.Lock()  # (the rank's own: module globals are shared by thread ranks)
+
+    def holder():
+        with held:
+            started.set()
+            dist.all_reduce(torch.ones(1))
+
+    t = threading.Thread(target=holder, name="holder")
+    t.start()
+    started.wait(10)
+    with held:  # a wait in C the simulator cannot see: in coop mode the thread never gets the turn
+        pass
+    t.join()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread gets it too
+def test_a_rank_blocked_on_a_lock_its_waiting_thread_holds_is_named_with_the_fix():
+    """What coop mode cannot run (see docs/deviations.md) ends at the stall bound with a report that names the
+    thread waiting for the turn and the fix, and without the scheduler's own errors from the aborted run."""
+    with pytest.raises(simulator.SimTimeoutError) as info:
+        simulator.run(_main_waits_for_a_lock_its_thread_holds_across_a_collective, 2, mode="coop", stall_timeout=2,
+                      timeout=60)
+    text = str(info.value)
+    assert "(thread 'holder') waits for the turn to enter an operation" in text
+    assert "Fix: run with mode='threads'" in text
+    assert simulator.run(_main_waits_for_a_lock_its_thread_holds_across_a_collective, 2, mode="threads",
+                         timeout=60) == [None, None]

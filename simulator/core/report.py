@@ -210,6 +210,15 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
                              f"handlers are not supported (docs/rpc.md; on real processes the call times out). "
                              f"Fix: issue the collective from the ranks' own code, and have the handler return "
                              f"what it needs")
+        elif rs in getattr(run.sched, "requests", ()):  # coop: a thread asking for the turn
+            threads.append(f"  {rs.label} waits for the turn to enter an operation")
+            holder = run.ranks[rs.rank]
+            if timeout and holder.state != DONE and getattr(run.sched, "current", None) is holder:
+                hints.append(f"rank {rs.rank} holds the turn (coop: one actor runs at a time) while {rs.label} "
+                             f"waits for it: if rank {rs.rank} waits for that thread outside the simulator (a lock "
+                             f"the thread holds across an operation, a pipe or a FIFO it writes after one), neither "
+                             f"can go on. Fix: run with mode='threads' (--mode threads), or wait through a "
+                             f"threading.Event, Queue or Condition, which step out of the schedule")
         elif rs.state != DONE:
             threads.append(f"  {rs.label} is running outside the schedule (a thread the simulator cannot see waiting)")
     lines = [f"{headline} (world_size={run.n}, mode={run.mode!r}, seed={run.seed})"]

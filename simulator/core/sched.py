@@ -188,7 +188,7 @@ class CoopScheduler(_SchedulerBase):
     def kick(self) -> None:
         """Main thread: hand the baton to the first rank."""
         if self.runnable:
-            self._pick().wake.release()
+            self._release(self._pick())
 
     def enter_rank(self, rs: "RankState") -> None:
         """A rank thread's first step: wait for the baton, then load the rank's RNG state."""
@@ -223,11 +223,19 @@ class CoopScheduler(_SchedulerBase):
     def _handoff(self, rs: "RankState", nxt: "RankState") -> None:
         self._save_rng(rs)
         _STEER.towards_me(nxt)
-        nxt.wake.release()
+        self._release(nxt)
         self._acquire(rs)
         _STEER.free(rs)
         self.current = rs
         self._load_rng(rs)
+
+    def _release(self, nxt: "RankState") -> None:
+        """Hand the baton to ``nxt``."""
+        try:
+            nxt.wake.release()
+        except RuntimeError:  # released already: an aborted run releases every actor that waits for its turn
+            if not self.run.aborted:
+                raise
 
     def _take(self, rs: "RankState") -> None:
         """Holding the baton: take it over (after a wake-up or from the parked state)."""
@@ -266,7 +274,7 @@ class CoopScheduler(_SchedulerBase):
             if self.parked:  # nobody holds the baton: rs takes it
                 self.parked = False
                 self.wake(rs)
-                rs.wake.release()
+                self._release(rs)
             else:
                 self.timeouts.append(rs)
 
@@ -338,7 +346,7 @@ class CoopScheduler(_SchedulerBase):
             if self.runnable:
                 nxt = self._pick()
                 _STEER.towards_me(nxt)
-                nxt.wake.release()
+                self._release(nxt)
                 return
             with self.flock:
                 if not self.requests:  # checked under the lock: a FREE actor asking now finds the baton parked
