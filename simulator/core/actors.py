@@ -87,15 +87,22 @@ def _retake(rs: RankState, c: Any, saved: Any) -> None:
     lock = c._lock
     while not lock.acquire(False):
         if step_out(rs):  # its holder may need the turn to get to its release
+            lock.acquire()
+            lock.release()
             try:
-                lock.acquire()
-                lock.release()
-            finally:
                 step_in(rs)
+            except BaseException:  # the run ended meanwhile: raise holding the lock, as Condition.wait would
+                lock.acquire()
+                _restore_depth(c, lock, saved)
+                raise
         else:
             lock.acquire()  # nothing of this rank's needs the turn: wait holding it, as before
             break
-    # held once now; an RLock gets its recursion depth back (a Lock's saved state is None)
+    _restore_depth(c, lock, saved)
+
+
+def _restore_depth(c: Any, lock: Any, saved: Any) -> None:
+    """Condition ``c``'s ``lock``, held once now, back as ``_release_save`` left it (``saved``)."""
     if isinstance(saved, tuple) and isinstance(saved[0], int):
         for _ in range(saved[0] - 1):
             lock.acquire()
