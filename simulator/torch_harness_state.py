@@ -32,7 +32,8 @@ PROFILER_WHY = ("torch's profiler is one per process (each thread rank's would r
 #: why a test whose ranks patched with unittest.mock, then failed on thread ranks, runs on rank processes
 PATCH_WHY = ("unittest.mock's patch, and torch's test helpers that patch by assignment (common_fsdp.patch_*), set an "
              "attribute of the one process (each thread rank's patch is every rank's, and the ranks' exits, not "
-             "last-in first-out, can leave a mock in place); the test patched on a rank")
+             "last-in first-out, can leave a mock in place); code run on a rank (the test, or torch itself, as "
+             "inductor does while it compiles) patched")
 #: set on a test's item when one of its thread ranks needed a process of its own (why): see
 #: simulator.torch_harness._thread_only_failure
 NEEDS_A_PROCESS = pytest.StashKey[str]()
