@@ -51,8 +51,9 @@ from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
-from simulator.core.report import describe_world, needs_cuda, per_process_state
-from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire, poll_interval
+from simulator.core.report import describe_world, held_turn_warning, needs_cuda, per_process_state
+from simulator.core.progress import (DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire,
+                                     poll_interval, watch_turn)
 from simulator.core.sched import make_scheduler
 from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (rank_seed re-exported)
 from simulator.core.state import (NUDGE, Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
@@ -364,6 +365,10 @@ def _serve(run: Run) -> tuple[str | None, list[RankState] | None]:
         if waiting is not None:
             return (None, None) if run.all_done.is_set() else ("stall", waiting)
         nearest = expire(run, now) if run.deadlines else math.inf  # operations' own timeouts
+        if run.sched.baton:
+            held = watch_turn(run, now)
+            if held is not None:
+                print(held_turn_warning(*held), file=sys.stderr, flush=True)
         try:
             job = run.jobs.get(timeout=max(0.001, min(run.deadline - now, poll, nearest)))
         except queue.Empty:

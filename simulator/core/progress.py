@@ -133,3 +133,39 @@ def check_stall(run: "Run", now: float) -> list["RankState"] | None:
             return None
     waiting = [a for a in actors if is_waiting(run, a)]
     return waiting or None
+
+
+#: seconds a coop rank may hold the turn, blocked in the OS, while a thread of its own waits for it, before the
+#: run says so (it goes on: the rank may be waiting for something else that will come)
+HELD_TURN_WARN_S = 10.0
+
+
+def watch_turn(run: "Run", now: float) -> "tuple[RankState, RankState, float] | None":
+    """Main thread, coop mode on thread ranks: ``(holder, thread, seconds)`` once (then None) when the turn's holder
+    has been blocked in the OS (its CPU time does not advance) for ``HELD_TURN_WARN_S`` at the same place while a
+    thread of its own rank waits for the turn. That is usually a wait for that thread outside the simulator (a lock
+    it holds across an operation), which coop mode cannot run; the stall bound would say so only after 30 minutes
+    (the caller warns: see :func:`simulator.core.report.held_turn_warning`)."""
+    sched = run.sched
+    held = getattr(sched, "current", None)
+    asking = getattr(sched, "requests", None)
+    if (held is None or not asking or held.state != RUNNABLE or held.on_complete is not None
+            or held.thread is None or held.thread.ident is None):
+        return None
+    root = held.parent or held
+    thread = next((a for a in asking if (a.parent or a) is root and a is not held), None)
+    if thread is None:
+        return None
+    try:
+        cpu = time.clock_gettime(time.pthread_getcpuclockid(held.thread.ident))
+    except (AttributeError, OSError):  # (no per-thread CPU clock here, or the thread just ended)
+        return None
+    seen = getattr(sched, "turn_seen", None)
+    if seen is None or seen[0] is not held or seen[1] != held.stamp:
+        sched.turn_seen = (held, held.stamp, now, cpu, False)
+        return None
+    _, _, since, cpu0, warned = seen
+    if warned or now - since < HELD_TURN_WARN_S or cpu - cpu0 > 0.05 * (now - since):
+        return None
+    sched.turn_seen = seen[:4] + (True,)
+    return held, thread, now - since

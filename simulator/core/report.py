@@ -137,6 +137,16 @@ def describe_wait(run: "Run", rs: Any) -> str:
     return "in an unknown wait"
 
 
+def held_turn_warning(held: Any, thread: Any, seconds: float) -> str:
+    """The warning when a coop rank holds the turn, blocked, while a thread of its own waits for it (see
+    :func:`simulator.core.progress.watch_turn`)."""
+    return (f"[simulator] {held.label} has held the turn for {seconds:.0f} s, blocked outside the simulator at "
+            f"{_where(held)}, while {thread.label} waits for it (coop mode: one actor runs at a time). If the rank "
+            f"waits for that thread (a lock the thread holds across an operation, a pipe it writes after one), neither "
+            f"can go on; run with mode='threads' (--mode threads), or wait through a threading.Event, Queue or "
+            f"Condition, which step out of the schedule.")
+
+
 def _where(rs: Any, depth: int = 3) -> str:
     """The innermost frames of the program that ``rs``'s thread is executing now (for a timeout report)."""
     import sys

@@ -49,7 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CoopScheduler", "ThreadScheduler", "make_scheduler", "RUNNABLE", "BLOCKED", "DONE", "NOT_STARTED", "FREE"]
 
 
-
 class _NoLock:
     """Coop mode needs no lock: only the baton holder touches shared state."""
 
@@ -82,12 +81,8 @@ class _SchedulerBase:
                 self.wake(a)
 
     def _count_exit(self, rs: "RankState") -> bool:
-        """Book ``rs``'s end; True when the world is over (every rank and every non-daemon thread ended).
-
-        A process ends when its main thread and its non-daemon threads have
-        ended, so the run waits for those threads too; daemon threads are
-        abandoned, as at a real process's exit.
-        """
+        """Book ``rs``'s end; True when the world is over: every rank and every non-daemon thread ended (daemon
+        threads are abandoned, as at a real process's exit)."""
         run = self.run
         run.live -= 1
         if rs.waits_exit:
@@ -229,8 +224,7 @@ class CoopScheduler(_SchedulerBase):
         self.current = rs
         self._load_rng(rs)
 
-    def _release(self, nxt: "RankState") -> None:
-        """Hand the baton to ``nxt``."""
+    def _release(self, nxt: "RankState") -> None:  # hand the baton to nxt
         try:
             nxt.wake.release()
         except RuntimeError:  # released already: an aborted run releases every actor that waits for its turn
@@ -265,8 +259,8 @@ class CoopScheduler(_SchedulerBase):
             self.timeouts.clear()
 
     def time_out(self, rs: "RankState", inc: Any) -> None:
-        """Main thread: ``rs``'s operation ran past its deadline: fail its wait with ``inc``.  The baton holder
-        wakes it at its next scheduling point; a parked baton is handed to it at once."""
+        """Main thread: ``rs``'s operation ran past its deadline: fail its wait with ``inc`` (at the holder's next
+        scheduling point, or at once with a parked baton)."""
         with self.flock:
             if rs.state != BLOCKED or rs.pending is not None or self.run.aborted:
                 return
@@ -279,9 +273,8 @@ class CoopScheduler(_SchedulerBase):
                 self.timeouts.append(rs)
 
     def serve_timeouts(self, rs: "RankState") -> None:
-        """Baton holder ``rs`` waits in the OS for a while (its rank process computes): hand the baton to an actor
-        whose operation ran past its own timeout, so that it fails now, as on real processes (a wall-clock
-        event: such a run is no pure function of its seed anyway)."""
+        """Baton holder ``rs`` waits in the OS (its rank process computes): hand the baton to an actor whose operation
+        ran past its own timeout, so it fails now, as on real processes (a wall-clock event: not seeded anyway)."""
         late = self.timeouts[0] if self.timeouts else None
         self._drain()
         if late is not None and late is not rs and late.state == RUNNABLE:
@@ -306,11 +299,8 @@ class CoopScheduler(_SchedulerBase):
         self._take(rs)
 
     def _park_or_deadlock(self) -> str:
-        """No runnable actor: park the baton if a FREE actor may still act (``"parked"``), run on when one became
-        runnable meanwhile (``"run"``), else it is a deadlock (``"deadlock"``).
-
-        Once parked, the caller holds no baton: it must not read the runnable set again, since a FREE actor (or
-        the main thread, timing a wait out) takes the parked baton by adding itself there and running at once."""
+        """No runnable actor: park the baton if a FREE actor may still act (``"parked"``: the caller no longer holds
+        it and must not read the runnable set again), run on when one became runnable (``"run"``), or ``"deadlock"``."""
         self._drain()
         if self.runnable:
             return "run"
@@ -360,15 +350,10 @@ class CoopScheduler(_SchedulerBase):
 
     # -- scheduling points ------------------------------------------------
     def point(self, rs: "RankState", switch: bool = True) -> None:
-        """A scheduling point.  ``switch=False`` (a blocking collective's entry): the baton holder runs on.
-
-        Which member enters a blocking collective first cannot change its outcome (it completes when the
-        last one arrives, and every member reads the same slot), and the member waits for it right after
-        entering, where the next actor is drawn anyway: handing the baton on at the entry too only doubled
-        the hand-offs per collective (at 1024 ranks, about 0.1 ms each).  Every other operation's entry
-        (point-to-point, whose any-source matches depend on the interleaving; an async collective, after
-        which the rank runs on) stays a seeded choice.
-        """
+        """A scheduling point.  ``switch=False`` (a blocking collective's entry): the baton holder runs on, since
+        who enters first cannot change the outcome and the member waits right after, where the next actor is drawn
+        anyway (a hand-off at the entry too doubled them: 0.1 ms each at 1024 ranks).  Every other entry
+        (point-to-point, whose any-source matches follow the interleaving; an async collective) is a seeded choice."""
         rs.stamp = self.clock()
         if rs.state == FREE:
             self._join(rs)
@@ -449,11 +434,9 @@ class CoopScheduler(_SchedulerBase):
                 run.finished()
             return
         self._wake_joiners(rs)
-        how = "run"
-        if not self.runnable and self.blocked:
-            how = self._park_or_deadlock()
-            if how == "deadlock":
-                run.deadlock()
+        how = self._park_or_deadlock() if not self.runnable and self.blocked else "run"
+        if how == "deadlock":
+            run.deadlock()
         if over and not self.runnable and not self.requests:
             run.finished()
         elif how != "parked":  # (parked: the baton is no longer ours to pass)
