@@ -55,12 +55,9 @@ def condition_wait(rs: RankState, cond: threading.Condition, timeout: float | No
     lock would deadlock with a baton holder about to take it (two handlers polling one ``Event``).  The lock is
     then taken at once if free; if not, the actor waits for it outside the schedule again.  The wait itself is
     ``Condition.wait``'s own protocol (a waiter lock on the condition's queue, which ``notify`` releases)."""
-    if not step_out(rs):
-        return wait(cond, timeout)
     c: Any = cond
-    if not c._is_owned():
-        step_in(rs)
-        raise RuntimeError("cannot wait on un-acquired lock")
+    if not c._is_owned() or not step_out(rs):  # (an un-acquired lock: the real wait raises its own error)
+        return wait(cond, timeout)
     waiter = _thread.allocate_lock()
     waiter.acquire()
     c._waiters.append(waiter)

@@ -149,6 +149,7 @@ def watch_turn(run: "Run", now: float) -> "tuple[RankState, RankState, float] | 
     sched = run.sched
     held = getattr(sched, "current", None)
     asking = getattr(sched, "requests", None)
+    # (an actor with on_complete stands for a rank process: its thread here relays, so its CPU clock says nothing)
     if (held is None or not asking or held.state != RUNNABLE or held.on_complete is not None
             or held.thread is None or held.thread.ident is None):
         return None
@@ -160,7 +161,7 @@ def watch_turn(run: "Run", now: float) -> "tuple[RankState, RankState, float] | 
         cpu = time.clock_gettime(time.pthread_getcpuclockid(held.thread.ident))
     except (AttributeError, OSError):  # (no per-thread CPU clock here, or the thread just ended)
         return None
-    seen = getattr(sched, "turn_seen", None)
+    seen = sched.turn_seen
     if seen is None or seen[0] is not held or seen[1] != held.stamp:
         sched.turn_seen = (held, held.stamp, now, cpu, False)
         return None

@@ -137,14 +137,19 @@ def describe_wait(run: "Run", rs: Any) -> str:
     return "in an unknown wait"
 
 
+def _held_turn(held: Any, thread: Any) -> str:
+    """Why a coop rank holding the turn while a thread of its own waits for it may never go on, and the fix."""
+    return (f"{thread.label} waits for it (coop mode: one actor runs at a time). If {held.label} waits for that "
+            f"thread outside the simulator (a lock the thread holds across an operation, a pipe or a FIFO it writes "
+            f"after one), neither can go on. Fix: run with mode='threads' (--mode threads), or wait through a "
+            f"threading.Event, Queue or Condition, which step out of the schedule")
+
+
 def held_turn_warning(held: Any, thread: Any, seconds: float) -> str:
     """The warning when a coop rank holds the turn, blocked, while a thread of its own waits for it (see
     :func:`simulator.core.progress.watch_turn`)."""
     return (f"[simulator] {held.label} has held the turn for {seconds:.0f} s, blocked outside the simulator at "
-            f"{_where(held)}, while {thread.label} waits for it (coop mode: one actor runs at a time). If the rank "
-            f"waits for that thread (a lock the thread holds across an operation, a pipe it writes after one), neither "
-            f"can go on; run with mode='threads' (--mode threads), or wait through a threading.Event, Queue or "
-            f"Condition, which step out of the schedule.")
+            f"{_where(held)}, while {_held_turn(held, thread)}.")
 
 
 def _where(rs: Any, depth: int = 3) -> str:
@@ -224,11 +229,7 @@ def describe_world(run: "Run", headline: str = "", timeout: bool = False, *, bou
             threads.append(f"  {rs.label} waits for the turn to enter an operation")
             holder = run.ranks[rs.rank]
             if timeout and holder.state != DONE and getattr(run.sched, "current", None) is holder:
-                hints.append(f"rank {rs.rank} holds the turn (coop: one actor runs at a time) while {rs.label} "
-                             f"waits for it: if rank {rs.rank} waits for that thread outside the simulator (a lock "
-                             f"the thread holds across an operation, a pipe or a FIFO it writes after one), neither "
-                             f"can go on. Fix: run with mode='threads' (--mode threads), or wait through a "
-                             f"threading.Event, Queue or Condition, which step out of the schedule")
+                hints.append(f"{holder.label} holds the turn while {_held_turn(holder, rs)}")
         elif rs.state != DONE:
             threads.append(f"  {rs.label} is running outside the schedule (a thread the simulator cannot see waiting)")
     lines = [f"{headline} (world_size={run.n}, mode={run.mode!r}, seed={run.seed})"]

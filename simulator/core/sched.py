@@ -153,6 +153,7 @@ class CoopScheduler(_SchedulerBase):
         self.timeouts: list["RankState"] = []  # blocked actors whose operation timed out (see time_out)
         self.parked = False  # nobody holds the baton: every actor is blocked or done, some FREE thread may act
         self.flock = threading.Lock()  # guards free/requests/parked (FREE threads touch them without the baton)
+        self.turn_seen: tuple | None = None  # the main thread's watch on the baton holder (progress.watch_turn)
         _STEER.refresh()
 
     # runnable set with O(1) add/remove; its order is a pure function of the history

@@ -14,6 +14,7 @@ Functions that plain ``pickle`` cannot send (lambdas, closures, functions of
 """
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import sys
@@ -37,6 +38,7 @@ def _import_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
+@functools.lru_cache(maxsize=None)
 def _os_resource_types() -> tuple[type, ...]:
     import socket
     import threading
