@@ -13,9 +13,11 @@
    running the same body on gloo (and thread ranks, for scale).
 3. **large all_reduce, W=8**: 16 MiB per rank vs the memory-copy bound (moving
    W x 16 MiB once: copying W separate 16 MiB buffers, timed in the same run);
-   target: within 3x.  Ordinary buffers are staged through shared memory (a
-   copy in and a copy out per rank); a buffer the program moved to shared
-   memory itself (``share_memory_()``) is reduced in place.
+   target: within 2x.  An ordinary buffer moves into shared memory at its
+   second call and is reduced in place from then on; "staged" keeps it staged
+   (a copy in and a copy out per rank per call, as before buffers moved); a
+   buffer the program moved to shared memory itself (``share_memory_()``) is
+   reduced in place from its first call.
 4. **compute between collectives, W=8, coop**: each step a rank multiplies a
    matrix (one intra-op thread) and all_reduces 1e3 float32.  Thread ranks in
    coop mode compute one at a time; rank processes are answered when their
@@ -67,10 +69,14 @@ def startup_body() -> float:
     return time.time()
 
 
-def large_body(n: int, reps: int, shared: bool = False) -> list[tuple[float, float]]:
+def large_body(n: int, reps: int, how: str = "ordinary") -> list[tuple[float, float]]:
     x = torch.full((n,), float(dist.get_rank()))
-    if shared:  # a buffer the program put in shared memory is used in place: no staging copies
+    if how == "shared":  # a buffer the program put in shared memory is used in place: no staging copies
         x.share_memory_()
+    elif how == "staged":  # never moved into shared memory: staged in and out at every call
+        from simulator.isolation import staging
+
+        staging.ADOPT_BYTES = 1 << 62
     ts = []
     for _ in range(reps + 1):
         dist.barrier()
@@ -173,10 +179,11 @@ def _large(mib: int, reps: int) -> dict:
 
     copy_bound()
     bounds: list[float] = []
-    sims: dict[str, list[float]] = {"coop": [], "threads": [], "coop_shared": [], "threads_shared": []}
+    sims: dict[str, list[float]] = {k: [] for k in ("coop", "threads", "coop_staged", "threads_staged", "coop_shared",
+                                                     "threads_shared")}
     for key in sims:
-        mode = key.split("_")[0]
-        res = simulator.run(large_body, W, args=(n, reps, key.endswith("shared")), mode=mode, timeout=1800,
+        mode, _, how = key.partition("_")
+        res = simulator.run(large_body, W, args=(n, reps, how or "ordinary"), mode=mode, timeout=1800,
                             isolation="process")
         for i in range(reps):
             bounds.append(copy_bound())
@@ -243,8 +250,8 @@ def main() -> None:
     fig["large"] = large
     print(f"copy bound (move {W} x 16 MiB once, median): {large['copy_bound_s'] * 1e3:.1f} ms "
           f"({large['copy_GBps']:.1f} GB/s)")
-    for key in ("coop", "threads", "coop_shared", "threads_shared"):
-        what = key.replace("_shared", ", buffer in shared memory")
+    for key in ("coop", "threads", "coop_staged", "threads_staged", "coop_shared", "threads_shared"):
+        what = key.replace("_shared", ", buffer in shared memory").replace("_staged", ", staged at every call")
         print(f"process ranks, {what:32s}: {large[f'{key}_s'] * 1e3:7.1f} ms = {large[f'{key}_ratio']:.2f}x the bound")
     print(f"\n## 4. a matmul and an all_reduce per step, W={W}, coop mode")
     cpu = _compute(3 if ns.quick else 10, 1024)

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -360,3 +361,84 @@ def test_a_program_that_ends_right_after_its_run_prints_no_traceback():
                            env=env, cwd=ROOT)
         assert p.returncode == 0 and p.stdout.strip() == "same", p.stdout + p.stderr
         assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
+
+
+# ---------------------------------------------------------------------------
+# large buffers used again move into shared memory (no staging copies), and still resize
+# ---------------------------------------------------------------------------
+N_LARGE = 1 << 19  # 2 MiB of float32: over staging.ADOPT_BYTES
+
+
+def _reused_large_buffer() -> dict:
+    r = dist.get_rank()
+    x = torch.full((N_LARGE,), float(r))
+    view = x[10:20]
+    out: dict = {"moved": []}
+    for _ in range(3):
+        dist.all_reduce(x)
+        out["moved"].append(x.untyped_storage().is_shared())
+    out["x"], out["view"] = x.clone(), view.clone()
+    st = x.untyped_storage()  # FSDP's free and re-allocation of a buffer between steps
+    n = st.nbytes()
+    st.resize_(0)
+    st.resize_(n)
+    x.fill_(1.0)
+    for _ in range(2):
+        dist.all_reduce(x, async_op=True).wait()
+    out["after_resize"], out["moved_again"] = x.clone(), x.untyped_storage().is_shared()
+    x.resize_(2 * N_LARGE)  # grows (Tensor.resize_)
+    x.fill_(float(r + 1))
+    dist.all_reduce(x)
+    out["grown"] = x.clone()
+    a = np.zeros(N_LARGE, dtype=np.float32)  # memory torch does not own: never moved
+    t = torch.from_numpy(a)
+    for _ in range(3):
+        t.fill_(float(r + 2))
+        dist.all_reduce(t)
+    out["numpy"], out["numpy_moved"] = torch.from_numpy(a.copy()), t.untyped_storage().is_shared()
+    return out
+
+
+def test_a_reused_large_buffer_moves_into_shared_memory_and_still_resizes():
+    """From its second call a large buffer's storage lives in shared memory (every view with it), so the simulator
+    reads and writes it in place; FSDP's storage resizes and Tensor.resize_ still work; a numpy array's memory is
+    never moved, and sees every result."""
+    w = 4
+    got = simulator.run(_reused_large_buffer, w, isolation="process")
+    total = sum(range(w))  # sum of the ranks' values; each all_reduce multiplies a common value by w
+    for r, out in enumerate(got):
+        assert out["moved"] == [False, True, True], (r, out["moved"])
+        assert torch.equal(out["x"], torch.full((N_LARGE,), float(total * w * w))), r
+        assert torch.equal(out["view"], torch.full((10,), float(total * w * w))), r
+        assert torch.equal(out["after_resize"], torch.full((N_LARGE,), float(w * w))), r
+        assert out["moved_again"], r
+        assert torch.equal(out["grown"], torch.full((2 * N_LARGE,), float(sum(k + 1 for k in range(w))))), r
+        assert torch.equal(out["numpy"], torch.full((N_LARGE,), float(sum(k + 2 for k in range(w))))), r
+        assert not out["numpy_moved"], r
+
+
+def _torch_shm_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if "/torch_" in line)
+
+
+def _moved_then_dropped(coordinator: int, rounds: int) -> tuple[int, int]:
+    before = _torch_shm_maps(coordinator)
+    for _ in range(rounds):
+        x = torch.ones(N_LARGE)
+        for _ in range(2):
+            dist.all_reduce(x)
+        assert x.untyped_storage().is_shared()
+        del x
+    for _ in range(65):  # the rank process tells its proxy of dropped storages at its next calls
+        dist.all_reduce(torch.ones(4))
+    dist.barrier()
+    return before, _torch_shm_maps(coordinator)
+
+
+def test_moved_buffers_the_program_drops_are_let_go_by_the_coordinator():
+    """Each moved buffer is mapped by the coordinator too; when the program drops it, the coordinator unmaps it
+    (else every buffer a long run moved would stay in /dev/shm until the run ends)."""
+    got = simulator.run(_moved_then_dropped, 2, args=(os.getpid(), 12), isolation="process")
+    for r, (before, after) in enumerate(got):
+        assert after <= before + 2, (r, before, after)  # (12 buffers per rank moved: 24 mappings if none let go)

@@ -203,6 +203,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "a rank process shares a tensor's storage with the coordinator by file descriptor"),
     _P("torch.UntypedStorage._new_shared_fd_cpu", "isolation._wire", "reads",
        "the coordinator maps a rank process's shared storage"),
+    _P("torch.UntypedStorage._new_using_fd_cpu", "isolation.staging", "reads",
+       "a large storage a rank process uses again gets a shared-memory block of its size"),
+    _P("torch.UntypedStorage._swap_data_ptr_", "isolation.staging", "reads",
+       "...and moves into it in place (every view follows), or back to ordinary memory before a resize"),
+    _P("torch.UntypedStorage._cdata", "isolation.staging", "reads",
+       "a storage's identity across the Python objects that stand for it (the moved storages, the ones seen once)"),
     # -- PyTorch's own test harness (torch_harness, harness_diff) ------------------------------------------------
     _P("torch.testing._internal.common_fsdp.patch_all_gather", "torch_harness_state", "reads",
        "torch's FSDP test helpers that patch by assignment on every rank (their code marks a test for rank "

@@ -35,10 +35,11 @@ from simulator.core.works import timeout_arg
 from simulator.isolation import _wire
 from simulator.isolation._wire import OUTPUTS
 from simulator.isolation.messages import (
-    ANSWERS, CALL, COMPLETED, FDS_REQUEST, GROUP, RENDEZVOUS, SHARE, SOURCE, STEP, SUCCESS, WAIT, handler_table,
+    ANSWERS, CALL, COMPLETED, FDS_REQUEST, GROUP, RENDEZVOUS, SHARE, SOURCE, STEP, SUCCESS, UNSHARE, WAIT,
+    handler_table,
 )
 from simulator.isolation.remote_errors import rebuild
-from simulator.isolation.staging import Staged, Staging
+from simulator.isolation.staging import Staged, Staging, install_resize_hooks
 
 __all__ = ["ClientBackend", "ClientWork", "Completions"]
 
@@ -67,7 +68,9 @@ class ClientBackend(SimBackend):
         self._joined = self._made_torch_group = False  # (SimBackend.joined, shutdown: the same rules here)
         self._conn = conn
         self._arena_dir = arena_dir
-        self._staging = Staging(arena_dir, rank, self._share)  # arena regions (the copies themselves run unlocked)
+        # arena regions (the copies themselves run unlocked), and the program's large storages moved into shared memory
+        self._staging = Staging(arena_dir, rank, self._share, self._unshare)
+        install_resize_hooks()
         self._works = Completions()  # async operations whose completion the coordinator has not reported yet
         # the main channel: the rank's main thread, and threads this process did not start during the run
         # (an RPC agent's native threads) share it, one request at a time; every thread the program starts
@@ -190,6 +193,10 @@ class ClientBackend(SimBackend):
     def _share(self, sid: int, nbytes: int, fd: int) -> None:
         """Tell the proxy of a shared storage of the program (see :meth:`.Staging.stage`)."""
         self._exchange((SHARE, sid, nbytes), (fd,))
+
+    def _unshare(self, sids: list[int]) -> None:
+        """Tell the proxy that the program no longer has the shared storages ``sids`` there."""
+        self._exchange((UNSHARE, sids))
 
     # -- the calls ----------------------------------------------------------------------------------------------
     def _forward(self, name: str, args: tuple, async_op: bool) -> Any:

@@ -19,7 +19,7 @@ import struct
 from typing import Any, Callable, Iterable, NamedTuple
 
 __all__ = [
-    "CALL", "GROUP", "RENDEZVOUS", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
+    "CALL", "GROUP", "RENDEZVOUS", "WAIT", "COMPLETED", "SUCCESS", "SOURCE", "STEP", "SHARE", "UNSHARE", "THREAD", "JOIN", "LEAVE", "REJOIN",
     "SLEEP", "WAKE", "FREE", "RPC_START", "RPC_CALL", "RPC_WAIT", "RPC_ANSWER", "RPC_REF", "RPC_READY",
     "RPC_SHUTDOWN", "STILL_PENDING", "MODULES", "END", "RESULT", "EXIT", "FORWARDED", "RAISE", "READY", "OK", "ERR",
     "REQUESTS", "NOTES", "FINAL", "SERVED", "ANSWERS", "Setup", "FDS_REQUEST", "FDS_WHERE", "FDS_PASSED",
@@ -55,6 +55,9 @@ STEP = "step"
 #: ``(SHARE, sid, nbytes)`` + one descriptor: a storage of the program in shared memory, known as ``sid`` from
 #: now on (calls on it are not staged)
 SHARE = "share"
+#: ``(UNSHARE, sids)``: the program no longer has the shared storages ``sids`` in shared memory (dropped, or given
+#: ordinary memory to resize): the proxy lets go of their mappings
+UNSHARE = "unshare"
 #: ``(THREAD, name, daemon)`` + one descriptor (the thread's channel): the thread starts a thread, which gets an
 #: actor of the rank; answers the thread's id
 THREAD = "thread"
@@ -135,8 +138,8 @@ OK = "ok"
 ERR = "err"
 
 #: what a thread of the rank process sends and waits for the answer to
-REQUESTS = frozenset({CALL, GROUP, RENDEZVOUS, WAIT, COMPLETED, SUCCESS, SOURCE, STEP, SHARE, THREAD, JOIN, LEAVE, REJOIN,
-                      SLEEP, WAKE, FREE, RPC_START, RPC_CALL, RPC_WAIT, RPC_ANSWER, RPC_REF, RPC_READY,
+REQUESTS = frozenset({CALL, GROUP, RENDEZVOUS, WAIT, COMPLETED, SUCCESS, SOURCE, STEP, SHARE, UNSHARE, THREAD, JOIN, LEAVE,
+                      REJOIN, SLEEP, WAKE, FREE, RPC_START, RPC_CALL, RPC_WAIT, RPC_ANSWER, RPC_REF, RPC_READY,
                       RPC_SHUTDOWN})
 #: what the rank process sends without waiting (its channel goes on)
 NOTES = frozenset({MODULES})

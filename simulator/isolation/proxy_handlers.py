@@ -264,6 +264,10 @@ class ProxyHandlers(RpcRouteHandlers):
             for fd in fds:
                 os.close(fd)
 
+    def handle_unshare(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> None:
+        for sid in msg[1]:  # (an operation still in flight holds its own views of the storage)
+            me.arenas.pop(sid, None)
+
     def handle_thread(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> int:
         return self._adopt(rs, me, chan, msg[1], msg[2])
 

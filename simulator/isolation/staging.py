@@ -10,6 +10,15 @@ too (in-place and overlapping calls keep their meaning).  A storage that is
 already in shared memory (``share_memory_()``) is not copied: the proxy maps it
 once (a SHARE message) and the simulator works on the program's own bytes.
 
+A large ordinary storage (:data:`ADOPT_BYTES` or more) that the program passes to a second call moves into shared
+memory in place (:meth:`Staging.adopt`): the same storage object, every view of it, with its bytes in a
+shared-memory block from then on, so later calls read and write it with no staging copy, as for a storage the
+program shared itself.  Such a storage still resizes as any (FSDP's ``untyped_storage().resize_``, and
+``Tensor.resize_``): :func:`install_resize_hooks` gives it ordinary memory back first.  A storage that does not
+own its memory (``torch.from_numpy``, ``frombuffer``, a file mapping), or a ``/dev/shm`` short of room, keeps
+being staged.  The proxy lets go of a shared storage's mapping when the program drops the storage (an UNSHARE
+request).
+
 A region is freed when its call is over: a blocking call when it returns, an
 ``async_op=True`` call when the coordinator reports it complete (with the
 answer to any request of the rank), waited or not.  A completed operation's
@@ -38,9 +47,15 @@ from tensorplay.distributed.group import ProcessGroup
 from simulator.isolation import _wire
 from simulator.isolation._wire import SHARED_BASE, Arena, GroupRef, TensorRef
 
-__all__ = ["ARENA_BYTES", "ALIGN", "Staging", "Staged", "free_bytes", "span_of"]
+__all__ = ["ARENA_BYTES", "ADOPT_BYTES", "ALIGN", "Staging", "Staged", "free_bytes", "install_resize_hooks",
+           "span_of"]
 
 ARENA_BYTES = 64 << 20  # sparse file: only the pages a call touches cost memory
+#: a storage of at least this many bytes that the program passes to a second call moves into shared memory
+ADOPT_BYTES = 1 << 20
+#: shared memory that must stay free after such a move (a small /dev/shm keeps staging instead)
+ADOPT_HEADROOM = 256 << 20
+_SEEN_MAX = 512  # large storages seen once, remembered (weakly) for their second call
 ALIGN = 64  # byte alignment of every staged span (a multiple of every element size)
 _PAGE = 4096
 _MIB = 1 << 20
@@ -77,7 +92,8 @@ class Staging:
     storage (a SHARE request) before any call names it.
     """
 
-    def __init__(self, arena_dir: str, rank: int, share: Callable[[int, int, int], None]) -> None:
+    def __init__(self, arena_dir: str, rank: int, share: Callable[[int, int, int], None],
+                 unshare: Callable[[list[int]], None]) -> None:
         self.arena_dir = arena_dir
         self.rank = rank
         self.lock = threading.Lock()
@@ -85,19 +101,29 @@ class Staging:
         self._live: list[dict[int, int]] = []  # per arena: offset -> bytes of each live region
         self._reserved: list[int] = []  # per arena: bytes from 0 whose pages are allocated
         self._share = share
+        self._unshare = unshare
         #: the program's shared-memory storages the proxy has mapped: address -> (id, weak ref, bytes)
         self._shared: dict[int, tuple[int, Any, int]] = {}
         self._slock = threading.Lock()
         self._next_sid = 0
+        #: large ordinary storages staged once: storage object id (``_cdata``) -> (weak ref, bytes)
+        self._seen: dict[int, tuple[Any, int]] = {}
+        self._dropped: list[int] = []  # ids of mapped storages the program no longer has there (see forget)
+        self._calls = 0
 
     def stage(self, name: str, args: tuple, outputs: tuple[int, ...], staged: "Staged") -> list[Any]:
         """Copy the tensors of call ``name``'s ``args`` into an arena; return the arguments with tensors replaced by
         places (lists and tuples as lists).  The tensors of the arguments at ``outputs`` are noted in ``staged`` to
         be copied back."""
         tensors = [t for a in args for t in _flatten(a)]
+        adopt = True
         if any(type(t) is not torch.Tensor for t in tensors):  # (a CUDA stand-in stages the CPU data it holds)
             args = tuple(_host(a) for a in args)
+            adopt = all(t is h for t, h in zip(tensors, (h for a in args for h in _flatten(a))))
             tensors = [t for a in args for t in _flatten(a)]
+        self._calls += 1
+        if self._shared and (self._dropped or self._calls % 64 == 0):
+            self._sweep()
         spans: dict[int, list[int]] = {}  # storage address -> [lo, hi)
         shared: dict[int, int] = {}  # storage address -> id, for storages already in shared memory (not copied)
         for t in tensors:
@@ -107,8 +133,14 @@ class Staging:
                     values={"device": str(t.device)}, fix="move the tensor to the CPU, or use isolation='thread'"))
             if t.numel() == 0:
                 continue
-            key = t.untyped_storage().data_ptr()
-            if key in shared or self._shared_id(t, key, shared):
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key in shared:
+                continue
+            # (not a stand-in's storage: its resizes reach torch's kernels directly, past install_resize_hooks)
+            if adopt and st.nbytes() >= ADOPT_BYTES and self.adopt(st):
+                key = st.data_ptr()  # (its bytes moved)
+            if self._shared_id(t, key, shared):
                 continue
             lo, hi = span_of(t)
             s = spans.get(key)
@@ -181,6 +213,9 @@ class Staging:
                 sid = SHARED_BASE + self._next_sid
                 self._next_sid += 1
                 self._share(sid, size, fd)
+                gone = self._shared.get(key)  # (a dropped storage whose address this one now has)
+                if gone is not None:
+                    self._dropped.append(gone[0])
                 self._shared[key] = (sid, StorageWeakRef(st), st.nbytes())
         shared[key] = sid
         return True
@@ -191,6 +226,53 @@ class Staging:
         if known is not None and not known[1].expired() and known[2] == st.nbytes():
             return known[0]
         return None
+
+    def adopt(self, st: torch.UntypedStorage) -> bool:
+        """Move ``st``, a large storage this process passes to its second call, into shared memory in place (see
+        the module's doc); whether it moved.  The copy is the one staging would make for this call."""
+        if st.is_shared() or not st.resizable() or st.device.type != "cpu":
+            return False  # (not resizable: the memory is not the storage's own, a numpy array's or a file's)
+        n = st.nbytes()
+        with self._slock:
+            cdata = st._cdata
+            seen = self._seen.get(cdata)
+            if seen is None or seen[0].expired() or seen[1] != n:  # its first call: staged, and remembered
+                if len(self._seen) >= _SEEN_MAX:
+                    self._seen = {k: v for k, v in self._seen.items() if not v[0].expired()}
+                    if len(self._seen) >= _SEEN_MAX:
+                        self._seen.clear()
+                self._seen[cdata] = (StorageWeakRef(st), n)
+                return False
+            del self._seen[cdata]
+            if free_bytes(self.arena_dir) < 2 * n + ADOPT_HEADROOM:
+                return False
+            try:
+                block = torch.UntypedStorage._new_using_fd_cpu(n)
+            except Exception:  # noqa: BLE001  (no shared memory to be had: staged as before)
+                return False
+            block.copy_(st)
+            st._swap_data_ptr_(block)  # every view of st sees the shared bytes; block holds the old ones, freed here
+            _ADOPTED[cdata] = (StorageWeakRef(st), self)
+        return True
+
+    def forget(self, address: int) -> None:
+        """The storage mapped at ``address`` left shared memory (see :func:`install_resize_hooks`): the proxy may
+        let go of its mapping."""
+        with self._slock:
+            known = self._shared.pop(address, None)
+            if known is not None:
+                self._dropped.append(known[0])
+
+    def _sweep(self) -> None:
+        """Tell the proxy of the mapped storages the program has dropped or moved out of shared memory."""
+        with self._slock:
+            for address in [a for a, known in self._shared.items() if known[1].expired()]:
+                self._dropped.append(self._shared.pop(address)[0])
+            for cdata in [c for c, rec in _ADOPTED.items() if rec[0].expired()]:
+                del _ADOPTED[cdata]
+            dropped, self._dropped = self._dropped, []
+        if dropped:
+            self._unshare(dropped)
 
     def alloc(self, need: int, call: str) -> tuple[Arena, int]:
         """A region of ``need`` bytes (> 0) for ``call``; raises the "shared memory is full" error."""
@@ -240,6 +322,60 @@ class Staging:
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # (no fallocate: the probe decided)
                 raise
         self._reserved[i] = end
+
+
+#: storages moved into shared memory by :meth:`Staging.adopt`: storage object id -> (weak ref, its staging)
+_ADOPTED: dict[int, tuple[Any, Staging]] = {}
+
+
+def _give_back(st: torch.UntypedStorage, keep: bool) -> bool:
+    """Give an adopted storage ordinary memory again (its bytes copied when ``keep``, else none left), so that it
+    resizes as any storage; whether ``st`` was one."""
+    rec = _ADOPTED.pop(st._cdata, None)
+    if rec is None or rec[0].expired() or not st.is_shared():
+        return False
+    address = st.data_ptr()
+    own = torch.UntypedStorage(st.nbytes() if keep else 0)
+    if keep:
+        own.copy_(st)
+    st._swap_data_ptr_(own)  # (the shared block, now own's, is unmapped here when own goes)
+    rec[1].forget(address)
+    return True
+
+
+_HOOKED: list[tuple[Any, str, Any]] = []
+
+
+def install_resize_hooks() -> None:
+    """In a rank process: resizing a storage that :meth:`Staging.adopt` moved into shared memory (whose block has
+    a fixed size) first gives it ordinary memory back, so FSDP's ``untyped_storage().resize_(0)`` / ``resize_(n)``
+    and a growing ``Tensor.resize_`` work as on any storage.  (An ``out=`` operation that must grow such a
+    tensor's storage resizes it inside torch, out of reach: torch's "not resizable" error; see docs/deviations.md.)"""
+    if _HOOKED:
+        return
+    storage_resize = torch.UntypedStorage.resize_
+
+    def resize_(self: torch.UntypedStorage, size: int) -> Any:
+        if self._cdata in _ADOPTED:
+            _give_back(self, keep=size != 0)
+        return storage_resize(self, size)
+
+    def grow(original: Any) -> Any:
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            # (before the call: a resize that fails in the storage has already changed the tensor's shape)
+            if _ADOPTED and self.untyped_storage()._cdata in _ADOPTED:
+                _give_back(self.untyped_storage(), keep=True)
+            return original(self, *args, **kwargs)
+
+        method.__name__ = original.__name__
+        method.__doc__ = original.__doc__
+        return method
+
+    for owner, name, new in ((torch.UntypedStorage, "resize_", resize_),
+                             (torch.Tensor, "resize_", grow(torch.Tensor.resize_)),
+                             (torch.Tensor, "resize_as_", grow(torch.Tensor.resize_as_))):
+        _HOOKED.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, new)
 
 
 def _first_fit(live: dict[int, int], size: int, need: int) -> int | None:
