@@ -363,8 +363,13 @@ def install_resize_hooks() -> None:
     def grow(original: Any) -> Any:
         def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             # (before the call: a resize that fails in the storage has already changed the tensor's shape)
-            if _ADOPTED and self.untyped_storage()._cdata in _ADOPTED:
-                _give_back(self.untyped_storage(), keep=True)
+            if _ADOPTED:
+                try:
+                    st = self.untyped_storage()
+                except Exception:  # noqa: BLE001  (a tensor without a storage of its own, a DTensor: not one)
+                    st = None
+                if st is not None and st._cdata in _ADOPTED:
+                    _give_back(st, keep=True)
             return original(self, *args, **kwargs)
 
         method.__name__ = original.__name__
