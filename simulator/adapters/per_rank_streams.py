@@ -191,7 +191,21 @@ def process_start(drop_filters: Collection[Any], drop_handler: Callable[[logging
     ``filterwarnings``, its log capture: on thread ranks ``-W error::FutureWarning`` failed torch's own warnings,
     and ``logging.basicConfig`` did nothing)."""
     return {(id(warnings), "filters"): [f for f in warnings.filters if f not in drop_filters],
-            (id(logging.root), "handlers"): [h for h in logging.root.handlers if not drop_handler(h)]}
+            (id(logging.root), "handlers"): [h for h in logging.root.handlers if not drop_handler(h)],
+            # a warning shows on the process's stderr, not in the runner's record of its own (pytest's summary)
+            (id(warnings), "showwarning"): warnings._showwarning_orig,  # type: ignore[attr-defined]
+            (id(warnings), "_showwarnmsg_impl"): _to_stderr}
+
+
+def _to_stderr(msg: Any) -> None:
+    """``warnings._showwarnmsg_impl`` as a new interpreter has it: the warning's text on ``sys.stderr``."""
+    file = msg.file if msg.file is not None else sys.stderr
+    if file is None:  # (no stderr: pythonw)
+        return
+    try:
+        file.write(warnings._formatwarnmsg(msg))  # type: ignore[attr-defined]
+    except OSError:
+        pass
 
 
 def resetwarnings() -> None:
