@@ -45,6 +45,8 @@ from typing import Any, Sequence
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
+from tensorplay.distributed import state as dist_state
+
 from simulator import launch as _launch
 from simulator.adapters import per_rank_main
 from simulator.timing.calibrate import main as calibrate_main
@@ -346,6 +348,7 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
 
 def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
     def rank_main() -> None:
+        dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         try:
             per_rank_main.run_path(script)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
         except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return

@@ -122,6 +122,8 @@ class _Launcher:
         self.isolation = isolation
         #: exit codes after which the other ranks go on (a launcher's "skipped"; e.g. torch harness's TEST_SKIPS)
         self.clean_exit_codes = clean_exit_codes
+        #: exit codes of the launcher's own protocol: what each means and the fix (see World.exit_codes)
+        self.exit_codes: dict[int, tuple[str, str]] = {}
         #: the worlds' CUDA stand-in (World's devices= and gpus_per_node=; the command line sets them)
         self.devices = "cpu"
         self.gpus_per_node: int | None = None
@@ -187,6 +189,7 @@ class _Launcher:
                           gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
                           isolation=self.isolation)  # each rank: its own copy of the launcher's environment
             world.bound_names = self.bound_names
+            world.exit_codes = self.exit_codes
             world.own_torch_rpc = self.own_torch_rpc
             if self.rank_start is not None:
                 world.rank_start = self.rank_start()

@@ -368,6 +368,8 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                          stall_timeout=settings.stall_timeout, device="cpu", replay_hint=replay,
                          bound_names=BoundNames("--sim-timeout", "--sim-stall-timeout", " "), isolation=isolation,
                          clean_exit_codes=frozenset(skip.exit_code for skip in harness.TEST_SKIPS.values()))
+    launcher.exit_codes = {harness.MultiProcessTestCase.TEST_ERROR_EXIT_CODE: (
+        "torch's harness's code for a test that failed on this rank", "read that rank's own error, the test's failure")}
     launcher.own_torch_rpc = _process_only(item) is not None  # (torch's RPC fixtures test torch's own agent)
     launcher.rank_start = lambda: _started_process_state(item)
     default_ctx = multiprocessing.context._default_context  # type: ignore[attr-defined]
@@ -390,7 +392,10 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                 # code 1 only; the test's report shows them (see _Harness.explain)
                 # (a rank's exit with sys.exit is its exit code, as for a process; what else escaped a rank's
                 # target, a BaseException torch's harness does not catch, multiprocessing would print: shown too)
-                item.stash[_WORLD_REPORTS] = [e for e in launcher.failures if not isinstance(e, SystemExit)]
+                # (a rank that exited with the harness's own code for a failed test: its traceback is the test's)
+                item.stash[_WORLD_REPORTS] = [
+                    e for e in launcher.failures if not isinstance(e, SystemExit)
+                    and getattr(e, "exit_code", None) != harness.MultiProcessTestCase.TEST_ERROR_EXIT_CODE]
     finally:
         sys.excepthook = hook
         if hasattr(default_ctx, "_actual_context"):

@@ -289,13 +289,22 @@ def _name_every_failure(cls: type, answers: list[list[Any]]) -> None:
     if len(failed) < 2:
         return
     (first, reported), others = failed[0], failed[1:]
-    notes = "".join(f"\n\nSimulated rank {r} failed too:\n{str(item)[-_NOTE_CHARS:]}" for r, item in others)
+    notes = "".join(f"\n\nSimulated rank {r} failed too:\n{_tail(str(item))}" for r, item in others)
     told = RuntimeError(f"{reported}{notes}")
     told.__cause__ = reported.__cause__
     answers[first] = [told if item is reported else item for item in answers[first]]
 
 
 _NOTE_CHARS = 4000  # of each other rank's failure (its traceback's end: where it raised, and what)
+
+
+def _tail(text: str) -> str:
+    """The end of ``text``, from a line's start, saying how much was left out."""
+    if len(text) <= _NOTE_CHARS:
+        return text
+    cut = text.find("\n", len(text) - _NOTE_CHARS)
+    cut = len(text) - _NOTE_CHARS if cut < 0 else cut + 1
+    return f"[... {cut} characters of its traceback left out ...]\n{text[cut:]}"
 
 
 #: class -> the data attributes of it and its bases as its module made them (collected before any setUpClass ran)

@@ -177,6 +177,7 @@ class World:
         self.stall_timeout = stall
         #: how the caller spells the bounds in its messages (the command line sets its flags here)
         self.bound_names: BoundNames = PYTHON
+        self.exit_codes: dict[int, tuple[str, str]] = {}  # a launcher's own exit codes: (what it means, the fix)
         self.device = dev
         self.faults = FaultPlan(list(faults), world_size)
         self.cost = resolve_cost(cost, compute_scale)
@@ -439,11 +440,10 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
 def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
     code = e.code
     how = "os._exit" if isinstance(e, RankOsExit) else "sys.exit / SystemExit"
-    err = RankExitError(format_message(
-        "simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); a process that exits "
-        f"non-zero is a failed rank, as under torchrun", rank=rs.rank,
-        values={"exit_code": code, "last_call": rs.last_site},
-        fix="return normally (or sys.exit(0)) from every rank, or handle the condition that made this rank exit"))
+    meaning, fix = rs.run.world.exit_codes.get(code, ("a process that exits non-zero is a failed rank, as under "
+        "torchrun", "return normally (or sys.exit(0)) from every rank, or handle the condition that made it exit"))
+    err = RankExitError(format_message("simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); {meaning}",
+                                       rank=rs.rank, values={"exit_code": code, "last_call": rs.last_site}, fix=fix))
     err.exit_code = code
     err.rank = rs.rank
     err.__cause__ = e

@@ -198,6 +198,8 @@ def test_multiprocess_test_case_runs_on_simulated_ranks_with_the_harness_protoco
     assert "Process 1 exited with error code 10 and exception" in out.output
     assert "AssertionError: rank one disagrees: pid-check-1-marker" in out.output
     assert "Process 0 exited with error code 10" not in out.output
+    # (the harness's own exit code for a failed test is no report of the simulator's, with its "return normally")
+    assert "Fix: return normally" not in out.output, out.output[-8000:]
     assert "Need at least 8 CUDA devices" in out.output  # skip_if_lt_x_gpu's skip, with its reason
     assert "Replay: python -m pytest 'case_multiprocess.py::HarnessCases::test_fails_on_rank_one'" in out.output
     pids = {int(p) for p in _PIDS.findall(out.output)}

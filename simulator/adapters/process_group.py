@@ -543,6 +543,7 @@ def _tp_group_for(global_ranks: list[int], name: str | None = None) -> TpGroup:
             "init_process_group", "the 'sim' torch backend runs only on simulated ranks",
             values={"backend": "sim"},
             fix="run the code under simulator.run(fn, world_size) or `python -m simulator`"))
+    st.backend.awaiting_init = False  # torch's init_process_group: the script's world is its default group now
     members = getattr(_tls, "members", None)
     if not global_ranks and members is None:  # init_process_group's default group (torch passes no ranks for it)
         return st.world

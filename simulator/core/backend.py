@@ -178,6 +178,7 @@ class SimBackend(Backend):
 
     def joined(self, backend: str | None, timeout: timedelta | None) -> None:
         self._joined = backend or "gloo"
+        self.awaiting_init = False
         # as on gloo and nccl, where tensorplay's init_process_group makes torch's default group too: a program
         # that goes on with torch.distributed (DDP, torch's collectives) finds it, bound to this world
         if torch.distributed.is_available() and not torch.distributed.is_initialized():

@@ -35,6 +35,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
@@ -82,6 +83,7 @@ class ScriptMain:
     def __call__(self) -> None:
         sys.argv = [self.path, *self.argv]
         sys.path.insert(0, os.path.dirname(self.path))
+        dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         try:
             runpy.run_path(self.path, run_name="__main__")
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank

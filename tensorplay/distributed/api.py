@@ -123,8 +123,10 @@ def init_process_group(
     ``init_method=None`` means ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``,
     ``RANK``, ``WORLD_SIZE``), so scripts run unchanged under ``torchrun``.
     Inside a simulated world (``simulator.run`` or ``python -m simulator``)
-    the world is already initialised and this call returns at once; after
-    ``destroy_process_group()`` it makes the default group again on that world.
+    it joins the world started for the program and returns at once (a
+    script under ``python -m simulator``, as under torchrun, has no default
+    group before this call); after ``destroy_process_group()`` it makes the
+    default group again on that world.
 
     Example (2 ranks; the same lines run unchanged in each process of ``torchrun --nproc-per-node 2``)::
 
@@ -170,7 +172,7 @@ def init_process_group(
 def destroy_process_group(group: GroupLike = None) -> None:
     """Destroy ``group``; with no argument (or ``group.WORLD``) shut the whole backend down."""
     st = state.current()
-    if st is None:
+    if st is None or st.backend.awaiting_init:  # (nothing to destroy before init_process_group, as on gloo)
         return
     if group is None or isinstance(group, _WorldSentinel) or group is st.world:
         try:
@@ -186,7 +188,8 @@ def destroy_process_group(group: GroupLike = None) -> None:
 
 def is_initialized() -> bool:
     """Whether the calling rank has a default process group."""
-    return state.current() is not None
+    st = state.current()
+    return st is not None and not st.backend.awaiting_init
 
 
 def is_available() -> bool:

@@ -124,7 +124,7 @@ class CallContext:
 def require_state(call: str) -> state.DistState:
     """The calling rank's state; :class:`NotInitializedError` when it has no default process group."""
     st = state.current()
-    if st is None:
+    if st is None or st.backend.awaiting_init:
         raise NotInitializedError(
             format_message(
                 call,

@@ -144,6 +144,10 @@ class Backend(abc.ABC):
     #: the rank's world outlives ``destroy_process_group``: a later ``init_process_group`` joins it again (a world
     #: started for the program before it runs, the simulator's), where a process group backend starts a new one
     rejoinable: bool = False
+    #: a world started for a script before it runs (``python -m simulator script.py``) is the rank's default process
+    #: group only once the script calls ``init_process_group`` (tensorplay's or torch's), as a process torchrun
+    #: started has none before: until then the rank is not initialised
+    awaiting_init: bool = False
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
