@@ -339,7 +339,7 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
                  f"its ranks one per rank when the program starts more processes; pass --gpus-per-node N to choose")
         stand_in = standin.enabled(gpus_per_node=launcher.gpus_per_node)
     with stand_in:
-        exc = _launch._execute(launcher, script, (), ns.script_args, other_style=_command(ns, "N"))
+        exc = _launch._execute(launcher, ns.script, (), ns.script_args, other_style=_command(ns, "N"))
     code = 0 if exc is None else _report(exc)
     if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
         code = _report(launcher.failures[0])
@@ -370,12 +370,12 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
     code = 0
     # set once for all ranks: a rank restoring them while another still runs would race
     old_argv, folder = sys.argv, os.path.dirname(script)
-    sys.argv = [script, *ns.script_args]
+    sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it)
     sys.path.insert(0, folder)
     try:
         with _launch.patched(None, hint=_command(ns, None)):
             # a rank process runs the script itself (a closure cannot travel to it)
-            world.run(rank_main if ns.isolation == "thread" else ScriptMain(script, ns.script_args))
+            world.run(rank_main if ns.isolation == "thread" else ScriptMain(script, ns.script_args, ns.script))
     except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
         if isinstance(e, KeyboardInterrupt):
             raise

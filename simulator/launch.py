@@ -529,9 +529,8 @@ def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequen
                 if callable(target):
                     target(*args)
                 else:
-                    path = os.path.abspath(os.fspath(target))
-                    with SeedWatch(path) as launcher.seeds:
-                        _run_script(path, argv)
+                    with SeedWatch(os.path.abspath(os.fspath(target))) as launcher.seeds:
+                        _run_script(os.fspath(target), argv)
             except BaseException as e:  # noqa: BLE001  returned below, after the pending ranks ran
                 if isinstance(e, KeyboardInterrupt):
                     raise
@@ -548,10 +547,10 @@ def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequen
     return None
 
 
-def _run_script(path: str, argv: Sequence[str]) -> None:
-    path = os.path.abspath(path)
+def _run_script(typed: str, argv: Sequence[str]) -> None:
+    path = os.path.abspath(typed)
     old_argv, folder = sys.argv, os.path.dirname(path)
-    sys.argv = [path, *argv]
+    sys.argv = [typed, *argv]  # (the path as typed, as python and torchrun give it)
     sys.path.insert(0, folder)
     try:
         runpy.run_path(path, run_name="__main__")

@@ -200,33 +200,34 @@ NO_INIT = textwrap.dedent("""
     import sys
     import tensorplay as tp
     import tensorplay.distributed as dist
-    print("initialised before:", dist.is_initialized(), flush=True)
+    print(f"initialised before: {dist.is_initialized()} argv0: {sys.argv[0]}", flush=True)
     dist.destroy_process_group()  # (nothing to destroy yet: a no-op, as on gloo)
     if "--init" in sys.argv:
         dist.init_process_group("gloo")
-        print("initialised after:", dist.is_initialized(), flush=True)
+        print(f"initialised after: {dist.is_initialized()}", flush=True)
     x = tp.ones(2)
     dist.all_reduce(x)
-    print("sum", x.tolist(), flush=True)
+    print(f"sum {x.tolist()}", flush=True)  # (one string: rank processes share the pipe)
     dist.destroy_process_group()
 """)
 
 
 def test_a_script_that_never_initialises_its_group_fails_as_under_torchrun(tmp_path, isolation):
     """A script's ranks have no default process group until the script makes one, as processes torchrun starts:
-    a forgotten init_process_group fails here too (it used to pass, the world being started for the script)."""
+    a forgotten init_process_group fails here too (it used to pass, the world being started for the script).
+    Its sys.argv[0] is the path as typed, as python and torchrun give it."""
     script = tmp_path / "noinit.py"
     script.write_text(NO_INIT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, "--nproc-per-node", "2",
-                               str(script), *extra], capture_output=True, text=True, timeout=120, env=env,
+                               script.name, *extra], capture_output=True, text=True, timeout=120, env=env,
                               cwd=str(tmp_path))
 
     p = cli()
     assert p.returncode == 1, p.stdout + p.stderr
-    assert p.stdout.count("initialised before: False") == 2, p.stdout
+    assert p.stdout.count("initialised before: False argv0: noinit.py") == 2, p.stdout  # (argv[0] as typed)
     assert "NotInitializedError" in p.stderr and "the default process group is not initialised" in p.stderr, p.stderr
     ok = cli("--init")
     assert ok.returncode == 0, ok.stderr

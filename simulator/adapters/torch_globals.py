@@ -30,7 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.validation import backend_name_refusal
-from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistRuntimeError, format_message
 
 from simulator.adapters import pg_wrapper, started_processes, torch_groups
 from simulator.adapters.process_group import SimProcessGroup, _tls, direct_group
@@ -126,10 +126,11 @@ def _sim_state() -> Any:
     return st if st is not None and isinstance(st.backend, SimBackend) else None
 
 
-def _mismatch(call: str, what: str, given: int, st: Any, env: str | None = None) -> DistValueError:
+def _mismatch(call: str, what: str, given: int, st: Any, env: str | None = None) -> DistRuntimeError:
+    # (a RuntimeError, as gloo's refusal of a rank outside the world, or its store's timeout where sizes disagree)
     actual = st.rank if what == "rank" else st.world_size
     source = f" (its environment's {env}, which the launcher set to {actual} and the program changed)" if env else ""
-    return DistValueError(format_message(
+    return DistRuntimeError(format_message(
         call, f"the program asks for {what}={given}{source}, but this simulated rank has {what}={actual}",
         values={what: given, f"simulated_{what}": actual, "simulated_rank": st.rank,
                 "simulated_world_size": st.world_size},

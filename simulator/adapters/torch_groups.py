@@ -18,7 +18,7 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-from tensorplay.distributed.errors import DistValueError, format_message
+from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
 
 from tensorplay.distributed import state as dist_state
 
@@ -90,7 +90,7 @@ def join(world_key: Any, key: Any, rank: int, world_size: int, sim_rank: int, si
     """
     where = f"rendezvous at {_label(key)}"
     if not 0 <= rank < world_size:
-        raise DistValueError(format_message(
+        raise DistRuntimeError(format_message(  # (gloo's own check of it is a RuntimeError)
             "torch.distributed.init_process_group", f"rank {rank} is outside the {where}'s world_size",
             values={"rank": rank, "world_size": world_size, "simulated_rank": sim_rank},
             fix="claim a rank in 0..world_size-1"))

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from tensorplay.distributed.backends import Backend, Work, register_backend
-from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, DistValueError, format_message
+from tensorplay.distributed.errors import DistBackendError, DistRuntimeError, format_message
 from tensorplay.distributed.group import ProcessGroup
 from tensorplay.distributed.reduce_op import ReduceOp
 from tensorplay.distributed.rpc.transport import register_transport
@@ -121,8 +121,8 @@ class SimBackend(Backend):
                 "init_process_group", "the default process group is already initialised", rank=self.rank,
                 values={"backend": self._joined}, fix="call destroy_process_group() before initialising again"))
         for what, given, actual in (("rank", rank, self.rank), ("world_size", world_size, self.world_size)):
-            if given not in (-1, None) and given != actual:
-                raise DistValueError(format_message(
+            if given not in (-1, None) and given != actual:  # (gloo: a RuntimeError, at once or at the store's timeout)
+                raise DistRuntimeError(format_message(
                     "init_process_group", f"the program asks for {what}={given}, but this simulated rank has "
                     f"{what}={actual}", rank=self.rank, values={what: given, f"simulated_{what}": actual},
                     fix="start as many simulated ranks as the program expects (python -m simulator "

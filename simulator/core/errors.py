@@ -1,7 +1,12 @@
 """Errors the simulator raises on top of tensorplay.distributed's hierarchy.
 
 Every class is a :class:`tensorplay.distributed.DistError` and a ``RuntimeError``,
-so ``except DistError`` catches anything the simulator reports.
+so ``except DistError`` catches anything the simulator reports.  What the simulator reports at once where a
+real backend fails later (a deadlock, a mismatch, a failed peer) is also what that backend raises then, so a
+program's own ``except`` clauses run as on gloo: ``torch.distributed.DistBackendError`` and tensorplay's
+``DistBackendError`` (a peer's closed connection, torch's timeouts).  Not ``TimeoutError``, which tensorplay's
+gloo backend raises when a wait runs out: an ``OSError`` (the simulator's own ``except OSError`` clauses around
+its channels would catch it); docs/deviations.md.
 
 An *incident* is one event that several ranks learn about at once (a mismatch
 in one collective, one deadlock, one rank's failure).  Every rank raises its own
@@ -10,7 +15,9 @@ reports the incident once.
 """
 from __future__ import annotations
 
-from tensorplay.distributed.errors import DistError, DistTimeoutError
+import torch.distributed
+
+from tensorplay.distributed.errors import DistBackendError, DistError, DistTimeoutError
 
 __all__ = [
     "SimError",
@@ -34,16 +41,16 @@ class SimError(DistError, RuntimeError):
     rank: int | None = None
 
 
-class CollectiveMismatchError(SimError):
+class CollectiveMismatchError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """Members of a group called different collectives (or disagree on op, root, dtype, shape, splits)
     at the same position of the group's sequence.  Raised on every member, with a table of the calls."""
 
 
-class DeadlockError(SimError):
+class DeadlockError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """Every live rank is blocked and nothing can make progress; the message says what each waits for."""
 
 
-class RankFailedError(SimError):
+class RankFailedError(SimError, DistBackendError, torch.distributed.DistBackendError):
     """Another rank failed; this rank was released from its current (or next) wait.
 
     ``failed_rank`` is the global rank whose exception started it; ``__cause__``

@@ -15,10 +15,10 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import io
 import os
 import pickle
 import random
-import runpy
 import select
 import signal
 import socket
@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+import types
 import weakref
 from datetime import timedelta
 from multiprocessing import spawn
@@ -76,19 +77,29 @@ def _die_with_parent() -> None:
 class ScriptMain:
     """Run a script as ``__main__`` with ``sys.argv = [path, *argv]`` (torchrun-style ranks of ``python -m simulator``)."""
 
-    def __init__(self, path: str, argv: list[str]) -> None:
+    def __init__(self, path: str, argv: list[str], typed: str | None = None) -> None:
         self.path = path
         self.argv = list(argv)
+        self.typed = typed or path  # sys.argv[0]: the path as the command line gave it
 
     def __call__(self) -> None:
-        sys.argv = [self.path, *self.argv]
+        sys.argv = [self.typed, *self.argv]
         sys.path.insert(0, os.path.dirname(self.path))
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
+        # runpy.run_path(self.path, run_name="__main__"), but for sys.argv[0], which run_path sets to the path it runs
+        with io.open_code(self.path) as f:
+            code = compile(f.read(), self.path, "exec")
+        main = types.ModuleType("__main__")
+        main.__dict__.update(__file__=self.path, __cached__=None, __loader__=None, __package__="", __spec__=None)
+        before = sys.modules.get("__main__")
+        sys.modules["__main__"] = main
         try:
-            runpy.run_path(self.path, run_name="__main__")
+            exec(code, main.__dict__)
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
             if e.code not in (None, 0):
                 raise
+        finally:
+            sys.modules["__main__"] = before  # (as run_path puts it back)
 
 
 def _answer_where(conn: Connection, main_ident: int) -> None:
