@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --devices cuda: stand-in GPUs per node (torch.cuda.device_count(); LOCAL_RANK is "
                         "rank %% N); default: --nproc-per-node, or for a script that starts its ranks itself 2, "
                         "and one per rank when it starts more")
-    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script", nargs="?", help="the Python script to run")  # (required: checked in main)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
 
@@ -264,7 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return calibrate_main(args[1:])
     if args[:1] == ["pytest"] and not os.path.isfile("pytest"):
         return _run_pytest(args[1:])
-    ns = _parser().parse_args(args)
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if ns.script is None:  # (argparse would name the optional script_args as required too)
+        parser.error("the following argument is required: script (the Python script to run)")
     script = os.path.abspath(ns.script)
     if not os.path.isfile(script):
         _err(f"no such script: {ns.script}")

@@ -440,8 +440,9 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
 def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
     code = e.code
     how = "os._exit" if isinstance(e, RankOsExit) else "sys.exit / SystemExit"
-    meaning, fix = rs.run.world.exit_codes.get(code, ("a process that exits non-zero is a failed rank, as under "
-        "torchrun", "return normally (or sys.exit(0)) from every rank, or handle the condition that made it exit"))
+    meaning, fix = rs.run.world.exit_codes.get(code if isinstance(code, int) else None, (  # (sys.exit([...]) too)
+        "a process that exits non-zero is a failed rank, as under torchrun",
+        "return normally (or sys.exit(0)) from every rank, or handle the condition that made it exit"))
     err = RankExitError(format_message("simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); {meaning}",
                                        rank=rs.rank, values={"exit_code": code, "last_call": rs.last_site}, fix=fix))
     err.exit_code = code

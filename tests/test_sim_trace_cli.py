@@ -234,6 +234,13 @@ def test_a_script_that_never_initialises_its_group_fails_as_under_torchrun(tmp_p
     assert ok.stdout.count("initialised after: True") == 2 and ok.stdout.count("sum [2.0, 2.0]") == 2, ok.stdout
 
 
+def test_a_missing_script_is_a_usage_error_naming_only_the_script():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "simulator", "--nproc-per-node", "2"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 2 and "required: script" in p.stderr and "script_args" not in p.stderr, p.stderr
+
+
 def test_environ_is_restored_after_a_run(isolation):
     before = os.environ
 
