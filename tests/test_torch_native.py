@@ -1094,3 +1094,21 @@ def test_collectives_on_a_wrapper_subclass_write_its_inner_tensors() -> None:
     for r, (a, b, gathered) in enumerate(got):
         assert a == [float(r)] * 2 and b == [r + 10.0] * 2
         assert gathered == [(0.0, 20.0), (1.0, 21.0)]
+
+
+def _send_to_a_rank_outside_the_group() -> tuple:
+    tdist.init_process_group("gloo")
+    try:
+        tdist.send(torch.ones(2), dst=3)
+    except Exception as e:  # noqa: BLE001  (what the program's own except clauses see)
+        return isinstance(e, tdist.DistError), isinstance(e, tdist.DistBackendError), str(e)
+    return None
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_refused_group_call_is_one_of_torchs_own_backend_errors(isolation: str) -> None:
+    """What the simulator refuses inside a group's call (gloo would fail there, or at its timeout) is torch's
+    ``DistBackendError`` too, as gloo's failures are: ``except torch.distributed.DistError`` catches it."""
+    for r, got in enumerate(simulator.run(_send_to_a_rank_outside_the_group, 2, isolation=isolation, timeout=120)):
+        assert got is not None and got[:2] == (True, True), (r, got)
+        assert "group_dst=3" in got[2] and "Fix:" in got[2], (r, got)

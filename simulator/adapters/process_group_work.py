@@ -228,13 +228,30 @@ def _autograd_refusal(name: str, rank: int, outputs: Any) -> str | None:
             "tensorplay.distributed.nn.functional")
 
 
+_TORCH_KINDS: dict[type, type] = {}
+
+
+def _as_torchs(e: DistError) -> DistError:
+    """``e``, a RuntimeError, as one of torch's own backend errors too (``torch.distributed.DistBackendError``, a
+    ``torch.distributed.DistError``: what a program that calls torch's API catches from gloo); its type, name and
+    message stay tensorplay's."""
+    if not isinstance(e, tdist.DistError):
+        t = type(e)
+        kind = _TORCH_KINDS.get(t)
+        if kind is None:
+            kind = _TORCH_KINDS[t] = type(t.__name__, (t, tdist.DistBackendError),
+                                          {"__module__": t.__module__, "__qualname__": t.__qualname__})
+        e.__class__ = kind
+    return e
+
+
 def _backend_errors(method: Any) -> Any:
     """Validation errors raised inside a group's call reach the caller as gloo's do: as RuntimeError.
 
     torch validates its own arguments in Python before calling the group; what
     tensorplay then refuses (an unknown op, a root outside the group, a shape)
     gloo refuses in C++, which torch raises as ``RuntimeError``
-    (``DistBackendError``).  The message and the original error are kept.
+    (``DistBackendError``, torch's and tensorplay's).  The message and the original error are kept.
     """
     name = method.__name__
 
@@ -257,8 +274,9 @@ def _backend_errors(method: Any) -> Any:
         except DistError as e:
             torch_profiling.completed(event)
             if isinstance(e, RuntimeError):
+                _as_torchs(e)
                 raise
-            raise DistBackendError(str(e)) from e
+            raise _as_torchs(DistBackendError(str(e))) from e
         except BaseException:
             torch_profiling.completed(event)
             raise
