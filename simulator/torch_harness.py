@@ -392,10 +392,9 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
                 # code 1 only; the test's report shows them (see _Harness.explain)
                 # (a rank's exit with sys.exit is its exit code, as for a process; what else escaped a rank's
                 # target, a BaseException torch's harness does not catch, multiprocessing would print: shown too)
-                # (a rank that exited with the harness's own code for a failed test: its traceback is the test's)
-                item.stash[_WORLD_REPORTS] = [
-                    e for e in launcher.failures if not isinstance(e, SystemExit)
-                    and getattr(e, "exit_code", None) != harness.MultiProcessTestCase.TEST_ERROR_EXIT_CODE]
+                # (a rank that exited with one of the harness's own codes: its traceback is the test's failure)
+                item.stash[_WORLD_REPORTS] = [e for e in launcher.failures if not isinstance(e, SystemExit)
+                                              and getattr(e, "exit_code", None) not in launcher.exit_codes]
     finally:
         sys.excepthook = hook
         if hasattr(default_ctx, "_actual_context"):

@@ -61,6 +61,17 @@ class _RankMain(types.ModuleType):
         return repr(_target())
 
 
+def script_module(path: str) -> tuple[Any, types.ModuleType]:
+    """The code of the script at ``path`` and a fresh ``__main__`` module to run it in, as ``runpy.run_path(path,
+    run_name="__main__")`` makes them (without touching ``sys.argv``, which run_path sets to ``path``)."""
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __doc__=None, __loader__=None, __package__="",
+                           __spec__=None)
+    return code, module
+
+
 def run_path(path: str) -> None:
     """Run the script at ``path`` as the calling rank's ``__main__`` (as ``runpy.run_path(path, run_name=
     "__main__")`` runs it in a process)."""
@@ -68,11 +79,7 @@ def run_path(path: str) -> None:
     if rs is None or not _INSTALLATION.active:
         runpy.run_path(path, run_name="__main__")
         return
-    with io.open_code(path) as f:
-        code = compile(f.read(), path, "exec")
-    module = types.ModuleType("__main__")
-    module.__dict__.update(__file__=path, __cached__=None, __doc__=None, __loader__=None, __package__="",
-                           __spec__=None)
+    code, module = script_module(path)
     rs.own()[_KEY] = module  # (kept after the rank returns: its RPC handlers still run in it until shutdown)
     exec(code, module.__dict__)
 

@@ -24,6 +24,7 @@ from tensorplay.distributed.errors import DistBackendError, DistError, DistRunti
 
 from simulator.adapters import torch_profiling
 from simulator.adapters.torch_private import check_torch_version
+from simulator.core.errors import also_a
 from simulator.core.state import Incident
 
 __all__ = ["SimWork", "forget_unwaited"]
@@ -228,23 +229,6 @@ def _autograd_refusal(name: str, rank: int, outputs: Any) -> str | None:
             "tensorplay.distributed.nn.functional")
 
 
-_TORCH_KINDS: dict[type, type] = {}
-
-
-def _as_torchs(e: DistError) -> DistError:
-    """``e``, a RuntimeError, as one of torch's own backend errors too (``torch.distributed.DistBackendError``, a
-    ``torch.distributed.DistError``: what a program that calls torch's API catches from gloo); its type, name and
-    message stay tensorplay's."""
-    if not isinstance(e, tdist.DistError):
-        t = type(e)
-        kind = _TORCH_KINDS.get(t)
-        if kind is None:
-            kind = _TORCH_KINDS[t] = type(t.__name__, (t, tdist.DistBackendError),
-                                          {"__module__": t.__module__, "__qualname__": t.__qualname__})
-        e.__class__ = kind
-    return e
-
-
 def _backend_errors(method: Any) -> Any:
     """Validation errors raised inside a group's call reach the caller as gloo's do: as RuntimeError.
 
@@ -273,10 +257,10 @@ def _backend_errors(method: Any) -> Any:
             work = _through_comm_modes(name, lambda: method(self, *args, **kwargs))
         except DistError as e:
             torch_profiling.completed(event)
-            if isinstance(e, RuntimeError):
-                _as_torchs(e)
+            if isinstance(e, RuntimeError):  # (torch's own DistBackendError too, as gloo's failures are)
+                also_a(e, tdist.DistBackendError)
                 raise
-            raise _as_torchs(DistBackendError(str(e))) from e
+            raise also_a(DistBackendError(str(e)), tdist.DistBackendError) from e
         except BaseException:
             torch_profiling.completed(event)
             raise

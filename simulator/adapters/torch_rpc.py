@@ -68,6 +68,7 @@ from tensorplay.distributed.rpc import futures as tp_futures
 from simulator.adapters.after_import import when_imported
 from simulator.adapters.torch_private import check_torch_version
 from simulator.adapters._patch import Installation
+from simulator.core.errors import also_a
 from simulator.core.state import on_simulated_rank
 
 __all__ = ["enabled", "register_sim_agent", "wait_pending"]
@@ -119,19 +120,6 @@ def _timeout(timeout: Any) -> Any:
     return float("inf") if t == 0 else t
 
 
-_RUNTIME_KINDS: dict[type, type] = {}
-
-
-def _with_runtime_error(t: type) -> type:
-    """``t`` that is also a ``RuntimeError``: torch's RPC raises every error of its own (a timeout, an unknown
-    worker) as one, so a program catches them that way; tensorplay's type stays, for its own API's callers."""
-    kind = _RUNTIME_KINDS.get(t)
-    if kind is None:
-        kind = _RUNTIME_KINDS[t] = type(t.__name__, (t, RuntimeError), {"__module__": t.__module__,
-                                                                        "__qualname__": t.__qualname__})
-    return kind
-
-
 def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
     """A remote exception as torch's RPC raises it (measured on TensorPipe): torch re-creates the remote type from
     the message ``On WorkerInfo(...):\n<repr>\n<traceback>``; ``RRef.to_here`` (``fetched``) raises that, while
@@ -140,10 +128,9 @@ def _as_torch_error(e: BaseException, fetched: bool = False) -> BaseException:
     is the cause here)."""
     worker = getattr(e, "remote_worker", None)
     if worker is None:  # not raised by the remote function: the transport's own error, a RuntimeError as torch's
-        # (but for a TypeError: torch's pickler refuses arguments with one, before anything is sent)
-        if not isinstance(e, (RuntimeError, TypeError)):
-            e.__class__ = _with_runtime_error(type(e))
-        return e
+        # (but for a TypeError: torch's pickler refuses arguments with one, before anything is sent); tensorplay's
+        # type stays, for its own API's callers
+        return e if isinstance(e, TypeError) else also_a(e, RuntimeError)
     wid = "?"
     a = rpc_transport.current()
     if a is not None:
@@ -253,7 +240,7 @@ def _shutdown(graceful: bool = True, timeout: Any = 0) -> None:
 
 
 def _as_torch_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` whose errors are RuntimeErrors as torch's are (the tensorplay type kept: see _with_runtime_error)."""
+    """``fn`` whose errors are RuntimeErrors as torch's are (the tensorplay type kept: see also_a)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)

@@ -29,6 +29,7 @@ __all__ = [
     "SimTimeoutError",
     "ExploreError",
     "NotReproducibleError",
+    "also_a",
 ]
 
 
@@ -93,3 +94,20 @@ class ExploreError(SimError):
 
 class NotReproducibleError(SimError):
     """Two runs with the same seed produced different traces or results."""
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def also_a(e: BaseException, kind: type) -> BaseException:
+    """``e``, re-classed in place as ``kind`` too (a subclass of both ``type(e)`` and ``kind``, made once per pair,
+    with ``type(e)``'s name): an error of tensorplay's that must also be what torch's API raises there, for the
+    program's own ``except`` clauses.  ``e`` is returned as it is when it is one already."""
+    if not isinstance(e, kind):
+        t = type(e)
+        both = _MIXED.get((t, kind))
+        if both is None:
+            both = _MIXED[(t, kind)] = type(t.__name__, (t, kind), {"__module__": t.__module__,
+                                                                     "__qualname__": t.__qualname__})
+        e.__class__ = both
+    return e

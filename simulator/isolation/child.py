@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import gc
 import importlib
-import io
 import os
 import pickle
 import random
@@ -26,7 +25,6 @@ import sys
 import sysconfig
 import threading
 import traceback
-import types
 import weakref
 from datetime import timedelta
 from multiprocessing import spawn
@@ -40,7 +38,7 @@ from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.state import install_backend
 from tensorplay.distributed.errors import DistRuntimeError, format_message
 
-from simulator.adapters import torch_globals, torch_native, torch_rpc
+from simulator.adapters import per_rank_main, torch_globals, torch_native, torch_rpc
 from simulator.adapters.clock_hooks import timed_imports
 from simulator.isolation import _wire, cleanup, mark_rank_process, pickling, rank_threads, rpc_process, warm
 from simulator.core.seeds import numpy_seed
@@ -86,11 +84,8 @@ class ScriptMain:
         sys.argv = [self.typed, *self.argv]
         sys.path.insert(0, os.path.dirname(self.path))
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
-        # runpy.run_path(self.path, run_name="__main__"), but for sys.argv[0], which run_path sets to the path it runs
-        with io.open_code(self.path) as f:
-            code = compile(f.read(), self.path, "exec")
-        main = types.ModuleType("__main__")
-        main.__dict__.update(__file__=self.path, __cached__=None, __loader__=None, __package__="", __spec__=None)
+        # as runpy.run_path(self.path, run_name="__main__"), but for sys.argv[0], which run_path sets to the path
+        code, main = per_rank_main.script_module(self.path)
         before = sys.modules.get("__main__")
         sys.modules["__main__"] = main
         try:

@@ -230,7 +230,7 @@ class Staging:
     def adopt(self, st: torch.UntypedStorage) -> bool:
         """Move ``st``, a large storage this process passes to its second call, into shared memory in place (see
         the module's doc); whether it moved.  The copy is the one staging would make for this call."""
-        if st.is_shared() or not st.resizable() or st.device.type != "cpu":
+        if st.is_shared() or not st.resizable():
             return False  # (not resizable: the memory is not the storage's own, a numpy array's or a file's)
         n = st.nbytes()
         with self._slock:
