@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shlex
 import sys
@@ -59,6 +60,7 @@ from simulator.world import World
 __all__ = ["main"]
 
 _USAGE = ("python -m simulator [options] script [script args ...]\n"
+          "       python -m simulator [options] -m module [module args ...]\n"
           "       python -m simulator calibrate [calibrate options]   (see: python -m simulator calibrate --help)\n"
           "       python -m simulator pytest [pytest args ...]")
 _EPILOG = """subcommands:
@@ -73,6 +75,7 @@ examples:
   python -m simulator --nproc-per-node 4 --seed 3 train.py --epochs 1
   python -m simulator --nproc-per-node 8 --mode threads --trace run.json train.py
   python -m simulator ddp_tutorial.py          # the script calls mp.spawn(fn, nprocs=4)
+  python -m simulator --nproc-per-node 2 -m trainer.main --lr 0.1   # as python -m trainer.main
   python -m simulator calibrate --backend gloo --world-sizes 2,4 --out profile.json
   python -m simulator pytest test/distributed/test_c10d_gloo.py -k test_allreduce"""
 
@@ -147,7 +150,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --devices cuda: stand-in GPUs per node (torch.cuda.device_count(); LOCAL_RANK is "
                         "rank %% N); default: --nproc-per-node, or for a script that starts its ranks itself 2, "
                         "and one per rank when it starts more")
-    p.add_argument("script", nargs="?", help="the Python script to run")  # (required: checked in main)
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the program is a module, run as python -m runs it (its relative imports work; the working "
+                        "directory first on sys.path), as torchrun's -m")
+    p.add_argument("script", nargs="?", help="the Python script to run (with -m: the module's name)")
+    # (required: checked in main)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
 
@@ -174,6 +181,8 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
         parts += ["--devices", ns.devices]
     if ns.gpus_per_node is not None:
         parts += ["--gpus-per-node", str(ns.gpus_per_node)]
+    if ns.module:
+        parts.append("-m")
     return shlex.join([*parts, ns.script, *ns.script_args])
 
 
@@ -267,20 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(args)
     if ns.script is None:  # (argparse would name the optional script_args as required too)
-        parser.error("the following argument is required: script (the Python script to run)")
-    script = os.path.abspath(ns.script)
-    if not os.path.isfile(script):
-        _err(f"no such script: {ns.script}")
-        return 2
+        parser.error("the following argument is required: " + ("module (the module to run, as python -m module)"
+                     if ns.module else "script (the Python script to run)"))
+    program = per_rank_main.Program(ns.script, module=ns.module)
     if ns.nproc is not None and ns.nproc < 1:
         _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
         return 2
-    try:  # a script that does not compile fails as `python script.py` does, before any rank starts
-        with open(script, "rb") as f:
-            compile(f.read(), script, "exec")
-    except SyntaxError as e:
-        sys.stderr.write("".join(traceback.format_exception_only(e)))
-        return 1
+    code = _check_program(program)
+    if code:
+        return code
     if ns.trace:  # checked before the run: a run's trace is lost if it cannot be written at its end
         folder = os.path.dirname(os.path.abspath(ns.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(ns.trace):
@@ -298,9 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with default_cost(cost):  # every world the script starts uses it (a launcher's worlds too)
             if ns.nproc is None:
-                code, worlds = _run_launcher(ns, script)
+                code, worlds = _run_launcher(ns, program)
             else:
-                code, worlds = _run_torchrun_style(ns, script)
+                code, worlds = _run_torchrun_style(ns, program)
         _write_traces(ns, worlds)
     except KeyboardInterrupt as e:
         if getattr(e, "rank", -1) >= 0:  # a rank's program raised it (not Ctrl-C): a failed rank, as a process
@@ -311,6 +315,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.excepthook = hook  # torch's init_process_group wraps it once per rank ("[rank1]: [rank0]: ...")
     return code
+
+
+def _check_program(program: per_rank_main.Program) -> int:
+    """0 when the program can start; else, after saying why as python would, the exit code python gives (2 for a
+    missing script, 1 for a script that does not compile or a module that cannot be found)."""
+    if program.module:
+        # only the top-level name is looked up here: finding a submodule imports its packages, which each rank
+        # does itself (as each process of `torchrun -m` does)
+        top = program.typed.split(".")[0]
+        sys.path.insert(0, program.folder)
+        try:
+            found = bool(top) and importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            del sys.path[0]
+        if not found:
+            _err(f"no module named {program.typed!r} (looked for {top!r} on sys.path, from the working directory "
+                 f"{os.getcwd()}); fix: run from the folder that holds it, or add that folder to PYTHONPATH")
+            return 1
+        return 0
+    script = os.path.abspath(program.typed)
+    if not os.path.isfile(script):
+        _err(f"no such script: {program.typed}")
+        return 2
+    try:  # a script that does not compile fails as `python script.py` does, before any rank starts
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec")
+    except SyntaxError as e:
+        sys.stderr.write("".join(traceback.format_exception_only(e)))
+        return 1
+    return 0
 
 
 def _run_pytest(args: list[str]) -> int:
@@ -327,7 +363,7 @@ def _run_pytest(args: list[str]) -> int:
 _LAUNCHER_GPUS = 2
 
 
-def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
+def _run_launcher(ns: argparse.Namespace, program: per_rank_main.Program) -> tuple[int, list[World]]:
     launcher = _launch._Launcher(seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
                                  device="cpu", replay_hint=_command(ns, None), p2p=ns.p2p, bound_names=CLI,
                                  isolation=ns.isolation)
@@ -342,18 +378,18 @@ def _run_launcher(ns: argparse.Namespace, script: str) -> tuple[int, list[World]
                  f"its ranks one per rank when the program starts more processes; pass --gpus-per-node N to choose")
         stand_in = standin.enabled(gpus_per_node=launcher.gpus_per_node)
     with stand_in:
-        exc = _launch._execute(launcher, ns.script, (), ns.script_args, other_style=_command(ns, "N"))
+        exc = _launch._execute(launcher, program, (), ns.script_args, other_style=_command(ns, "N"))
     code = 0 if exc is None else _report(exc)
     if code == 0 and launcher.failures:  # pragma: no cover  (_execute returns the failure in that case)
         code = _report(launcher.failures[0])
     return code, launcher.worlds
 
 
-def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[World]]:
+def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program) -> tuple[int, list[World]]:
     def rank_main() -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         try:
-            per_rank_main.run_path(script)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
+            per_rank_main.run_path(program)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
         except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
             if e.code not in (None, 0):
                 raise
@@ -372,13 +408,13 @@ def _run_torchrun_style(ns: argparse.Namespace, script: str) -> tuple[int, list[
         world.replay_hint = _command(ns, ns.nproc)  # type: ignore[attr-defined]
     code = 0
     # set once for all ranks: a rank restoring them while another still runs would race
-    old_argv, folder = sys.argv, os.path.dirname(script)
-    sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it)
+    old_argv, folder = sys.argv, program.folder
+    sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it; -m: see rank_main)
     sys.path.insert(0, folder)
     try:
         with _launch.patched(None, hint=_command(ns, None)):
             # a rank process runs the script itself (a closure cannot travel to it)
-            world.run(rank_main if ns.isolation == "thread" else ScriptMain(script, ns.script_args, ns.script))
+            world.run(rank_main if ns.isolation == "thread" else ScriptMain(program, ns.script_args))
     except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
         if isinstance(e, KeyboardInterrupt):
             raise

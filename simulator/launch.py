@@ -46,7 +46,6 @@ import contextlib
 import multiprocessing
 import multiprocessing.process as mp_process
 import os
-import runpy
 import shlex
 import signal
 import sys
@@ -62,6 +61,7 @@ import tensorplay.distributed as tpd
 import tensorplay.distributed.api as tpd_api
 from tensorplay.distributed.errors import format_message
 
+from simulator.adapters.per_rank_main import Program, run_as_main
 from simulator.core.errors import RankFailedError, SimError
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from simulator.core.tracebacks import format_rank_traceback
@@ -507,7 +507,8 @@ def launch(target: str | os.PathLike[str] | Callable[..., Any], *, args: Sequenc
                          replay_hint=replay_hint)
     other = "python -m simulator --nproc-per-node N " + (
         shlex.join([os.fspath(target), *argv]) if not callable(target) else "script.py")
-    exc = _execute(launcher, target, args, argv, other_style=other)
+    exc = _execute(launcher, target if callable(target) else Program(os.fspath(target)), args, argv,
+                   other_style=other)
     if exc is not None:
         raise exc
     return launcher.worlds
@@ -528,9 +529,12 @@ def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequen
             try:
                 if callable(target):
                     target(*args)
-                else:
-                    with SeedWatch(os.path.abspath(os.fspath(target))) as launcher.seeds:
-                        _run_script(os.fspath(target), argv)
+                else:  # a Program: python -m simulator's launcher-style script or module
+                    def watch(path: str) -> SeedWatch:
+                        launcher.seeds = SeedWatch(path)
+                        return launcher.seeds
+
+                    run_as_main(target, argv, watch)
             except BaseException as e:  # noqa: BLE001  returned below, after the pending ranks ran
                 if isinstance(e, KeyboardInterrupt):
                     raise
@@ -545,16 +549,3 @@ def _execute(launcher: _Launcher, target: Any, args: Sequence[Any], argv: Sequen
     if launcher.failures:
         return launcher.failures[0]
     return None
-
-
-def _run_script(typed: str, argv: Sequence[str]) -> None:
-    path = os.path.abspath(typed)
-    old_argv, folder = sys.argv, os.path.dirname(path)
-    sys.argv = [typed, *argv]  # (the path as typed, as python and torchrun give it)
-    sys.path.insert(0, folder)
-    try:
-        runpy.run_path(path, run_name="__main__")
-    finally:
-        sys.argv = old_argv
-        if sys.path and sys.path[0] == folder:
-            del sys.path[0]

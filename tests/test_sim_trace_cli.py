@@ -241,6 +241,83 @@ def test_a_missing_script_is_a_usage_error_naming_only_the_script():
     assert p.returncode == 2 and "required: script" in p.stderr and "script_args" not in p.stderr, p.stderr
 
 
+def _package(root) -> None:
+    """A package whose module uses a relative import and whose __main__ prints its argv: what `python -m` runs."""
+    pkg = root / "trainer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("OFFSET = 10\n")
+    (pkg / "train.py").write_text(textwrap.dedent("""\
+        import os, sys
+        import torch
+        import torch.distributed as dist
+        from .base import OFFSET
+        if __name__ == "__main__":
+            dist.init_process_group("gloo")
+            t = torch.tensor([float(dist.get_rank() + OFFSET)])
+            dist.all_reduce(t)
+            here = os.path.relpath(sys.argv[0]), sys.argv[1:], __package__, sys.path[0] == os.getcwd()
+            print(f"rank {dist.get_rank()} sum {t.item()} {here}", flush=True)
+            dist.destroy_process_group()
+    """))
+    (pkg / "__main__.py").write_text("import sys, os\nprint('package main', os.path.relpath(sys.argv[0]), "
+                                     "sys.argv[1:], __package__)\n")
+
+
+def test_a_module_runs_as_python_m_runs_it(tmp_path, isolation):
+    """`python -m simulator -m pkg.mod` as `torchrun -m pkg.mod`: the module's relative imports work, sys.argv[0] is
+    its file, the working directory is first on sys.path; a package runs its __main__; a missing module fails
+    before any rank starts, naming it."""
+    _package(tmp_path)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, *args],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+
+    p = cli("--nproc-per-node", "2", "-m", "trainer.train", "--lr", "0.1")
+    assert p.returncode == 0, p.stderr
+    for r in (0, 1):  # 10 + 11
+        assert f"rank {r} sum 21.0 ('trainer/train.py', ['--lr', '0.1'], 'trainer', True)" in p.stdout, p.stdout
+    whole = cli("--nproc-per-node", "1", "--module", "trainer", "x")
+    assert whole.returncode == 0 and "package main trainer/__main__.py ['x'] trainer" in whole.stdout, whole.stderr
+    missing = cli("--nproc-per-node", "2", "-m", "no_such_pkg.train")
+    assert missing.returncode == 1 and "no module named 'no_such_pkg.train'" in missing.stderr, missing.stderr
+
+
+def test_a_launcher_module_and_script_see_argv_as_python_gives_it(tmp_path):
+    """Launcher style (no --nproc-per-node): a module's launcher runs as python -m runs it, and a script's
+    sys.argv[0] is its path as typed (runpy.run_path used to make it absolute)."""
+    _package(tmp_path)
+    (tmp_path / "trainer" / "spawner.py").write_text(textwrap.dedent("""\
+        import os, sys
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        from .base import OFFSET
+
+        def run(rank):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2)
+            t = torch.tensor([float(rank + OFFSET)])
+            dist.all_reduce(t)
+            print(f"rank {rank} sum {t.item()}", flush=True)
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            print("launcher", os.path.relpath(sys.argv[0]), sys.argv[1:], flush=True)
+            mp.spawn(run, nprocs=2)
+    """))
+    (tmp_path / "plain.py").write_text("import sys\nprint('plain', sys.argv)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "simulator", "-m", "trainer.spawner", "y"], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "launcher trainer/spawner.py ['y']" in p.stdout and p.stdout.count("sum 21.0") == 2, p.stdout
+    plain = subprocess.run([sys.executable, "-m", "simulator", "plain.py", "z"], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=str(tmp_path))
+    assert plain.returncode == 0 and "plain ['plain.py', 'z']" in plain.stdout, plain.stdout + plain.stderr
+
+
 def test_environ_is_restored_after_a_run(isolation):
     before = os.environ
 

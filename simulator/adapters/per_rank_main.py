@@ -18,16 +18,21 @@ Example (two ranks; each finds its own ``COUNT`` through ``__main__``)::
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib.machinery
+import importlib.util
 import io
+import os
 import runpy
 import sys
 import types
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 from simulator.adapters._patch import Installation
 from simulator.core.state import current_rank_state
 
-__all__ = ["run_path", "enabled"]
+__all__ = ["Program", "run_path", "run_as_main", "enabled"]
 
 _KEY = (0, "__main__")  # in RankState.own()
 _PROCESS: list[Any] = [None]  # the process's __main__ while a world runs
@@ -72,16 +77,102 @@ def script_module(path: str) -> tuple[Any, types.ModuleType]:
     return code, module
 
 
-def run_path(path: str) -> None:
-    """Run the script at ``path`` as the calling rank's ``__main__`` (as ``runpy.run_path(path, run_name=
-    "__main__")`` runs it in a process)."""
+def _main_spec(name: str) -> importlib.machinery.ModuleSpec:
+    """The spec ``python -m name`` runs: the module, or a package's ``__main__`` (importing the parent packages,
+    as ``python -m`` does).  ImportError, in python's words, when there is none."""
+    if name.startswith("."):
+        raise ImportError("Relative module names not supported")
+    try:
+        spec = importlib.util.find_spec(name)
+    except ImportError as e:  # a parent package is missing, or its import failed
+        raise ImportError(f"Error while finding module specification for {name!r} ({type(e).__name__}: {e})") from e
+    if spec is None:
+        raise ImportError(f"No module named {name}")
+    if spec.submodule_search_locations is not None:  # a package: its __main__ runs
+        if name == "__main__" or name.endswith(".__main__"):
+            raise ImportError("Cannot use package as __main__ module")
+        try:
+            return _main_spec(name + ".__main__")
+        except ImportError as e:
+            raise ImportError(f"{e}; {name!r} is a package and cannot be directly executed") from None
+    if spec.loader is None:
+        raise ImportError(f"{name!r} is a namespace package and cannot be executed")
+    return spec
+
+
+def module_main(name: str) -> tuple[Any, types.ModuleType]:
+    """The code of module ``name`` and a fresh ``__main__`` module to run it in, as ``python -m name`` (and
+    ``runpy.run_module(name, run_name="__main__")``) makes them: ``__package__`` and ``__spec__`` set, so the
+    module's relative imports work."""
+    spec = _main_spec(name)
+    code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+    if code is None:
+        raise ImportError(f"No code object available for {name}")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=spec.origin, __cached__=spec.cached, __doc__=None, __loader__=spec.loader,
+                           __package__=spec.parent, __spec__=spec)
+    return code, module
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What ``python -m simulator`` runs on each rank: a script (``typed`` is its path as the command line gave
+    it) or, with ``module``, a module run as ``python -m typed`` runs it."""
+
+    typed: str
+    module: bool = False
+
+    @property
+    def folder(self) -> str:
+        """``sys.path[0]`` as python gives it: the script's folder, or for ``-m`` the working directory."""
+        return os.getcwd() if self.module else os.path.dirname(os.path.abspath(self.typed))
+
+    def load(self) -> tuple[Any, types.ModuleType]:
+        """The program's code and a fresh ``__main__`` module to run it in (``self.folder`` must be on
+        ``sys.path`` for a module).  SyntaxError or ImportError, in python's words."""
+        return module_main(self.typed) if self.module else script_module(os.path.abspath(self.typed))
+
+    def argv0(self, main: types.ModuleType) -> str:
+        """``sys.argv[0]``: the script's path as typed, or the module's file (as python and torchrun give them)."""
+        return main.__file__ if self.module else self.typed  # type: ignore[return-value]
+
+
+def run_path(program: Program | str) -> None:
+    """Run ``program`` (a script's path, or a :class:`Program`) as the calling rank's ``__main__`` (as
+    ``runpy.run_path(path, run_name="__main__")`` or ``runpy.run_module`` runs it in a process)."""
+    program = program if isinstance(program, Program) else Program(program)
     rs = current_rank_state()
     if rs is None or not _INSTALLATION.active:
-        runpy.run_path(path, run_name="__main__")
+        if program.module:
+            runpy.run_module(program.typed, run_name="__main__")
+        else:
+            runpy.run_path(program.typed, run_name="__main__")
         return
-    code, module = script_module(path)
+    code, module = program.load()
+    if program.module:  # (the thread ranks share sys.argv: each writes the same file name)
+        sys.argv[0] = program.argv0(module)
     rs.own()[_KEY] = module  # (kept after the rank returns: its RPC handlers still run in it until shutdown)
     exec(code, module.__dict__)
+
+
+def run_as_main(program: Program, argv: Sequence[str],
+                watch: Callable[[str], ContextManager[Any]] | None = None) -> None:
+    """Run ``program`` as this process's ``__main__`` as python runs it: ``sys.path[0]`` its folder, ``sys.argv``
+    ``[argv0, *argv]``, ``sys.modules["__main__"]`` its module (all three put back after).  ``watch(file)``, when
+    given, is entered around the run (the launcher's :class:`~simulator.launch_seeds.SeedWatch`)."""
+    folder, old_argv, before = program.folder, sys.argv, sys.modules.get("__main__")
+    sys.path.insert(0, folder)
+    try:
+        code, main = program.load()
+        sys.argv = [program.argv0(main), *argv]
+        sys.modules["__main__"] = main
+        with watch(main.__file__) if watch is not None else contextlib.nullcontext():  # type: ignore[arg-type]
+            exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = before  # type: ignore[assignment]  (as runpy puts it back)
+        sys.argv = old_argv
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
 
 
 def _install() -> None:

@@ -73,28 +73,20 @@ def _die_with_parent() -> None:
 
 
 class ScriptMain:
-    """Run a script as ``__main__`` with ``sys.argv = [path, *argv]`` (torchrun-style ranks of ``python -m simulator``)."""
+    """Run a program (a script, or with ``-m`` a module) as ``__main__`` with ``sys.argv = [argv0, *argv]``
+    (torchrun-style ranks of ``python -m simulator``)."""
 
-    def __init__(self, path: str, argv: list[str], typed: str | None = None) -> None:
-        self.path = path
+    def __init__(self, program: per_rank_main.Program, argv: list[str]) -> None:
+        self.program = program
         self.argv = list(argv)
-        self.typed = typed or path  # sys.argv[0]: the path as the command line gave it
 
     def __call__(self) -> None:
-        sys.argv = [self.typed, *self.argv]
-        sys.path.insert(0, os.path.dirname(self.path))
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
-        # as runpy.run_path(self.path, run_name="__main__"), but for sys.argv[0], which run_path sets to the path
-        code, main = per_rank_main.script_module(self.path)
-        before = sys.modules.get("__main__")
-        sys.modules["__main__"] = main
         try:
-            exec(code, main.__dict__)
+            per_rank_main.run_as_main(self.program, self.argv)
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
             if e.code not in (None, 0):
                 raise
-        finally:
-            sys.modules["__main__"] = before  # (as run_path puts it back)
 
 
 def _answer_where(conn: Connection, main_ident: int) -> None:
