@@ -1101,7 +1101,12 @@ def _send_to_a_rank_outside_the_group() -> tuple:
     try:
         tdist.send(torch.ones(2), dst=3)
     except Exception as e:  # noqa: BLE001  (what the program's own except clauses see)
-        return isinstance(e, tdist.DistError), isinstance(e, tdist.DistBackendError), str(e)
+        sent = isinstance(e, tdist.DistError), isinstance(e, tdist.DistBackendError), str(e)
+    me = tdist.get_rank()
+    try:
+        tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, torch.ones(2), me)])
+    except Exception as e:  # noqa: BLE001
+        return sent, str(e)
     return None
 
 
@@ -1110,5 +1115,9 @@ def test_a_refused_group_call_is_one_of_torchs_own_backend_errors(isolation: str
     """What the simulator refuses inside a group's call (gloo would fail there, or at its timeout) is torch's
     ``DistBackendError`` too, as gloo's failures are: ``except torch.distributed.DistError`` catches it."""
     for r, got in enumerate(simulator.run(_send_to_a_rank_outside_the_group, 2, isolation=isolation, timeout=120)):
-        assert got is not None and got[:2] == (True, True), (r, got)
-        assert "group_dst=3" in got[2] and "Fix:" in got[2], (r, got)
+        assert got is not None and got[0][:2] == (True, True), (r, got)
+        sent, batched = got
+        assert "group_dst=3" in sent[2] and "Fix:" in sent[2], (r, got)
+        # named as the program called it (tensorplay's isend and irecv carry it out)
+        assert sent[2].startswith(f"torch.distributed.send (group [0, 1], rank {r}): "), sent[2]
+        assert batched.startswith(f"torch.distributed.batch_isend_irecv (group [0, 1], rank {r}): "), batched

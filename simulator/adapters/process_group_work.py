@@ -9,6 +9,9 @@ these override are listed in :mod:`simulator.adapters.torch_private`.
 from __future__ import annotations
 
 import functools
+import os
+import re
+import sys
 import threading
 import weakref
 from sys import modules as _loaded  # (bound once: while a world runs, sys's attributes are looked up in Python)
@@ -229,6 +232,38 @@ def _autograd_refusal(name: str, rank: int, outputs: Any) -> str | None:
             "tensorplay.distributed.nn.functional")
 
 
+_OURS = re.compile(r"tensorplay\.distributed\.[\w.]+")
+_C10D = tdist.distributed_c10d.__file__
+_TORCH_DIST = os.path.dirname(tdist.__file__) + os.sep
+_SIMULATOR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _torch_call() -> str | None:
+    """The torch.distributed function the program called, on this thread's stack (``send`` for ``send`` ->
+    ``isend`` -> the group's ``send``): the outermost of torch's ``distributed_c10d`` functions below the
+    program's frame; None when the program called the group itself."""
+    found, frame = None, sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file == _C10D and hasattr(tdist, frame.f_code.co_name) and not frame.f_code.co_name.startswith("_"):
+            found = frame.f_code.co_name
+        elif found is not None and not file.startswith((_TORCH_DIST, _SIMULATOR)):
+            break  # the program's own frame
+        frame = frame.f_back
+    return found
+
+
+def _named_as_called(e: DistError) -> None:
+    """Name the torch call the program made in a refusal tensorplay words (``tensorplay.distributed.isend (group
+    [0, 1], rank 1): ...`` for ``torch.distributed.send(t, dst=3)``): the program never called tensorplay."""
+    message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else None
+    if message is None or not _OURS.match(message):
+        return
+    call = _torch_call()
+    if call is not None:
+        e.args = (_OURS.sub(f"torch.distributed.{call}", message, count=1),)
+
+
 def _backend_errors(method: Any) -> Any:
     """Validation errors raised inside a group's call reach the caller as gloo's do: as RuntimeError.
 
@@ -257,6 +292,7 @@ def _backend_errors(method: Any) -> Any:
             work = _through_comm_modes(name, lambda: method(self, *args, **kwargs))
         except DistError as e:
             torch_profiling.completed(event)
+            _named_as_called(e)
             if isinstance(e, RuntimeError):  # (torch's own DistBackendError too, as gloo's failures are)
                 also_a(e, tdist.DistBackendError)
                 raise
