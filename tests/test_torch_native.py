@@ -1121,3 +1121,24 @@ def test_a_refused_group_call_is_one_of_torchs_own_backend_errors(isolation: str
         # named as the program called it (tensorplay's isend and irecv carry it out)
         assert sent[2].startswith(f"torch.distributed.send (group [0, 1], rank {r}): "), sent[2]
         assert batched.startswith(f"torch.distributed.batch_isend_irecv (group [0, 1], rank {r}): "), batched
+
+
+def _world_rank_map() -> tuple:
+    import torch.distributed.distributed_c10d as c10d
+
+    tdist.init_process_group("gloo")
+    sub = tdist.new_group(list(range(tdist.get_world_size())))  # every rank: the identity map again
+    table = c10d._world.pg_group_ranks
+    ranks = table[c10d.GroupMember.WORLD]
+    out = (ranks, table[sub], ranks == {i: i for i in range(tdist.get_world_size())},
+           tdist.get_group_rank(sub, tdist.get_rank()), tdist.get_global_rank(sub, tdist.get_world_size() - 1))
+    tdist.destroy_process_group()
+    return out
+
+
+def test_the_ranks_of_a_whole_world_group_share_one_rank_map() -> None:
+    """torch gives each rank a {i: i} map of the world's W ranks (O(W^2) memory in all, 1.2 GiB at 4096 ranks):
+    the ranks share one, and torch's rank lookups still answer as before."""
+    got = simulator.run(_world_rank_map, 64, mode="threads", timeout=120)  # (the maps themselves: no id reused)
+    assert all(g[0] is got[0][0] and g[1] is got[0][0] for g in got), [len(g[0]) for g in got[:2]]
+    assert all(g[2] and g[3] == r and g[4] == 63 for r, g in enumerate(got)), got[:2]

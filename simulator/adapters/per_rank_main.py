@@ -66,11 +66,20 @@ class _RankMain(types.ModuleType):
         return repr(_target())
 
 
+_COMPILED: dict[tuple[str, int, int], Any] = {}  # the last script compiled: (path, mtime, size) -> code
+
+
 def script_module(path: str) -> tuple[Any, types.ModuleType]:
     """The code of the script at ``path`` and a fresh ``__main__`` module to run it in, as ``runpy.run_path(path,
     run_name="__main__")`` makes them (without touching ``sys.argv``, which run_path sets to ``path``)."""
-    with io.open_code(path) as f:
-        code = compile(f.read(), path, "exec")
+    stat = os.stat(path)
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    code = _COMPILED.get(key)
+    if code is None:  # compiled once for every rank (a code object is immutable; each rank runs it in its module)
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec")
+        _COMPILED.clear()
+        _COMPILED[key] = code
     module = types.ModuleType("__main__")
     module.__dict__.update(__file__=path, __cached__=None, __doc__=None, __loader__=None, __package__="",
                            __spec__=None)
