@@ -48,7 +48,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from tensorplay.distributed import state as dist_state
 
-from simulator import launch as _launch
+from simulator import cli_torchrun, launch as _launch
 from simulator.adapters import per_rank_main
 from simulator.timing.calibrate import main as calibrate_main
 from simulator.timing.cost import default_cost, resolve_cost
@@ -115,7 +115,7 @@ def _seconds(flag: str, example: str) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m simulator", description=__doc__.split("\n\n")[0], usage=_USAGE,
                 epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=cli_torchrun.nproc_type, default=None,
                    help="run the script torchrun-style on this many simulated ranks; without it the script "
                         "runs once as a launcher that starts its own ranks (mp.spawn / multiprocessing.Process)")
     p.add_argument("--seed", type=int, default=0, help="schedule seed for --mode coop (default 0)")
@@ -153,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--module", action="store_true",
                    help="the program is a module, run as python -m runs it (its relative imports work; the working "
                         "directory first on sys.path), as torchrun's -m")
+    cli_torchrun.add_arguments(p)
     p.add_argument("script", nargs="?", help="the Python script to run (with -m: the module's name)")
     # (required: checked in main)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -164,6 +165,8 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
     parts = ["python", "-m", "simulator"]
     if nproc is not None:
         parts += ["--nproc-per-node", str(nproc)]
+        if getattr(ns, "nodes", 1) > 1:
+            parts += ["--nnodes", str(ns.nodes)]
     parts += ["--seed", str(ns.seed), "--mode", ns.mode]
     if ns.p2p != "rendezvous":
         parts += ["--p2p", ns.p2p]
@@ -279,9 +282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the following argument is required: " + ("module (the module to run, as python -m module)"
                      if ns.module else "script (the Python script to run)"))
     program = per_rank_main.Program(ns.script, module=ns.module)
-    if ns.nproc is not None and ns.nproc < 1:
-        _err(f"--nproc-per-node must be at least 1, got {ns.nproc}")
-        return 2
+    plan = None
+    if cli_torchrun.torchrun_style(ns):
+        try:
+            plan = cli_torchrun.plan(ns)
+        except cli_torchrun.UsageError as e:
+            _err(str(e))
+            return 2
+        ns.nodes = plan.nodes
+        for note in plan.notes:
+            _err(note)
     code = _check_program(program)
     if code:
         return code
@@ -301,10 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     hook = sys.excepthook
     try:
         with default_cost(cost):  # every world the script starts uses it (a launcher's worlds too)
-            if ns.nproc is None:
+            if plan is None:
                 code, worlds = _run_launcher(ns, program)
             else:
-                code, worlds = _run_torchrun_style(ns, program)
+                code, worlds = _run_torchrun_style(ns, program, plan)
         _write_traces(ns, worlds)
     except KeyboardInterrupt as e:
         if getattr(e, "rank", -1) >= 0:  # a rank's program raised it (not Ctrl-C): a failed rank, as a process
@@ -385,7 +395,8 @@ def _run_launcher(ns: argparse.Namespace, program: per_rank_main.Program) -> tup
     return code, launcher.worlds
 
 
-def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program) -> tuple[int, list[World]]:
+def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
+                        plan: cli_torchrun.TorchrunPlan) -> tuple[int, list[World]]:
     def rank_main() -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         try:
@@ -394,36 +405,48 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program) 
             if e.code not in (None, 0):
                 raise
 
-    world = World(ns.nproc, seed=ns.seed, mode=ns.mode, timeout=ns.timeout, stall_timeout=ns.stall_timeout,
-                  torchrun_env=True, p2p=ns.p2p, cost=resolve_cost(None),  # --cost / --compute-scale, set by main()
-                  isolation=ns.isolation, devices=ns.devices, gpus_per_node=ns.gpus_per_node)
-    world.bound_names = CLI  # its reports name --timeout / --stall-timeout
-    if ns.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if plan.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit
         torch.set_num_threads(1)
         _err("OMP_NUM_THREADS is not set: as torchrun does, each rank computes with 1 intra-op thread "
              "(set OMP_NUM_THREADS to choose)")
-    if hasattr(world, "replay_hint"):
-        world.replay_hint = _command(ns, ns.nproc)  # type: ignore[attr-defined]
+    worlds: list[World] = []
     code = 0
     # set once for all ranks: a rank restoring them while another still runs would race
     old_argv, folder = sys.argv, program.folder
     sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it; -m: see rank_main)
     sys.path.insert(0, folder)
     try:
-        with _launch.patched(None, hint=_command(ns, None)):
-            # a rank process runs the script itself (a closure cannot travel to it)
-            world.run(rank_main if ns.isolation == "thread" else ScriptMain(program, ns.script_args))
-    except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        code = _report(e)
+        for attempt in range(plan.restarts + 1):  # torchrun's --max-restarts: the worker group starts again
+            if attempt:
+                _err(f"the run failed; starting it again, as torchrun restarts its workers (restart {attempt} of "
+                     f"--max-restarts {plan.restarts}; TORCHELASTIC_RESTART_COUNT={attempt})")
+            world = World(plan.world_size, seed=ns.seed, mode=ns.mode, timeout=ns.timeout,
+                          stall_timeout=ns.stall_timeout, torchrun_env=True, p2p=ns.p2p,
+                          cost=resolve_cost(None),  # --cost / --compute-scale, set by main()
+                          isolation=ns.isolation, devices=ns.devices,
+                          gpus_per_node=ns.gpus_per_node or (plan.nproc if plan.nodes > 1 else None),
+                          env={**plan.env, "TORCHELASTIC_RESTART_COUNT": str(attempt)})
+            world.bound_names = CLI  # its reports name --timeout / --stall-timeout
+            if hasattr(world, "replay_hint"):
+                world.replay_hint = _command(ns, plan.nproc)  # type: ignore[attr-defined]
+            worlds.append(world)
+            try:
+                with _launch.patched(None, hint=_command(ns, None)):
+                    # a rank process runs the script itself (a closure cannot travel to it)
+                    world.run(rank_main if ns.isolation == "thread" else ScriptMain(program, ns.script_args))
+                code = 0
+                break
+            except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                code = _report(e)
     finally:
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:
             del sys.path[0]
-    return code, [world]
+    return code, worlds
 
 
 if __name__ == "__main__":  # pragma: no cover

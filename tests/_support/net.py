@@ -71,16 +71,17 @@ def run_bounded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout}s:\n{e.stdout}\n{e.stderr}")
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180, attempts: int = 3
-             ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc script args`` on 127.0.0.1 and a free port.
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180, attempts: int = 3,
+             options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc [options] script args`` on 127.0.0.1 and a free port.
 
     The port is free when chosen but the launcher binds it later; if another process took it in between
     (EADDRINUSE in the launcher's output), the run is repeated on a new port, at most ``attempts`` times.
     """
     for _ in range(attempts):
         proc = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args],
+                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *options, script,
+                            *args],
                            timeout)
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
             break

@@ -1,0 +1,191 @@
+"""torchrun's own options on ``python -m simulator``: a torchrun command line runs as it is.
+
+Users arrive with the command they already type, copied from a README or a job script::
+
+    torchrun --standalone --nnodes=1 --nproc-per-node=4 train.py
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29400 -m trainer.main
+
+``python -m simulator`` followed by the same options runs it.  What each option means here:
+
+* ``--nnodes N`` (or ``MIN:MAX``, then MAX: the job with all its nodes): every node of the job runs in this
+  one simulation, ``N x --nproc-per-node`` ranks, each with the ``LOCAL_RANK``, ``GROUP_RANK`` and
+  ``LOCAL_WORLD_SIZE`` its node gives it (``--node-rank`` is therefore not needed, and ignored).
+* ``--nproc-per-node`` also takes torchrun's words: ``cpu`` (this machine's cores), ``gpu`` (the node's GPUs:
+  ``--gpus-per-node`` with ``--devices cuda``) and ``auto`` (``gpu`` under ``--devices cuda``, else ``cpu``).
+* ``--max-restarts N``: a failed run is started again, as torchrun restarts its worker group, at most N times;
+  each attempt's ranks read ``TORCHELASTIC_RESTART_COUNT``.
+* ``--master-addr``, ``--master-port``, ``--rdzv-id`` and ``--role`` set ``MASTER_ADDR``, ``MASTER_PORT``,
+  ``TORCHELASTIC_RUN_ID`` and ``ROLE_NAME`` as torchrun does; the rendezvous itself is the simulator's, so
+  ``--standalone``, ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-conf`` and ``--local-addr`` change nothing.
+* Options about the agent's processes and logs (``--start-method``, ``--monitor-interval``, ``--log-dir``,
+  ``--redirects``, ``--tee``, ``--local-ranks-filter``, ...) are accepted; the output ones are not applied
+  (every rank prints to this console) and the run says so once.
+* ``--no-python`` (an executable, not a Python program) and ``--virtual-local-rank`` are refused, with why.
+
+Without ``--nproc-per-node``, a torchrun-only option (``--standalone``, ``--nnodes``...) makes the run
+torchrun-style with one rank per node, torchrun's default; with none, the script is a launcher (see
+:mod:`simulator.cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+__all__ = ["add_arguments", "nproc_type", "torchrun_style", "TorchrunPlan", "plan", "UsageError"]
+
+
+class UsageError(Exception):
+    """A torchrun option the simulator cannot honour, or a bad value: the CLI's exit code 2."""
+
+
+#: options that change nothing in a simulated run (dest names)
+_INERT = ("standalone", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "local_addr", "node_rank", "monitor_interval",
+          "start_method", "event_log_handler", "numa_binding", "signals_to_handle", "shutdown_timeout", "run_path")
+#: options about where ranks' output goes, which the simulator does not apply (dest names)
+_OUTPUT = ("log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
+           "duplicate_stderr_filters", "logs_specs")
+#: options that are torchrun's alone: given without --nproc-per-node, the run is torchrun-style
+_TORCHRUN_ONLY = ("nnodes", "max_restarts", "master_addr", "master_port", "rdzv_id", "role", "no_python",
+                  "virtual_local_rank", *_INERT, *_OUTPUT)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun's options, in a group of their own in ``--help``."""
+    g = p.add_argument_group("torchrun's options (a torchrun command line runs as it is; see the notes below)")
+
+    def opt(*names: str, **kw: Any) -> None:
+        spellings = [*names]
+        for n in names:  # torchrun spells each two ways: --max-restarts and --max_restarts
+            if n.startswith("--") and "-" in n[2:]:
+                spellings.append("--" + n[2:].replace("-", "_"))
+        g.add_argument(*spellings, **kw)
+
+    opt("--nnodes", default=None, metavar="N|MIN:MAX",
+        help="nodes of the job, all simulated here: N x --nproc-per-node ranks (MIN:MAX: MAX)")
+    opt("--node-rank", type=int, default=None, help="ignored: every node runs here")
+    opt("--max-restarts", type=int, default=0, metavar="N",
+        help="start a failed run again, at most N times, as torchrun restarts its workers (default 0)")
+    opt("--master-addr", default=None, help="MASTER_ADDR the ranks read (default 127.0.0.1)")
+    opt("--master-port", type=int, default=None, help="MASTER_PORT the ranks read (default 29500)")
+    opt("--rdzv-id", default=None, help="TORCHELASTIC_RUN_ID the ranks read")
+    opt("--role", default=None, help="ROLE_NAME the ranks read (default 'default')")
+    opt("--standalone", action="store_true", help="accepted (the rendezvous is the simulator's)")
+    for name in ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-conf", "--local-addr", "--start-method",
+                 "--monitor-interval", "--event-log-handler", "--numa-binding", "--signals-to-handle",
+                 "--shutdown-timeout", "--logs-specs"):
+        opt(name, default=None, help=argparse.SUPPRESS)
+    opt("--run-path", action="store_true", help=argparse.SUPPRESS)
+    opt("--log-dir", default=None, help="accepted, not applied: every rank prints to this console")
+    g.add_argument("-r", "--redirects", default=None, help=argparse.SUPPRESS)
+    g.add_argument("-t", "--tee", default=None, help=argparse.SUPPRESS)
+    opt("--local-ranks-filter", default=None, help=argparse.SUPPRESS)
+    opt("--duplicate-stdout-filters", default=None, help=argparse.SUPPRESS)
+    opt("--duplicate-stderr-filters", default=None, help=argparse.SUPPRESS)
+    opt("--no-python", action="store_true", help=argparse.SUPPRESS)
+    opt("--virtual-local-rank", action="store_true", help=argparse.SUPPRESS)
+
+
+_WORDS = ("cpu", "gpu", "auto")
+
+
+def nproc_type(text: str) -> int | str:
+    """argparse type of ``--nproc-per-node``: a whole number, or one of torchrun's words (resolved by :func:`plan`)."""
+    word = text.strip().lower()
+    if word in _WORDS:
+        return word
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of ranks or one of torchrun's words cpu, gpu, auto; got "
+                                         f"{text!r} (e.g. --nproc-per-node 4)") from None
+
+
+def _given(ns: argparse.Namespace, dest: str) -> bool:
+    value = getattr(ns, dest, None)
+    return value not in (None, False) and not (dest == "max_restarts" and value == 0)
+
+
+def torchrun_style(ns: argparse.Namespace) -> bool:
+    """Whether the command is torchrun-style: ``--nproc-per-node`` given, or an option only torchrun has."""
+    return ns.nproc is not None or any(_given(ns, d) for d in _TORCHRUN_ONLY)
+
+
+@dataclasses.dataclass
+class TorchrunPlan:
+    """What torchrun's options make of a run."""
+
+    nproc: int  # ranks per node
+    nodes: int
+    restarts: int
+    env: dict[str, str]  # set on every rank, over the simulator's torchrun environment
+    notes: list[str]
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nodes
+
+
+def _nodes(text: str | None) -> int:
+    if text is None:
+        return 1
+    parts = text.split(":")
+    try:
+        counts = [int(x) for x in parts]
+    except ValueError:
+        counts = []
+    if len(counts) not in (1, 2) or min(counts) < 1 or counts[0] > counts[-1]:
+        raise UsageError(f"--nnodes must be a number of nodes N or a range MIN:MAX (1 <= MIN <= MAX), got "
+                         f"{text!r} (e.g. --nnodes 2)")
+    return counts[-1]
+
+
+def _nproc(ns: argparse.Namespace) -> int:
+    """``--nproc-per-node``: a count, or torchrun's ``cpu``, ``gpu`` and ``auto`` (1 when not given, as torchrun)."""
+    value = ns.nproc
+    if value is None:
+        return 1
+    if isinstance(value, int):
+        return value
+    if value == "cpu" or (value == "auto" and ns.devices != "cuda"):
+        return os.cpu_count() or 1
+    if ns.devices != "cuda":  # gpu
+        raise UsageError(f"--nproc-per-node {value} counts the node's GPUs, and these ranks have none; fix: add "
+                         f"--devices cuda --gpus-per-node N (stand-in GPUs), or give a number of ranks")
+    if ns.gpus_per_node is None:
+        raise UsageError(f"--nproc-per-node {value} counts the node's GPUs: say how many the simulated node has "
+                         f"with --gpus-per-node N")
+    return int(ns.gpus_per_node)
+
+
+def plan(ns: argparse.Namespace) -> TorchrunPlan:
+    """Resolve torchrun's options of a torchrun-style command (see the module); UsageError for what cannot run."""
+    if ns.no_python:
+        raise UsageError("--no-python runs an executable, and the simulator's ranks run Python programs; fix: drop "
+                         "--no-python and name the Python script (or -m module) the executable would run")
+    if ns.virtual_local_rank:
+        raise UsageError("--virtual-local-rank (LOCAL_RANK 0 on every rank, each seeing one GPU) is not simulated; "
+                         "fix: drop it, and index devices by LOCAL_RANK")
+    nproc, nodes = _nproc(ns), _nodes(ns.nnodes)
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if ns.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
+    if nodes > 1 and ns.gpus_per_node is not None and ns.gpus_per_node != nproc:
+        raise UsageError(f"--nnodes {nodes} with --gpus-per-node {ns.gpus_per_node} and --nproc-per-node {nproc}: "
+                         f"a simulated job of several nodes runs one rank per GPU; fix: drop --gpus-per-node (each "
+                         f"node then has --nproc-per-node GPUs)")
+    env = {"TORCHELASTIC_MAX_RESTARTS": str(ns.max_restarts)}
+    for dest, name in (("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT"), ("rdzv_id", "TORCHELASTIC_RUN_ID"),
+                       ("role", "ROLE_NAME")):
+        if getattr(ns, dest) is not None:
+            env[name] = str(getattr(ns, dest))
+    notes = []
+    output = [f"--{d.replace('_', '-')}" for d in _OUTPUT if _given(ns, d)]
+    if output:
+        notes.append(f"{', '.join(output)}: not applied on simulated ranks (every rank prints to this console)")
+    if nodes > 1:
+        notes.append(f"--nnodes {ns.nnodes}: the {nodes} nodes of the job run here, {nodes * nproc} ranks in all "
+                     f"(LOCAL_RANK 0..{nproc - 1} on each node)")
+    return TorchrunPlan(nproc=nproc, nodes=nodes, restarts=ns.max_restarts, env=env, notes=notes)

@@ -1,0 +1,132 @@
+"""torchrun's own options on `python -m simulator`: a torchrun command line runs as it is (simulator.cli_torchrun)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from _support.net import ROOT, torchrun
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+ENV_SCRIPT = textwrap.dedent(f"""\
+    import os
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print("ENV " + " ".join(f"{{k}}={{os.environ.get(k)}}" for k in {ENV_KEYS!r}) + f" sum={{t.item()}}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _simulate(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "simulator", *args], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=str(tmp_path))
+
+
+def _env_lines(out: str) -> list[str]:
+    return sorted(line for line in out.splitlines() if line.startswith("ENV "))
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_torchrun_command_line_gives_the_ranks_torchruns_environment(tmp_path, isolation: str) -> None:
+    """The same options, on torchrun (real gloo processes) and on the simulator: every rank reads the same
+    environment (the role, the run id, the restart budget, the master address and port)."""
+    script = tmp_path / "envs.py"
+    script.write_text(ENV_SCRIPT)
+    options = ("--nnodes", "1", "--role", "trainer", "--max-restarts", "1", "--rdzv-id", "job7")
+    real = torchrun(str(script), options=options)  # (on 127.0.0.1 and a free port, which it names)
+    port = re.search(r"MASTER_PORT=(\d+)", real.stdout)
+    assert real.returncode == 0 and port, real.stdout + real.stderr[-3000:]
+    sim = _simulate(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", *options, "--master-addr",
+                    "127.0.0.1", "--master-port", port.group(1), "envs.py")
+    assert real.returncode == 0 and sim.returncode == 0, real.stderr[-2000:] + sim.stderr[-2000:]
+    assert len(_env_lines(real.stdout)) == 2 and _env_lines(sim.stdout) == _env_lines(real.stdout), (
+        real.stdout, sim.stdout)
+
+
+def test_several_nodes_run_in_one_simulation(tmp_path) -> None:
+    """--nnodes 2 --nproc-per-node 2: the job's 4 ranks, two per node, as torchrun gives them on each node; the
+    rendezvous options and output options are accepted (the latter said not applied)."""
+    (tmp_path / "envs.py").write_text(ENV_SCRIPT)
+    p = _simulate(tmp_path, "--standalone", "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", "localhost:0", "--node-rank", "0", "--tee", "3", "--local-ranks-filter", "0",
+                  "envs.py")
+    assert p.returncode == 0, p.stderr
+    got = [dict(kv.split("=", 1) for kv in line.split()[1:]) for line in _env_lines(p.stdout)]
+    assert len(got) == 4, p.stdout
+    for r in range(4):  # (sorted lines: RANK=0..3)
+        e = got[r]
+        assert (e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) == (str(r), str(r % 2), str(r // 2)), e
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["sum"]) == ("4", "2", "2", "10.0"), e
+    assert "--tee, --local-ranks-filter: not applied" in p.stderr and "the 2 nodes of the job run here" in p.stderr
+
+
+RESTART_SCRIPT = textwrap.dedent("""\
+    import os
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    start = int(open("snapshot").read()) if os.path.exists("snapshot") else 0
+    for epoch in range(start, 4):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if epoch == 2 and attempt == 0 and rank == 1:
+            raise RuntimeError("node lost")
+        dist.barrier()
+        if rank == 0:
+            open("snapshot", "w").write(str(epoch + 1))
+        print(f"rank {rank} attempt {attempt} epoch {epoch}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_max_restarts_starts_a_failed_run_again_as_torchrun_does(tmp_path) -> None:
+    """A rank fails in epoch 2: with --max-restarts 1 the run starts again, resumes from its snapshot and
+    succeeds (TORCHELASTIC_RESTART_COUNT=1); without, the failure is the run's."""
+    (tmp_path / "train.py").write_text(RESTART_SCRIPT)
+    p = _simulate(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "train.py")
+    assert p.returncode == 0, p.stderr
+    lines = sorted(p.stdout.splitlines())
+    assert lines == sorted([f"rank {r} attempt 0 epoch {e}" for r in (0, 1) for e in (0, 1)] +
+                           [f"rank {r} attempt 1 epoch 2" for r in (0, 1)] +
+                           [f"rank {r} attempt 1 epoch 3" for r in (0, 1)]), p.stdout
+    assert "node lost" in p.stderr and "restart 1 of --max-restarts 1" in p.stderr, p.stderr
+    os.remove(tmp_path / "snapshot")
+    once = _simulate(tmp_path, "--nproc-per-node", "2", "train.py")
+    assert once.returncode == 1 and "node lost" in once.stderr and "starting it again" not in once.stderr, once.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--no-python"], "--no-python runs an executable"),
+    (["--nproc-per-node", "2", "--virtual-local-rank"], "--virtual-local-rank"),
+    (["--nnodes", "0", "--nproc-per-node", "2"], "--nnodes must be a number of nodes"),
+    (["--nnodes", "3:2", "--nproc-per-node", "2"], "--nnodes must be a number of nodes"),
+    (["--nproc-per-node", "gpu"], "--nproc-per-node gpu counts the node's GPUs"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+    (["--nproc-per-node", "2", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--devices", "cuda", "--gpus-per-node", "4"],
+     "one rank per GPU"),
+])
+def test_torchrun_options_the_simulator_cannot_honour_are_usage_errors(tmp_path, args: list[str], says: str) -> None:
+    (tmp_path / "envs.py").write_text(ENV_SCRIPT)
+    p = _simulate(tmp_path, *args, "envs.py")
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "ENV " not in p.stdout  # (nothing ran)
+
+
+def test_standalone_alone_runs_one_rank_as_torchrun(tmp_path) -> None:
+    """torchrun's default is one process per node: `--standalone script.py` is a torchrun-style run of one rank."""
+    (tmp_path / "envs.py").write_text(ENV_SCRIPT)
+    p = _simulate(tmp_path, "--standalone", "envs.py")
+    assert p.returncode == 0 and len(_env_lines(p.stdout)) == 1 and "WORLD_SIZE=1" in p.stdout, p.stderr
