@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import os
 import shlex
@@ -397,13 +398,17 @@ def _run_launcher(ns: argparse.Namespace, program: per_rank_main.Program) -> tup
 
 def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
                         plan: cli_torchrun.TorchrunPlan) -> tuple[int, list[World]]:
-    def rank_main() -> None:
+    def rank_main(attempt: int) -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
+        restore = plan.output.install(attempt) if plan.output is not None else None  # --tee, --redirects
         try:
             per_rank_main.run_path(program)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
         except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
             if e.code not in (None, 0):
                 raise
+        finally:
+            if restore is not None:
+                restore()
 
     if plan.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
@@ -435,7 +440,8 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
             try:
                 with _launch.patched(None, hint=_command(ns, None)):
                     # a rank process runs the script itself (a closure cannot travel to it)
-                    world.run(rank_main if ns.isolation == "thread" else ScriptMain(program, ns.script_args))
+                    world.run(functools.partial(rank_main, attempt) if ns.isolation == "thread" else
+                              ScriptMain(program, ns.script_args, plan.output, attempt))
                 code = 0
                 break
             except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)

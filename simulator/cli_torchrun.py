@@ -17,9 +17,10 @@ Users arrive with the command they already type, copied from a README or a job s
 * ``--master-addr``, ``--master-port``, ``--rdzv-id`` and ``--role`` set ``MASTER_ADDR``, ``MASTER_PORT``,
   ``TORCHELASTIC_RUN_ID`` and ``ROLE_NAME`` as torchrun does; the rendezvous itself is the simulator's, so
   ``--standalone``, ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-conf`` and ``--local-addr`` change nothing.
-* Options about the agent's processes and logs (``--start-method``, ``--monitor-interval``, ``--log-dir``,
-  ``--redirects``, ``--tee``, ``--local-ranks-filter``, ...) are accepted; the output ones are not applied
-  (every rank prints to this console) and the run says so once.
+* ``--redirects``, ``--tee``, ``--local-ranks-filter`` and ``--log-dir`` send each rank's output where torchrun
+  sends its worker's (:mod:`simulator.cli_output`); the agent's other options (``--start-method``,
+  ``--monitor-interval``...) change nothing, and ``--duplicate-stdout-filters``, ``--duplicate-stderr-filters``
+  and ``--logs-specs`` are not applied (the run says so).
 * ``--no-python`` (an executable, not a Python program) and ``--virtual-local-rank`` are refused, with why.
 
 Without ``--nproc-per-node``, a torchrun-only option (``--standalone``, ``--nnodes``...) makes the run
@@ -33,6 +34,9 @@ import dataclasses
 import os
 from typing import Any
 
+from simulator import cli_output
+from simulator.cli_output import RankOutput
+
 __all__ = ["add_arguments", "nproc_type", "torchrun_style", "TorchrunPlan", "plan", "UsageError"]
 
 
@@ -43,7 +47,7 @@ class UsageError(Exception):
 #: options that change nothing in a simulated run (dest names)
 _INERT = ("standalone", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "local_addr", "node_rank", "monitor_interval",
           "start_method", "event_log_handler", "numa_binding", "signals_to_handle", "shutdown_timeout", "run_path")
-#: options about where ranks' output goes, which the simulator does not apply (dest names)
+#: options about where ranks' output goes (dest names): the first four are applied (simulator.cli_output)
 _OUTPUT = ("log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
            "duplicate_stderr_filters", "logs_specs")
 #: options that are torchrun's alone: given without --nproc-per-node, the run is torchrun-style
@@ -77,10 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  "--shutdown-timeout", "--logs-specs"):
         opt(name, default=None, help=argparse.SUPPRESS)
     opt("--run-path", action="store_true", help=argparse.SUPPRESS)
-    opt("--log-dir", default=None, help="accepted, not applied: every rank prints to this console")
-    g.add_argument("-r", "--redirects", default=None, help=argparse.SUPPRESS)
-    g.add_argument("-t", "--tee", default=None, help=argparse.SUPPRESS)
-    opt("--local-ranks-filter", default=None, help=argparse.SUPPRESS)
+    opt("--log-dir", default=None, help="where --redirects and --tee write the ranks' logs (default: a temporary folder)")
+    g.add_argument("-r", "--redirects", default=None, metavar="MASK",
+                   help="send ranks' stdout (1), stderr (2) or both (3) to log files; per local rank: 0:1,1:2")
+    g.add_argument("-t", "--tee", default=None, metavar="MASK",
+                   help="as --redirects, and copy each line to the console behind [<role><local rank>]:")
+    opt("--local-ranks-filter", default=None, metavar="RANKS",
+        help="show only these local ranks' output on the console, e.g. 0 or 0,1")
     opt("--duplicate-stdout-filters", default=None, help=argparse.SUPPRESS)
     opt("--duplicate-stderr-filters", default=None, help=argparse.SUPPRESS)
     opt("--no-python", action="store_true", help=argparse.SUPPRESS)
@@ -121,6 +128,7 @@ class TorchrunPlan:
     restarts: int
     env: dict[str, str]  # set on every rank, over the simulator's torchrun environment
     notes: list[str]
+    output: RankOutput | None  # where the ranks' stdout and stderr go (None: the console)
 
     @property
     def world_size(self) -> int:
@@ -182,10 +190,17 @@ def plan(ns: argparse.Namespace) -> TorchrunPlan:
         if getattr(ns, dest) is not None:
             env[name] = str(getattr(ns, dest))
     notes = []
-    output = [f"--{d.replace('_', '-')}" for d in _OUTPUT if _given(ns, d)]
-    if output:
-        notes.append(f"{', '.join(output)}: not applied on simulated ranks (every rank prints to this console)")
+    ignored = [f"--{d.replace('_', '-')}" for d in _OUTPUT[4:] if _given(ns, d)]
+    if ignored:
+        notes.append(f"{', '.join(ignored)}: not applied on simulated ranks")
+    try:
+        output = cli_output.parse(ns.redirects, ns.tee, ns.local_ranks_filter, ns.log_dir, ns.role or "default",
+                                  ns.rdzv_id or "none", nproc, nodes)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    if output is not None and output.folder:
+        notes.append(f"the ranks' redirected output goes under {output.folder} (torchrun's --log-dir layout)")
     if nodes > 1:
         notes.append(f"--nnodes {ns.nnodes}: the {nodes} nodes of the job run here, {nodes * nproc} ranks in all "
                      f"(LOCAL_RANK 0..{nproc - 1} on each node)")
-    return TorchrunPlan(nproc=nproc, nodes=nodes, restarts=ns.max_restarts, env=env, notes=notes)
+    return TorchrunPlan(nproc=nproc, nodes=nodes, restarts=ns.max_restarts, env=env, notes=notes, output=output)

@@ -22,7 +22,8 @@ ENV_SCRIPT = textwrap.dedent(f"""\
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    print("ENV " + " ".join(f"{{k}}={{os.environ.get(k)}}" for k in {ENV_KEYS!r}) + f" sum={{t.item()}}", flush=True)
+    line = "ENV " + " ".join(f"{{k}}={{os.environ.get(k)}}" for k in {ENV_KEYS!r}) + f" sum={{t.item()}}"
+    os.write(1, (line + "\\n").encode())  # (one write: unbuffered prints of two processes interleave)
     dist.destroy_process_group()
 """)
 
@@ -56,11 +57,10 @@ def test_a_torchrun_command_line_gives_the_ranks_torchruns_environment(tmp_path,
 
 def test_several_nodes_run_in_one_simulation(tmp_path) -> None:
     """--nnodes 2 --nproc-per-node 2: the job's 4 ranks, two per node, as torchrun gives them on each node; the
-    rendezvous options and output options are accepted (the latter said not applied)."""
+    rendezvous options are accepted."""
     (tmp_path / "envs.py").write_text(ENV_SCRIPT)
     p = _simulate(tmp_path, "--standalone", "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", "localhost:0", "--node-rank", "0", "--tee", "3", "--local-ranks-filter", "0",
-                  "envs.py")
+                  "--rdzv-endpoint", "localhost:0", "--node-rank", "0", "--start-method", "spawn", "envs.py")
     assert p.returncode == 0, p.stderr
     got = [dict(kv.split("=", 1) for kv in line.split()[1:]) for line in _env_lines(p.stdout)]
     assert len(got) == 4, p.stdout
@@ -68,7 +68,7 @@ def test_several_nodes_run_in_one_simulation(tmp_path) -> None:
         e = got[r]
         assert (e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) == (str(r), str(r % 2), str(r // 2)), e
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["sum"]) == ("4", "2", "2", "10.0"), e
-    assert "--tee, --local-ranks-filter: not applied" in p.stderr and "the 2 nodes of the job run here" in p.stderr
+    assert "the 2 nodes of the job run here" in p.stderr, p.stderr
 
 
 RESTART_SCRIPT = textwrap.dedent("""\
@@ -130,3 +130,45 @@ def test_standalone_alone_runs_one_rank_as_torchrun(tmp_path) -> None:
     (tmp_path / "envs.py").write_text(ENV_SCRIPT)
     p = _simulate(tmp_path, "--standalone", "envs.py")
     assert p.returncode == 0 and len(_env_lines(p.stdout)) == 1 and "WORLD_SIZE=1" in p.stdout, p.stderr
+
+
+OUTPUT_SCRIPT = textwrap.dedent("""\
+    import sys
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    t = torch.tensor([float(r + 1)])
+    dist.all_reduce(t)
+    print(f"out of {r}: {t.item()}", flush=True)
+    print(f"err of {r}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _logs(folder) -> dict[str, str]:
+    """{"attempt_0/1/stdout.log": text} under the one run folder torchrun's layout makes in ``folder``."""
+    (run,) = list(folder.iterdir())
+    return {str(p.relative_to(run)): p.read_text() for p in sorted(run.rglob("*.log"))}
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_tee_redirects_and_the_ranks_filter_send_output_where_torchrun_does(tmp_path, isolation: str) -> None:
+    """--role rank --tee 3 --local-ranks-filter 0 --log-dir D (torchtitan's command line): on the console only rank
+    0's lines, behind "[rank0]:"; every rank's streams in D/<run>/attempt_0/<local rank>/{stdout,stderr}.log.
+    Compared with torchrun's own console lines and files."""
+    script = tmp_path / "out.py"
+    script.write_text(OUTPUT_SCRIPT)
+    options = ("--nproc-per-node", "3", "--role", "rank", "--tee", "3", "--local-ranks-filter", "0")
+    real = torchrun(str(script), nproc=3, options=(*options[2:], "--log-dir", str(tmp_path / "real")))
+    sim = _simulate(tmp_path, "--isolation", isolation, *options, "--log-dir", str(tmp_path / "sim"), "out.py")
+    assert real.returncode == 0 and sim.returncode == 0, real.stderr[-2000:] + sim.stderr[-2000:]
+
+    def console(text: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if line.startswith("[rank"))
+
+    assert console(real.stdout) == console(sim.stdout) == ["[rank0]:out of 0: 6.0"], (real.stdout, sim.stdout)
+    assert console(real.stderr) == console(sim.stderr) == ["[rank0]:err of 0"], (real.stderr, sim.stderr)
+    files = _logs(tmp_path / "sim")
+    assert files == _logs(tmp_path / "real") and len(files) == 6, files
+    assert files["attempt_0/2/stdout.log"] == "out of 2: 6.0\n"

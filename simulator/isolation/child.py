@@ -76,17 +76,22 @@ class ScriptMain:
     """Run a program (a script, or with ``-m`` a module) as ``__main__`` with ``sys.argv = [argv0, *argv]``
     (torchrun-style ranks of ``python -m simulator``)."""
 
-    def __init__(self, program: per_rank_main.Program, argv: list[str]) -> None:
+    def __init__(self, program: per_rank_main.Program, argv: list[str], output: Any = None, attempt: int = 0) -> None:
         self.program = program
         self.argv = list(argv)
+        self.output, self.attempt = output, attempt  # torchrun's --tee/--redirects (simulator.cli_output.RankOutput)
 
     def __call__(self) -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
+        restore = self.output.install(self.attempt) if self.output is not None else None
         try:
             per_rank_main.run_as_main(self.program, self.argv)
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
             if e.code not in (None, 0):
                 raise
+        finally:
+            if restore is not None:
+                restore()  # (this interpreter may serve the next world)
 
 
 def _answer_where(conn: Connection, main_ident: int) -> None:
