@@ -1141,6 +1141,41 @@ def test_nccl_refuses_two_ranks_of_a_node_on_one_gpu(world):
         assert simulator.run(_all_reduce_on, 2, args=((0, 0), world)) == [[3.0, 3.0]] * 2
 
 
+def _p2p_by_tag(backend: str):
+    """Rank 0 posts two sends, tags 1 then 2; rank 1 posts its receives tags 2 then 1.  gloo matches by tag; NCCL
+    ignores tags (a pair's messages match in posting order), and has no receive from any source."""
+    tdist.init_process_group(backend)
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    dev = "cuda" if backend == "nccl" else "cpu"
+    if r == 0:
+        for w in [tdist.isend(torch.full((2,), v, device=dev), 1, tag=t) for v, t in ((1.0, 1), (2.0, 2))]:
+            w.wait()
+        return None
+    x, y = torch.zeros(2, device=dev), torch.zeros(2, device=dev)
+    for w in [tdist.irecv(x, 0, tag=2), tdist.irecv(y, 0, tag=1)]:
+        w.wait()
+    anysource = None
+    if backend == "nccl":
+        try:
+            tdist.recv(torch.zeros(2, device=dev))
+        except RuntimeError as e:
+            anysource = str(e)
+    return x[0].item(), y[0].item(), anysource
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_point_to_point_tags_are_gloos_and_ignored_by_nccl(backend):
+    with standin.enabled(gpus_per_node=2):
+        x, y, anysource = simulator.run(_p2p_by_tag, 2, args=(backend,), timeout=60)[1]
+    if backend == "gloo":
+        assert (x, y, anysource) == (2.0, 1.0, None)  # by tag
+    else:
+        assert (x, y) == (1.0, 2.0)  # in posting order
+        assert anysource.startswith("torch.distributed.recv (group [0, 1], rank 1): Backend nccl does not support "
+                                    "recvAnysource"), anysource
+
+
 def _coalesced(backend: str, async_ops: bool):
     """Megatron's shape: collectives of one kind under ``_coalescing_manager(device=...)``, waited for together."""
     tdist.init_process_group(backend)

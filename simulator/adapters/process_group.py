@@ -502,17 +502,25 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
                        refuse=_autograd_refusal("all_to_all", self._g.rank(), output_tensors))
 
     # -- point to point ----------------------------------------------------------
+    # NCCL leaves tags unused (a pair's messages match in posting order): on its lane every tag is 0; gloo's match
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
         self._check_tag("send", tag, tensors[0])
+        tag = 0 if self._speaks_nccl(tensors[0]) else tag
         return SimWork([tpd.isend(t, group=self._lane(t), group_dst=dst, tag=tag) for t in tensors], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
         self._check_tag("recv", tag, tensors[0])
+        tag = 0 if self._speaks_nccl(tensors[0]) else tag
         works = [tpd.irecv(t, group=self._lane(t), group_src=src, tag=tag) for t in tensors]
         return SimWork(works, tensors, source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
         self._check_tag("recvAnysource", tag, tensors[0])
+        if self._speaks_nccl(tensors[0]):  # (ProcessGroupNCCL does not implement it: the base Backend refuses)
+            raise DistBackendError(format_message(
+                "torch.distributed.recv", "Backend nccl does not support recvAnysource (NCCL has no receive from "
+                "any source)", group=list(self._g.ranks), rank=self._g.rank(), values={"src": None},
+                fix="name the sender: recv(tensor, src=<its rank>)"))
         w = tpd.irecv(tensors[0], group=self._lane(tensors[0]), tag=tag)
         # tensorplay reports the sender as a global rank; torch's _source_rank() is a group rank
         return SimWork([w], tensors, source=lambda: self._g.group_rank(w.source_rank()))
