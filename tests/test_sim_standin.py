@@ -485,6 +485,31 @@ def test_sdpa_dropout_takes_the_memory_efficient_kernel_with_one_mask_for_forwar
         assert torch.allclose(mine.grad.cpu(), want.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_attention_runs_forward_and_backward_on_standins(two_gpus, causal):
+    """flex_attention (torchtitan's, gpt-fast's attention) on stand-ins: the forward is torch's CPU result bit for
+    bit, and the backward (which torch refuses for CPU tensors) equals the math attention's gradients."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=gen) for _ in range(3))
+    mask = (lambda dev: create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 128, 128, device=dev)) \
+        if causal else (lambda dev: None)
+    with torch.no_grad():
+        want = flex_attention(q, k, v, block_mask=mask("cpu"))
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    got = flex_attention(*leaves, block_mask=mask("cuda"))
+    assert isinstance(got, StandInTensor) and got.device == torch.device("cuda", 0)
+    assert torch.equal(got.detach().cpu(), want)
+    got.square().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=causal).square().sum().backward()
+    for leaf, r in zip(leaves, ref):
+        assert isinstance(leaf.grad, StandInTensor)
+        torch.testing.assert_close(leaf.grad.cpu(), r.grad, rtol=1e-4, atol=1e-5)
+
+
 def _tensor_parallel_attention_with_dropout():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

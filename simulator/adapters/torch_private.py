@@ -268,6 +268,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
          "torch.cuda's private entry points, which its public functions, torch.cuda.device and DDP/DTensor call")
       for name in ("_lazy_init", "_initialized", "_exchange_device", "_maybe_exchange_device")),
     _P("torch.cuda.nvtx._nvtx", "standin.install", "patches", "NVTX ranges are no-ops on stand-ins"),
+    _P("torch._higher_order_ops.flex_attention", "standin.flex", "patches",
+       "flex_attention's autograd rule (its py_kernels entry and dispatch cache): stand-in inputs run it on the "
+       "CPU, forward and backward; the operator has no rule for a tensor subclass"),
     *(_P(f"torch.cuda.memory.{name}", "standin.install, standin.cuda_api", "patches",
          "the caching allocator's memory history: refused on stand-ins, naming the counters there are")
       for name in ("_record_memory_history", "_snapshot", "_dump_snapshot")),

@@ -46,7 +46,7 @@ from torch.nn.utils import parametrize
 
 from simulator.adapters._patch import Installation
 from simulator.adapters.after_import import when_imported
-from simulator.standin import _native, amp, attention, cuda_api as api, fsdp1, legacy, multi_gpu, ranks, rng
+from simulator.standin import _native, amp, attention, cuda_api as api, flex, fsdp1, legacy, multi_gpu, ranks, rng
 from simulator.standin import syncbn  # noqa: F401  (its operators, registered on import)
 from simulator.standin.fakecache import DeviceKeyedCache, plain_to_fakes
 from simulator.standin.jit import patched_jit_load, plain_slots, script_apply
@@ -515,7 +515,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
 
 
 #: patched when imported, while the stand-in is enabled (they take a while to import: see adapters.after_import)
-_ON_IMPORT = fsdp1.ON_IMPORT
+_ON_IMPORT = (*fsdp1.ON_IMPORT, *flex.ON_IMPORT)
 _import_undos: list[Callable[[], None]] = []
 
 
