@@ -485,6 +485,15 @@ def test_sdpa_dropout_takes_the_memory_efficient_kernel_with_one_mask_for_forwar
         assert torch.allclose(mine.grad.cpu(), want.grad, atol=1e-5)
 
 
+def test_legacy_constructors_read_zero_dim_standins_as_numbers(two_gpus):
+    """torch.Tensor([a, b]) and torch.FloatTensor([...]) of 0-dim CUDA tensors read each with item(), as on a GPU
+    (DDP's quantization hook builds torch.FloatTensor([scale, zero_point]) so); they hit a torch assert before."""
+    a, b = torch.tensor(1.5, device="cuda"), torch.tensor([0.25, 3.0]).cuda().max()
+    for make in (torch.Tensor, torch.FloatTensor, torch.DoubleTensor):
+        got = make([a, b, 2.0])
+        assert got.device.type == "cpu" and got.tolist() == [1.5, 3.0, 2.0], (make, got)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_attention_runs_forward_and_backward_on_standins(two_gpus, causal):
     """flex_attention (torchtitan's, gpt-fast's attention) on stand-ins: the forward is torch's CPU result bit for

@@ -102,6 +102,10 @@ def _record_stream_kernel(tensor: torch.Tensor, stream: Any) -> None:
     return None
 
 
+def _scalar_kernel(tensor: torch.Tensor) -> Any:
+    return tensor._inner.item()  # (a stand-in: its CPU data)
+
+
 def _ctc_loss_lengths_on_host(log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, blank: int = 0,
                               reduction: int = 1, zero_infinity: bool = False) -> Any:
     """``ctc_loss`` with Tensor lengths, as CUDA computes it: the lengths read to the host first (torch's path for
@@ -136,6 +140,8 @@ def _register_once() -> None:
     # FSDP1 records its freed flat parameter's stream with torch dispatch disabled (_no_dispatch_record_stream):
     # the call reaches the device key, not the stand-in's __torch_dispatch__; stand-in memory is never reused early
     lib.impl(torch.ops.aten.record_stream.default, _record_stream_kernel, "PrivateUse1")
+    # torch.Tensor([a, b]) / torch.FloatTensor([...]) read 0-dim elements with item() with the Python key excluded
+    lib.impl(torch.ops.aten._local_scalar_dense.default, _scalar_kernel, "PrivateUse1")
     for op in _KERNEL_OVER_COMPOSITE:
         lib.impl(op, _kernel_over_composite(op), "AutogradPrivateUse1")
     lib.impl(torch.ops.aten.ctc_loss.Tensor, _ctc_loss_lengths_on_host, "AutogradPrivateUse1")
