@@ -107,6 +107,13 @@ def test_a_default_cuda_device_is_the_current_gpu_for_every_constructor(two_gpus
     finally:
         torch.set_default_device(None)
     assert torch.tensor([1.0]).device == torch.device("cpu")
+    # under any torch function mode (flex_attention's backward runs under one) the default is read again
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        assert torch.tensor([1.0]).device == torch.device("cpu")
     torch.cuda.set_device(0)
 
 

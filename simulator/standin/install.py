@@ -225,7 +225,6 @@ def _cpu_elements(data: Any) -> Any:
     return out if any(a is not b for a, b in zip(out, data)) else data
 
 
-@functools.cache  # one wrapper per original, for the process: TorchScript knows it by id (below)
 def _default_cuda() -> torch.device | None:
     """The innermost default device (a ``DeviceContext`` mode), when it is CUDA without an index."""
     for mode in reversed(torch.overrides._get_current_function_mode_stack()):
@@ -235,6 +234,7 @@ def _default_cuda() -> torch.device | None:
     return None
 
 
+@functools.cache  # one wrapper per original, for the process: TorchScript knows it by id (below)
 def _patched_constructor(original: Callable[..., Any]) -> Callable[..., Any]:
     def construct(*args: Any, **kwargs: Any) -> Any:
         # torch.tensor(data, device="cuda") resolves a missing index through a guard that knows no rank; so does
