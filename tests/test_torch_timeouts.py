@@ -9,6 +9,7 @@ isolations ``tests/test_torch_harness.py`` compares.  Here: when the error comes
 from __future__ import annotations
 
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -97,7 +98,11 @@ def test_monitored_barrier_passes_when_every_rank_arrives(isolation: str) -> Non
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_monitored_barrier_names_the_first_missing_rank_and_the_others_name_rank_0(isolation: str) -> None:
-    out = simulator.run(_monitored, 4, args=((2, 3), False), isolation=isolation, timeout=120)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = simulator.run(_monitored, 4, args=((2, 3), False), isolation=isolation, timeout=120)
+    # the failed barrier's own messages stay pending, as gloo's: not the program's to match (no advice to post a recv)
+    assert not [w for w in seen if "never met their peer" in str(w.message)], [str(w.message) for w in seen]
     assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in out[0], out
     assert out[1].startswith("Rank 1 successfully reached monitoredBarrier, but received errors while waiting "
                              "for send/recv from rank 0"), out
