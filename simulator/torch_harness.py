@@ -186,7 +186,9 @@ class _Harness:
             from simulator import torch_harness_continuous
 
             self._undo_continuous = torch_harness_continuous.install(
-                sys.modules[_HARNESS_MODULE], self.settings, self.isolation, thread_only=_shared_process_reason,
+                sys.modules[_HARNESS_MODULE], self.settings, self.isolation,
+                thread_only=lambda text: _shared_process_reason(text) or (
+                    _FREE_RUNNING if self.settings.mode == "threads" else None),
                 moved=lambda test_id, why: self._moved.__setitem__(test_id, self._MOVED + why),
                 before_processes=_hint_libraries)
         if not _is_harness_test(item):
@@ -194,7 +196,7 @@ class _Harness:
         isolation = self.isolation_of(item)
         with _simulated(item, self.settings, self.replay(item), isolation):
             result = yield
-        why = _thread_only_failure(item) if isolation == "thread" else None
+        why = _thread_only_failure(item, self.settings.mode) if isolation == "thread" else None
         if why is not None:
             # the failure is one of thread ranks sharing this process, named: the test's verdict is that of
             # ranks with a process each, as gloo's would be (the run's summary says which tests moved, and why)
@@ -231,7 +233,8 @@ class _Harness:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         report = yield
-        if report.failed and call.when == "call" and _is_harness_test(item):
+        if report.failed and call.when == "call" and (_is_harness_test(item) or
+                                                      (_is_continuous_test(item) and self.isolation != "off")):
             report.sections.append(("simulated ranks (simulator.torch_harness)", self.explain(item, report)))
         return report
 
@@ -248,7 +251,8 @@ class _Harness:
         isolation = self.isolation_of(item)
         what = "threads of this process" if isolation == "thread" else "processes"
         lines = [f"The ranks of this test ran as simulated {what} (seed={s.seed}, mode={s.mode}).",
-                 f"Replay: {self.replay(item)}",
+                 (f"Replay: {self.replay(item)}" if s.mode == "coop" else
+                  f"Rerun (--sim-mode threads runs free: not a replay of this schedule): {self.replay(item)}"),
                  f"On real processes: python -m pytest '{item.nodeid}' --sim-harness off"]
         for e in item.stash.get(_WORLD_REPORTS, ()):
             if isinstance(e, SimError):
@@ -265,7 +269,12 @@ class _Harness:
         return "\n".join(lines)
 
 
-def _thread_only_failure(item: pytest.Item) -> str | None:
+#: why any failure of free-running thread ranks is taken as one of ranks sharing a process
+_FREE_RUNNING = ("free-running thread ranks (--sim-mode threads) share torch's random generator, so a rank's "
+                 "seeded draws are interleaved with the other ranks'")
+
+
+def _thread_only_failure(item: pytest.Item, mode: str = "coop") -> str | None:
     """Why ``item`` failed on thread ranks because they share one process (a known, named reason), or None: then
     it runs again on rank processes, whose verdict is the test's."""
     failures = item.__dict__.get("_excinfo") or ()
@@ -274,6 +283,8 @@ def _thread_only_failure(item: pytest.Item) -> str | None:
     why = item.stash.get(NEEDS_A_PROCESS, None)
     if why is not None:
         return why
+    if mode == "threads":  # (each rank's own generator is swapped in at hand-offs, and threads mode has none)
+        return _FREE_RUNNING
     return _shared_process_reason("\n".join(str(f.value) for f in failures))
 
 

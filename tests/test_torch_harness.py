@@ -485,6 +485,34 @@ def test_a_continuous_tests_failure_names_the_rank_that_failed_first(tmp_path: P
         out[-6000:]
     failure = out.split("test_c_rank_1_fails_and_rank_0_waits_for_it", 1)[1]
     assert "Simulated rank 1 failed too" in failure and "rank 1's own failure, value=17" in failure, out[-6000:]
+    # its report says how the ranks ran and how to replay them, as a MultiProcessTestCase's does
+    assert "simulated ranks (simulator.torch_harness)" in failure and "Replay: python -m pytest" in failure, \
+        out[-6000:]
+
+
+_SEEDED_DRAWS_CASE = _two_rank_case("""
+import torch
+import torch.distributed as dist""", """
+    def test_seeded_draws_agree(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank,
+                                world_size=self.world_size)
+        torch.manual_seed(0)
+        dist.barrier()  # (both seeded before either draws: one shared generator then gives them different numbers)
+        mine = torch.randn(4)
+        both = [torch.empty(4) for _ in range(2)]
+        dist.all_gather(both, mine)
+        self.assertEqual(both[0], both[1])
+        dist.destroy_process_group()
+""")
+
+
+def test_free_running_thread_ranks_failure_runs_again_on_rank_processes(tmp_path: Path) -> None:
+    """--sim-mode threads: thread ranks share torch's random generator, so seeded draws differ between ranks; the
+    failed test runs again on rank processes (gloo's verdict: pass), the run says why, and nothing calls the free
+    run a replay."""
+    rc, out = _pytest_written(tmp_path, _SEEDED_DRAWS_CASE, "thread", "--sim-mode", "threads", "-rA")
+    assert rc == 0 and "1 passed" in out, out[-6000:]
+    assert "free-running thread ranks (--sim-mode threads) share torch's random generator" in out, out[-6000:]
 
 
 _CONTINUOUS_DEVICE_TYPE_AND_SKIP_CASE = """
