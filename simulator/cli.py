@@ -185,6 +185,10 @@ def _command(ns: argparse.Namespace, nproc: Any) -> str:
         parts += ["--devices", ns.devices]
     if ns.gpus_per_node is not None:
         parts += ["--gpus-per-node", str(ns.gpus_per_node)]
+    for flag in ("--role", "--rdzv-id", "--master-addr", "--master-port"):  # (what the ranks read in os.environ)
+        value = getattr(ns, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            parts += [flag, str(value)]
     if ns.module:
         parts.append("-m")
     return shlex.join([*parts, ns.script, *ns.script_args])

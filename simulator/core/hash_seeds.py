@@ -23,9 +23,17 @@ def hash_seed(run_seed: int, rank: int) -> int:
 
 
 #: the options of ``python -m simulator`` that take a value (tests/test_sim_launch.py checks this against its parser)
+_TORCHRUN_VALUE_OPTIONS = ("nnodes", "node-rank", "max-restarts", "master-addr", "master-port", "rdzv-id", "role",
+                           "rdzv-backend", "rdzv-endpoint", "rdzv-conf", "local-addr", "start-method",
+                           "monitor-interval", "event-log-handler", "numa-binding", "signals-to-handle",
+                           "shutdown-timeout", "logs-specs", "log-dir", "local-ranks-filter", "duplicate-stdout-filters",
+                           "duplicate-stderr-filters")
 CLI_VALUE_OPTIONS = frozenset({"--nproc-per-node", "--nproc_per_node", "--seed", "--mode", "--timeout",
                                "--stall-timeout", "--p2p", "--trace", "--cost", "--compute-scale", "--isolation",
-                               "--devices", "--gpus-per-node"})
+                               "--devices", "--gpus-per-node", "-r", "--redirects", "-t", "--tee",
+                               # torchrun's (simulator.cli_torchrun), each in both of torchrun's spellings
+                               *(f"--{o}" for o in _TORCHRUN_VALUE_OPTIONS),
+                               *(f"--{o.replace('-', '_')}" for o in _TORCHRUN_VALUE_OPTIONS)})
 
 
 def cli_seed(args: Sequence[str]) -> int | None:
