@@ -669,3 +669,24 @@ def test_an_async_collective_some_members_never_join_is_named_when_the_run_ends(
                                             r"by every member before the run ended: rank 0's all_reduce #2 on group "
                                             r"\[0, 1\] at test_sim_failures.py:\d+.*Fix: issue the collective"):
         assert simulator.run(_async_all_reduces, 2, args=(True,), isolation=isolation) == [0, 1]
+
+
+def _interrupted_during_a_kernel() -> None:
+    from simulator.core.state import current_rank_state
+
+    if dist.get_rank() == 0:
+        def ctrl_c() -> None:  # what SIGINT raises in the main thread while it runs a rank's kernel
+            raise KeyboardInterrupt
+
+        current_rank_state().run.execute(ctrl_c)
+    while True:  # a rank that never returns by itself (only the run's end releases it)
+        time.sleep(0.05)
+
+
+def test_ctrl_c_during_a_kernel_on_the_main_thread_stops_the_run() -> None:
+    """Big kernels run on the main thread, where Ctrl-C lands: the interrupt stops the run, as anywhere else, not
+    just the rank whose kernel it was (the others would then run on, and a looping one forever)."""
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as got:
+        simulator.run(_interrupted_during_a_kernel, 2, timeout=30)
+    assert getattr(got.value, "rank", None) is None and time.monotonic() - started < 20

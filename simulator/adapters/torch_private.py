@@ -268,6 +268,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
          "torch.cuda's private entry points, which its public functions, torch.cuda.device and DDP/DTensor call")
       for name in ("_lazy_init", "_initialized", "_exchange_device", "_maybe_exchange_device")),
     _P("torch.cuda.nvtx._nvtx", "standin.install", "patches", "NVTX ranges are no-ops on stand-ins"),
+    _P("torch.ops.aten._local_scalar_dense", "standin.install", "overrides",
+       "item() of a stand-in where the Python key is excluded (the legacy constructors torch.Tensor([a, b]) read "
+       "0-dim elements so): registered for PrivateUse1"),
     _P("torch._higher_order_ops.flex_attention", "standin.flex", "patches",
        "flex_attention's autograd rule (its py_kernels entry and dispatch cache): stand-in inputs run it on the "
        "CPU, forward and backward; the operator has no rule for a tensor subclass"),

@@ -257,6 +257,8 @@ class Run:
                 box[0] = fn()
             except BaseException as e:  # noqa: BLE001  (re-raised on the rank)
                 box[1] = e
+                if isinstance(e, KeyboardInterrupt):  # Ctrl-C reached this (main) thread during the kernel: it is
+                    raise                             # the run's to stop (World.run releases every rank), not the rank's
             finally:
                 done.release()
 
