@@ -57,7 +57,9 @@ _TORCHRUN_ONLY = ("nnodes", "max_restarts", "master_addr", "master_port", "rdzv_
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's options, in a group of their own in ``--help``."""
-    g = p.add_argument_group("torchrun's options (a torchrun command line runs as it is; see the notes below)")
+    g = p.add_argument_group("torchrun's options (a torchrun command line runs with torchrun replaced; its other "
+                             "options, --rdzv-backend, --rdzv-endpoint, --start-method..., are accepted and change "
+                             "nothing here)")
 
     def opt(*names: str, **kw: Any) -> None:
         spellings = [*names]
