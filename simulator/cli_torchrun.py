@@ -112,8 +112,8 @@ def nproc_type(text: str) -> int | str:
 
 
 def _given(ns: argparse.Namespace, dest: str) -> bool:
-    value = getattr(ns, dest, None)
-    return value not in (None, False) and not (dest == "max_restarts" and value == 0)
+    value = getattr(ns, dest, None)  # (0 is a value: --node-rank 0; False is an absent flag)
+    return value is not None and value is not False and not (dest == "max_restarts" and value == 0)
 
 
 def torchrun_style(ns: argparse.Namespace) -> bool:
