@@ -172,3 +172,42 @@ def test_tee_redirects_and_the_ranks_filter_send_output_where_torchrun_does(tmp_
     files = _logs(tmp_path / "sim")
     assert files == _logs(tmp_path / "real") and len(files) == 6, files
     assert files["attempt_0/2/stdout.log"] == "out of 2: 6.0\n"
+
+
+DDP_EXIT_SCRIPT = textwrap.dedent("""\
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    r, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+    for epoch in range(8):
+        loss = ((ddp(x[r::2]) - y[r::2]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        if epoch == 3 and r == 1 and attempt == 0:
+            sys.exit(1)  # (rank 0 goes on into the next backward, whose all-reduce can never complete)
+    print(f"RES r{r} attempt {attempt} w={ddp.module.weight.detach().sum().item():.6f}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_rank_exiting_while_another_is_in_ddps_backward_fails_the_run_cleanly(tmp_path) -> None:
+    """Rank 0's gradient all-reduce fails inside DDP's reducer (C++) when rank 1 has exited: the failed work's
+    future must carry a C++ error (a Python future's set_exception is a *value* to C++: the reducer read it as the
+    gradients and the process died of a segmentation fault, rc 139). The run fails with rank 1's exit, and
+    --max-restarts starts it again to the end."""
+    (tmp_path / "train.py").write_text(DDP_EXIT_SCRIPT)
+    once = _simulate(tmp_path, "--nproc-per-node", "2", "--seed", "0", "train.py")
+    assert once.returncode == 1 and "rank 1 exited with code 1" in once.stderr, (once.returncode, once.stderr[-3000:])
+    again = _simulate(tmp_path, "--nproc-per-node", "2", "--seed", "0", "--max-restarts", "1", "train.py")
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = sorted(line for line in again.stdout.splitlines() if line.startswith("RES"))
+    assert len(done) == 2 and done[0].split("w=")[1] == done[1].split("w=")[1] and "attempt 1" in done[0], done

@@ -172,8 +172,8 @@ class SimWork(tdist.Work):
         if self._fut is None:
             try:
                 self.wait()
-            except BaseException:  # noqa: BLE001  wait() raises it again: delivered through the future, as c10d does
-                self._fut = completed_future(self.wait, list)
+            except Exception as e:  # noqa: BLE001  delivered through the future, as c10d does
+                self._fut = _failed_future(e)
             else:
                 self._fut = _typed_future(self._outputs())
         return self._fut
@@ -189,6 +189,21 @@ class _Held:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.ref = weakref.ref(t)
+
+
+def _failed_future(error: Exception) -> torch.futures.Future:
+    """A future completed with ``error`` as C++ sees one.  A Python ``Future.set_exception`` keeps the error as the
+    future's *value* (its Python waiters raise it), and a C++ holder takes that value for the result: DDP's reducer
+    read it as the bucket's gradients and crashed the process (a rank failing while another was in backward).  An
+    error raised in a callback is one in C++ too: C++ holders get it thrown, Python waiters a RuntimeError naming
+    it, as for gloo's failed works."""
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+
+    def fail(_: Any) -> None:
+        raise error
+
+    return done.then(fail)
 
 
 def _typed_future(result: list[Any]) -> torch.futures.Future:
