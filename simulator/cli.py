@@ -116,7 +116,8 @@ def _seconds(flag: str, example: str) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m simulator", description=__doc__.split("\n\n")[0], usage=_USAGE,
                 epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=cli_torchrun.nproc_type, default=None,
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=cli_torchrun.nproc_type,
+                   default=cli_torchrun.env_default("--nproc-per-node", None),
                    help="run the script torchrun-style on this many simulated ranks; without it the script "
                         "runs once as a launcher that starts its own ranks (mp.spawn / multiprocessing.Process)")
     p.add_argument("--seed", type=int, default=0, help="schedule seed for --mode coop (default 0)")
@@ -151,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --devices cuda: stand-in GPUs per node (torch.cuda.device_count(); LOCAL_RANK is "
                         "rank %% N); default: --nproc-per-node, or for a script that starts its ranks itself 2, "
                         "and one per rank when it starts more")
-    p.add_argument("-m", "--module", action="store_true",
+    p.add_argument("-m", "--module", action="store_true", default=cli_torchrun.env_default("--module", False, flag=True),
                    help="the program is a module, run as python -m runs it (its relative imports work; the working "
                         "directory first on sys.path), as torchrun's -m")
     cli_torchrun.add_arguments(p)
@@ -215,6 +216,10 @@ def _report(exc: BaseException) -> int:
     if style is not None:  # every rank may raise it: say it once, it is a usage error
         _err(str(style))
         return 2
+    missing = _find(exc, per_rank_main.ProgramNotFoundError)
+    if missing is not None:  # -m names no module: one line, as python -m says it (each rank's is the same)
+        _err(str(missing).splitlines()[0])
+        return 1
     rank = getattr(exc, "rank", None)
     if isinstance(exc, ProcessException) and rank is not None:
         kind = type(getattr(exc, "rank_exception", None) or exc).__name__
@@ -405,14 +410,18 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
     def rank_main(attempt: int) -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         restore = plan.output.install(attempt) if plan.output is not None else None  # --tee, --redirects
+        failure = None
         try:
             per_rank_main.run_path(program)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
         except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
             if e.code not in (None, 0):
                 raise
+        except BaseException as e:
+            failure = e
+            raise
         finally:
             if restore is not None:
-                restore()
+                restore(failure)
 
     if plan.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results

@@ -21,6 +21,7 @@ rank 0's lines as ``[rank0]:...`` and keeps every rank's in its files.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -30,6 +31,8 @@ import threading
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing import Std, to_map
+
+from simulator.core.tracebacks import format_rank_traceback
 
 __all__ = ["RankOutput", "parse"]
 
@@ -102,6 +105,19 @@ class _Tee(io.TextIOBase):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Undo:
+    """Put ``sys.<name>`` back to ``console`` and close the rank's ``stream``."""
+
+    name: str
+    console: Any
+    stream: Any
+
+    def __call__(self) -> None:
+        setattr(sys, self.name, self.console)
+        self.stream.close()
+
+
+@dataclasses.dataclass(frozen=True)
 class RankOutput:
     """Where each local rank's streams go (see the module); picklable, for rank processes."""
 
@@ -112,14 +128,15 @@ class RankOutput:
     role: str
     nodes: int
 
-    def install(self, attempt: int) -> Callable[[], None]:
+    def install(self, attempt: int) -> Callable[..., None]:
         """Point the calling rank's ``sys.stdout`` and ``sys.stderr`` where its local rank's go (``LOCAL_RANK``
-        and ``GROUP_RANK`` from its environment); returns what puts them back (flushing and closing files)."""
+        and ``GROUP_RANK`` from its environment); returns what puts them back (flushing and closing files), which
+        takes the exception the rank ended with, if any (its traceback goes to the rank's redirected stderr)."""
         local, node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("GROUP_RANK", "0"))
         hidden = self.shown is not None and local not in self.shown
         where = os.path.join(self.folder, f"attempt_{attempt}", *([f"node{node}"] if self.nodes > 1 else []),
                              str(local))
-        undo: list[Callable[[], None]] = []
+        undo: list[_Undo] = []
         for std, name in ((int(Std.OUT), "stdout"), (int(Std.ERR), "stderr")):
             console = getattr(sys, name)  # (the rank's own: the process's until the rank sets one)
             if self.redirects.get(local, 0) & std or self.tee.get(local, 0) & std:
@@ -132,10 +149,13 @@ class RankOutput:
             else:
                 continue
             setattr(sys, name, stream)
-            undo.append(lambda name=name, console=console, stream=stream: (setattr(sys, name, console),
-                                                                           stream.close()))
+            undo.append(_Undo(name, console, stream))
 
-        def restore() -> None:
+        def restore(failure: BaseException | None = None) -> None:
+            # a process that dies of an exception prints its traceback to its stderr: the rank's log file too
+            if failure is not None and not isinstance(failure, SystemExit) and any(u.name == "stderr" for u in undo):
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(format_rank_traceback(failure))
             for step in reversed(undo):
                 step()
 

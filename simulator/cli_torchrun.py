@@ -37,7 +37,7 @@ from typing import Any
 from simulator import cli_output
 from simulator.cli_output import RankOutput
 
-__all__ = ["add_arguments", "nproc_type", "torchrun_style", "TorchrunPlan", "plan", "UsageError"]
+__all__ = ["add_arguments", "env_default", "nproc_type", "torchrun_style", "TorchrunPlan", "plan", "UsageError"]
 
 
 class UsageError(Exception):
@@ -55,6 +55,20 @@ _TORCHRUN_ONLY = ("nnodes", "max_restarts", "master_addr", "master_port", "rdzv_
                   "virtual_local_rank", *_INERT, *_OUTPUT)
 
 
+def env_default(option: str, default: Any, flag: bool = False) -> Any:
+    """An option's default as torchrun reads it: ``PET_<NAME>`` from the environment when set (``PET_NPROC_PER_NODE``
+    for ``--nproc-per-node``; a flag's is 0 or 1), else ``default``.  Job templates set these instead of options."""
+    value = os.environ.get("PET_" + option.lstrip("-").replace("-", "_").upper())
+    if value is None:
+        return default
+    if flag:
+        try:
+            return bool(int(value))
+        except ValueError:
+            return default
+    return value  # (argparse applies the option's type to a default given as a string)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """torchrun's options, in a group of their own in ``--help``."""
     g = p.add_argument_group("torchrun's options (a torchrun command line runs with torchrun replaced; its other "
@@ -66,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         for n in names:  # torchrun spells each two ways: --max-restarts and --max_restarts
             if n.startswith("--") and "-" in n[2:]:
                 spellings.append("--" + n[2:].replace("-", "_"))
+        kw["default"] = env_default(names[-1], kw.get("default"), flag=kw.get("action") == "store_true")
         g.add_argument(*spellings, **kw)
 
     opt("--nnodes", default=None, metavar="N|MIN:MAX",
@@ -84,9 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         opt(name, default=None, help=argparse.SUPPRESS)
     opt("--run-path", action="store_true", help=argparse.SUPPRESS)
     opt("--log-dir", default=None, help="where --redirects and --tee write the ranks' logs (default: a temporary folder)")
-    g.add_argument("-r", "--redirects", default=None, metavar="MASK",
+    g.add_argument("-r", "--redirects", default=env_default("--redirects", None), metavar="MASK",
                    help="send ranks' stdout (1), stderr (2) or both (3) to log files; per local rank: 0:1,1:2")
-    g.add_argument("-t", "--tee", default=None, metavar="MASK",
+    g.add_argument("-t", "--tee", default=env_default("--tee", None), metavar="MASK",
                    help="as --redirects, and copy each line to the console behind [<role><local rank>]:")
     opt("--local-ranks-filter", default=None, metavar="RANKS",
         help="show only these local ranks' output on the console, e.g. 0 or 0,1")
@@ -197,7 +212,7 @@ def plan(ns: argparse.Namespace) -> TorchrunPlan:
         notes.append(f"{', '.join(ignored)}: not applied on simulated ranks")
     try:
         output = cli_output.parse(ns.redirects, ns.tee, ns.local_ranks_filter, ns.log_dir, ns.role or "default",
-                                  ns.rdzv_id or "none", nproc, nodes)
+                                  ns.rdzv_id or "simulator", nproc, nodes)  # (TORCHELASTIC_RUN_ID's value)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     if output is not None and output.folder:

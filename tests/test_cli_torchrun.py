@@ -28,8 +28,9 @@ ENV_SCRIPT = textwrap.dedent(f"""\
 """)
 
 
-def _simulate(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+def _simulate(tmp_path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               **extra_env)
     return subprocess.run([sys.executable, "-m", "simulator", *args], capture_output=True, text=True, timeout=180,
                           env=env, cwd=str(tmp_path))
 
@@ -211,3 +212,35 @@ def test_a_rank_exiting_while_another_is_in_ddps_backward_fails_the_run_cleanly(
     assert again.returncode == 0, again.stderr[-3000:]
     done = sorted(line for line in again.stdout.splitlines() if line.startswith("RES"))
     assert len(done) == 2 and done[0].split("w=")[1] == done[1].split("w=")[1] and "attempt 1" in done[0], done
+
+
+def test_torchruns_environment_defaults_set_its_options(tmp_path) -> None:
+    """Job templates set PET_<OPTION> instead of options (torchrun reads them as the options' defaults)."""
+    (tmp_path / "envs.py").write_text(ENV_SCRIPT)
+    p = _simulate(tmp_path, "envs.py", PET_NPROC_PER_NODE="2", PET_ROLE="trainer", PET_MASTER_PORT="1234")
+    got = _env_lines(p.stdout)
+    assert p.returncode == 0 and len(got) == 2, p.stderr[-3000:]
+    assert all("ROLE_NAME=trainer" in line and "MASTER_PORT=1234" in line for line in got), got
+    over = _simulate(tmp_path, "--nproc-per-node", "1", "envs.py", PET_NPROC_PER_NODE="2")  # an option wins
+    assert over.returncode == 0 and len(_env_lines(over.stdout)) == 1, over.stderr[-3000:]
+
+
+def test_a_failed_ranks_traceback_is_in_its_redirected_stderr(tmp_path) -> None:
+    """As a process that dies of an exception: its traceback (the program's frames) in its stderr.log."""
+    (tmp_path / "fail.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                      "if dist.get_rank() == 1:\n    raise ValueError('rank one broke')\n")
+    p = _simulate(tmp_path, "--nproc-per-node", "2", "-r", "3", "--log-dir", str(tmp_path / "logs"), "fail.py")
+    assert p.returncode == 1, p.stderr[-3000:]
+    logs = _logs(tmp_path / "logs")
+    assert logs["attempt_0/1/stderr.log"].startswith("Traceback (most recent call last):\n  File ") and \
+        logs["attempt_0/1/stderr.log"].endswith("ValueError: rank one broke\n"), logs
+    assert "simulator" not in logs["attempt_0/1/stderr.log"] and logs["attempt_0/0/stderr.log"] == "", logs
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_module_that_is_not_there_is_one_line_as_python_says_it(tmp_path, isolation: str) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    p = _simulate(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", "-m", "pkg.nothere")
+    lines = [line for line in p.stderr.splitlines() if "OMP_NUM_THREADS" not in line and "rank interpreters" not in line]
+    assert p.returncode == 1 and lines == ["python -m simulator: No module named pkg.nothere"], p.stderr

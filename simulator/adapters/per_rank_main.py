@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Sequence
 from simulator.adapters._patch import Installation
 from simulator.core.state import current_rank_state
 
-__all__ = ["Program", "run_path", "run_as_main", "enabled"]
+__all__ = ["Program", "ProgramNotFoundError", "run_path", "run_as_main", "enabled"]
 
 _KEY = (0, "__main__")  # in RankState.own()
 _PROCESS: list[Any] = [None]  # the process's __main__ while a world runs
@@ -86,26 +86,31 @@ def script_module(path: str) -> tuple[Any, types.ModuleType]:
     return code, module
 
 
+class ProgramNotFoundError(ImportError):
+    """``-m name`` names no module python can run (python says so in one line and exits with 1)."""
+
+
 def _main_spec(name: str) -> importlib.machinery.ModuleSpec:
     """The spec ``python -m name`` runs: the module, or a package's ``__main__`` (importing the parent packages,
     as ``python -m`` does).  ImportError, in python's words, when there is none."""
     if name.startswith("."):
-        raise ImportError("Relative module names not supported")
+        raise ProgramNotFoundError("Relative module names not supported")
     try:
         spec = importlib.util.find_spec(name)
     except ImportError as e:  # a parent package is missing, or its import failed
-        raise ImportError(f"Error while finding module specification for {name!r} ({type(e).__name__}: {e})") from e
+        raise ProgramNotFoundError(f"Error while finding module specification for {name!r} "
+                                   f"({type(e).__name__}: {e})") from e
     if spec is None:
-        raise ImportError(f"No module named {name}")
+        raise ProgramNotFoundError(f"No module named {name}")
     if spec.submodule_search_locations is not None:  # a package: its __main__ runs
         if name == "__main__" or name.endswith(".__main__"):
-            raise ImportError("Cannot use package as __main__ module")
+            raise ProgramNotFoundError("Cannot use package as __main__ module")
         try:
             return _main_spec(name + ".__main__")
         except ImportError as e:
-            raise ImportError(f"{e}; {name!r} is a package and cannot be directly executed") from None
+            raise ProgramNotFoundError(f"{e}; {name!r} is a package and cannot be directly executed") from None
     if spec.loader is None:
-        raise ImportError(f"{name!r} is a namespace package and cannot be executed")
+        raise ProgramNotFoundError(f"{name!r} is a namespace package and cannot be executed")
     return spec
 
 
@@ -116,7 +121,7 @@ def module_main(name: str) -> tuple[Any, types.ModuleType]:
     spec = _main_spec(name)
     code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
     if code is None:
-        raise ImportError(f"No code object available for {name}")
+        raise ProgramNotFoundError(f"No code object available for {name}")
     module = types.ModuleType("__main__")
     module.__dict__.update(__file__=spec.origin, __cached__=spec.cached, __doc__=None, __loader__=spec.loader,
                            __package__=spec.parent, __spec__=spec)

@@ -84,14 +84,18 @@ class ScriptMain:
     def __call__(self) -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         restore = self.output.install(self.attempt) if self.output is not None else None
+        failure = None
         try:
             per_rank_main.run_as_main(self.program, self.argv)
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
             if e.code not in (None, 0):
                 raise
+        except BaseException as e:
+            failure = e
+            raise
         finally:
             if restore is not None:
-                restore()  # (this interpreter may serve the next world)
+                restore(failure)  # (this interpreter may serve the next world)
 
 
 def _answer_where(conn: Connection, main_ident: int) -> None:
