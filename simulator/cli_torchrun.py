@@ -202,6 +202,9 @@ def plan(ns: argparse.Namespace) -> TorchrunPlan:
                          f"a simulated job of several nodes runs one rank per GPU; fix: drop --gpus-per-node (each "
                          f"node then has --nproc-per-node GPUs)")
     env = {"TORCHELASTIC_MAX_RESTARTS": str(ns.max_restarts)}
+    if ns.standalone or (ns.rdzv_backend == "c10d" and ns.rdzv_endpoint):
+        # a c10d rendezvous gives the workers its host as MASTER_ADDR (--standalone's is localhost)
+        env["MASTER_ADDR"] = "localhost" if ns.standalone else ns.rdzv_endpoint.rsplit(":", 1)[0] or "localhost"
     for dest, name in (("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT"), ("rdzv_id", "TORCHELASTIC_RUN_ID"),
                        ("role", "ROLE_NAME")):
         if getattr(ns, dest) is not None:

@@ -70,6 +70,7 @@ def test_several_nodes_run_in_one_simulation(tmp_path) -> None:
         assert (e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) == (str(r), str(r % 2), str(r // 2)), e
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["sum"]) == ("4", "2", "2", "10.0"), e
     assert "the 2 nodes of the job run here" in p.stderr, p.stderr
+    assert all(e["MASTER_ADDR"] == "localhost" for e in got), got  # (a c10d rendezvous gives its host, as torchrun)
 
 
 RESTART_SCRIPT = textwrap.dedent("""\
