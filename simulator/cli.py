@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import os
 import shlex
@@ -46,8 +45,6 @@ from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.spawn import ProcessException
-
-from tensorplay.distributed import state as dist_state
 
 from simulator import cli_torchrun, launch as _launch
 from simulator.adapters import per_rank_main
@@ -407,22 +404,6 @@ def _run_launcher(ns: argparse.Namespace, program: per_rank_main.Program) -> tup
 
 def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
                         plan: cli_torchrun.TorchrunPlan) -> tuple[int, list[World]]:
-    def rank_main(attempt: int) -> None:
-        dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
-        restore = plan.output.install(attempt) if plan.output is not None else None  # --tee, --redirects
-        failure = None
-        try:
-            per_rank_main.run_path(program)  # (as runpy.run_path(script, run_name="__main__"), in the rank's module)
-        except SystemExit as e:  # sys.exit(0) / sys.exit() in a rank is a normal return
-            if e.code not in (None, 0):
-                raise
-        except BaseException as e:
-            failure = e
-            raise
-        finally:
-            if restore is not None:
-                restore(failure)
-
     if plan.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun gives each of several processes one intra-op thread (OMP_NUM_THREADS=1); kernels whose results
         # depend on the thread count (bf16 matmuls) then match a real run bit for bit
@@ -433,7 +414,7 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
     code = 0
     # set once for all ranks: a rank restoring them while another still runs would race
     old_argv, folder = sys.argv, program.folder
-    sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it; -m: see rank_main)
+    sys.argv = [ns.script, *ns.script_args]  # (the path as typed, as python and torchrun give it; -m: run_path)
     sys.path.insert(0, folder)
     try:
         for attempt in range(plan.restarts + 1):  # torchrun's --max-restarts: the worker group starts again
@@ -452,9 +433,8 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
             worlds.append(world)
             try:
                 with _launch.patched(None, hint=_command(ns, None)):
-                    # a rank process runs the script itself (a closure cannot travel to it)
-                    world.run(functools.partial(rank_main, attempt) if ns.isolation == "thread" else
-                              ScriptMain(program, ns.script_args, plan.output, attempt))
+                    world.run(ScriptMain(program, ns.script_args, plan.output, attempt,
+                                         thread_rank=ns.isolation == "thread"))
                 code = 0
                 break
             except BaseException as e:  # noqa: BLE001  (report any failure as an exit code)

@@ -56,10 +56,11 @@ def parse(redirects: str | None, tee: str | None, ranks_filter: str | None, log_
         raise ValueError(f"--local-ranks-filter must be local ranks separated by commas, such as 0,1; got "
                          f"{ranks_filter!r}") from None
     red_map, tee_map = to_map(red, nproc), to_map(t, nproc)
-    if not any(red_map.values()) and not any(tee_map.values()) and shown is None:
+    redirected = any(red_map.values()) or any(tee_map.values())
+    if not redirected and shown is None:
         return None
     folder = ""
-    if any(red_map.values()) or any(tee_map.values()):
+    if redirected:
         base = log_dir or tempfile.mkdtemp(prefix="torchelastic_")
         os.makedirs(base, exist_ok=True)
         folder = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)

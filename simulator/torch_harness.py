@@ -39,6 +39,7 @@ with the switch on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import traceback
@@ -187,8 +188,7 @@ class _Harness:
 
             self._undo_continuous = torch_harness_continuous.install(
                 sys.modules[_HARNESS_MODULE], self.settings, self.isolation,
-                thread_only=lambda text: _shared_process_reason(text) or (
-                    _FREE_RUNNING if self.settings.mode == "threads" else None),
+                thread_only=functools.partial(_shared_process_reason, mode=self.settings.mode),
                 moved=lambda test_id, why: self._moved.__setitem__(test_id, self._MOVED + why),
                 before_processes=_hint_libraries)
         if not _is_harness_test(item):
@@ -283,14 +283,15 @@ def _thread_only_failure(item: pytest.Item, mode: str = "coop") -> str | None:
     why = item.stash.get(NEEDS_A_PROCESS, None)
     if why is not None:
         return why
-    if mode == "threads":  # (each rank's own generator is swapped in at hand-offs, and threads mode has none)
-        return _FREE_RUNNING
-    return _shared_process_reason("\n".join(str(f.value) for f in failures))
+    return _shared_process_reason("\n".join(str(f.value) for f in failures), mode)
 
 
-def _shared_process_reason(text: str) -> str | None:
-    """Why the failure ``text`` of thread ranks is one of ranks sharing one process (a known sign), or None."""
-    return next((why for signs, why in _SHARED_PROCESS_SIGNS if any(sign in text for sign in signs)), None)
+def _shared_process_reason(text: str, mode: str = "coop") -> str | None:
+    """Why the failure ``text`` of thread ranks is one of ranks sharing one process (a known sign; in threads mode,
+    any failure: free-running ranks share torch's generator, each rank's own is swapped in only at coop's
+    hand-offs), or None."""
+    known = next((why for signs, why in _SHARED_PROCESS_SIGNS if any(sign in text for sign in signs)), None)
+    return known or (_FREE_RUNNING if mode == "threads" else None)
 
 
 def _is_harness_test(item: pytest.Item) -> bool:

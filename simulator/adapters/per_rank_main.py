@@ -151,10 +151,9 @@ class Program:
         return main.__file__ if self.module else self.typed  # type: ignore[return-value]
 
 
-def run_path(program: Program | str) -> None:
-    """Run ``program`` (a script's path, or a :class:`Program`) as the calling rank's ``__main__`` (as
-    ``runpy.run_path(path, run_name="__main__")`` or ``runpy.run_module`` runs it in a process)."""
-    program = program if isinstance(program, Program) else Program(program)
+def run_path(program: Program) -> None:
+    """Run ``program`` as the calling rank's ``__main__`` (as ``runpy.run_path(path, run_name="__main__")`` or
+    ``runpy.run_module`` runs it in a process)."""
     rs = current_rank_state()
     if rs is None or not _INSTALLATION.active:
         if program.module:

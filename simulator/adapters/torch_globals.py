@@ -66,12 +66,11 @@ class _RankTable(dict):
     _shared: dict[int, dict[int, int]] = {}  # world size -> {i: i}
 
     def __setitem__(self, pg: Any, ranks: Any) -> None:
-        if type(ranks) is dict and len(ranks) >= 64:
-            shared = self._shared.get(len(ranks))
-            if shared is None:
-                shared = {i: i for i in range(len(ranks))}
+        n = len(ranks) if type(ranks) is dict else 0
+        if n >= 64:
+            shared = self._shared.get(n) or self._shared.setdefault(n, {i: i for i in range(n)})
             if ranks == shared:  # (a C-level comparison; no copy)
-                ranks = self._shared.setdefault(len(ranks), shared)
+                ranks = shared
         super().__setitem__(pg, ranks)
 
 

@@ -74,19 +74,26 @@ def _die_with_parent() -> None:
 
 class ScriptMain:
     """Run a program (a script, or with ``-m`` a module) as ``__main__`` with ``sys.argv = [argv0, *argv]``
-    (torchrun-style ranks of ``python -m simulator``)."""
+    (torchrun-style ranks of ``python -m simulator``): in a rank process, or with ``thread_rank`` in a thread
+    rank's own ``__main__`` (``sys.argv`` and ``sys.path`` are then the process's, set once for every rank by the
+    caller)."""
 
-    def __init__(self, program: per_rank_main.Program, argv: list[str], output: Any = None, attempt: int = 0) -> None:
+    def __init__(self, program: per_rank_main.Program, argv: list[str], output: Any = None, attempt: int = 0,
+                 thread_rank: bool = False) -> None:
         self.program = program
         self.argv = list(argv)
         self.output, self.attempt = output, attempt  # torchrun's --tee/--redirects (simulator.cli_output.RankOutput)
+        self.thread_rank = thread_rank
 
     def __call__(self) -> None:
         dist_state.current().backend.awaiting_init = True  # a script initialises its group itself, as under torchrun
         restore = self.output.install(self.attempt) if self.output is not None else None
         failure = None
         try:
-            per_rank_main.run_as_main(self.program, self.argv)
+            if self.thread_rank:
+                per_rank_main.run_path(self.program)
+            else:
+                per_rank_main.run_as_main(self.program, self.argv)
         except SystemExit as e:  # sys.exit(0) / sys.exit() is a normal end of a rank
             if e.code not in (None, 0):
                 raise
