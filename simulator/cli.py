@@ -441,6 +441,8 @@ def _run_torchrun_style(ns: argparse.Namespace, program: per_rank_main.Program,
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 code = _report(e)
+                for path in plan.output.error_files(attempt):  # (torchrun's summary names them too)
+                    _err(f"error file written by torch's @record: {path}")
     finally:
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:

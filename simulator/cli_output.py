@@ -8,11 +8,13 @@ torchrun's agent decides where each worker's ``stdout`` and ``stderr`` go, by lo
   rank>]:`` (``--role rank --tee 3`` gives torchtitan's ``[rank0]:`` lines);
 * ``--local-ranks-filter 0,1`` shows only those local ranks on the console: the others' tee'd streams go to
   their files alone, and their other streams nowhere;
-* ``--log-dir D`` is where the run's folder is made (default: a fresh temporary folder).
+* ``--log-dir D`` is where the run's folder is made (default: a fresh temporary folder);
+* every worker's ``TORCHELASTIC_ERROR_FILE`` names ``error.json`` in its folder, where torch's ``@record``
+  (``torch.distributed.elastic.multiprocessing.errors``) writes the exception that ends the worker.
 
 :class:`RankOutput` does the same for each simulated rank: it replaces the rank's own ``sys.stdout`` and
 ``sys.stderr`` (each thread rank has its own, :mod:`simulator.adapters.per_rank_streams`; a rank process has
-its own anyway) for the rank's run, and puts them back after.  With ``--nnodes`` above 1 every node's folders
+its own anyway) for the rank's run, and puts them back after; it sets the rank's ``TORCHELASTIC_ERROR_FILE``.  With ``--nnodes`` above 1 every node's folders
 are under ``node<group rank>/`` (a real job has one machine, and one folder tree, per node).  What the program
 writes to the file descriptors themselves (C++ warnings) is not redirected.
 
@@ -47,8 +49,8 @@ def _mask(text: str | None, flag: str) -> Any:
 
 def parse(redirects: str | None, tee: str | None, ranks_filter: str | None, log_dir: str | None, role: str,
           run_id: str, nproc: int, nodes: int) -> "RankOutput | None":
-    """The output plan of torchrun's options (None when they leave every stream on the console); ValueError for
-    a value torchrun would refuse.  Makes the run's log folder, as torchrun's agent does."""
+    """The output plan of torchrun's options; ValueError for a value torchrun would refuse.  Makes the run's log
+    folder, as torchrun's agent does for every run (its workers' error files are there)."""
     red, t = _mask(redirects, "--redirects"), _mask(tee, "--tee")
     try:
         shown = None if not ranks_filter else frozenset(int(x) for x in ranks_filter.split(","))
@@ -56,14 +58,9 @@ def parse(redirects: str | None, tee: str | None, ranks_filter: str | None, log_
         raise ValueError(f"--local-ranks-filter must be local ranks separated by commas, such as 0,1; got "
                          f"{ranks_filter!r}") from None
     red_map, tee_map = to_map(red, nproc), to_map(t, nproc)
-    redirected = any(red_map.values()) or any(tee_map.values())
-    if not redirected and shown is None:
-        return None
-    folder = ""
-    if redirected:
-        base = log_dir or tempfile.mkdtemp(prefix="torchelastic_")
-        os.makedirs(base, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+    base = log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+    os.makedirs(base, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
     return RankOutput(redirects={k: int(v) for k, v in red_map.items()}, tee={k: int(v) for k, v in tee_map.items()},
                       shown=shown, folder=folder, role=role, nodes=nodes)
 
@@ -125,23 +122,35 @@ class RankOutput:
     redirects: dict[int, int]
     tee: dict[int, int]
     shown: frozenset[int] | None
-    folder: str  # the run's log folder ("" when nothing is redirected)
+    folder: str  # the run's log folder
     role: str
     nodes: int
 
+    def worker_folder(self, attempt: int, node: int, local: int) -> str:
+        """The folder of one worker's files (torchrun's ``attempt_<k>/<local rank>``, under ``node<n>/`` when
+        the job has several nodes)."""
+        return os.path.join(self.folder, f"attempt_{attempt}", *([f"node{node}"] if self.nodes > 1 else []),
+                            str(local))
+
+    def error_files(self, attempt: int) -> list[str]:
+        """The error files the attempt's workers wrote (``@record`` writes one when a worker fails)."""
+        top = os.path.join(self.folder, f"attempt_{attempt}")
+        return sorted(os.path.join(d, "error.json") for d, _, names in os.walk(top) if "error.json" in names)
+
     def install(self, attempt: int) -> Callable[..., None]:
         """Point the calling rank's ``sys.stdout`` and ``sys.stderr`` where its local rank's go (``LOCAL_RANK``
-        and ``GROUP_RANK`` from its environment); returns what puts them back (flushing and closing files), which
-        takes the exception the rank ended with, if any (its traceback goes to the rank's redirected stderr)."""
+        and ``GROUP_RANK`` from its environment) and its ``TORCHELASTIC_ERROR_FILE`` into its folder; returns
+        what puts the streams back (flushing and closing files), which takes the exception the rank ended with,
+        if any (its traceback goes to the rank's redirected stderr)."""
         local, node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("GROUP_RANK", "0"))
         hidden = self.shown is not None and local not in self.shown
-        where = os.path.join(self.folder, f"attempt_{attempt}", *([f"node{node}"] if self.nodes > 1 else []),
-                             str(local))
+        where = self.worker_folder(attempt, node, local)
+        os.makedirs(where, exist_ok=True)  # (torchrun's agent makes every worker's, redirected or not)
+        os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(where, "error.json")  # (the rank's own environment)
         undo: list[_Undo] = []
         for std, name in ((int(Std.OUT), "stdout"), (int(Std.ERR), "stderr")):
             console = getattr(sys, name)  # (the rank's own: the process's until the rank sets one)
             if self.redirects.get(local, 0) & std or self.tee.get(local, 0) & std:
-                os.makedirs(where, exist_ok=True)
                 file = open(os.path.join(where, f"{name}.log"), "w", buffering=1)
                 teed = self.tee.get(local, 0) & std and not hidden
                 stream: Any = _Tee(file, console, f"[{self.role}{local}]:") if teed else file

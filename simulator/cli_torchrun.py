@@ -18,7 +18,8 @@ Users arrive with the command they already type, copied from a README or a job s
   ``TORCHELASTIC_RUN_ID`` and ``ROLE_NAME`` as torchrun does; the rendezvous itself is the simulator's, so
   ``--standalone``, ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-conf`` and ``--local-addr`` change nothing.
 * ``--redirects``, ``--tee``, ``--local-ranks-filter`` and ``--log-dir`` send each rank's output where torchrun
-  sends its worker's (:mod:`simulator.cli_output`); the agent's other options (``--start-method``,
+  sends its worker's, and each rank's ``TORCHELASTIC_ERROR_FILE`` names its error file there, as the agent's do
+  (:mod:`simulator.cli_output`); the agent's other options (``--start-method``,
   ``--monitor-interval``...) change nothing, and ``--duplicate-stdout-filters``, ``--duplicate-stderr-filters``
   and ``--logs-specs`` are not applied (the run says so).
 * ``--no-python`` (an executable, not a Python program) and ``--virtual-local-rank`` are refused, with why.
@@ -145,7 +146,7 @@ class TorchrunPlan:
     restarts: int
     env: dict[str, str]  # set on every rank, over the simulator's torchrun environment
     notes: list[str]
-    output: RankOutput | None  # where the ranks' stdout and stderr go (None: the console)
+    output: RankOutput  # where the ranks' stdout, stderr and error files go
 
     @property
     def world_size(self) -> int:
@@ -218,7 +219,7 @@ def plan(ns: argparse.Namespace) -> TorchrunPlan:
                                   ns.rdzv_id or "simulator", nproc, nodes)  # (TORCHELASTIC_RUN_ID's value)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
-    if output is not None and output.folder:
+    if any(output.redirects.values()) or any(output.tee.values()):
         notes.append(f"the ranks' redirected output goes under {output.folder} (torchrun's --log-dir layout)")
     if nodes > 1:
         notes.append(f"--nnodes {ns.nnodes}: the {nodes} nodes of the job run here, {nodes * nproc} ranks in all "

@@ -1,6 +1,7 @@
 """torchrun's own options on `python -m simulator`: a torchrun command line runs as it is (simulator.cli_torchrun)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -245,3 +246,51 @@ def test_a_module_that_is_not_there_is_one_line_as_python_says_it(tmp_path, isol
     p = _simulate(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", "-m", "pkg.nothere")
     lines = [line for line in p.stderr.splitlines() if "OMP_NUM_THREADS" not in line and "rank interpreters" not in line]
     assert p.returncode == 1 and lines == ["python -m simulator: No module named pkg.nothere"], p.stderr
+
+
+RECORD_SCRIPT = textwrap.dedent("""\
+    import os
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        dist.init_process_group("gloo")
+        r = dist.get_rank()
+        where = os.environ["TORCHELASTIC_ERROR_FILE"].split(os.sep)[-3:]
+        os.write(1, f"FILE {r} {'/'.join(where)} {os.path.isdir(os.path.dirname(os.environ['TORCHELASTIC_ERROR_FILE']))}\\n".encode())
+        dist.barrier()
+        if r == 1:
+            raise ValueError("rank one broke")
+        dist.destroy_process_group()
+
+    main()
+""")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_record_writes_the_failed_ranks_error_file_where_torchrun_has_it(tmp_path, isolation: str) -> None:
+    """Each worker's TORCHELASTIC_ERROR_FILE names error.json in its own log folder (made, redirected or not);
+    torch's @record writes the failing rank's exception there, and nothing for the others. Compared with
+    torchrun's files."""
+    script = tmp_path / "rec.py"
+    script.write_text(RECORD_SCRIPT)
+    real = torchrun(str(script), options=("--log-dir", str(tmp_path / "real")))
+    sim = _simulate(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "sim"),
+                    "rec.py")
+    assert real.returncode == sim.returncode == 1, real.stderr[-2000:] + sim.stderr[-2000:]
+
+    def lines(out: str) -> list[str]:
+        return sorted(line for line in out.splitlines() if line.startswith("FILE "))
+
+    assert lines(real.stdout) == lines(sim.stdout) == ["FILE 0 attempt_0/0/error.json True",
+                                                      "FILE 1 attempt_0/1/error.json True"], (real.stdout, sim.stdout)
+
+    def errors(folder) -> dict[str, str]:
+        (run,) = list(folder.iterdir())
+        return {str(p.relative_to(run)): json.loads(p.read_text())["message"]["message"]
+                for p in sorted(run.rglob("error.json"))}
+
+    assert errors(tmp_path / "sim") == errors(tmp_path / "real") == {
+        "attempt_0/1/error.json": "ValueError: rank one broke"}
+    assert "error file written by torch's @record: " in sim.stderr, sim.stderr[-2000:]

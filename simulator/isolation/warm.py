@@ -56,7 +56,7 @@ __all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "SlowStartNote", "enabled"]
 PER_RANK_ENV = frozenset({"PYTEST_CURRENT_TEST",
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 
 #: variables PyTorch's distributed test harness sets afresh for every test (distributed_test.py's temporary folder
 #: and rendezvous file): not part of a warm interpreter's key either, so consecutive tests share warm interpreters;
