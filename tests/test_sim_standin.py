@@ -1217,6 +1217,28 @@ def test_point_to_point_tags_are_gloos_and_ignored_by_nccl(backend):
                                     "recvAnysource"), anysource
 
 
+def _broadcast_from_outside(backend: str) -> str:
+    tdist.init_process_group(backend)
+    torch.cuda.set_device(tdist.get_rank())
+    try:
+        tdist.broadcast(torch.ones(2, device="cuda" if backend == "nccl" else "cpu"), src=5)
+    except DistBackendError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_an_argument_error_names_the_class_of_the_programs_backend(backend):
+    """A root rank outside the group fails before anything is sent, and the message names the process group
+    class the program made (an nccl program never reads ProcessGroupGloo)."""
+    with standin.enabled(gpus_per_node=2):
+        said = simulator.run(_broadcast_from_outside, 2, args=(backend,), timeout=60)
+    name = {"gloo": "Gloo", "nccl": "NCCL"}[backend]
+    for r, text in enumerate(said):
+        assert text.startswith(f"torch.distributed.ProcessGroup{name}.broadcast (group [0, 1], rank {r}): invalid "
+                               f"root rank: 5"), text
+
+
 def _coalesced(backend: str, async_ops: bool):
     """Megatron's shape: collectives of one kind under ``_coalescing_manager(device=...)``, waited for together."""
     tdist.init_process_group(backend)

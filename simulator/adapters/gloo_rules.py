@@ -95,11 +95,12 @@ class GlooRules:
     """gloo's argument checks for one group's call, raised before anything is communicated.
 
     The problem text starts with gloo's own words (programs and PyTorch's tests match on them); the message
-    adds the call, the rank, the values and a fix.
+    adds the call, the rank, the values and a fix.  On an nccl group the call names ``ProcessGroupNCCL``, the
+    class the program made (``backend="NCCL"``).
     """
 
-    def __init__(self, call: str, rank: int, group: Any) -> None:
-        self.call = f"torch.distributed.ProcessGroupGloo.{call}"
+    def __init__(self, call: str, rank: int, group: Any, backend: str = "Gloo") -> None:
+        self.call = f"torch.distributed.ProcessGroup{backend}.{call}"
         self.rank = rank
         self.group = list(group)  # the group's ranks (global), named in every message
         self.size = len(self.group)

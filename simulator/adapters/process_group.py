@@ -196,7 +196,7 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         self._tp_seq = self.__dict__.get("_tp_seq", 0)
 
     def _rules(self, call: str) -> GlooRules:
-        return GlooRules(call, self._g.rank(), self._g.ranks)
+        return GlooRules(call, self._g.rank(), self._g.ranks, "NCCL" if self._named == "nccl" else "Gloo")
 
     def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)
