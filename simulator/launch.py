@@ -1,4 +1,5 @@
-"""Scripts that start their own ranks (``torch.multiprocessing.spawn``, ``multiprocessing.Process``).
+"""Scripts that start their own ranks (``torch.multiprocessing.spawn``, ``multiprocessing.Process``, and torch's
+elastic agent called from Python: :mod:`simulator.launch_elastic`).
 
 Most PyTorch tutorials are *launchers*: the script's main process starts N
 processes itself, each of which joins a process group::
@@ -54,6 +55,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
+import torch.distributed.launcher.api as launcher_api
 import torch.multiprocessing as tmp
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
@@ -62,15 +64,15 @@ import tensorplay.distributed.api as tpd_api
 from tensorplay.distributed.errors import format_message
 
 from simulator.adapters.per_rank_main import Program, run_as_main
-from simulator.core.errors import RankFailedError, SimError
+from simulator.core.errors import SimError
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from simulator.core.tracebacks import format_rank_traceback
 from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
 # the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
 from simulator.launch_seeds import SeedWatch
-from simulator.launch_processes import (_copy_for_rank, _fake_pid_base, _is_user_process, _no_trigger, _SimPopen,
-                                        _sim_popen, _start_method)
+from simulator.launch_processes import (_copy_for_rank, _fake_pid_base, _first_failed, _is_user_process, _no_trigger,
+                                        _SimPopen, _sim_popen, _start_method)
 from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
@@ -196,6 +198,8 @@ class _Launcher:
             if self.seeds is not None:  # (a script: where its children's torch RNGs start)
                 world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
             world.launched = True  # ranks for processes the program started (adapters.started_processes)
+            # (the elastic agent's command workers are subprocesses: they do not import the launcher's script)
+            world.import_main = not all(getattr(p, "_sim_own_program", False) for p in batch)
             if self.replay_hint and hasattr(world, "replay_hint"):
                 world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
             for r, p in enumerate(batch):
@@ -255,21 +259,6 @@ class SimProcessContext:
             return True
         self._reported = True
         raise _process_error(self.processes.index(_first_failed(failed)), _first_failed(failed))
-
-
-def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProcess:
-    """The process whose failure stopped its world (a real join reports the first process that died)."""
-    for p in failed:
-        po = _sim_popen(p)
-        failure = po.launcher.failure_of.get(id(po.world)) if po is not None else None
-        if po is not None and failure is not None and getattr(failure, "rank", None) == po.rank:
-            return p
-
-    def released(p: mp_process.BaseProcess) -> bool:
-        po = _sim_popen(p)
-        return po is None or not (po.exited or (po.exc is not None and not isinstance(po.exc, RankFailedError)))
-
-    return min(failed, key=released)  # min keeps the first of equals: the lowest index
 
 
 def _process_error(index: int, proc: mp_process.BaseProcess) -> BaseException:
@@ -415,6 +404,16 @@ class _Patches:
         for owner in (spawn_mod, tmp):
             self._set(owner, "spawn", spawn)
             self._set(owner, "start_processes", start_processes)
+        from simulator import launch_elastic  # (in-function: it imports torch's elastic agent, launchers only)
+
+        def launch_agent(*a: Any, **k: Any) -> Any:  # elastic_launch(...)(...) and torch.distributed.run.run
+            patches.refuse_in_rank("torch.distributed.launcher.api.launch_agent")
+            if patches.launcher is None:
+                return orig_launch_agent(*a, **k)
+            return launch_elastic.launch_agent(patches.launcher, *a, **k)
+
+        orig_launch_agent = launcher_api.launch_agent
+        self._set(launcher_api, "launch_agent", launch_agent)
         if self.launcher is None:
             return
         # the launcher itself must not join a process group: that would wait for peers that never come

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from simulator.core.errors import RankFailedError
+
 if TYPE_CHECKING:  # (annotations only: the launcher imports this module)
     from simulator.launch import _Launcher
     from simulator.world import World
@@ -250,3 +252,18 @@ class _SimPopen:
 def _sim_popen(proc: Any) -> _SimPopen | None:
     popen = getattr(proc, "_popen", None)
     return popen if isinstance(popen, _SimPopen) else None
+
+
+def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProcess:
+    """The process whose failure stopped its world (a real join reports the first process that died)."""
+    for p in failed:
+        po = _sim_popen(p)
+        failure = po.launcher.failure_of.get(id(po.world)) if po is not None else None
+        if po is not None and failure is not None and getattr(failure, "rank", None) == po.rank:
+            return p
+
+    def released(p: mp_process.BaseProcess) -> bool:
+        po = _sim_popen(p)
+        return po is None or not (po.exited or (po.exc is not None and not isinstance(po.exc, RankFailedError)))
+
+    return min(failed, key=released)  # min keeps the first of equals: the lowest index

@@ -195,6 +195,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "a closed process refuses start() and sentinel as multiprocessing does"),
     _P("multiprocessing.context.SpawnProcess._start_method", "launch", "reads",
        "the start method decides which tensors a rank shares with the launcher"),
+    *(_P(f"torch.distributed.elastic.multiprocessing.api.LogsSpecs.{name}", "launch_elastic", "reads",
+         "elastic_launch's log specs say where each worker's streams go (no public getter)", static=True)
+      for name in ("_redirects", "_tee", "_local_ranks_filter")),
     # -- the core and the rank processes -----------------------------------------------------------------------
     _P("torch._C._set_grad_enabled", "core.backend", "reads", "collective kernels run without autograd"),
     _P("torch._C._AutoDispatchBelowADInplaceOrView", "core.backend, isolation.staging", "reads",
