@@ -119,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
                         "runs once as a launcher that starts its own ranks (mp.spawn / multiprocessing.Process)")
     p.add_argument("--seed", type=int, default=0, help="schedule seed for --mode coop (default 0)")
     p.add_argument("--mode", choices=["coop", "threads"], default="coop",
-                   help="coop: one rank at a time, reproducible; threads: free-running (default coop)")
+                   help="coop: one rank at a time, reproducible; threads: free-running, and thread ranks share "
+                        "torch's, random's and numpy's global generators, so random draws differ from run to run "
+                        "(default coop)")
     p.add_argument("--timeout", type=_seconds("--timeout", "3600"), default=None, metavar="SECONDS",
                    help="bound each simulated world's whole run, in seconds (default: no bound)")
     p.add_argument("--stall-timeout", type=_seconds("--stall-timeout", "3600"), default=DEFAULT_STALL_TIMEOUT,
@@ -140,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
                         "ten times faster; default: the profile's, else 1)")
     p.add_argument("--isolation", choices=list(ISOLATIONS), default="thread",
                    help="thread: ranks are threads of this process (default); process: each rank its own process "
-                        "with its own globals and PYTHONHASHSEED (torchrun-style scripts only)")
+                        "with its own globals and PYTHONHASHSEED")
     p.add_argument("--devices", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: every rank sees CUDA devices backed by the CPU, so a script written for GPUs runs "
                         "unmodified on a machine without one (set_device, .to(local_rank), nccl, DDP device_ids); "
@@ -315,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001  a bad option is a usage error
         _err(str(e))
         return 2
+    if ns.mode == "threads" and ns.isolation == "thread":
+        _err("--mode threads: the ranks run free and share torch's, random's and numpy's global generators, so a "
+             "program's random draws differ from run to run (--mode coop, the default, gives each rank its own)")
     hook = sys.excepthook
     try:
         with default_cost(cost):  # every world the script starts uses it (a launcher's worlds too)

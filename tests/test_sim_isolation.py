@@ -944,3 +944,26 @@ def test_tensorplay_init_makes_torchs_default_group_and_refuses_a_second_init(is
         assert made and values == [3.0, 3.0] and not after
         assert "init_process_group" in twice and "the default process group is already initialised" in twice
         assert "backend='gloo'" in twice and "Fix: call destroy_process_group() before initialising again" in twice
+
+
+def _skips_a_collective() -> None:
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo")
+    if tdist.get_rank() == 0:
+        tdist.all_reduce(torch.ones(2))  # (rank 1 goes straight to the barrier)
+    tdist.barrier()
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_simulator_error_shows_where_the_program_called(isolation: str) -> None:
+    """A mismatch the simulator raises is reported with the program's frames (the call that disagreed), on rank
+    processes as on thread ranks, not with the coordinator's own frames."""
+    from simulator.core.errors import CollectiveMismatchError
+    from simulator.core.tracebacks import format_rank_traceback
+
+    with pytest.raises(CollectiveMismatchError) as info:
+        simulator.run(_skips_a_collective, 2, isolation=isolation, timeout=60)
+    shown = format_rank_traceback(info.value)
+    assert f'{__file__}", line' in shown and "in _skips_a_collective" in shown, shown
+    assert "proxy_handlers.py" not in shown and "simulator/world.py" not in shown, shown

@@ -241,7 +241,7 @@ def _run(fn: Callable[..., Any], args: Any, kwargs: Any, backend: ClientBackend,
         return (EXIT, e.code if e.code is None or isinstance(e.code, int) else str(e.code), rank_traceback(e))
     except BaseException as e:  # noqa: BLE001  every failure is reported by the coordinator
         eid = getattr(e, "_tp_forwarded", None)
-        return (FORWARDED, eid) if eid is not None else exception_message(e)
+        return (FORWARDED, eid, rank_traceback(e)) if eid is not None else exception_message(e)
 
 
 # ---------------------------------------------------------------------------

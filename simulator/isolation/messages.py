@@ -122,7 +122,8 @@ END = "end"
 RESULT = "result"
 #: ``(EXIT, code, traceback)``: the rank called ``sys.exit(code)`` (``traceback``: where, or None)
 EXIT = "exit"
-#: ``(FORWARDED, eid)``: the rank failed with the coordinator's own error ``eid`` (see ERR)
+#: ``(FORWARDED, eid, traceback text)``: the rank failed with the coordinator's own error ``eid`` (see ERR), raised
+#: where the program called
 FORWARDED = "forwarded"
 #: ``(RAISE, pickled or None, class name, text, traceback)``: the rank's function raised
 RAISE = "raise"

@@ -314,7 +314,9 @@ class ProxyHandlers(RpcRouteHandlers):
         raise exit_
 
     def handle_forwarded(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> Any:
-        raise me.errors[msg[1]]
+        error = me.errors[msg[1]]
+        error._tp_rank_traceback = msg[2]  # type: ignore[attr-defined]  (the program's frames, not this proxy's)
+        raise error
 
     def handle_raise(self, rs: Any, me: RankProcess, chan: Channel, msg: tuple) -> Any:
         raise program_error(msg, me.rank, me.proc.pid, me.hash_seed)

@@ -535,6 +535,8 @@ def _install() -> None:
     with _lock:
         _register_once()
         _native.install()
+        # torch's dispatcher imports DTensor at the first operator on a stand-in: once now, not in a rank's call
+        import torch.distributed.tensor  # noqa: F401
         # torch caches sets of its own functions on first use (the default-device constructors, the ignored
         # overrides): fill them now, with the originals, so that no replacement below is cached for good
         torch.utils._device._device_constructors()
