@@ -63,6 +63,7 @@ import tensorplay.distributed as tpd
 import tensorplay.distributed.api as tpd_api
 from tensorplay.distributed.errors import format_message
 
+from simulator.adapters import os_waits
 from simulator.adapters.per_rank_main import Program, run_as_main
 from simulator.core.errors import SimError
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
@@ -146,7 +147,9 @@ class _Launcher:
         self.failure_of: dict[int, BaseException] = {}  # id(world) -> what its run raised
         self.fds: list[int] = []
         self.thread = threading.current_thread()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the pending processes
+        self.run_lock = threading.Lock()  # held while a world runs (released by the thread that ran it)
+        self.background: threading.Thread | None = None  # the thread of the last world run in the background
         self.next_pid = _fake_pid_base()
 
     def add(self, proc: mp_process.BaseProcess) -> None:
@@ -168,62 +171,97 @@ class _Launcher:
                     return True
         return False
 
-    def run_pending(self, popen: _SimPopen | None = None) -> None:
-        """Run the processes started so far as one simulated world (waits end up here)."""
+    def run_pending(self, popen: _SimPopen | None = None, background: bool = False) -> None:
+        """Run the processes started so far as one simulated world (waits end up here), to its end; with
+        ``background``, on a thread of its own while the launcher goes on (it is about to wait for them in
+        another way: a queue, a pipe, an event), the world a later wait waits for."""
         if current_rank_state() is not None:
             raise LaunchStyleError(format_message(
                 "simulator.launch", "a simulated rank waited for a process that the launcher started",
                 rank=current_rank_state().rank,  # type: ignore[union-attr]
                 fix="join/wait for the launched processes in the launcher (the script's main code), not in a rank"))
-        with self.lock:
-            if popen is not None and popen.returncode is not None:
+        if background:
+            if not self.run_lock.acquire(blocking=False):
+                return  # (one world at a time: the next starts when the launcher waits for its processes)
+            with self.lock:
+                batch, self.pending = self.pending, []
+                world = self._world(batch) if batch else None
+            if world is None:
+                self.run_lock.release()
                 return
-            batch, self.pending = self.pending, []
-            if not batch:
-                return
-            gpus = self.gpus_per_node
-            if self.devices == "cuda" and self.gpus_follow_ranks and gpus is not None and len(batch) > gpus:
-                gpus = len(batch)
-                print(f"simulator: --devices cuda: the program started {gpus} processes, so its ranks see {gpus} "
-                      f"stand-in GPUs each (pass --gpus-per-node N to choose)", file=sys.stderr, flush=True)
-            world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
-                          stall_timeout=self.stall_timeout, device=self.device, devices=self.devices,
-                          gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
-                          isolation=self.isolation)  # each rank: its own copy of the launcher's environment
-            world.bound_names = self.bound_names
-            world.exit_codes = self.exit_codes
-            world.own_torch_rpc = self.own_torch_rpc
-            if self.rank_start is not None:
-                world.rank_start = self.rank_start()
-            if self.seeds is not None:  # (a script: where its children's torch RNGs start)
-                world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
-            world.launched = True  # ranks for processes the program started (adapters.started_processes)
-            # (the elastic agent's command workers are subprocesses: they do not import the launcher's script)
-            world.import_main = not all(getattr(p, "_sim_own_program", False) for p in batch)
-            if self.replay_hint and hasattr(world, "replay_hint"):
-                world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
-            for r, p in enumerate(batch):
-                p._popen.rank, p._popen.world = r, world  # type: ignore[attr-defined]
-            world.rank_pids = [p.pid for p in batch]  # os.getpid() on rank r (simulator/adapters/threads.py)
-            self.worlds.append(world)
-            hook = sys.excepthook
-            try:
-                if self.isolation == "process":
-                    launched.run_batch(world, batch, self.clean_exit_codes)
-                else:
-                    world.run(_rank_entry, args=(batch, self.clean_exit_codes))
-            except BaseException as e:  # noqa: BLE001  delivered as exit codes (and by spawn as torch's errors)
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                self.failures.append(e)
-                self.failure_of[id(world)] = e
-            finally:
-                sys.excepthook = hook  # torch's init_process_group wraps it once per rank
-            for r, p in enumerate(batch):
-                po = p._popen  # type: ignore[attr-defined]
-                if po.returncode is None:  # released by another rank's failure, or never got to run
-                    po.returncode = 1
-                    po.exc = world.errors[r]
+            self.background = threading.Thread(target=self._run, args=(world, batch, True), daemon=True,
+                                               name="tensorplay-sim-launched-world")
+            self.background.start()
+            return
+        with self.run_lock:  # (a world in the background ends first, as its processes would)
+            with self.lock:
+                if popen is not None and popen.returncode is not None:
+                    return
+                batch, self.pending = self.pending, []
+                if not batch:
+                    return
+                world = self._world(batch)
+            self._run(world, batch)
+
+    def in_background(self, popen: _SimPopen) -> bool:
+        """Whether ``popen``'s world is running in the background now (its process is alive)."""
+        running = self.background
+        return running is not None and running.is_alive() and popen.world is not None and popen.returncode is None
+
+    def _world(self, batch: list[mp_process.BaseProcess]) -> World:
+        gpus = self.gpus_per_node
+        if self.devices == "cuda" and self.gpus_follow_ranks and gpus is not None and len(batch) > gpus:
+            gpus = len(batch)
+            print(f"simulator: --devices cuda: the program started {gpus} processes, so its ranks see {gpus} "
+                  f"stand-in GPUs each (pass --gpus-per-node N to choose)", file=sys.stderr, flush=True)
+        world = World(len(batch), seed=self.seed, mode=self.mode, timeout=self.timeout,
+                      stall_timeout=self.stall_timeout, device=self.device, devices=self.devices,
+                      gpus_per_node=gpus, env=dict(os.environ), p2p=self.p2p,
+                      isolation=self.isolation)  # each rank: its own copy of the launcher's environment
+        world.bound_names = self.bound_names
+        world.exit_codes = self.exit_codes
+        world.own_torch_rpc = self.own_torch_rpc
+        if self.rank_start is not None:
+            world.rank_start = self.rank_start()
+        if self.seeds is not None:  # (a script: where its children's torch RNGs start)
+            world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
+        world.launched = True  # ranks for processes the program started (adapters.started_processes)
+        # (the elastic agent's command workers are subprocesses: they do not import the launcher's script)
+        world.import_main = not all(getattr(p, "_sim_own_program", False) for p in batch)
+        if self.replay_hint and hasattr(world, "replay_hint"):
+            world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
+        for r, p in enumerate(batch):
+            p._popen.rank, p._popen.world = r, world  # type: ignore[attr-defined]
+        world.rank_pids = [p.pid for p in batch]  # os.getpid() on rank r (simulator/adapters/threads.py)
+        self.worlds.append(world)
+        return world
+
+    def _run(self, world: World, batch: list[mp_process.BaseProcess], release: bool = False) -> None:
+        try:
+            self._run_world(world, batch)
+        finally:
+            if release:  # (the background thread holds the run lock for the launcher)
+                self.run_lock.release()
+
+    def _run_world(self, world: World, batch: list[mp_process.BaseProcess]) -> None:
+        hook = sys.excepthook
+        try:
+            if self.isolation == "process":
+                launched.run_batch(world, batch, self.clean_exit_codes)
+            else:
+                world.run(_rank_entry, args=(batch, self.clean_exit_codes))
+        except BaseException as e:  # noqa: BLE001  delivered as exit codes (and by spawn as torch's errors)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self.failures.append(e)
+            self.failure_of[id(world)] = e
+        finally:
+            sys.excepthook = hook  # torch's init_process_group wraps it once per rank
+        for r, p in enumerate(batch):
+            po = p._popen  # type: ignore[attr-defined]
+            if po.returncode is None:  # released by another rank's failure, or never got to run
+                po.returncode = 1  # (a world that failed to start has no errors of its ranks: its own)
+                po.exc = world.errors[r] if r < len(world.errors) else self.failure_of.get(id(world))
 
     def finish(self) -> None:
         """The launcher ended: run what is still pending (Python joins children at exit), free descriptors."""
@@ -441,6 +479,11 @@ class _Patches:
 
             self.saved.append((handlers, scheme, handler))
             handlers[scheme] = guarded
+        # the launcher about to wait on a queue, pipe or event its ranks may fill: they start running meanwhile
+        launcher = self.launcher
+        os_waits.install()
+        self._set(os_waits, "launcher_wait", lambda: launcher.run_pending(background=True))
+        self.waits = True
 
     def uninstall(self) -> None:
         for owner, name, value in reversed(self.saved):
@@ -449,6 +492,9 @@ class _Patches:
             else:
                 setattr(owner, name, value)
         self.saved.clear()
+        if getattr(self, "waits", False):
+            self.waits = False
+            os_waits.uninstall()
 
 
 @contextlib.contextmanager

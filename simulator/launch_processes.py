@@ -211,10 +211,15 @@ class _SimPopen:
             self.launcher.run_pending(self)
 
     def poll(self, flag: int = 0) -> int | None:
-        self._finish()
+        if not self.launcher.in_background(self):  # (a rank of a world running in the background is alive)
+            self._finish()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
+        running = self.launcher.background
+        if timeout is not None and running is not None and self.launcher.in_background(self):
+            running.join(timeout)
+            return self.returncode
         self._finish()
         return self.returncode
 

@@ -11,12 +11,19 @@ the run is marked as not a pure function of its seed.  Calls made by the simulat
 ``subprocess`` are left alone (see :data:`simulator.adapters.threads._OWN`).
 
 Covered: ``select.select``, and ``recv``, ``recv_into``, ``recvfrom``, ``recvfrom_into`` and ``accept`` of blocking
-``socket.socket`` objects.  A blocking ``Lock.acquire`` or a busy loop cannot be seen from Python: see
-docs/deviations.md.
+``socket.socket`` objects; multiprocessing's waits between processes, which ranks that a launcher started share
+with each other and with the launcher: the reads and ``poll`` of a ``Connection`` (``Pipe``, and under them
+``Queue.get``, ``SimpleQueue.get``, a manager's proxies), ``Event.wait`` and ``Condition.wait`` (under them
+``Barrier.wait`` and ``JoinableQueue.join``), and a lock's or semaphore's blocking ``acquire`` and ``with`` (of
+those made while a launcher or world runs: ``acquire`` is set on each lock as it is made).  A wait torch makes
+for its own worker processes (a ``DataLoader``'s queues) is left alone: no rank can be what it waits for.  A
+blocking ``threading.Lock.acquire`` or a busy loop cannot be seen from Python: see docs/deviations.md.
 """
 from __future__ import annotations
 
 import _socket
+import multiprocessing.connection as mp_connection
+import multiprocessing.synchronize as mp_synchronize
 import select
 import socket
 import sys
@@ -32,7 +39,15 @@ __all__ = ["install", "uninstall", "wait_in_os"]
 wait_in_os: Callable[[str, str, Callable[[], Any]], Any] | None = None
 
 _OWN = ("simulator", "tensorplay", "subprocess")
+#: multiprocessing's waits are left alone when made for these (torch: its DataLoader's workers)
+_OWN_MP = (*_OWN, "torch")
+#: packages a multiprocessing wait passes through on its way from the caller who decides (Queue.get -> recv_bytes)
+_THROUGH = ("multiprocessing", "threading")
 _REAL: dict[str, Any] = {}
+_depth = 0  # installs not yet undone (the launcher's and each world's)
+#: set by a launcher run (simulator.launch): called when the launcher itself would block in a multiprocessing
+#: wait, so that the ranks it started (which may be what it waits for) begin to run
+launcher_wait: Callable[[], None] | None = None
 _SOCKET_READS = ("recv", "recv_into", "recvfrom", "recvfrom_into")
 
 
@@ -45,6 +60,22 @@ def _site(depth: int) -> tuple[str, str] | None:
     if package in _OWN:
         return None
     return package, f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def _mp_wait(caller: Any, what: str, would_block: Callable[[], bool], call: Callable[[], Any]) -> Any:
+    """A multiprocessing wait made by the frame ``caller``: out of the schedule if it would block a rank's turn;
+    in the launcher (no rank), the ranks it started first begin to run (:data:`launcher_wait`)."""
+    while caller is not None and (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _THROUGH:
+        caller = caller.f_back  # (Queue.get -> recv_bytes: the code that called the queue decides)
+    if caller is None or (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _OWN_MP:
+        return call()
+    if current_rank_state() is None and wait_in_os is None:  # not a rank: the launcher, or a thread of it
+        if launcher_wait is not None and would_block():
+            launcher_wait()
+        return call()
+    if not would_block():
+        return call()
+    return _out_of_turn(what, f"{caller.f_code.co_filename}:{caller.f_lineno}", call)
 
 
 def _out_of_turn(what: str, site: str, call: Callable[[], Any]) -> Any:
@@ -93,10 +124,80 @@ def _socket_wait(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
+def _connection_read(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _mp_wait(sys._getframe(1), f"multiprocessing Connection.{name}() with nothing to read yet",
+                        lambda: not _REAL["poll"](self, 0), lambda: real(self, *args, **kwargs))
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = real.__doc__
+    return method
+
+
+def _connection_poll(self: Any, timeout: float | None = 0.0) -> bool:
+    real = _REAL["poll"]
+    if timeout is not None and timeout <= 0:
+        return real(self, timeout)
+    return _mp_wait(sys._getframe(1), f"multiprocessing Connection.poll({timeout}) with nothing to read yet",
+                    lambda: not real(self, 0), lambda: real(self, timeout))
+
+
+def _event_wait(self: Any, timeout: float | None = None) -> bool:
+    return _mp_wait(sys._getframe(1), "multiprocessing Event.wait() of an event not set yet",
+                    lambda: not self.is_set(), lambda: _REAL["event_wait"](self, timeout))
+
+
+def _condition_wait(self: Any, timeout: float | None = None) -> bool:
+    return _mp_wait(sys._getframe(1), "multiprocessing Condition.wait()", lambda: True,
+                    lambda: _REAL["condition_wait"](self, timeout))
+
+
+def _semlock_acquire(real: Callable[..., bool]) -> Callable[..., bool]:
+    """A lock's (or semaphore's) ``acquire``: one that would block waits out of the schedule."""
+    def acquire(block: bool = True, timeout: float | None = None) -> bool:
+        if real(False):
+            return True
+        if not block:
+            return False
+        return _mp_wait(sys._getframe(1), "multiprocessing lock acquire() of a lock another process holds",
+                        lambda: True, lambda: real(True, timeout))
+
+    return acquire
+
+
+def _make_methods(self: Any) -> None:
+    _REAL["make_methods"](self)
+    self.acquire = _semlock_acquire(self._semlock.acquire)  # (an instance attribute: set as each lock is made)
+
+
+def _semlock_enter(self: Any) -> bool:  # ``with lock:`` (and ``with condition:``)
+    if self._semlock.acquire(False):
+        return True
+    return _mp_wait(sys._getframe(1), "multiprocessing lock of a `with` block another process holds",
+                    lambda: True, lambda: self._semlock.__enter__())
+
+
+_MP = ((mp_connection._ConnectionBase, "poll", "poll", _connection_poll),
+       (mp_synchronize.Event, "wait", "event_wait", _event_wait),
+       (mp_synchronize.Condition, "wait", "condition_wait", _condition_wait),
+       (mp_synchronize.SemLock, "_make_methods", "make_methods", _make_methods),
+       (mp_synchronize.SemLock, "__enter__", "semlock_enter", _semlock_enter))
+_MP_READS = ("recv", "recv_bytes", "recv_bytes_into")
+
+
 def install() -> None:
-    """Patch ``select.select`` and the blocking reads of ``socket.socket`` (idempotent)."""
+    """Patch ``select.select``, the blocking reads of ``socket.socket`` and multiprocessing's waits (counted: the
+    last :func:`uninstall` puts them back)."""
+    global _depth
+    _depth += 1
     if "select" in _REAL:
         return
+    for owner, name, key, replacement in _MP:
+        _REAL[key] = owner.__dict__[name]
+        setattr(owner, name, replacement)
+    for name in _MP_READS:
+        _REAL[name] = mp_connection._ConnectionBase.__dict__[name]
+        setattr(mp_connection._ConnectionBase, name, _connection_read(name, _REAL[name]))
     _REAL["select"] = select.select
     select.select = _select  # type: ignore[assignment]
     for name in _SOCKET_READS:
@@ -106,10 +207,16 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put back what :func:`install` patched."""
-    if "select" not in _REAL:
+    """Put back what :func:`install` patched, when every install is undone."""
+    global _depth
+    _depth = max(0, _depth - 1)
+    if _depth or "select" not in _REAL:
         return
     select.select = _REAL.pop("select")
+    for owner, name, key, _ in _MP:
+        setattr(owner, name, _REAL.pop(key))
+    for name in _MP_READS:
+        setattr(mp_connection._ConnectionBase, name, _REAL.pop(name))
     for name in _SOCKET_READS:
         delattr(socket.socket, name)  # (inherited from _socket.socket again)
     socket.socket.accept = _REAL.pop("accept")  # type: ignore[method-assign]

@@ -195,6 +195,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
        "a closed process refuses start() and sentinel as multiprocessing does"),
     _P("multiprocessing.context.SpawnProcess._start_method", "launch", "reads",
        "the start method decides which tensors a rank shares with the launcher"),
+    _P("multiprocessing.connection._ConnectionBase", "adapters.os_waits", "patches",
+       "a pipe's (and a queue's) blocking read that another rank or the launcher answers waits out of coop's turn"),
+    _P("multiprocessing.synchronize.SemLock._make_methods", "adapters.os_waits", "patches",
+       "a lock's blocking acquire (an attribute it makes per lock) waits out of coop's turn"),
+    _P("multiprocessing.synchronize.SemLock._semlock", "adapters.os_waits", "reads",
+       "the lock under a multiprocessing lock: tried without blocking first", static=True),
     *(_P(f"torch.distributed.elastic.multiprocessing.api.LogsSpecs.{name}", "launch_elastic", "reads",
          "elastic_launch's log specs say where each worker's streams go (no public getter)", static=True)
       for name in ("_redirects", "_tee", "_local_ranks_filter")),

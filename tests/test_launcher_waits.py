@@ -1,0 +1,110 @@
+"""multiprocessing's waits in a launcher script and its ranks (simulator.adapters.os_waits, simulator.launch): a rank
+waiting on a queue or an event another rank fills does not keep coop's turn, and a launcher that reads its ranks'
+queue before joining them (as Python's documentation advises) finds them running. Each program runs on real
+processes and under ``python -m simulator`` in both isolations, and what each prints is compared."""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from _support.net import run_bounded
+
+RANK_TO_RANK = textwrap.dedent("""\
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    import multiprocessing as mp
+
+    def work(rank, n, q, ev, bar, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+        if rank == 0:
+            ev.wait()        # set by rank 1, outside torch.distributed
+            os.write(1, f"[r0] got {q.get()}\\n".encode())
+        elif rank == 1:
+            q.put("hello from 1")
+            ev.set()
+        bar.wait()           # a multiprocessing Barrier of the three ranks
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        os.write(1, f"[r{rank}] sum={t.item()}\\n".encode())  # (one write: real processes print at once)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        ctx = mp.get_context(sys.argv[2])
+        q, ev, bar = ctx.Queue(), ctx.Event(), ctx.Barrier(3)
+        procs = [ctx.Process(target=work, args=(r, 3, q, ev, bar, sys.argv[1])) for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        print("codes", [p.exitcode for p in procs])
+""")
+
+LAUNCHER_READS = textwrap.dedent("""\
+    import sys
+    import torch
+    import torch.distributed as dist
+    import multiprocessing as mp
+
+    def work(rank, n, q, done, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        q.put((rank, t.item()))
+        done.wait()          # until the launcher has every result (torch's elastic agent does the same)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q, done = ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=work, args=(r, 3, q, done, sys.argv[1])) for r in range(3)]
+        for p in procs:
+            p.start()
+        print("got", sorted(q.get(timeout=60) for _ in procs), flush=True)
+        done.set()
+        for p in procs:
+            p.join()
+        print("codes", [p.exitcode for p in procs])
+""")
+
+
+def _lines(out: str) -> list[str]:
+    return sorted(line for line in out.splitlines() if line.startswith(("[r", "codes", "got")))
+
+
+def _port() -> str:
+    from tensorplay.testing import free_port
+
+    return str(free_port())
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_ranks_that_wait_on_each_others_queue_and_event_finish_under_every_seed(tmp_path, isolation: str) -> None:
+    """Rank 0 waits on an Event and a Queue that rank 1 fills, then all three meet at a multiprocessing Barrier:
+    whichever rank coop's seed runs first, the waiting one steps out of the schedule, and the run finishes as on
+    real processes."""
+    script = tmp_path / "r2r.py"
+    script.write_text(RANK_TO_RANK)
+    real = run_bounded([sys.executable, str(script), _port(), "spawn"], timeout=120)
+    assert real.returncode == 0 and "codes [0, 0, 0]" in real.stdout, real.stdout + real.stderr[-2000:]
+    for seed in ("0", "1", "2"):
+        sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, "--seed", seed,
+                           "--stall-timeout", "60", str(script), _port(), "spawn"], timeout=120)
+        assert _lines(sim.stdout) == _lines(real.stdout), (seed, sim.stdout, sim.stderr[-3000:])
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_launcher_that_reads_its_ranks_queue_before_joining_finds_them_running(tmp_path, isolation: str) -> None:
+    """The launcher gets every rank's result from a queue, then sets the event the ranks wait for, then joins:
+    its first wait on the queue starts the ranks (they run while it waits, as processes would)."""
+    script = tmp_path / "reads.py"
+    script.write_text(LAUNCHER_READS)
+    real = run_bounded([sys.executable, str(script), _port()], timeout=120)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, str(script), _port()],
+                      timeout=120)
+    assert "got [(0, 6.0), (1, 6.0), (2, 6.0)]" in real.stdout, real.stdout + real.stderr[-2000:]
+    assert _lines(sim.stdout) == _lines(real.stdout), (sim.stdout, sim.stderr[-3000:])
+    assert real.returncode == sim.returncode == 0
