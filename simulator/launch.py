@@ -150,6 +150,7 @@ class _Launcher:
         self.lock = threading.Lock()  # the pending processes
         self.run_lock = threading.Lock()  # held while a world runs (released by the thread that ran it)
         self.background: threading.Thread | None = None  # the thread of the last world run in the background
+        self.unstarted: BaseException | None = None  # why the last world that could not start its ranks failed
         self.next_pid = _fake_pid_base()
 
     def add(self, proc: mp_process.BaseProcess) -> None:
@@ -203,6 +204,13 @@ class _Launcher:
                 world = self._world(batch)
             self._run(world, batch)
 
+    def waits(self) -> None:
+        """The launcher is about to block on a queue, pipe, event or lock its ranks may answer: the pending ranks
+        start in the background; a world that could not start its ranks fails the wait (nothing would answer)."""
+        self.run_pending(background=True)
+        if self.unstarted is not None:
+            raise self.unstarted
+
     def in_background(self, popen: _SimPopen) -> bool:
         """Whether ``popen``'s world is running in the background now (its process is alive)."""
         running = self.background
@@ -226,8 +234,10 @@ class _Launcher:
         if self.seeds is not None:  # (a script: where its children's torch RNGs start)
             world.rng_origin = self.seeds.origin(_start_method(batch[0]), len(self.worlds))
         world.launched = True  # ranks for processes the program started (adapters.started_processes)
-        # (the elastic agent's command workers are subprocesses: they do not import the launcher's script)
-        world.import_main = not all(getattr(p, "_sim_own_program", False) for p in batch)
+        # a fork child never runs the script's top-level code again (its functions travel by value), and the
+        # elastic agent's command workers are subprocesses: neither imports the launcher's script
+        world.import_main = not (_start_method(batch[0]) == "fork"
+                                 or all(getattr(p, "_sim_own_program", False) for p in batch))
         if self.replay_hint and hasattr(world, "replay_hint"):
             world.replay_hint = self.replay_hint  # type: ignore[attr-defined]
         for r, p in enumerate(batch):
@@ -255,6 +265,8 @@ class _Launcher:
                 raise
             self.failures.append(e)
             self.failure_of[id(world)] = e
+            if not world.errors:  # (no rank ran: e.g. an argument that cannot reach a rank process)
+                self.unstarted = e
         finally:
             sys.excepthook = hook  # torch's init_process_group wraps it once per rank
         for r, p in enumerate(batch):
@@ -482,7 +494,7 @@ class _Patches:
         # the launcher about to wait on a queue, pipe or event its ranks may fill: they start running meanwhile
         launcher = self.launcher
         os_waits.install()
-        self._set(os_waits, "launcher_wait", lambda: launcher.run_pending(background=True))
+        self._set(os_waits, "launcher_wait", launcher.waits)
         self.waits = True
 
     def uninstall(self) -> None:

@@ -108,3 +108,62 @@ def test_a_launcher_that_reads_its_ranks_queue_before_joining_finds_them_running
     assert "got [(0, 6.0), (1, 6.0), (2, 6.0)]" in real.stdout, real.stdout + real.stderr[-2000:]
     assert _lines(sim.stdout) == _lines(real.stdout), (sim.stdout, sim.stderr[-3000:])
     assert real.returncode == sim.returncode == 0
+
+
+NO_GUARD_FORK = textwrap.dedent("""\
+    import os
+    import multiprocessing as mp
+    os.write(1, b"body\\n")  # a fork child never runs this again
+
+    SCALE = {"factor": 10}   # a global the children read (a fork child has the launcher's memory)
+
+    def worker(rank, conn):
+        conn.send(rank * SCALE["factor"])
+
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, pipes[r][1])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    print("got", [a.recv() for a, _ in pipes], "codes", [p.exitcode for p in procs])
+""")
+
+FORK_QUEUE = textwrap.dedent("""\
+    import multiprocessing as mp
+
+    def worker(rank, q):
+        q.put(rank)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        q = ctx.SimpleQueue()
+        procs = [ctx.Process(target=worker, args=(r, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        print(sorted(q.get() for _ in procs))
+""")
+
+
+def test_a_fork_queue_that_cannot_reach_rank_processes_fails_the_launchers_wait(tmp_path) -> None:
+    """A fork context's lock (in its queue) cannot reach a rank process, which is spawned: the launcher's later
+    wait on the queue fails with multiprocessing's reason rather than waiting for ranks that never started."""
+    script = tmp_path / "forkq.py"
+    script.write_text(FORK_QUEUE)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", "process", str(script)], timeout=120)
+    assert sim.returncode == 1 and "A SemLock created in a fork context" in sim.stderr, sim.stderr[-3000:]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_fork_launcher_without_a_main_guard_runs_its_body_once(tmp_path, isolation: str) -> None:
+    """The fork start method copies the launcher into each child, which never runs the script's top-level code:
+    on rank processes the children's code travels by value instead of the script being imported again."""
+    script = tmp_path / "noguard.py"
+    script.write_text(NO_GUARD_FORK)
+    real = run_bounded([sys.executable, str(script)], timeout=120)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, str(script)], timeout=120)
+    assert real.stdout == "body\ngot [0, 10] codes [0, 0]\n", real.stdout + real.stderr[-2000:]
+    assert sim.stdout == real.stdout and sim.returncode == 0, sim.stdout + sim.stderr[-3000:]

@@ -24,6 +24,7 @@ import os
 import pickle
 import sys
 import types
+from collections import ChainMap
 from typing import Any
 
 from tensorplay.distributed.errors import DistTypeError, format_message
@@ -45,8 +46,6 @@ def _cloud_pickler() -> Any:
             import cloudpickle
         except ImportError:
             return None
-        from collections import ChainMap
-
         base = getattr(cloudpickle, "Pickler", None) or getattr(cloudpickle, "CloudPickler")
         table = getattr(base, "dispatch_table", None)
 
@@ -154,11 +153,14 @@ class _Spawning:
         return _PassedFd(index)
 
 
-def dumps_inherited(obj: Any, what: str = "") -> tuple[bytes, list[int]]:
+def dumps_inherited(obj: Any, what: str = "", by_value: bool = False) -> tuple[bytes, list[int]]:
     """Pickle ``obj`` as multiprocessing's spawn pickles a child's process object: pipes and ``Connection``s, queues,
     locks and events of a spawn context, and tensors (torch's reducers: shared memory) reach the rank process as the
     same objects, not copies; returns the payload and the descriptors to pass with it (:data:`received_fds` on the
-    other side).  What multiprocessing's pickler refuses (closures) travels by :func:`dumps` instead."""
+    other side).  What multiprocessing's pickler refuses (closures) travels by :func:`dumps` instead.
+
+    ``by_value``: the main script's functions and classes travel by value (cloudpickle), for a rank process that does
+    not import the script (a fork child, which never runs the script's top-level code again)."""
     from multiprocessing import context
     from multiprocessing.reduction import ForkingPickler
 
@@ -168,7 +170,15 @@ def dumps_inherited(obj: Any, what: str = "") -> tuple[bytes, list[int]]:
     context.set_spawning_popen(spawning)
     try:
         buf = io.BytesIO()
-        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        cloud = _cloud_pickler() if by_value else None
+        if cloud is None:
+            ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        else:
+            class _ByValue(cloud):  # type: ignore[misc,valid-type]
+                # (read when the pickler is made: multiprocessing's reducers pass pipes' descriptors too)
+                dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloud.dispatch_table)
+
+            _ByValue(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return buf.getvalue(), spawning.fds
     except Exception as e:  # noqa: BLE001
         first = e

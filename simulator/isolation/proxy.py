@@ -59,6 +59,22 @@ def _dumps(obj: Any, what: str = "") -> bytes:
 class ProcessRanks(ProxyHandlers):
     """The rank processes of one run of a world and the proxy loop that serves them."""
 
+    @staticmethod
+    def _inherited(world: Any, fn: Any, rank_args: Sequence[Sequence[Any]], kwargs: dict[str, Any],
+                   what: str) -> list[tuple[bytes, list[int]]]:
+        """Each rank's payload as a spawned child inherits it; a world that does not import the main script (fork
+        children) sends its code by value, and imports the script after all when that cannot be done."""
+        def payloads(by_value: bool) -> list[tuple[bytes, list[int]]]:
+            return [pickling.dumps_inherited((fn, tuple(a), dict(kwargs)), what, by_value) for a in rank_args]
+
+        if getattr(world, "import_main", True):
+            return payloads(False)
+        try:
+            return payloads(True)
+        except Exception:  # noqa: BLE001  (e.g. a global of the script that only travels by reference)
+            world.import_main = True
+            return payloads(False)
+
     def __init__(self, world: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                  rank_args: Sequence[Sequence[Any]] | None = None) -> None:
         """``rank_args``: rank ``r`` calls ``fn(*rank_args[r], **kwargs)`` instead, its arguments passed as a spawned
@@ -77,7 +93,7 @@ class ProcessRanks(ProxyHandlers):
             if rank_args is None:
                 payloads = [(_dumps((fn, tuple(args), dict(kwargs)), what), [])] * world.world_size
             else:
-                payloads = [pickling.dumps_inherited((fn, tuple(a), dict(kwargs)), what) for a in rank_args]
+                payloads = self._inherited(world, fn, rank_args, kwargs, what)
         except DistTypeError:
             raise
         except Exception as e:  # noqa: BLE001
