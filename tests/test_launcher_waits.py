@@ -167,3 +167,32 @@ def test_a_fork_launcher_without_a_main_guard_runs_its_body_once(tmp_path, isola
     sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, str(script)], timeout=120)
     assert real.stdout == "body\ngot [0, 10] codes [0, 0]\n", real.stdout + real.stderr[-2000:]
     assert sim.stdout == real.stdout and sim.returncode == 0, sim.stdout + sim.stderr[-3000:]
+
+
+NO_GUARD_SPAWN = textwrap.dedent("""\
+    import os
+    import torch.multiprocessing as mp
+    os.write(1, f"body as {__name__}\\n".encode())
+
+    def fn(rank):
+        os.write(1, f"[r{rank}] ran\\n".encode())
+
+    try:
+        mp.spawn(fn, nprocs=2)
+        os.write(1, b"spawn ok\\n")
+    except RuntimeError as e:
+        os.write(1, f"spawn raised {'bootstrapping phase' in str(e)}\\n".encode())
+""")
+
+
+def test_a_spawn_launcher_without_a_main_guard_meets_multiprocessings_bootstrapping_error(tmp_path) -> None:
+    """A spawned child imports the script as __mp_main__, and its own spawn call fails with multiprocessing's
+    bootstrapping error; rank processes import it the same way, with the same error (no nested processes)."""
+    script = tmp_path / "noguard_spawn.py"
+    script.write_text(NO_GUARD_SPAWN)
+    real = run_bounded([sys.executable, str(script)], timeout=120)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", "process", str(script)], timeout=120)
+    assert sorted(real.stdout.splitlines()) == [
+        "[r0] ran", "[r1] ran", "body as __main__", "body as __mp_main__", "body as __mp_main__", "spawn ok",
+        "spawn raised True", "spawn raised True"], real.stdout + real.stderr[-2000:]
+    assert sorted(sim.stdout.splitlines()) == sorted(real.stdout.splitlines()), sim.stdout + sim.stderr[-3000:]

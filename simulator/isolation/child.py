@@ -27,6 +27,7 @@ import threading
 import traceback
 import weakref
 from datetime import timedelta
+from multiprocessing import process as mp_process
 from multiprocessing import spawn
 from multiprocessing.connection import Connection
 from typing import Any, Callable, ContextManager
@@ -177,12 +178,17 @@ def main(fd: int | None = None) -> None:
     mark_rank_process()
     rank = setup.rank
     before = set(sys.modules)
+    # while the main module is imported and the payload loaded, this process is "inheriting", as a spawned child
+    # is: a launcher without a __main__ guard that starts processes there gets multiprocessing's bootstrapping error
+    mp_process.current_process()._inheriting = True
     try:
         spawn.prepare(setup.prep)  # the coordinator's sys.path, cwd and main module (as __mp_main__)
         fn, args, kwargs = pickle.loads(setup.payload)
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, exception_message(e))
         return
+    finally:
+        del mp_process.current_process()._inheriting
     rpc_process.RANK = (rank, setup.world_size, setup.mode)  # what init_rpc takes when the program leaves it out
     rpc_process.SECRET = setup.rpc_secret  # (the run's: RPC is authenticated by default)
     torch.set_rng_state(setup.torch_rng)
