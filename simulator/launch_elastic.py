@@ -39,7 +39,7 @@ __all__ = ["launch_agent"]
 
 def _program(entrypoint: str, args: list[Any]) -> tuple[Program, list[str]]:
     """The Python program a command entrypoint runs, and its arguments (``python -u script.py a b``)."""
-    if entrypoint != sys.executable and os.path.basename(entrypoint) not in ("python", "python3"):
+    if entrypoint != sys.executable and not os.path.basename(entrypoint).startswith("python"):
         raise ValueError(
             f"torch.distributed.launcher.api.launch_agent: entrypoint={entrypoint!r} is an executable, and simulated "
             f"ranks run Python programs; fix: pass the Python function, or sys.executable with the script's path "
