@@ -48,7 +48,6 @@ import multiprocessing
 import multiprocessing.process as mp_process
 import os
 import shlex
-import signal
 import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -57,7 +56,6 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 import torch.distributed.launcher.api as launcher_api
 import torch.multiprocessing as tmp
-from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 import tensorplay.distributed as tpd
 import tensorplay.distributed.api as tpd_api
@@ -72,8 +70,8 @@ from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
 # the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
 from simulator.launch_seeds import SeedWatch
-from simulator.launch_processes import (_copy_for_rank, _fake_pid_base, _first_failed, _is_user_process, _no_trigger,
-                                        _SimPopen, _sim_popen, _start_method)
+from simulator.launch_processes import (SimProcessContext, _copy_for_rank, _fake_pid_base, _is_user_process,
+                                        _no_trigger, _SimPopen, _sim_popen, _start_method)
 from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
@@ -289,51 +287,6 @@ class _Launcher:
 # ---------------------------------------------------------------------------
 # torch.multiprocessing.spawn / start_processes
 # ---------------------------------------------------------------------------
-class SimProcessContext:
-    """What the simulated ``start_processes(..., join=False)`` returns (torch's ``ProcessContext`` API)."""
-
-    def __init__(self, processes: list[mp_process.BaseProcess]) -> None:
-        self.processes = processes
-        self.error_files = [None] * len(processes)
-        self._reported = False
-
-    def pids(self) -> list[int]:
-        return [int(p.pid) for p in self.processes]
-
-    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
-        """Run the ranks (if not yet); raise torch's error for a failed one, as a real join does."""
-        for p in self.processes:
-            p.join()
-        failed = [p for p in self.processes if p.exitcode != 0]
-        if not failed or self._reported:
-            return True
-        self._reported = True
-        raise _process_error(self.processes.index(_first_failed(failed)), _first_failed(failed))
-
-
-def _process_error(index: int, proc: mp_process.BaseProcess) -> BaseException:
-    popen = _sim_popen(proc)
-    code = proc.exitcode
-    exc = popen.exc if popen is not None else None
-    if exc is not None and not popen.exited:  # type: ignore[union-attr]
-        msg = f"\n\n-- Process {index:d} terminated with the following error:\n" + format_rank_traceback(exc)
-        err: BaseException = ProcessRaisedException(msg, index, proc.pid)
-    elif code is not None and code < 0:
-        name = signal.Signals(-code).name
-        err = ProcessExitedException(f"process {index:d} terminated with signal {name}", error_index=index,
-                                     error_pid=proc.pid, exit_code=code, signal_name=name)
-    else:
-        err = ProcessExitedException(f"process {index:d} terminated with exit code {code:d}", error_index=index,
-                                     error_pid=proc.pid, exit_code=code)
-    err.rank = popen.rank if popen is not None else index  # type: ignore[attr-defined]
-    err.rank_exception = exc  # type: ignore[attr-defined]
-    failure = popen.launcher.failure_of.get(id(popen.world)) if popen is not None else None
-    if failure is not None and exc is None and getattr(failure, "rank", None) == err.rank:
-        for note in getattr(failure, "__notes__", ()):  # the replay hint of the world that ran the rank
-            err.add_note(note)
-    return err
-
-
 def _start_processes(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
                      daemon: bool = False, start_method: str = "spawn") -> SimProcessContext | None:
     ctx = multiprocessing.get_context(start_method)

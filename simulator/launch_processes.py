@@ -23,8 +23,10 @@ import types
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from simulator.core.errors import RankFailedError
+from simulator.core.tracebacks import format_rank_traceback
 
 if TYPE_CHECKING:  # (annotations only: the launcher imports this module)
     from simulator.launch import _Launcher
@@ -272,3 +274,51 @@ def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProces
         return po is None or not (po.exited or (po.exc is not None and not isinstance(po.exc, RankFailedError)))
 
     return min(failed, key=released)  # min keeps the first of equals: the lowest index
+
+
+# ---------------------------------------------------------------------------
+# what spawn(..., join=False) returns, and the errors its join raises
+# ---------------------------------------------------------------------------
+class SimProcessContext:
+    """What the simulated ``start_processes(..., join=False)`` returns (torch's ``ProcessContext`` API)."""
+
+    def __init__(self, processes: list[mp_process.BaseProcess]) -> None:
+        self.processes = processes
+        self.error_files = [None] * len(processes)
+        self._reported = False
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.processes]
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Run the ranks (if not yet); raise torch's error for a failed one, as a real join does."""
+        for p in self.processes:
+            p.join()
+        failed = [p for p in self.processes if p.exitcode != 0]
+        if not failed or self._reported:
+            return True
+        self._reported = True
+        raise _process_error(self.processes.index(_first_failed(failed)), _first_failed(failed))
+
+
+def _process_error(index: int, proc: mp_process.BaseProcess) -> BaseException:
+    popen = _sim_popen(proc)
+    code = proc.exitcode
+    exc = popen.exc if popen is not None else None
+    if exc is not None and not popen.exited:  # type: ignore[union-attr]
+        msg = f"\n\n-- Process {index:d} terminated with the following error:\n" + format_rank_traceback(exc)
+        err: BaseException = ProcessRaisedException(msg, index, proc.pid)
+    elif code is not None and code < 0:
+        name = signal.Signals(-code).name
+        err = ProcessExitedException(f"process {index:d} terminated with signal {name}", error_index=index,
+                                     error_pid=proc.pid, exit_code=code, signal_name=name)
+    else:
+        err = ProcessExitedException(f"process {index:d} terminated with exit code {code:d}", error_index=index,
+                                     error_pid=proc.pid, exit_code=code)
+    err.rank = popen.rank if popen is not None else index  # type: ignore[attr-defined]
+    err.rank_exception = exc  # type: ignore[attr-defined]
+    failure = popen.launcher.failure_of.get(id(popen.world)) if popen is not None else None
+    if failure is not None and exc is None and getattr(failure, "rank", None) == err.rank:
+        for note in getattr(failure, "__notes__", ()):  # the replay hint of the world that ran the rank
+            err.add_note(note)
+    return err

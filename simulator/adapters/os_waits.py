@@ -152,29 +152,25 @@ def _condition_wait(self: Any, timeout: float | None = None) -> bool:
                     lambda: _REAL["condition_wait"](self, timeout))
 
 
-def _semlock_acquire(real: Callable[..., bool]) -> Callable[..., bool]:
-    """A lock's (or semaphore's) ``acquire``: one that would block waits out of the schedule."""
-    def acquire(block: bool = True, timeout: float | None = None) -> bool:
-        if real(False):
-            return True
-        if not block:
-            return False
-        return _mp_wait(sys._getframe(1), "multiprocessing lock acquire() of a lock another process holds",
-                        lambda: True, lambda: real(True, timeout))
-
-    return acquire
+def _acquire(real: Callable[..., bool], caller: Any, block: bool = True, timeout: float | None = None) -> bool:
+    """A multiprocessing lock's (or semaphore's) acquire by ``caller``: one that would block waits out of turn."""
+    if real(False):
+        return True
+    if not block:
+        return False
+    return _mp_wait(caller, "multiprocessing lock acquire() of a lock another process holds", lambda: True,
+                    lambda: real(True, timeout))
 
 
 def _make_methods(self: Any) -> None:
     _REAL["make_methods"](self)
-    self.acquire = _semlock_acquire(self._semlock.acquire)  # (an instance attribute: set as each lock is made)
+    real = self._semlock.acquire
+    # (an instance attribute: set as each lock is made)
+    self.acquire = lambda block=True, timeout=None: _acquire(real, sys._getframe(1), block, timeout)
 
 
 def _semlock_enter(self: Any) -> bool:  # ``with lock:`` (and ``with condition:``)
-    if self._semlock.acquire(False):
-        return True
-    return _mp_wait(sys._getframe(1), "multiprocessing lock of a `with` block another process holds",
-                    lambda: True, lambda: self._semlock.__enter__())
+    return _acquire(self._semlock.acquire, sys._getframe(1))
 
 
 _MP = ((mp_connection._ConnectionBase, "poll", "poll", _connection_poll),

@@ -18,6 +18,7 @@ added to cloudpickle here:
 """
 from __future__ import annotations
 
+import functools
 import io
 import marshal
 import os
@@ -153,6 +154,18 @@ class _Spawning:
         return _PassedFd(index)
 
 
+@functools.cache
+def _by_value_pickler(cloud: Any) -> Any:
+    """cloudpickle's pickler (``cloud``) with multiprocessing's reducers too: pipes pass their descriptors."""
+    from multiprocessing.reduction import ForkingPickler
+
+    class _ByValue(cloud):  # type: ignore[misc,valid-type]
+        # (read when a pickler is made; ForkingPickler's table is live: torch's reducers register into it)
+        dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloud.dispatch_table)
+
+    return _ByValue
+
+
 def dumps_inherited(obj: Any, what: str = "", by_value: bool = False) -> tuple[bytes, list[int]]:
     """Pickle ``obj`` as multiprocessing's spawn pickles a child's process object: pipes and ``Connection``s, queues,
     locks and events of a spawn context, and tensors (torch's reducers: shared memory) reach the rank process as the
@@ -174,11 +187,7 @@ def dumps_inherited(obj: Any, what: str = "", by_value: bool = False) -> tuple[b
         if cloud is None:
             ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
         else:
-            class _ByValue(cloud):  # type: ignore[misc,valid-type]
-                # (read when the pickler is made: multiprocessing's reducers pass pipes' descriptors too)
-                dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloud.dispatch_table)
-
-            _ByValue(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+            _by_value_pickler(cloud)(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return buf.getvalue(), spawning.fds
     except Exception as e:  # noqa: BLE001
         first = e
