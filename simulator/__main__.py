@@ -6,8 +6,10 @@ With ``--nproc-per-node N`` the script runs torchrun-style on N ranks; without i
 import sys
 
 from simulator.core.hash_seeds import reexec_with_seeded_hash
+from simulator.isolation.warm import prestart_for_command_line
 
 reexec_with_seeded_hash()  # before torch is imported: a string-hash order that follows --seed (see the module)
+prestart_for_command_line(sys.argv[1:])  # rank processes' interpreters import torch while this one does
 
 from simulator.cli import main  # noqa: E402
 

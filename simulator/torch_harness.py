@@ -156,6 +156,31 @@ class _Harness:
             stall_timeout=config.getoption("sim_stall_timeout", None) or DEFAULT_STALL_TIMEOUT)
         self._undo_continuous: Any = None  # MultiProcContinuousTest's workers as thread ranks, once one runs
         self._moved: dict[str, str] = {}  # tests run on rank processes under --sim-harness thread -> why
+        self._prestarted = False
+
+    def pytest_collect_file(self, file_path: Any) -> None:
+        """On rank processes, the first test file that uses torch's distributed test harness starts the warm
+        interpreters of its ranks (each imports torch: seconds) while pytest imports the file and collects it."""
+        if self.isolation != "process" or self._prestarted or file_path.suffix != ".py":
+            return
+        worker = hasattr(self.config, "workerinput")
+        if (not worker and self.config.getoption("dist", "no") != "no") or self.config.getoption("collectonly"):
+            return  # (pytest-xdist's controller runs no test: its workers start their own)
+        try:
+            text = file_path.read_text(errors="replace")
+        except OSError:
+            return
+        if "torch.testing._internal" not in text or "distributed" not in text:
+            return
+        from simulator.core.hash_seeds import rank_envs  # (here: the plugin loads light; both import no torch)
+        from simulator.isolation import warm  # (likewise)
+
+        self._prestarted = True
+        if warm.enabled():
+            # the harness's worlds: this process's environment, each rank's hash seed; torch's harness makes worlds
+            # of 4 ranks unless a class says otherwise (distributed_test.py: WORLD_SIZE)
+            n = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else 4
+            warm.POOL.prestart(rank_envs(self.settings.seed, n, os.environ))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self._undo_continuous is not None:

@@ -51,6 +51,7 @@ from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
 from simulator.core.errors import RankExitError, RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
+from simulator.core.hash_seeds import torchrun_defaults
 from simulator.core.report import describe_world, held_turn_warning, needs_cuda, per_process_state
 from simulator.core.progress import (DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames, check_seconds, check_stall, expire,
                                      poll_interval, watch_turn)
@@ -323,8 +324,7 @@ class World:
                         "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                         "TORCHELASTIC_RUN_ID": "simulator", "TORCHELASTIC_RESTART_COUNT": "0",
                         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
-            if self.world_size > 1 and "OMP_NUM_THREADS" not in real:
-                env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several processes per node
+            env.update(torchrun_defaults(real, self.world_size))
         env.update(self.env)
         return env
 

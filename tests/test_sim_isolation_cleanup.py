@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -27,8 +28,12 @@ import pytest
 import torch
 
 import simulator
+from simulator.core.hash_seeds import rank_envs
+from simulator.isolation import warm
 import tensorplay.distributed as dist
 from tensorplay.distributed.errors import DistRuntimeError
+
+from _support.warm_starts import run_counting
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = os.path.basename(__file__)
@@ -182,8 +187,6 @@ def test_kept_failures_keep_no_arena_mapped():
 def test_at_most_max_warm_interpreters_stay(monkeypatch):
     """A world of more ranks than the cap starts what it needs and keeps them for its next run (PyTorch's harness
     starts the same world for every test of a class); after a smaller world the cap holds again."""
-    from simulator.isolation import warm
-
     monkeypatch.setattr(warm, "_MAX_WARM", 2)
     simulator.run(lambda: dist.get_rank(), 3, isolation="process")
     kept = list(warm.POOL._servers.values())
@@ -319,8 +322,6 @@ def test_a_function_of_a_script_read_from_stdin():
 
 
 def test_a_slow_start_says_why_once(monkeypatch, capfd):
-    from simulator.isolation import warm
-
     monkeypatch.setattr(warm, "_said_slow", False)
     monkeypatch.setattr(warm, "_SLOW_START_S", 60.0)  # a quick start-up says nothing
     simulator.run(lambda: None, 2, isolation="process")
@@ -442,3 +443,44 @@ def test_moved_buffers_the_program_drops_are_let_go_by_the_coordinator():
     got = simulator.run(_moved_then_dropped, 2, args=(os.getpid(), 12), isolation="process")
     for r, (before, after) in enumerate(got):
         assert after <= before + 2, (r, before, after)  # (12 buffers per rank moved: 24 mappings if none let go)
+
+
+# ---------------------------------------------------------------------------
+# warm interpreters started ahead: while the command line (or pytest) imports torch, the ranks' interpreters do
+# ---------------------------------------------------------------------------
+_PROGRAM = r"""
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} sum {t.item():g}")
+"""
+
+
+@pytest.mark.parametrize("args,n,omp", [(["--isolation", "process", "--nproc-per-node", "2"], 2, "1"),
+                                        (["--isolation=process", "--nproc_per_node=3", "--seed", "4"], 3, None)],
+                         ids=["spaced", "equals-and-omp-unset"])
+def test_the_command_line_starts_its_ranks_interpreters_ahead_and_uses_them(tmp_path, args, n, omp):
+    (tmp_path / "prog.py").write_text(_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONHASHSEED")}
+    env.update({"OMP_NUM_THREADS": omp} if omp else {})
+    p, starts = run_counting(tmp_path, "simulator", [*args, "prog.py"], "torch", env)
+    assert p.returncode == 0, p.stderr
+    # (found, not split into lines: under PYTHONUNBUFFERED two processes' prints can interleave)
+    assert sorted(re.findall(r"rank \d+ sum \d+", p.stdout)) == [f"rank {r} sum {n * (n + 1) // 2}"
+                                                                 for r in range(n)], p.stdout
+    # n started before torch was imported, with n distinct hash seeds, and none more: the world used them
+    assert starts == (n, n, n), p.stderr
+
+
+def test_a_prestarted_interpreter_nobody_used_does_not_hold_up_the_exit():
+    """A command line that fails before its world starts (a usage error) exits at once: the interpreters started
+    ahead are still importing torch, and are killed rather than waited for."""
+    pool = warm.WarmPool()
+    try:
+        assert pool.prestart(rank_envs(0, 2, os.environ)) == 2
+        assert pool.prestart(rank_envs(0, 2, os.environ)) == 0  # (asked again: the same two)
+    finally:
+        t0 = time.monotonic()
+        pool.close()
+        assert time.monotonic() - t0 < 1.0

@@ -560,14 +560,16 @@ def test_spawned_children_start_from_what_a_fresh_interpreter_importing_the_scri
     script = _write(tmp_path, "spawn_seeds.py", SPAWN_SEEDS)
     p = _sim(tmp_path, "--isolation", isolation, script, where)
     assert p.returncode == 0, p.stderr
-    lines = [line for line in p.stdout.splitlines() if line.startswith("child ")]
+    # matched, not split into lines: under PYTHONUNBUFFERED a print is two writes, and two processes' prints can
+    # interleave between them (real processes' too)
+    lines = re.findall(r"child \d+ seed=(\d+) draw=(\d+\.\d{6})", p.stdout)
     assert len(lines) == 4, p.stdout
-    seeds = [int(line.split("seed=")[1].split()[0]) for line in lines]
+    seeds = [int(seed) for seed, _ in lines]
     if where == "main":  # seeded in the main block: each child of each spawn has a seed of its own
         assert len(set(seeds)) == 4 and 7 not in seeds, lines
     else:  # seeded at the top: every child starts there, not where the launcher's draws left it
         draw = f"{torch.rand(1, generator=torch.Generator().manual_seed(7)).item():.6f}"
-        assert seeds == [7] * 4 and all(line.endswith(f"draw={draw}") for line in lines), lines
+        assert seeds == [7] * 4 and all(d == draw for _, d in lines), lines
 
 
 # env:// in a process the program started: it has what it inherited and what it sets, nothing a launcher adds

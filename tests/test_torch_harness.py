@@ -31,6 +31,8 @@ from simulator.launch import _is_user_process, launch
 from simulator.world import current_rank_state
 from tensorplay.testing import free_port
 
+from _support.warm_starts import run_counting
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "torch_harness_cases"
 ISOLATIONS = ("thread", "process")
@@ -300,6 +302,45 @@ def _pytest_written(work: Path, text: str, isolation: str, *extra: str) -> tuple
                            "--sim-harness", isolation, *extra, "test_case.py"],
                           cwd=work, env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+_FOUR_RANK_CASE = """
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_utils import run_tests
+
+class Case(MultiProcessTestCase):  # torch's default world: 4 ranks
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def _sum(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", rank=self.rank,
+                                world_size=self.world_size)
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_first(self):
+        self.assertEqual(self._sum(), 10.0)
+
+    def test_second(self):
+        self.assertEqual(self._sum(), 10.0)
+
+if __name__ == "__main__":
+    run_tests()
+"""
+
+
+def test_rank_processes_interpreters_start_while_pytest_collects_and_serve_every_test(tmp_path: Path) -> None:
+    """Under ``--sim-harness process`` the first test file on torch's harness starts its ranks' warm interpreters
+    before pytest imports it; the first test's world uses them, and so does the next: 4 in all."""
+    (tmp_path / "test_case.py").write_text(_FOUR_RANK_CASE)
+    p, starts = run_counting(tmp_path, "pytest", ["-p", "no:cacheprovider", "-p", "simulator.torch_harness",
+                                                  "--sim-harness", "process", "-q", "test_case.py"], "test_case")
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
+    assert starts == (4, 4, 4), p.stderr
 
 
 _FRESH_PROCESS_CASE = _two_rank_case("""

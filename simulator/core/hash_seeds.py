@@ -4,16 +4,19 @@ A string's hash, and with it the iteration order of a ``set`` or ``dict`` of str
 interpreter's hash seed when it starts.  Each rank process gets :func:`hash_seed` of the run's seed and its rank.
 Thread ranks share one interpreter: under ``python -m simulator`` that interpreter starts again with rank 0's
 value (:func:`reexec_with_seeded_hash`) unless ``PYTHONHASHSEED`` is set already, so a program that iterates a
-set of strings (issuing collectives in that order, say) runs the same way for the same ``--seed``.
+set of strings (issuing collectives in that order, say) runs the same way for the same ``--seed``.  With
+``--isolation process`` it starts the rank processes' warm interpreters
+(:func:`simulator.isolation.warm.prestart_for_command_line`) before it imports torch.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
-__all__ = ["hash_seed", "reexec_with_seeded_hash", "CLI_VALUE_OPTIONS"]
+__all__ = ["hash_seed", "reexec_with_seeded_hash", "rank_envs", "torchrun_defaults",
+           "CLI_VALUE_OPTIONS"]
 
 
 def hash_seed(run_seed: int, rank: int) -> int:
@@ -36,12 +39,13 @@ CLI_VALUE_OPTIONS = frozenset({"--nproc-per-node", "--nproc_per_node", "--seed",
                                *(f"--{o.replace('-', '_')}" for o in _TORCHRUN_VALUE_OPTIONS)})
 
 
-def cli_seed(args: Sequence[str]) -> int | None:
-    """``--seed`` among the options before the script (0 when not given); None for the subcommands and usage
-    errors, which run no ranks of a script."""
+def cli_options(args: Sequence[str]) -> dict[str, str] | None:
+    """The options before the script, as typed (``{"--seed": "3", ...}``; a flag maps to ""); None for the
+    subcommands, which run no ranks of a script."""
     if not args or args[0] in ("calibrate", "pytest"):
         return None
-    seed, i = "0", 0
+    out: dict[str, str] = {}
+    i = 0
     while i < len(args):
         a = args[i]
         if a == "--":
@@ -52,13 +56,32 @@ def cli_seed(args: Sequence[str]) -> int | None:
         if name in CLI_VALUE_OPTIONS and not eq:
             value = args[i + 1] if i + 1 < len(args) else ""
             i += 1
-        if name == "--seed":
-            seed = value
+        out[name] = value
         i += 1
+    return out
+
+
+def cli_seed(args: Sequence[str]) -> int | None:
+    """``--seed`` among the options before the script (0 when not given); None for the subcommands and usage
+    errors, which run no ranks of a script."""
+    options = cli_options(args)
     try:
-        return int(seed)
+        return None if options is None else int(options.get("--seed", "0"))
     except ValueError:
         return None  # (the parser reports it)
+
+
+def rank_envs(run_hash_seed: int, n: int, base: Mapping[str, str]) -> list[dict[str, str]]:
+    """The start environments of a world's ``n`` rank processes whose other variables are ``base``, for starting
+    their warm interpreters ahead (:meth:`simulator.isolation.warm.WarmPool.prestart`); the rank processes get
+    these values (:class:`simulator.isolation.proxy.ProcessRanks`)."""
+    return [dict(base, PYTHONHASHSEED=str(hash_seed(run_hash_seed, r))) for r in range(n)]
+
+
+def torchrun_defaults(environ: Mapping[str, str], world_size: int) -> dict[str, str]:
+    """What torchrun adds to its workers' environment beyond the per-rank variables: one intra-op thread each
+    (``OMP_NUM_THREADS=1``) when several processes share the node and the variable is not set."""
+    return {"OMP_NUM_THREADS": "1"} if world_size > 1 and "OMP_NUM_THREADS" not in environ else {}
 
 
 def reexec_with_seeded_hash() -> None:

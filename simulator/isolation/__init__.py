@@ -16,14 +16,24 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from tensorplay.distributed.errors import DistRuntimeError, DistValueError, format_message
+from simulator.core.hash_seeds import hash_seed
 
-from simulator.isolation import cleanup
-from simulator.isolation.proxy import ProcessRanks, hash_seed
+if TYPE_CHECKING:
+    from simulator.isolation.proxy import ProcessRanks
 
 __all__ = ["ISOLATIONS", "check_isolation", "hash_seed", "run_processes", "ProcessRanks"]
+
+
+def __getattr__(name: str) -> Any:
+    # The package itself imports no torch: ``python -m simulator`` starts the ranks' warm interpreters (.warm)
+    # before it imports torch, and pytest's harness plugin before it imports a test file.
+    if name == "ProcessRanks":
+        from simulator.isolation.proxy import ProcessRanks  # (imports torch: see above)
+
+        return ProcessRanks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: every isolation a simulated world offers (tests parametrise over this tuple)
 ISOLATIONS: tuple[str, ...] = ("thread", "process")
@@ -43,6 +53,8 @@ def mark_rank_process() -> None:
 def check_isolation(isolation: Any, call: str = "simulator.run") -> str:
     """Return ``isolation`` if it names one of :data:`ISOLATIONS`, else raise a clear error."""
     if isolation not in ISOLATIONS:
+        from tensorplay.distributed.errors import DistValueError, format_message
+
         raise DistValueError(format_message(
             call, "unknown isolation", values={"isolation": isolation, "available": list(ISOLATIONS)},
             fix="pass isolation='thread' (ranks are threads of this process) or isolation='process' (each rank "
@@ -57,6 +69,10 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
     ``rank_args``: rank ``r`` calls ``fn(*rank_args[r], **kwargs)``, its arguments inherited as by a spawned child
     (the processes a launcher starts; see :mod:`simulator.launch`).
     """
+    from tensorplay.distributed.errors import DistRuntimeError, format_message
+
+    from simulator.isolation import cleanup, proxy  # (here: the package imports no torch, see __getattr__)
+
     global last_pids
     if _in_rank_process:
         raise DistRuntimeError(format_message(
@@ -64,7 +80,7 @@ def run_processes(world: Any, fn: Callable[..., Any], args: Sequence[Any], kwarg
             "the calling script as __mp_main__, as multiprocessing's spawn does, so unguarded top-level code runs "
             "again there)", values={"isolation": "process"},
             fix="put the script's top-level code under `if __name__ == \"__main__\":`"))
-    ranks = ProcessRanks(world, fn, args, dict(kwargs or {}), rank_args)
+    ranks = proxy.ProcessRanks(world, fn, args, dict(kwargs or {}), rank_args)
     last_pids = ranks.pids
     world.hash_seeds = list(ranks.hash_seeds)
     world.isolation = "thread"  # the coordinator's rank threads are the proxies

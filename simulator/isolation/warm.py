@@ -43,13 +43,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
+from simulator.core.hash_seeds import cli_options, rank_envs, torchrun_defaults
 from simulator.isolation.messages import (
     WARM_EXITED, WARM_FORKED, WARM_LOADED, WARM_READY, WARM_RECORD, WARM_TAINTED,
 )
 
-__all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "SlowStartNote", "enabled"]
+__all__ = ["Forked", "WarmPool", "POOL", "PROLOGUE", "SlowStartNote", "enabled", "prestart_for_command_line"]
 
 #: variables that differ between the ranks or the runs of one world (and pytest's name of the running test):
 #: not part of a warm interpreter's key, set in the rank process after the fork
@@ -62,6 +63,17 @@ PER_RANK_ENV = frozenset({"PYTEST_CURRENT_TEST",
 #: and rendezvous file): not part of a warm interpreter's key either, so consecutive tests share warm interpreters;
 #: a library that mentions one of them is never imported ahead (it may read it at import: see child.library_modules)
 PER_RUN_ENV = frozenset({"TEMP_DIR", "INIT_METHOD"})
+
+#: variables torch writes into the coordinator's environment as it runs and reads at each use, never at import
+#: (``torch._inductor``'s cache folder, set by the first compile or test-harness import that asks for it): not part
+#: of the key, or a coordinator that compiled once would start every warm interpreter again
+LATE_ENV = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
+
+
+def _key(env: dict[str, str]) -> tuple:
+    """What a warm interpreter for ``env`` must have been started with (its forks get all of ``env``)."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k not in PER_RANK_ENV and k not in PER_RUN_ENV and k not in LATE_ENV))
 
 _MAX_WARM = 16  # warm interpreters kept (each about the memory of an interpreter with torch imported)
 _START_S = 300.0  # bound on a warm interpreter's start-up (an interpreter and ``import torch``)
@@ -277,6 +289,11 @@ class _Server:
         return self.proc.poll() is None and not self.tainted
 
     def close(self) -> None:
+        if not self.ready:
+            with self.lock:
+                self.drain()  # (it may have said it is ready since)
+        if not self.ready:  # still importing torch, never forked (a prestarted one nobody used): no need to wait
+            self.proc.kill()
         try:
             self.ctrl.close()  # the warm interpreter kills its rank processes and exits
         except OSError:
@@ -336,8 +353,7 @@ class WarmPool:
 
     def servers(self, envs: list[dict[str, str]]) -> list[_Server | None]:
         """A ready warm interpreter for each start environment (None where one could not be started)."""
-        keys = [tuple(sorted((k, v) for k, v in env.items() if k not in PER_RANK_ENV and k not in PER_RUN_ENV))
-                for env in envs]
+        keys = [_key(env) for env in envs]
         out: list[_Server] = []
         with self._lock:
             for key in keys:
@@ -365,6 +381,25 @@ class WarmPool:
             self._trim()
         deadline = time.monotonic() + _START_S
         return [s if s.await_ready(deadline) else None for s in out]
+
+    def prestart(self, envs: list[dict[str, str]]) -> int:
+        """Start warm interpreters for ``envs`` now and return at once (how many were started): a world that
+        starts later with these environments finds them importing torch already.  Callers that know a world's ranks
+        before they can start it (pytest collecting a suite, the command line importing torch) overlap the two
+        start-ups; a guess that misses costs only the interpreters started for it (dropped as least recently
+        used)."""
+        started = 0
+        with self._lock:
+            for key in dict.fromkeys(_key(env) for env in envs):
+                s = self._servers.get(key)
+                if s is None or not s.alive():
+                    if s is not None:
+                        self._servers.pop(key).close()
+                    s = self._spawn(dict(key))
+                    s.preload = [n for n in self._hints if n not in self._refused]
+                    self._servers[key] = s
+                    started += 1
+        return started
 
     def release(self, servers: list["_Server | None"]) -> None:
         """A run that used ``servers`` has ended: keep at most ``_MAX_WARM`` warm interpreters, or the last world's
@@ -426,6 +461,22 @@ class WarmPool:
         self._lock = threading.Lock()
         self._starter = None  # the starter thread did not survive the fork
         self._requests = queue.Queue()
+
+
+def prestart_for_command_line(args: Sequence[str]) -> None:
+    """``python -m simulator --isolation process --nproc-per-node N script``: start the ranks' warm interpreters
+    now, before that process imports torch, so that the start-ups overlap (each imports torch: seconds).  Only for
+    plainly spelled command lines of one node; a guess that misses costs the interpreters it started."""
+    options = cli_options(args)
+    if options is None or options.get("--isolation") != "process" or not enabled():
+        return
+    nproc = options.get("--nproc-per-node", options.get("--nproc_per_node", ""))
+    seed = options.get("--seed", "0")
+    if not nproc.isdigit() or int(nproc) < 1 or not seed.lstrip("-").isdigit() or options.get("--nnodes", "1") != "1":
+        return
+    n = int(nproc)
+    # the environment World gives torchrun-style ranks, less the per-rank variables (not part of the key)
+    POOL.prestart(rank_envs(int(seed), n, dict(os.environ, **torchrun_defaults(os.environ, n))))
 
 
 #: the pool of this process (closed at exit; its warm interpreters would die with the process anyway)
