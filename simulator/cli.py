@@ -358,9 +358,11 @@ def _check_program(program: per_rank_main.Program) -> int:
                  f"{os.getcwd()}); fix: run from the folder that holds it, or add that folder to PYTHONPATH")
             return 1
         return 0
-    script = os.path.abspath(program.typed)
+    script = program.script
     if not os.path.isfile(script):
-        _err(f"no such script: {program.typed}")
+        _err(f"no such script: {program.typed}" + (f" (a directory runs as a script only with a __main__.py, as "
+                                                    f"python runs it; {script} is missing)"
+                                                    if os.path.isdir(program.typed) else ""))
         return 2
     try:  # a script that does not compile fails as `python script.py` does, before any rank starts
         with open(script, "rb") as f:

@@ -49,7 +49,7 @@ from simulator.adapters import _environ, installed, torch_native
 from simulator.adapters.threads import RankOsExit, join_non_daemon_threads, run_exit_handlers
 from simulator.core.backend import SimBackend
 from simulator.core.collector import gc_for_world
-from simulator.core.errors import RankExitError, RankFailedError, SimError
+from simulator.core.errors import RankFailedError, SimError
 from simulator.core.faults import Fault, FaultPlan
 from simulator.core.hash_seeds import torchrun_defaults
 from simulator.core.report import describe_world, held_turn_warning, needs_cuda, per_process_state
@@ -60,7 +60,7 @@ from simulator.core.seeds import _initial_rng_states, rank_seed  # noqa: F401  (
 from simulator.core.state import (NUDGE, Incident, RankState, Run, SimGroup, _local,  # noqa: F401  (re-exported)
                                   current_rank_state, rank_device)
 from simulator.timing.cost import CostModel, resolve_cost
-from simulator.world_ends import refused_thread, warn_still_running, warn_unmatched_p2p
+from simulator.world_ends import exit_error, exit_status, refused_thread, warn_still_running, warn_unmatched_p2p
 from simulator.world_devices import check_devices, device_context
 from simulator.core.trace import DEFAULT_TRACE_LIMIT, EventLog, Trace
 from simulator.isolation import check_isolation, run_processes
@@ -416,8 +416,8 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
                 if not isinstance(ending, RankOsExit):  # (os._exit skips them, as in a process)
                     run_exit_handlers(rs)
     except SystemExit as e:
-        if e.code not in (None, 0):  # a process that exits non-zero has failed; 0 is a normal return
-            exc = _exit_error(rs, e)
+        if exit_status(e.code) not in (None, 0):  # a process that exits non-zero has failed; 0 is a normal return
+            exc = exit_error(rs, e)
             rs.exc = exc
             run.rank_failed(rs, exc)
     except BaseException as e:  # noqa: BLE001  (every failure is reported by run())
@@ -435,20 +435,6 @@ def _rank_main(rs: RankState, fn: Callable[..., Any], args: Sequence[Any], kwarg
         for hook in run.exit_hooks:  # e.g. the RPC transport's barriers (a rank ended)
             hook(rs)
         sched.exit(rs)
-
-
-def _exit_error(rs: RankState, e: SystemExit) -> RankExitError:
-    code = e.code
-    how = "os._exit" if isinstance(e, RankOsExit) else "sys.exit / SystemExit"
-    meaning, fix = rs.run.world.exit_codes.get(code if isinstance(code, int) else None, (  # (sys.exit([...]) too)
-        "a process that exits non-zero is a failed rank, as under torchrun",
-        "return normally (or sys.exit(0)) from every rank, or handle the condition that made it exit"))
-    err = RankExitError(format_message("simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); {meaning}",
-                                       rank=rs.rank, values={"exit_code": code, "last_call": rs.last_site}, fix=fix))
-    err.exit_code = code
-    err.rank = rs.rank
-    err.__cause__ = e
-    return err
 
 
 def _replay(world: World) -> str:

@@ -1,6 +1,6 @@
 """What a simulated world says about how its run ended, besides its result (part of :mod:`simulator.world`).
 
-A thread the operating system refused (the run's own error, with the fix), point-to-point operations that never
+A rank that exited non-zero (its status as the OS reports it: the low 8 bits), a thread the operating system refused (the run's own error, with the fix), point-to-point operations that never
 met their peer in a run that ended well, and rank threads still executing after a bound ran out (warnings).
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 from tensorplay.distributed.errors import format_message
 
-from simulator.core.errors import SimError
+from simulator.adapters.threads import RankOsExit
+from simulator.core.errors import RankExitError, SimError, os_status
 from simulator.core.report import _where
 from simulator.core.sched import DONE
 from simulator.core.state import Incident, Run
@@ -73,3 +74,25 @@ def warn_still_running(run: Run) -> None:
             f"stopped from outside; they are daemons and end when their computation does): {where}",
             fix="make the stuck computation end (it is shown above), or run the program in a separate process"),
             RuntimeWarning, stacklevel=3)
+
+
+def exit_status(code: Any) -> Any:
+    """An exit code as the process's parent would see it (an int keeps its low 8 bits)."""
+    return os_status(code) if isinstance(code, int) else code
+
+
+def exit_error(rs: Any, e: SystemExit) -> RankExitError:
+    """The failure of rank ``rs``, which exited with a non-zero status (sys.exit or os._exit)."""
+    code = exit_status(e.code)
+    how = "os._exit" if isinstance(e, RankOsExit) else "sys.exit / SystemExit"
+    if code != e.code:  # (sys.exit(-3): the parent sees 253)
+        how += f" with {e.code!r}, which the OS reports as {code}"
+    meaning, fix = rs.run.world.exit_codes.get(code if isinstance(code, int) else None, (  # (sys.exit([...]) too)
+        "a process that exits non-zero is a failed rank, as under torchrun",
+        "return normally (or sys.exit(0)) from every rank, or handle the condition that made it exit"))
+    err = RankExitError(format_message("simulator.run", f"rank {rs.rank} exited with code {code!r} ({how}); {meaning}",
+                                       rank=rs.rank, values={"exit_code": code, "last_call": rs.last_site}, fix=fix))
+    err.exit_code = code
+    err.rank = rs.rank
+    err.__cause__ = e
+    return err

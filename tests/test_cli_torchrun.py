@@ -294,3 +294,32 @@ def test_record_writes_the_failed_ranks_error_file_where_torchrun_has_it(tmp_pat
     assert errors(tmp_path / "sim") == errors(tmp_path / "real") == {
         "attempt_0/1/error.json": "ValueError: rank one broke"}
     assert "error file written by torch's @record: " in sim.stderr, sim.stderr[-2000:]
+
+
+@pytest.mark.gloo
+def test_a_directory_with_a_main_module_runs_as_torchrun_runs_it(tmp_path) -> None:
+    """``torchrun dir`` (as ``python dir``) runs ``dir/__main__.py`` with the directory first on ``sys.path``."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("WHO = 'helper beside __main__'\n")
+    (app / "__main__.py").write_text(textwrap.dedent("""
+        import os, sys
+        import torch, torch.distributed as dist
+        from helper import WHO
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        line = f"ENV rank={dist.get_rank()} argv0={os.path.basename(sys.argv[0])} who={WHO} sum={t.item()}"
+        os.write(1, (line + "\\n").encode())
+        dist.destroy_process_group()
+    """))
+    real = torchrun(str(app))
+    assert real.returncode == 0, real.stderr
+    assert len(_env_lines(real.stdout)) == 2, real.stdout
+    for isolation in ("thread", "process"):
+        sim = _simulate(tmp_path, "--isolation", isolation, "--nproc-per-node", "2", "app")
+        assert sim.returncode == 0, sim.stderr
+        assert _env_lines(sim.stdout) == _env_lines(real.stdout), (isolation, sim.stderr)
+    (app / "__main__.py").unlink()
+    missing = _simulate(tmp_path, "--nproc-per-node", "2", "app")
+    assert missing.returncode == 2 and "__main__.py is missing" in missing.stderr, missing.stderr

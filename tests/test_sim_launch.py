@@ -707,3 +707,81 @@ def test_a_scripts_functions_are_found_in_each_ranks_own_main_module(tmp_path, i
     answers = {line for line in p.stdout.splitlines() if "answers" in line}
     calls = sorted(int(c) for line in answers for c in re.findall(r"\((\d), 0\)", line))
     assert calls == [1, 2, 3, 4] and len(answers) == 2 and "rank 0 counted 4" in p.stdout
+
+
+# a launcher whose ranks send back instances of the script's own classes: a child pickles them as
+# __mp_main__.Name (the script, imported under that name), and the launcher finds them in its __main__, which
+# multiprocessing aliases as __mp_main__
+SCRIPT_CLASSES = textwrap.dedent("""
+    import dataclasses
+    import multiprocessing as mp
+
+    @dataclasses.dataclass
+    class Answer:
+        rank: int
+        square: int
+
+    def work(rank, q):
+        q.put(Answer(rank, rank * rank))
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ps = [ctx.Process(target=work, args=(r, q)) for r in range(3)]
+        for p in ps:
+            p.start()
+        got = sorted(((a.rank, a.square, type(a).__module__) for a in (q.get(timeout=60) for _ in ps)))
+        for p in ps:
+            p.join()
+        print("got", got, [p.exitcode for p in ps])
+""")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_the_scripts_own_classes_come_back_from_its_ranks_as_from_real_children(tmp_path, isolation):
+    script = _write(tmp_path, "classes.py", SCRIPT_CLASSES)
+    real = _real(tmp_path, script)
+    assert real.returncode == 0 and "got [(0, 0, '__main__'), (1, 1, '__main__'), (2, 4, '__main__')]" in real.stdout, \
+        real.stdout + real.stderr
+    sim = _sim(tmp_path, "--isolation", isolation, script)
+    assert sim.returncode == 0, sim.stderr
+    assert sim.stdout == real.stdout, sim.stderr
+
+
+# exit statuses as the OS reports them to the parent: the low 8 bits of sys.exit's or os._exit's int
+EXIT_STATUSES = textwrap.dedent("""
+    import multiprocessing as mp, os, sys
+
+    def end(how):
+        if how == "exit256":
+            sys.exit(256)
+        if how == "exit-3":
+            sys.exit(-3)
+        if how == "_exit300":
+            os._exit(300)
+        if how == "exit-str":
+            sys.exit("a message")
+
+    if __name__ == "__main__":
+        hows = ["exit256", "exit-3", "_exit300", "exit-str", "return"]
+        ps = [mp.get_context("spawn").Process(target=end, args=(h,)) for h in hows]
+        for p in ps:
+            p.start()
+        for p in ps:
+            p.join()
+        print("exit codes", dict(zip(hows, [p.exitcode for p in ps])))
+""")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_exit_statuses_keep_the_low_8_bits_as_the_os_reports_them(tmp_path, isolation):
+    script = _write(tmp_path, "exits.py", EXIT_STATUSES)
+    real = _real(tmp_path, script)
+    assert "{'exit256': 0, 'exit-3': 253, '_exit300': 44, 'exit-str': 1, 'return': 0}" in real.stdout, real.stderr
+    sim = _sim(tmp_path, "--isolation", isolation, script)
+    assert sim.stdout == real.stdout, sim.stderr
+    # torchrun-style: sys.exit(256) ends the rank well, sys.exit(-3) fails it with the status the OS reports
+    tr = _write(tmp_path, "tr.py", "import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(int(sys.argv[1]))\n")
+    assert _sim(tmp_path, "--isolation", isolation, "--nproc-per-node", 2, tr, 256).returncode == 0
+    failed = _sim(tmp_path, "--isolation", isolation, "--nproc-per-node", 2, tr, -3)
+    assert failed.returncode == 1 and "rank 1 exited with code 253" in failed.stderr, failed.stderr

@@ -138,13 +138,23 @@ class Program:
 
     @property
     def folder(self) -> str:
-        """``sys.path[0]`` as python gives it: the script's folder, or for ``-m`` the working directory."""
-        return os.getcwd() if self.module else os.path.dirname(os.path.abspath(self.typed))
+        """``sys.path[0]`` as python gives it: the script's folder (a directory run as a script: itself), or for
+        ``-m`` the working directory."""
+        if self.module:
+            return os.getcwd()
+        typed = os.path.abspath(self.typed)
+        return typed if os.path.isdir(typed) else os.path.dirname(typed)
+
+    @property
+    def script(self) -> str:
+        """The file a script program runs: the script, or for a directory (``python dir``) its ``__main__.py``."""
+        typed = os.path.abspath(self.typed)
+        return os.path.join(typed, "__main__.py") if os.path.isdir(typed) else typed
 
     def load(self) -> tuple[Any, types.ModuleType]:
         """The program's code and a fresh ``__main__`` module to run it in (``self.folder`` must be on
         ``sys.path`` for a module).  SyntaxError or ImportError, in python's words."""
-        return module_main(self.typed) if self.module else script_module(os.path.abspath(self.typed))
+        return module_main(self.typed) if self.module else script_module(self.script)
 
     def argv0(self, main: types.ModuleType) -> str:
         """``sys.argv[0]``: the script's path as typed, or the module's file (as python and torchrun give them)."""
@@ -173,16 +183,23 @@ def run_as_main(program: Program, argv: Sequence[str],
     """Run ``program`` as this process's ``__main__`` as python runs it: ``sys.path[0]`` its folder, ``sys.argv``
     ``[argv0, *argv]``, ``sys.modules["__main__"]`` its module (all three put back after).  ``watch(file)``, when
     given, is entered around the run (the launcher's :class:`~simulator.launch_seeds.SeedWatch`)."""
-    folder, old_argv, before = program.folder, sys.argv, sys.modules.get("__main__")
+    folder, old_argv = program.folder, sys.argv
+    before = {name: sys.modules.get(name) for name in ("__main__", "__mp_main__")}
     sys.path.insert(0, folder)
     try:
         code, main = program.load()
         sys.argv = [program.argv0(main), *argv]
-        sys.modules["__main__"] = main
+        # and multiprocessing's alias of __main__ (set when it is first imported: in `python script.py`, the script):
+        # a child process pickles the script's classes as __mp_main__.Name, which the launcher finds there
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
         with watch(main.__file__) if watch is not None else contextlib.nullcontext():  # type: ignore[arg-type]
             exec(code, main.__dict__)
     finally:
-        sys.modules["__main__"] = before  # type: ignore[assignment]  (as runpy puts it back)
+        for name, module in before.items():  # (as runpy puts __main__ back)
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:
             del sys.path[0]

@@ -61,14 +61,20 @@ class RankFailedError(SimError, DistBackendError, torch.distributed.DistBackendE
     failed_rank: int | None = None
 
 
+def os_status(code: int) -> int:
+    """The status a process that exits with ``code`` reports to its parent: the low 8 bits, as POSIX keeps them
+    (``sys.exit(256)`` is a success, ``sys.exit(-3)`` is 253, ``os._exit(300)`` is 44)."""
+    return code & 0xFF
+
+
 class RankExitError(SimError):
     """A rank's code called ``sys.exit(code)`` (or raised ``SystemExit``) with a non-zero code.
 
     On real processes that rank's process ends with that status and torchrun
     reports the child as failed; here the rank fails, every other rank is
     released with :class:`RankFailedError` naming it, and :func:`simulator.run`
-    raises this error.  ``exit_code`` is the code the rank gave.  ``sys.exit(0)``
-    and ``sys.exit()`` are a normal return, as for a process.
+    raises this error.  ``exit_code`` is the status the rank's parent sees (an int code's low 8 bits:
+    :func:`os_status`).  ``sys.exit(0)``, ``sys.exit(256)`` and ``sys.exit()`` are a normal return, as for a process.
     """
 
     exit_code: object = None

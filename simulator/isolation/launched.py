@@ -14,7 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from simulator.adapters import started_processes
-from simulator.core.errors import RankExitError
+from simulator.core.errors import RankExitError, os_status
 from simulator.isolation import run_processes
 
 __all__ = ["exit_status", "run_batch", "rank_process"]
@@ -25,7 +25,7 @@ def exit_status(code: Any) -> int:
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
+        return os_status(code)
     sys.stderr.write(str(code) + "\n")  # multiprocessing prints a non-integer exit message
     return 1
 
