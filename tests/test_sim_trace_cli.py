@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -83,6 +84,21 @@ def test_virtual_time_follows_the_alpha_beta_model(isolation):
     rows = tr.summary()
     assert rows[0]["end_s"] == pytest.approx(ar + bc + ag)
     assert "rank" in tr.format_summary()
+
+
+def test_the_summary_says_when_the_schedule_was_not_a_pure_function_of_the_seed():
+    # (thread ranks: on rank processes one sleep between two calls is computing, at once with the other processes)
+    def fn(wait):
+        dist.all_reduce(tp.ones(4))
+        if wait and dist.get_rank() == 1:
+            time.sleep(0.01)  # (a coop rank that sleeps steps out of the seeded schedule)
+        dist.barrier()
+
+    simulator.run(fn, 2, args=(False,))
+    assert "pure function" not in simulator.last_trace().format_summary()
+    simulator.run(fn, 2, args=(True,))
+    last = simulator.last_trace().format_summary().splitlines()[-1]
+    assert last.startswith("schedule: not a pure function of the seed") and "rank 1 called time.sleep(0.01)" in last
 
 
 def test_delay_fault_makes_a_straggler_in_virtual_time(isolation):

@@ -255,6 +255,9 @@ class Trace:
                          f"{row['comm_s']:>11.4g} "
                          f"{row['exposed_s']:>11.4g} {row['compute_s']:>11.4g} {row['end_s']:>10.4g} "
                          f"{row['steps']:>5} {step:>10}")
+        if not self.deterministic:  # (a failed run's report says so too; a run that ended well says it here)
+            lines.append(f"schedule: not a pure function of the seed, replayed only up to the first wait on the wall "
+                         f"clock ({self.nondeterminism})")
         return "\n".join(lines)
 
     # -- Chrome trace / Perfetto ---------------------------------------
