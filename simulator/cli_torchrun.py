@@ -224,4 +224,11 @@ def plan(ns: argparse.Namespace) -> TorchrunPlan:
     if nodes > 1:
         notes.append(f"--nnodes {ns.nnodes}: the {nodes} nodes of the job run here, {nodes * nproc} ranks in all "
                      f"(LOCAL_RANK 0..{nproc - 1} on each node)")
+    elif ns.gpus_per_node is not None and 0 < ns.gpus_per_node < nproc:
+        # torchrun would start all of them on one node; a node of fewer GPUs than processes is a job of several nodes
+        per, n = ns.gpus_per_node, -(-nproc // ns.gpus_per_node)
+        last = f", the last node holding {nproc - (n - 1) * per} rank(s)" if nproc % per else ""
+        notes.append(f"--gpus-per-node {per} with --nproc-per-node {nproc}: the ranks run as {n} nodes of {per} GPUs "
+                     f"(LOCAL_RANK = rank % {per}{last}), not as one node; to simulate one node, give --gpus-per-node "
+                     f"{nproc} (or leave it out)")
     return TorchrunPlan(nproc=nproc, nodes=nodes, restarts=ns.max_restarts, env=env, notes=notes, output=output)

@@ -128,6 +128,16 @@ def test_torchrun_options_the_simulator_cannot_honour_are_usage_errors(tmp_path,
     assert "ENV " not in p.stdout  # (nothing ran)
 
 
+def test_fewer_gpus_per_node_than_processes_says_the_ranks_run_as_several_nodes(tmp_path) -> None:
+    (tmp_path / "envs.py").write_text(ENV_SCRIPT)
+    p = _simulate(tmp_path, "--nproc-per-node", "3", "--devices", "cuda", "--gpus-per-node", "2", "envs.py")
+    assert p.returncode == 0, p.stderr
+    assert ("--gpus-per-node 2 with --nproc-per-node 3: the ranks run as 2 nodes of 2 GPUs (LOCAL_RANK = rank % 2, "
+            "the last node holding 1 rank(s))") in p.stderr, p.stderr
+    lines = _env_lines(p.stdout)
+    assert [re.search(r"LOCAL_RANK=(\d)", line)[1] for line in lines] == ["0", "1", "0"], lines
+
+
 def test_standalone_alone_runs_one_rank_as_torchrun(tmp_path) -> None:
     """torchrun's default is one process per node: `--standalone script.py` is a torchrun-style run of one rank."""
     (tmp_path / "envs.py").write_text(ENV_SCRIPT)
