@@ -184,6 +184,8 @@ def main(fd: int | None = None) -> None:
     try:
         spawn.prepare(setup.prep)  # the coordinator's sys.path, cwd and main module (as __mp_main__)
         fn, args, kwargs = pickle.loads(setup.payload)
+        if "tp_forked_main" in setup.prep:  # a fork launcher's rank: the launcher's __main__, never run again
+            pickling.adopt_forked_main((fn, args, kwargs), *setup.prep["tp_forked_main"])
     except BaseException as e:  # noqa: BLE001
         _wire.send(conn, exception_message(e))
         return

@@ -166,6 +166,43 @@ def _by_value_pickler(cloud: Any) -> Any:
     return _ByValue
 
 
+def adopt_forked_main(loaded: Any, path: str | None, name: str | None) -> None:
+    """In a rank process of a fork launcher (which never runs the script's top-level code): ``__main__`` as a fork
+    child has it, the launcher's script module.  It holds the script's functions and classes that came by value
+    (``loaded``: the rank's function and its arguments; a started process's target and its globals), so that pickle
+    finds them there by name (a ``Pool`` of the rank's own), and names the script's file (or module), so that a
+    spawn context of the rank's own imports it for its children, as a real fork child's would."""
+    from importlib.machinery import ModuleSpec
+    from multiprocessing.process import BaseProcess
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path  # type: ignore[assignment]
+    main.__spec__ = ModuleSpec(name, None) if name and not path else None
+    seen: list[Any] = []
+    stack = [loaded]
+    while stack and len(seen) < 1000:  # (a few levels: the function, its arguments, a process's target and args)
+        obj = stack.pop()
+        if isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, BaseProcess):
+            stack.extend([obj._target, obj._args, obj._kwargs])  # type: ignore[attr-defined]
+        elif isinstance(obj, functools.partial):
+            stack.extend([obj.func, obj.args, obj.keywords])
+        elif isinstance(obj, (types.FunctionType, type)) and obj.__module__ in ("__main__", "__mp_main__"):
+            if any(obj is s for s in seen):
+                continue
+            seen.append(obj)
+            main.__dict__.setdefault(obj.__name__, obj)
+            for k, v in getattr(obj, "__globals__", {}).items():  # what it reached of the script, by value
+                if not k.startswith("__"):
+                    main.__dict__.setdefault(k, v)
+                    if isinstance(v, (types.FunctionType, type)):
+                        stack.append(v)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+
+
 def dumps_inherited(obj: Any, what: str = "", by_value: bool = False) -> tuple[bytes, list[int]]:
     """Pickle ``obj`` as multiprocessing's spawn pickles a child's process object: pipes and ``Connection``s, queues,
     locks and events of a spawn context, and tensors (torch's reducers: shared memory) reach the rank process as the

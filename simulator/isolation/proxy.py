@@ -119,9 +119,9 @@ class ProcessRanks(ProxyHandlers):
                                     wait_for_workers=False)
         prep = pickling.fix_preparation(spawn.get_preparation_data("simulated-rank"))
         prep.pop("authkey", None)
-        if not getattr(world, "import_main", True):  # (ranks that run a program of their own, as subprocesses)
-            prep.pop("init_main_from_path", None)
-            prep.pop("init_main_from_name", None)
+        if not getattr(world, "import_main", True):  # (fork children, and ranks that run a program of their own)
+            # not imported again: a fork child has its parent's __main__ as it is (see pickling.adopt_forked_main)
+            prep["tp_forked_main"] = (prep.pop("init_main_from_path", None), prep.pop("init_main_from_name", None))
         master_port = str(_free_port())
         rpc_secret = secrets.token_hex(32)  # the workers' shared RPC secret, unless the program sets its own
         self.ranks: list[RankProcess] = []
