@@ -50,6 +50,7 @@ import os
 import shlex
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as tdist
@@ -61,7 +62,7 @@ import tensorplay.distributed as tpd
 import tensorplay.distributed.api as tpd_api
 from tensorplay.distributed.errors import format_message
 
-from simulator.adapters import os_waits
+from simulator.adapters import os_waits, per_rank_streams
 from simulator.adapters.per_rank_main import Program, run_as_main
 from simulator.core.errors import SimError
 from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
@@ -70,8 +71,9 @@ from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
 # the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
 from simulator.launch_seeds import SeedWatch
-from simulator.launch_processes import (SimProcessContext, _copy_for_rank, _fake_pid_base, _is_user_process,
-                                        _no_trigger, _SimPopen, _sim_popen, _start_method)
+from simulator.launch_processes import (SimProcessContext, _copy_for_rank, _fake_pid_base, _Held, _is_user_process,
+                                        _launcher_timeout, _no_trigger, _print_failure, _SimPopen, _sim_popen,
+                                        _start_method)
 from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
@@ -84,8 +86,9 @@ class LaunchStyleError(SimError):
 # ---------------------------------------------------------------------------
 # the launcher: the processes it started, run as simulated worlds
 # ---------------------------------------------------------------------------
-def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int]) -> None:
-    """Body of every rank of a launched world: run the process the launcher started as this rank."""
+def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int], background: bool = False) -> None:
+    """Body of every rank of a launched world: run the process the launcher started as this rank (``background``:
+    while the launcher waits on something else, which a failure's traceback is printed for at once)."""
     rs = current_rank_state()
     proc = procs[rs.rank]  # type: ignore[union-attr]
     popen = _sim_popen(proc)
@@ -101,6 +104,8 @@ def _rank_entry(procs: list[mp_process.BaseProcess], clean_codes: frozenset[int]
     except BaseException as e:  # noqa: BLE001  recorded for the launcher, then reported by the world
         popen.returncode = 1
         popen.exc = e
+        if background:
+            _print_failure(proc)
         raise
     popen.returncode = 0
 
@@ -149,6 +154,8 @@ class _Launcher:
         self.run_lock = threading.Lock()  # held while a world runs (released by the thread that ran it)
         self.background: threading.Thread | None = None  # the thread of the last world run in the background
         self.unstarted: BaseException | None = None  # why the last world that could not start its ranks failed
+        self.held = _Held()  # what stays installed until the launcher ends (finish)
+        self.ended = 0.0  # when the last world ended (monotonic): a launcher's wait after it is bounded by timeout
         self.next_pid = _fake_pid_base()
 
     def add(self, proc: mp_process.BaseProcess) -> None:
@@ -188,6 +195,10 @@ class _Launcher:
             if world is None:
                 self.run_lock.release()
                 return
+            if not self.held:
+                # the launcher prints while a world ends in the background: the ranks' own streams stay installed
+                # until the launcher ends, so its print never meets them half removed
+                self.held.enter_context(per_rank_streams.enabled())
             self.background = threading.Thread(target=self._run, args=(world, batch, True), daemon=True,
                                                name="tensorplay-sim-launched-world")
             self.background.start()
@@ -202,12 +213,23 @@ class _Launcher:
                 world = self._world(batch)
             self._run(world, batch)
 
-    def waits(self) -> None:
-        """The launcher is about to block on a queue, pipe, event or lock its ranks may answer: the pending ranks
-        start in the background; a world that could not start its ranks fails the wait (nothing would answer)."""
+    def waits(self, since: float) -> bool:
+        """The launcher is blocked (since ``since``, monotonic) on a queue, pipe, event or lock its ranks may answer:
+        the pending ranks start in the background (once the world running there ends); a world that could not
+        start its ranks fails the wait (nothing would answer), and so does ``timeout`` once every world ended.
+        True: call again after a slice of the wait (os_waits.launcher_wait)."""
         self.run_pending(background=True)
         if self.unstarted is not None:
             raise self.unstarted
+        running = self.background
+        if (running is not None and running.is_alive()) or self.pending:
+            return True
+        if self.timeout is None or self.timeout == float("inf") or not self.worlds:
+            return False
+        waited = time.monotonic() - max(since, self.ended)
+        if waited < self.timeout:
+            return True
+        raise _launcher_timeout(waited, self.timeout, self.bound_names.timeout, self.failures)
 
     def in_background(self, popen: _SimPopen) -> bool:
         """Whether ``popen``'s world is running in the background now (its process is alive)."""
@@ -246,18 +268,19 @@ class _Launcher:
 
     def _run(self, world: World, batch: list[mp_process.BaseProcess], release: bool = False) -> None:
         try:
-            self._run_world(world, batch)
+            self._run_world(world, batch, release)
         finally:
+            self.ended = time.monotonic()
             if release:  # (the background thread holds the run lock for the launcher)
                 self.run_lock.release()
 
-    def _run_world(self, world: World, batch: list[mp_process.BaseProcess]) -> None:
+    def _run_world(self, world: World, batch: list[mp_process.BaseProcess], background: bool) -> None:
         hook = sys.excepthook
         try:
             if self.isolation == "process":
                 launched.run_batch(world, batch, self.clean_exit_codes)
             else:
-                world.run(_rank_entry, args=(batch, self.clean_exit_codes))
+                world.run(_rank_entry, args=(batch, self.clean_exit_codes, background))
         except BaseException as e:  # noqa: BLE001  delivered as exit codes (and by spawn as torch's errors)
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -272,12 +295,15 @@ class _Launcher:
             if po.returncode is None:  # released by another rank's failure, or never got to run
                 po.returncode = 1  # (a world that failed to start has no errors of its ranks: its own)
                 po.exc = world.errors[r] if r < len(world.errors) else self.failure_of.get(id(world))
+                if background and self.isolation == "process" and r < len(world.errors):
+                    _print_failure(p)  # (a rank process's failure is known here, as its world ends)
 
     def finish(self) -> None:
         """The launcher ended: run what is still pending (Python joins children at exit), free descriptors."""
         try:
             self.run_pending()
         finally:
+            self.held.close()
             for fd in self.fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)

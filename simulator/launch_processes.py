@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from simulator.core.errors import RankFailedError
+from tensorplay.distributed.errors import format_message
+
+from simulator.core.errors import RankFailedError, SimTimeoutError
 from simulator.core.tracebacks import format_rank_traceback
 
 if TYPE_CHECKING:  # (annotations only: the launcher imports this module)
@@ -259,6 +261,38 @@ class _SimPopen:
 def _sim_popen(proc: Any) -> _SimPopen | None:
     popen = getattr(proc, "_popen", None)
     return popen if isinstance(popen, _SimPopen) else None
+
+
+def _print_failure(proc: mp_process.BaseProcess) -> None:
+    """What a real child process prints on its stderr as it dies of an exception (multiprocessing's
+    ``BaseProcess._bootstrap``): its name and traceback.  torch's spawn and elastic workers catch it (no print)."""
+    popen = _sim_popen(proc)
+    exc = popen.exc if popen is not None else None
+    if (exc is None or popen.exited or isinstance(exc, RankFailedError)  # type: ignore[union-attr]
+            or getattr(proc, "_sim_rank_process", False) or getattr(proc, "_sim_own_program", False)):
+        return
+    sys.stderr.write(f"Process {proc.name}:\n{format_rank_traceback(exc)}")
+    sys.stderr.flush()
+
+
+class _Held(contextlib.ExitStack):
+    """An exit stack that says whether it holds anything."""
+
+    def __bool__(self) -> bool:
+        return bool(self._exit_callbacks)  # type: ignore[attr-defined]
+
+
+def _launcher_timeout(waited: float, timeout: float, name: str, failures: list[BaseException]) -> SimTimeoutError:
+    """The error of a launcher's wait that outlasted ``timeout`` (its spelling: ``name``) after its worlds ended."""
+    failed = "; ".join(f"rank {getattr(e, 'rank', '?')} failed ({type(e).__name__}: "
+                       f"{(str(e).splitlines() or [''])[0]})" for e in failures)
+    err = SimTimeoutError(format_message(
+        "simulator.launch", f"the launcher has waited {waited:.0f} s on a multiprocessing queue, pipe, event or "
+        f"lock since every process it started had ended: none is left to answer it",
+        values={name: timeout, **({"failed": failed} if failed else {})},
+        fix="a process it waits for failed or never sent: see its traceback above (real processes hang here)"))
+    err.bound = "timeout"
+    return err
 
 
 def _first_failed(failed: list[mp_process.BaseProcess]) -> mp_process.BaseProcess:

@@ -196,3 +196,117 @@ def test_a_spawn_launcher_without_a_main_guard_meets_multiprocessings_bootstrapp
         "[r0] ran", "[r1] ran", "body as __main__", "body as __mp_main__", "body as __mp_main__", "spawn ok",
         "spawn raised True", "spawn raised True"], real.stdout + real.stderr[-2000:]
     assert sorted(sim.stdout.splitlines()) == sorted(real.stdout.splitlines()), sim.stdout + sim.stderr[-3000:]
+
+
+TWO_WORLDS = textwrap.dedent("""\
+    import sys
+    import multiprocessing as mp
+
+    def worker(k, rank, q):
+        q.put((k, rank))
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        for k in range(3):
+            if sys.argv[1] == "fresh":
+                q = ctx.Queue()
+            procs = [ctx.Process(target=worker, args=(k, r, q)) for r in range(2)]
+            for p in procs:
+                p.start()
+            print("got", sorted(q.get(timeout=60) for _ in procs), flush=True)   # read before join
+            for p in procs:
+                p.join()
+            print("codes", [p.exitcode for p in procs], flush=True)
+""")
+
+
+@pytest.mark.parametrize("queue", ["shared", "fresh"])
+def test_successive_worlds_that_answer_on_a_queue_before_the_join_each_reach_the_launcher(tmp_path, queue: str
+                                                                                          ) -> None:
+    """Three worlds in a row, each read from a queue before it is joined: a world still ending in the background
+    when the launcher starts the next and waits on the queue no longer keeps that next one from starting."""
+    script = tmp_path / "two_worlds.py"
+    script.write_text(TWO_WORLDS)
+    real = run_bounded([sys.executable, str(script), queue], timeout=120)
+    assert real.returncode == 0 and real.stdout.count("codes [0, 0]") == 3, real.stdout + real.stderr[-2000:]
+    for flags in (["--mode", "coop"], ["--mode", "threads"], ["--isolation", "process"]):
+        sim = run_bounded([sys.executable, "-m", "simulator", *flags, str(script), queue], timeout=120)
+        assert sim.stdout == real.stdout and sim.returncode == 0, (flags, sim.stdout, sim.stderr[-3000:])
+
+
+FORK_QUEUE_READ = textwrap.dedent("""\
+    import multiprocessing as mp
+
+    def worker(rank, q):
+        q.put(rank)
+
+    if __name__ == "__main__":
+        q = mp.Queue()   # the default context: fork, on Linux
+        procs = [mp.Process(target=worker, args=(r, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        print(sorted(q.get() for _ in procs))   # read before join: the ranks start in the background
+        for p in procs:
+            p.join()
+""")
+
+
+def test_a_fork_queue_read_before_the_join_fails_the_wait_once_the_rank_processes_cannot_start(tmp_path) -> None:
+    """The same refusal when the launcher reads the queue first: its wait ends with it as soon as the world in the
+    background fails to start, rather than blocking for good on a queue nothing can fill."""
+    script = tmp_path / "forkq_read.py"
+    script.write_text(FORK_QUEUE_READ)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", "process", str(script)], timeout=120)
+    assert sim.returncode == 1 and "A SemLock created in a fork context" in sim.stderr, sim.stderr[-3000:]
+
+
+RANK_DIES = textwrap.dedent("""\
+    import sys
+    import multiprocessing as mp
+
+    def worker(rank, q):
+        if rank == 1:
+            raise RuntimeError("rank 1 dies before answering")
+        q.put(rank)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        wait = None if sys.argv[1] == "none" else float(sys.argv[1])
+        for r in range(2):
+            ctx.Process(target=worker, args=(r, q)).start()   # (joined at exit, as Python joins its children)
+        print("got", [q.get(timeout=wait) for _ in range(2)], flush=True)   # rank 1 never answers
+""")
+
+
+def _died(err: str) -> list[str]:
+    """The child's report of its death, as it prints it: its name, the traceback's head, the rank's own frame
+    (a real child's shows multiprocessing's frames before it) and the exception."""
+    report = err[err.index("Process SpawnProcess-2:\n"):]
+    lines = report.splitlines()
+    return [lines[0], lines[1], next(line.split(", ", 1)[1] for line in lines if "in worker" in line),
+            next(line for line in lines if line.startswith("RuntimeError"))]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_rank_that_dies_while_the_launcher_reads_its_queue_prints_its_traceback_at_once(tmp_path, isolation: str
+                                                                                          ) -> None:
+    """A real child prints its traceback as it dies, while its parent still waits on the queue (then the parent's
+    bounded get gives up); a rank does the same, before the launcher's get gives up.  Without a bound the wait
+    would last for good, as the real one does: the run's --timeout bounds it."""
+    script = tmp_path / "dies.py"
+    script.write_text(RANK_DIES)
+    real = run_bounded([sys.executable, str(script), "4"], timeout=120)
+    sim = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, str(script), "4"], timeout=120)
+    for run in (real, sim):
+        assert run.returncode == 1 and "_queue.Empty" in run.stderr, run.stderr[-3000:]
+        assert run.stderr.index("Process SpawnProcess-2:") < run.stderr.index("_queue.Empty"), run.stderr[-3000:]
+    assert _died(real.stderr) == ["Process SpawnProcess-2:", "Traceback (most recent call last):", "line 6, in worker",
+                                  "RuntimeError: rank 1 dies before answering"], real.stderr[-3000:]
+    assert _died(sim.stderr) == _died(real.stderr), (sim.stderr[-3000:], real.stderr[-3000:])
+    bounded = run_bounded([sys.executable, "-m", "simulator", "--isolation", isolation, "--timeout", "3",
+                           str(script), "none"], timeout=120)
+    assert bounded.returncode == 1 and "SimTimeoutError" in bounded.stderr, bounded.stderr[-3000:]
+    assert "rank 1 failed (RuntimeError: rank 1 dies before answering)" in bounded.stderr, bounded.stderr[-3000:]
+    assert "Process SpawnProcess-2:" in bounded.stderr, bounded.stderr[-3000:]

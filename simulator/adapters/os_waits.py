@@ -27,6 +27,7 @@ import multiprocessing.synchronize as mp_synchronize
 import select
 import socket
 import sys
+import time
 from typing import Any, Callable
 
 from simulator.core.actors import sleep_in, sleep_out
@@ -45,9 +46,13 @@ _OWN_MP = (*_OWN, "torch")
 _THROUGH = ("multiprocessing", "threading")
 _REAL: dict[str, Any] = {}
 _depth = 0  # installs not yet undone (the launcher's and each world's)
-#: set by a launcher run (simulator.launch): called when the launcher itself would block in a multiprocessing
-#: wait, so that the ranks it started (which may be what it waits for) begin to run
-launcher_wait: Callable[[], None] | None = None
+#: set by a launcher run (simulator.launch): called with the (monotonic) time its wait began when the launcher itself
+#: would block in a multiprocessing wait, so that the ranks it started (which may be what it waits for) begin to run;
+#: it raises what ends the wait instead (a world that could not start its ranks, the run's --timeout once nothing is
+#: left to answer) and answers whether to ask again: True, the wait goes on in slices of ``_SLICE`` seconds, each
+#: followed by another call (a world runs in the background, or one is pending, or the wait is bounded)
+launcher_wait: Callable[[float], bool] | None = None
+_SLICE = 0.05
 _SOCKET_READS = ("recv", "recv_into", "recvfrom", "recvfrom_into")
 
 
@@ -62,20 +67,39 @@ def _site(depth: int) -> tuple[str, str] | None:
     return package, f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
-def _mp_wait(caller: Any, what: str, would_block: Callable[[], bool], call: Callable[[], Any]) -> Any:
-    """A multiprocessing wait made by the frame ``caller``: out of the schedule if it would block a rank's turn;
-    in the launcher (no rank), the ranks it started first begin to run (:data:`launcher_wait`)."""
+def _mp_wait(caller: Any, what: str, would_block: Callable[[], bool], call: Callable[[float | None], Any],
+             timeout: float | None = None, ready: Callable[[float], bool] | None = None) -> Any:
+    """A multiprocessing wait made by the frame ``caller`` (``call(t)``: the real wait, bounded by ``t`` seconds
+    where it takes a bound; ``timeout``: the caller's): out of the schedule if it would block a rank's turn; in the
+    launcher (no rank), the ranks it started first begin to run (:func:`_launcher_side`)."""
     while caller is not None and (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _THROUGH:
         caller = caller.f_back  # (Queue.get -> recv_bytes: the code that called the queue decides)
     if caller is None or (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _OWN_MP:
-        return call()
+        return call(timeout)
     if current_rank_state() is None and wait_in_os is None:  # not a rank: the launcher, or a thread of it
-        if launcher_wait is not None and would_block():
-            launcher_wait()
-        return call()
+        return _launcher_side(would_block, call, timeout, ready)
     if not would_block():
-        return call()
-    return _out_of_turn(what, f"{caller.f_code.co_filename}:{caller.f_lineno}", call)
+        return call(timeout)
+    return _out_of_turn(what, f"{caller.f_code.co_filename}:{caller.f_lineno}", lambda: call(timeout))
+
+
+def _launcher_side(would_block: Callable[[], bool], call: Callable[[float | None], Any], timeout: float | None,
+                   ready: Callable[[float], bool] | None) -> Any:
+    """The launcher's wait: while :data:`launcher_wait` asks for it, in slices (a wait that ends at a slice's end
+    with nothing is no answer: its bound falls, a read's ``ready(t)`` says whether it can go on), so that a world
+    that could not start, or a bound, ends it with its error; then the rest of it at once."""
+    start = time.monotonic()
+    end = None if timeout is None else start + timeout
+    while launcher_wait is not None and would_block() and launcher_wait(start):
+        left = _SLICE if end is None else min(_SLICE, end - time.monotonic())
+        if left <= 0:
+            break
+        if ready is not None:
+            if ready(left):
+                break
+        elif got := call(left):
+            return got
+    return call(None if end is None else max(0.0, end - time.monotonic()))
 
 
 def _out_of_turn(what: str, site: str, call: Callable[[], Any]) -> Any:
@@ -127,7 +151,8 @@ def _socket_wait(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
 def _connection_read(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _mp_wait(sys._getframe(1), f"multiprocessing Connection.{name}() with nothing to read yet",
-                        lambda: not _REAL["poll"](self, 0), lambda: real(self, *args, **kwargs))
+                        lambda: not _REAL["poll"](self, 0), lambda _t: real(self, *args, **kwargs),
+                        ready=lambda t: _REAL["poll"](self, t))
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = real.__doc__
@@ -139,17 +164,17 @@ def _connection_poll(self: Any, timeout: float | None = 0.0) -> bool:
     if timeout is not None and timeout <= 0:
         return real(self, timeout)
     return _mp_wait(sys._getframe(1), f"multiprocessing Connection.poll({timeout}) with nothing to read yet",
-                    lambda: not real(self, 0), lambda: real(self, timeout))
+                    lambda: not real(self, 0), lambda t: real(self, t), timeout)
 
 
 def _event_wait(self: Any, timeout: float | None = None) -> bool:
     return _mp_wait(sys._getframe(1), "multiprocessing Event.wait() of an event not set yet",
-                    lambda: not self.is_set(), lambda: _REAL["event_wait"](self, timeout))
+                    lambda: not self.is_set(), lambda t: _REAL["event_wait"](self, t), timeout)
 
 
 def _condition_wait(self: Any, timeout: float | None = None) -> bool:
     return _mp_wait(sys._getframe(1), "multiprocessing Condition.wait()", lambda: True,
-                    lambda: _REAL["condition_wait"](self, timeout))
+                    lambda t: _REAL["condition_wait"](self, t), timeout)
 
 
 def _acquire(real: Callable[..., bool], caller: Any, block: bool = True, timeout: float | None = None) -> bool:
@@ -159,7 +184,7 @@ def _acquire(real: Callable[..., bool], caller: Any, block: bool = True, timeout
     if not block:
         return False
     return _mp_wait(caller, "multiprocessing lock acquire() of a lock another process holds", lambda: True,
-                    lambda: real(True, timeout))
+                    lambda t: real(True, t), timeout)
 
 
 def _make_methods(self: Any) -> None:
