@@ -785,3 +785,40 @@ def test_exit_statuses_keep_the_low_8_bits_as_the_os_reports_them(tmp_path, isol
     assert _sim(tmp_path, "--isolation", isolation, "--nproc-per-node", 2, tr, 256).returncode == 0
     failed = _sim(tmp_path, "--isolation", isolation, "--nproc-per-node", 2, tr, -3)
     assert failed.returncode == 1 and "rank 1 exited with code 253" in failed.stderr, failed.stderr
+
+
+# a fork launcher's rank that hands the script's functions to a pool of its own: a fork child has the launcher's
+# __main__ (found by name when pickled) and its file (which a spawn pool's children import)
+FORK_RANK_POOLS = textwrap.dedent("""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    def square(x):
+        return x * x
+
+    def work(rank, q):
+        with mp.get_context("spawn").Pool(2) as pool:
+            a = sum(pool.map(square, range(rank + 3)))
+        with ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as ex:
+            b = sum(ex.map(square, range(rank + 2)))
+        q.put((rank, a, b))
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        q = mp.get_context("spawn").SimpleQueue()  # (a fork context's locks cannot reach rank processes)
+        ps = [ctx.Process(target=work, args=(r, q)) for r in range(2)]
+        for p in ps:
+            p.start()
+        for p in ps:
+            p.join()
+        print("got", sorted(q.get() for _ in ps), [p.exitcode for p in ps])
+""")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_fork_launchers_ranks_hand_the_scripts_functions_to_pools_of_their_own(tmp_path, isolation):
+    script = _write(tmp_path, "pools.py", FORK_RANK_POOLS)
+    real = _real(tmp_path, script)
+    assert real.stdout == "got [(0, 5, 1), (1, 14, 5)] [0, 0]\n", real.stderr
+    sim = _sim(tmp_path, "--isolation", isolation, script)
+    assert sim.stdout == real.stdout, sim.stderr

@@ -24,6 +24,7 @@ from __future__ import annotations
 import _socket
 import multiprocessing.connection as mp_connection
 import multiprocessing.synchronize as mp_synchronize
+import os
 import select
 import socket
 import sys
@@ -53,12 +54,14 @@ _depth = 0  # installs not yet undone (the launcher's and each world's)
 #: followed by another call (a world runs in the background, or one is pending, or the wait is bounded)
 launcher_wait: Callable[[float], bool] | None = None
 _SLICE = 0.05
+#: the OS's own getpid (thread ranks see pids of their own through os.getpid)
+_real_getpid = getattr(sys.modules.get("posix") or sys.modules.get("nt"), "getpid", os.getpid)
 _SOCKET_READS = ("recv", "recv_into", "recvfrom", "recvfrom_into")
 
 
 def _site(depth: int) -> tuple[str, str] | None:
     """``(package, "file:line")`` of the caller ``depth`` frames up, or None when no rank could be starving."""
-    if current_rank_state() is None and wait_in_os is None:
+    if (current_rank_state() is None and wait_in_os is None) or _forked():
         return None
     f = sys._getframe(depth + 1)
     package = (f.f_globals.get("__name__") or "").split(".", 1)[0]
@@ -67,11 +70,19 @@ def _site(depth: int) -> tuple[str, str] | None:
     return package, f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
+def _forked() -> bool:
+    """A process forked from the one the world runs in (a pool worker a rank started): no schedule there, its
+    waits are its own."""
+    return _real_getpid() != _REAL.get("pid", _real_getpid())
+
+
 def _mp_wait(caller: Any, what: str, would_block: Callable[[], bool], call: Callable[[float | None], Any],
              timeout: float | None = None, ready: Callable[[float], bool] | None = None) -> Any:
     """A multiprocessing wait made by the frame ``caller`` (``call(t)``: the real wait, bounded by ``t`` seconds
     where it takes a bound; ``timeout``: the caller's): out of the schedule if it would block a rank's turn; in the
     launcher (no rank), the ranks it started first begin to run (:func:`_launcher_side`)."""
+    if _forked():
+        return call(timeout)
     while caller is not None and (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _THROUGH:
         caller = caller.f_back  # (Queue.get -> recv_bytes: the code that called the queue decides)
     if caller is None or (caller.f_globals.get("__name__") or "").split(".", 1)[0] in _OWN_MP:
@@ -213,6 +224,7 @@ def install() -> None:
     _depth += 1
     if "select" in _REAL:
         return
+    _REAL["pid"] = _real_getpid()
     for owner, name, key, replacement in _MP:
         _REAL[key] = owner.__dict__[name]
         setattr(owner, name, replacement)
@@ -241,3 +253,4 @@ def uninstall() -> None:
     for name in _SOCKET_READS:
         delattr(socket.socket, name)  # (inherited from _socket.socket again)
     socket.socket.accept = _REAL.pop("accept")  # type: ignore[method-assign]
+    _REAL.pop("pid", None)

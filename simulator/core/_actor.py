@@ -6,6 +6,7 @@ the reports.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -22,6 +23,16 @@ _local = threading.local()
 def current_rank_state() -> Any:
     """The calling rank thread's state (a :class:`simulator.core.state.RankState`), or ``None`` outside a world."""
     return getattr(_local, "rs", None)
+
+
+def _forked_from_a_rank() -> None:
+    # A process forked from a rank thread (a pool worker, a fork of its own) is a real process outside the world:
+    # no scheduler runs there, so its joins, waits and exits are its own.  (It keeps the rank's environment.)
+    _local.rs = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_from_a_rank)
 
 
 #: per OS thread: ``depth > 0`` inside ``Thread.start`` (whose short wait for the new thread must not step out
