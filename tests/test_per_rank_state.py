@@ -142,3 +142,20 @@ def test_children_a_thread_rank_starts_inherit_its_environment(tmp_path: Path) -
     assert sim.returncode == 0, sim.stderr[-3000:]
     assert _rank_lines(sim.stdout) == ["rank 0 subprocess=['0', '0'] worker=[0, 0]",
                                        "rank 1 subprocess=['1', '1'] worker=[1, 1]"], sim.stdout
+
+
+def test_a_print_under_way_as_the_last_world_ends_reaches_the_process_stream(capsys) -> None:
+    """A thread that looked ``print`` up while the per-rank streams were installed (it finds the dispatcher in
+    ``builtins``) and calls it after the last world removed them prints to the process's stream (a launcher's print
+    beside a world ending in the background once raised ``KeyError``)."""
+    import builtins
+
+    from simulator.adapters import per_rank_streams
+
+    with per_rank_streams.enabled():
+        looked_up = builtins.__dict__["print"]
+        written = sys.__dict__["stdout"]
+    assert looked_up is not print  # (the dispatcher, kept past the world's end)
+    looked_up("after the world", flush=True)
+    written.write("and its stream\n")
+    assert capsys.readouterr().out == "after the world\nand its stream\n"

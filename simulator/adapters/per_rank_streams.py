@@ -76,7 +76,10 @@ def _value(module: types.ModuleType, name: str) -> Any:
     key = (id(module), name)
     if table is not None and key in table:
         return table[key]
-    return _PROCESS[key]
+    try:
+        return _PROCESS[key]
+    except KeyError:  # another thread ended the last world meanwhile: the module holds the process's value again
+        return module.__dict__[name]
 
 
 class _PerRankModule(types.ModuleType):
@@ -321,7 +324,8 @@ def _uninstall() -> None:
         for name in names:
             key = (id(module), name)
             if key in _PROCESS:  # (a process's value may be None: sys.stdout under pythonw)
-                module.__dict__[name] = _PROCESS.pop(key)
+                module.__dict__[name] = _PROCESS[key]  # (back first: a call under way finds it, see _value)
+                del _PROCESS[key]
 
 
 _INSTALLATION = Installation(_install, _uninstall)
