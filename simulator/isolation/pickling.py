@@ -178,7 +178,7 @@ def adopt_forked_main(loaded: Any, path: str | None, name: str | None) -> None:
     main = types.ModuleType("__main__")
     main.__file__ = path  # type: ignore[assignment]
     main.__spec__ = ModuleSpec(name, None) if name and not path else None
-    seen: list[Any] = []
+    seen: set[int] = set()
     stack = [loaded]
     while stack and len(seen) < 1000:  # (a few levels: the function, its arguments, a process's target and args)
         obj = stack.pop()
@@ -191,9 +191,9 @@ def adopt_forked_main(loaded: Any, path: str | None, name: str | None) -> None:
         elif isinstance(obj, functools.partial):
             stack.extend([obj.func, obj.args, obj.keywords])
         elif isinstance(obj, (types.FunctionType, type)) and obj.__module__ in ("__main__", "__mp_main__"):
-            if any(obj is s for s in seen):
+            if id(obj) in seen:  # (``loaded`` keeps every object alive: ids are not reused meanwhile)
                 continue
-            seen.append(obj)
+            seen.add(id(obj))
             main.__dict__.setdefault(obj.__name__, obj)
             for k, v in getattr(obj, "__globals__", {}).items():  # what it reached of the script, by value
                 if not k.startswith("__"):

@@ -351,30 +351,32 @@ class WarmPool:
             raise proc
         return _Server(proc, parent)
 
+    def _live(self, key: tuple) -> tuple[_Server, bool]:
+        """The warm interpreter for ``key``, started if there is none alive (caller holds ``_lock``); it becomes
+        the most recently used.  (server, whether it was started now)."""
+        s = self._servers.pop(key, None)
+        if s is not None and not s.alive():
+            with s.lock:
+                s.drain()  # (its last words: WARM_TAINTED if an import ahead started a thread)
+        started = s is None or not s.alive()
+        if started:
+            carry: list[str] = []
+            if s is not None:
+                if s.tainted:  # importing a module of its last batch ahead started a thread: never again
+                    culprit = s.culprit
+                    self._refused.update(s.batch[culprit:culprit + 1] if 0 <= culprit < len(s.batch) else s.batch)
+                carry = [n for n in s.preload if n not in self._refused]
+                s.close()
+            s = self._spawn(dict(key))
+            known = set(carry)
+            s.preload = carry + [n for n in self._hints if n not in known and n not in self._refused]
+        self._servers[key] = s  # most recently used last
+        return s, started
+
     def servers(self, envs: list[dict[str, str]]) -> list[_Server | None]:
         """A ready warm interpreter for each start environment (None where one could not be started)."""
-        keys = [_key(env) for env in envs]
-        out: list[_Server] = []
         with self._lock:
-            for key in keys:
-                s = self._servers.pop(key, None)
-                if s is not None and not s.alive():
-                    with s.lock:
-                        s.drain()  # (its last words: WARM_TAINTED if an import ahead started a thread)
-                if s is None or not s.alive():
-                    carry: list[str] = []
-                    if s is not None:
-                        if s.tainted:  # importing a module of its last batch ahead started a thread: never again
-                            culprit = s.culprit
-                            self._refused.update(s.batch[culprit:culprit + 1] if 0 <= culprit < len(s.batch)
-                                                 else s.batch)
-                        carry = [n for n in s.preload if n not in self._refused]
-                        s.close()
-                    s = self._spawn(dict(key))
-                    known = set(carry)
-                    s.preload = carry + [n for n in self._hints if n not in known and n not in self._refused]
-                self._servers[key] = s  # most recently used last
-                out.append(s)
+            out = [self._live(_key(env))[0] for env in envs]
             self._keep = max(_MAX_WARM, len({id(s) for s in out}))
             for s in set(out):
                 self._leased[id(s)] = self._leased.get(id(s), 0) + 1
@@ -388,18 +390,8 @@ class WarmPool:
         before they can start it (pytest collecting a suite, the command line importing torch) overlap the two
         start-ups; a guess that misses costs only the interpreters started for it (dropped as least recently
         used)."""
-        started = 0
         with self._lock:
-            for key in dict.fromkeys(_key(env) for env in envs):
-                s = self._servers.get(key)
-                if s is None or not s.alive():
-                    if s is not None:
-                        self._servers.pop(key).close()
-                    s = self._spawn(dict(key))
-                    s.preload = [n for n in self._hints if n not in self._refused]
-                    self._servers[key] = s
-                    started += 1
-        return started
+            return sum(self._live(key)[1] for key in dict.fromkeys(_key(env) for env in envs))
 
     def release(self, servers: list["_Server | None"]) -> None:
         """A run that used ``servers`` has ended: keep at most ``_MAX_WARM`` warm interpreters, or the last world's
