@@ -338,6 +338,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P("torch._C._ExcludeDispatchKeyGuard", "standin.amp", "reads", "autocast kernels run below autocast"),
     _P("torch._C.DispatchKey", "standin.amp", "reads", "the autocast dispatch key of privateuseone"),
     _P("torch._C.DispatchKeySet", "standin.amp", "reads", "the autocast dispatch key of privateuseone"),
+    *(_P(f"torch._C.{name}", "standin.ops", "reads",
+         "on a CUDA build (without a GPU): the factories with a CUDA kernel of their own, which the stand-in "
+         "registers its factory over (on a CPU build a fallback reaches them)")
+      for name in ("_dispatch_get_all_op_names", "_dispatch_has_kernel_for_dispatch_key")),
     _P("torch._C._dispatch_has_computed_kernel_for_dispatch_key", "standin.tensor", "reads",
        "an operator without a CPU kernel is refused with a clear error"),
     _P("torch._C._disabled_torch_function_impl", "standin.tensor", "reads",

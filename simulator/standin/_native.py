@@ -3,7 +3,7 @@
 A stand-in is, to torch's C++ side, a tensor on the ``privateuseone`` device
 (``python -c "help(torch.utils.rename_privateuse1_backend)"``); Python sees
 ``cuda``.  Three things must hold for torch's C++ code to accept such tensors
-on a build without CUDA:
+on a build without CUDA, or on a CUDA build on a machine without a GPU:
 
 * a device guard for ``privateuseone`` (autograd asks it for the tensor's
   stream when it records an op) and one for ``cuda`` (``torch.tensor(data,
@@ -18,7 +18,8 @@ The guard and the hooks are registered once per process and stay (they are
 only ever asked about ``privateuseone`` tensors, which only the stand-in
 creates).  The ``cuda`` guard slot and the flag are set by :func:`install`
 and put back by :func:`uninstall`: outside :func:`simulator.standin.enabled`
-torch has no accelerator and no CUDA, as before.  torch offers no call to
+torch has no accelerator and no CUDA, as before (a CUDA build: its own
+``cuda`` guard is kept aside while a stand-in is on, and put back).  torch offers no call to
 clear the flag, so it is located in ``libc10`` (the byte that
 ``c10::is_privateuse1_backend_registered()`` loads) and the location is
 verified against that function's own answer before it is ever written.
@@ -121,12 +122,15 @@ def _setup_once() -> None:
         # a privateuseone backend of the program's own (an out-of-tree device) owns the slot: never touch it
         raise _refuse("a privateuseone backend is already registered in this process",
                       backend=torch._C._get_privateuse1_backend_name())
-    if registry[_CUDA]:
+    # a CUDA build's own guard: aside while a stand-in is on (a machine without a GPU never reaches it), put back after
+    real_cuda = registry[_CUDA]
+    if real_cuda and torch.cuda.device_count():
         raise StandInError(format_message(
-            "simulator.standin.enabled", "this torch build has CUDA: the stand-in replaces CUDA only in a CPU build",
+            "simulator.standin.enabled", "this machine has GPUs: the stand-in replaces CUDA only where there is none",
             values={"torch.version.cuda": torch.version.cuda, "gpus": torch.cuda.device_count()},
-            fix="run the program on this build's GPUs (simulator.run(..., device='cuda')), or install the CPU "
-                "wheel of torch to simulate GPUs on a machine without them"))
+            fix="run the program on this machine's GPUs (simulator.run(..., device='cuda'), or python -m simulator "
+                "without --devices cuda), or hide them from this process with CUDA_VISIBLE_DEVICES= to simulate "
+                "GPUs on the CPU"))
     if registry[_PU]:
         raise _refuse("a device guard for privateuseone is already registered in this process")
     this = ctypes.create_string_buffer(16)  # the registrar's ``this``: it keeps no state
@@ -147,7 +151,7 @@ def _setup_once() -> None:
     if not torch._C._acc.register_python_privateuseone_hook(hooks):
         raise _refuse("torch refused the stand-in's PrivateUse1 hooks (another backend registered its own)")
     pinned = _pinned.patch(hooks, lambda: _Hooks.active)  # (False: pin_memory=True keeps torch's error)
-    _state.update(registry=registry, put=put, cuda_pointer=cuda_pointer, byte=byte, query=query,
+    _state.update(registry=registry, put=put, cuda_pointer=cuda_pointer, real_cuda=real_cuda, byte=byte, query=query,
                   keep=(cuda_guard, pu_guard, hooks), pinned=pinned)
 
 
@@ -159,7 +163,7 @@ def install() -> None:
         # registers the default name again: sets the flag (and nothing else: the name stays "privateuseone")
         torch._C._rename_privateuse1_backend("privateuseone")
         if not _state["query"]() or _state["byte"].value != 1:
-            _state["put"](_CUDA, None)
+            _state["put"](_CUDA, _state["real_cuda"])
             raise _refuse("the privateuse1 flag did not read back as set")
         _Hooks.active = True
         if _state["pinned"]:
@@ -175,7 +179,7 @@ def uninstall() -> None:
         if "registry" not in _state:
             return
         _Hooks.active = False
-        _state["put"](_CUDA, None)
+        _state["put"](_CUDA, _state["real_cuda"])
         byte = _state["byte"]
         if byte.value:
             byte.value = 0

@@ -12,7 +12,7 @@ from simulator.standin import ranks, rng
 from simulator.standin.tensor import (_SPECIAL, CPU, CUDA_DEVICES, StandInTensor, _collective_device, fresh, passes_generator, rewrap,
                      spec, target)
 
-__all__ = ["copy_from", "factory", "device_of", "COMPOSITE_FACTORIES"]
+__all__ = ["copy_from", "factory", "device_of", "COMPOSITE_FACTORIES", "cuda_kernel_factories"]
 
 #: aten's factories (no tensor argument, a ``device=``) whose kernel is composite: registered for every device,
 #: they would build a stand-in through several operators, and some (``arange``, ``eye``, ``range``) allocate an
@@ -30,6 +30,23 @@ COMPOSITE_FACTORIES = (
     "hamming_window.periodic_alpha_beta", "hann_window", "hann_window.periodic", "kaiser_window",
     "kaiser_window.beta", "kaiser_window.periodic",
 )
+
+
+def cuda_kernel_factories(cuda_build: bool) -> list[Any]:
+    """aten's factories (no tensor argument) with a kernel of their own for the ``CUDA`` key: none on a CPU build;
+    on a CUDA build (``empty.memory_format``, ``empty_strided``, ...) they would run CUDA's kernel, which on a
+    machine without a GPU fails, so the stand-in registers :func:`factory` over them there."""
+    if not cuda_build:
+        return []
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::") or not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"):
+            continue
+        base, _, overload = name[6:].partition(".")
+        op = getattr(getattr(torch.ops.aten, base, None), overload or "default", None)
+        if op is not None and not any("Tensor" in str(a.type) for a in op._schema.arguments):
+            found.append(op)
+    return found
 
 
 def _inner_of(t: Any) -> Any:
