@@ -50,6 +50,9 @@ def test_device_queries_and_selection(two_gpus):
     assert torch.cuda.current_device() == 0
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.cuda.set_device(2)
+    for query in (torch.cuda.get_device_properties, torch.cuda.get_device_name, torch.cuda.get_device_capability):
+        with pytest.raises(AssertionError, match="Invalid device id"):  # (torch's Python checks these so)
+            query(2)
     assert torch.cuda.get_device_name(1) == "tensorplay CPU stand-in (cuda:1)"
     props = torch.cuda.get_device_properties(0)
     assert (props.major, props.minor, props.total_memory) == (9, 0, standin.DEFAULT_TOTAL_MEMORY)
@@ -324,6 +327,23 @@ def test_the_device_generic_event_times_and_synchronizes_on_the_stand_in(two_gpu
 
 
 TORCH_EVENT = torch.Event  # (torch's own: this module is imported before any stand-in is enabled)
+TORCH_STREAM = torch.Stream
+
+
+def test_the_generic_stream_is_made_on_the_device_it_names(two_gpus):
+    """``torch.Stream`` (device-generic code, ``torch.accelerator``): on the current GPU without an index, on the one
+    named with it, current inside ``with``, as torch builds a CUDA stream; a stream of another device is torch's."""
+    torch.cuda.set_device(1)
+    assert [torch.Stream(device=d).device for d in (None, "cuda", "cuda:0", 0, torch.device("cuda", 1))] == \
+        [torch.device("cuda", i) for i in (1, 1, 0, 0, 1)]
+    side = torch.Stream(priority=-1)
+    assert isinstance(side, torch.Stream) and isinstance(torch.cuda.Stream(), torch.Stream) and side.priority == -1
+    assert issubclass(torch.cuda.Stream, torch.Stream) and side.record_event().device == torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        with side:  # its device becomes the current one, and it the current stream
+            assert torch.accelerator.current_stream() == side and torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 0
+    assert type(torch.Stream(device="cpu")) is TORCH_STREAM
 
 
 def test_out_of_memory_names_the_limit():
@@ -464,6 +484,30 @@ def test_sdpa_with_a_boolean_mask_masks_where_it_is_false_on_every_kernel(two_gp
     want = torch.softmax(scores, -1) @ vv
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2.0, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), want, **tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_grouped_query_attention_takes_cudas_kernel(two_gpus, causal):
+    """Grouped-query attention (fewer key/value heads): CUDA's flash kernel takes it in bf16/fp16, so the result is
+    the CPU's fused kernel's, bit for bit, forward and backward; fp32 has no grouped fused kernel on CUDA (flash is
+    half precision only, memory-efficient attention does not group heads) and takes the math composite."""
+    from simulator.standin.attention import choose
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, 32, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 16, 32, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    assert choose(q.cuda(), k.cuda(), v.cuda(), None, 0.0, True) == "flash"
+    assert choose(q.float().cuda(), k.float().cuda(), v.float().cuda(), None, 0.0, True) == "math"
+    assert choose(q.cuda(), k.cuda(), v.cuda(), None, 0.0, False) == "math"  # (heads differ without enable_gqa)
+    on_cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    on_gpu = [t.cuda().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*on_cpu, is_causal=causal, enable_gqa=True)
+    got = F.scaled_dot_product_attention(*on_gpu, is_causal=causal, enable_gqa=True)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    want.float().square().sum().backward()
+    got.float().square().sum().backward()
+    assert all(torch.equal(a.grad.cpu(), b.grad) for a, b in zip(on_gpu, on_cpu))
 
 
 @pytest.mark.parametrize("causal", [False, True])

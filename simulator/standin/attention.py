@@ -10,8 +10,8 @@ DTensors.  A stand-in is a ``privateuseone`` tensor to torch's C++ side, for whi
 math fallback; so the stand-in registers the choice for ``AutogradPrivateUse1``:
 
 * flash when the inputs are fp16/bf16, there is no mask, no dropout and the head size is at most 256
-  and a multiple of 8 (and ``torch.backends.cuda.flash_sdp_enabled()``);
-* memory-efficient when the head size is a multiple of 8 (4 for float32) and the mask does not require grad
+  and a multiple of 8 (and ``torch.backends.cuda.flash_sdp_enabled()``), grouped-query inputs too;
+* memory-efficient when the head size is a multiple of 8 (4 for float32), the heads are not grouped and the mask does not require grad
   (and ``mem_efficient_sdp_enabled()``), with dropout too (flash takes dropout on a GPU as well; here the
   memory-efficient operator takes it, whose DTensor rule is the same, also when flash is the only kernel enabled);
 * the math composite otherwise (dropout draws from the device's generator there).
@@ -42,10 +42,13 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
            enable_gqa: bool) -> str:
     """The kernel CUDA's SDPA would pick for these inputs: "flash", "efficient" or "math"."""
     d = query.size(-1)
-    plain = query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and \
-        value.size(-1) == d and key.size(1) == query.size(1) and not enable_gqa
-    flash = plain and attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and d <= 256 \
-        and d % 8 == 0 and torch.backends.cuda.flash_sdp_enabled()
+    dense = query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and value.size(-1) == d
+    # grouped-query attention (fewer key/value heads, enable_gqa=True): flash takes it on CUDA, memory-efficient
+    # attention does not (sdp_utils' num-heads check for each)
+    grouped = dense and enable_gqa and key.size(1) == value.size(1) and query.size(1) % key.size(1) == 0
+    plain = dense and key.size(1) == query.size(1) and value.size(1) == query.size(1) and not enable_gqa
+    flash = (plain or grouped) and attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) \
+        and d <= 256 and d % 8 == 0 and torch.backends.cuda.flash_sdp_enabled()
     if flash and dropout_p == 0.0:
         return "flash"
     align = 4 if query.dtype == torch.float32 else 8

@@ -134,7 +134,10 @@ class DeviceProperties:
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
     """The stand-in device's properties (name ``tensorplay CPU stand-in (cuda:i)``)."""
-    idx = resolve_index(device, "torch.cuda.get_device_properties")
+    try:
+        idx = resolve_index(device, "torch.cuda.get_device_properties")
+    except torch.AcceleratorError as e:  # (torch's Python checks the index first, with an AssertionError)
+        raise AssertionError(f"Invalid device id: {e}") from None
     return DeviceProperties(name=DEVICE_NAME.format(idx), total_memory=ranks.config().total_memory)
 
 

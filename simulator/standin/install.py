@@ -51,7 +51,7 @@ from simulator.standin import syncbn  # noqa: F401  (its operators, registered o
 from simulator.standin.fakecache import DeviceKeyedCache, plain_to_fakes
 from simulator.standin.jit import patched_jit_load, plain_slots, script_apply
 from simulator.standin.device_type import device_class
-from simulator.standin.streams import generic_event
+from simulator.standin.streams import generic_event, generic_stream
 from simulator.standin.swap import SWAP_WEAKREFS, set_like_a_gpu, swap_unless_same
 from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_error, emit_nvtx_enter, emit_nvtx_exit,
                                        ProcessGroupNCCL, compile_guard, cuda_only_table, profile_cpu_only,
@@ -427,7 +427,7 @@ def _table() -> list[tuple[Any, str, Any]]:
           (torch.compiler, "cudagraph_mark_step_begin", lambda: None),
           (cuda, "can_device_access_peer", lambda d, p: api.resolve_index(d) >= 0 and api.resolve_index(p) >= 0),
           (torch.cuda.nvtx, "_nvtx", NvtxStub()), (torch.cuda, "cudart", _CUDART),
-          (torch, "Event", generic_event(torch.Event)),
+          (torch, "Event", generic_event(torch.Event)), (torch, "Stream", generic_stream(torch.Stream)),
           (torch.cuda.profiler, "cudart", _CUDART), (torch.cuda, "check_error", check_error),
           (torch.cuda.profiler, "check_error", check_error),
           (torch.autograd.profiler.emit_nvtx, "__enter__", emit_nvtx_enter),
@@ -519,6 +519,7 @@ PATCHED_PUBLIC = tuple(sorted({f"torch.cuda.{n}" for n in (*_DEVICE, *_MEMORY, *
     "torch.jit.ScriptModule.save_to_buffer", "torch.jit.RecursiveScriptModule.save",
     "torch.jit.RecursiveScriptModule.save_to_buffer",
     "torch.Generator", "torch.device", "torch.utils.swap_tensors", "torch.utils.weakref", "torch.cuda.cudart", "torch.Event",
+    "torch.Stream",
     "torch.cuda.profiler.cudart", "torch.cuda.check_error", "torch.cuda.profiler.check_error",
     "torch.autograd.profiler.emit_nvtx.__enter__", "torch.autograd.profiler.emit_nvtx.__exit__",
     "torch.Tensor.type", "torch.set_default_tensor_type",

@@ -17,7 +17,7 @@ from tensorplay.distributed.errors import format_message
 from simulator.standin.errors import StandInError
 from simulator.standin.ranks import initialize, resolve_index, state
 
-__all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream", "generic_event"]
+__all__ = ["Stream", "Event", "current_stream", "default_stream", "set_stream", "generic_event", "generic_stream"]
 
 _CUDA_TYPE = int(torch._C._autograd.DeviceType.CUDA)
 
@@ -195,3 +195,36 @@ def generic_event(original: type) -> type:
     AcceleratorEvent.__name__ = AcceleratorEvent.__qualname__ = "Event"
     AcceleratorEvent.__module__ = "torch"
     return AcceleratorEvent
+
+
+def generic_stream(original: type) -> type:
+    """``torch.Stream``, the device-generic stream, while the stand-in is on: on the accelerator (``device`` None,
+    ``"cuda"``, ``"cuda:i"``, an index) a stand-in :class:`Stream` on that device (the calling rank's current one
+    without an index), as torch builds a CUDA stream there; on another device, torch's own.  torch's own class
+    reached the stand-in's C++ device, which put every stream on device 0.  ``isinstance`` and ``issubclass``
+    answer for torch's class (every stand-in stream is one)."""
+
+    class _Generic(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, original)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, original)
+
+        def __call__(cls, device: Any = None, *, priority: int = 0, **kwargs: Any) -> Any:
+            if kwargs:  # torch.Stream(stream_id=, device_index=, device_type=): a stream rebuilt from its parts
+                if kwargs.get("device_type") == _CUDA_TYPE and device is None:
+                    return Stream(stream_id=kwargs["stream_id"], device_index=kwargs["device_index"])
+                return original(device, priority=priority, **kwargs)
+            dev = device if isinstance(device, int) else torch.device("cuda") if device is None else torch.device(device)
+            if not isinstance(dev, int) and dev.type not in ("cuda", "privateuseone"):
+                return original(dev, priority=priority)
+            return Stream(dev if isinstance(dev, int) or dev.index is not None else None, priority=priority)
+
+    class AcceleratorStream(metaclass=_Generic):
+        pass
+
+    AcceleratorStream.__name__ = AcceleratorStream.__qualname__ = "Stream"
+    AcceleratorStream.__module__ = "torch"
+    AcceleratorStream.__doc__ = original.__doc__
+    return AcceleratorStream
