@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -290,6 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.script is None:  # (argparse would name the optional script_args as required too)
         parser.error("the following argument is required: " + ("module (the module to run, as python -m module)"
                      if ns.module else "script (the Python script to run)"))
+    if not ns.module and not cli_torchrun.torchrun_style(ns) and _harness_test_file(ns.script):
+        chosen = "--isolation" in args or any(a.startswith("--isolation=") for a in args)
+        _err(f"{ns.script} is a test file of PyTorch's distributed test harness, run by its own run_tests(): its "
+             f"tests run as with `python -m simulator pytest {ns.script}` (pytest collects the same tests; each "
+             f"test's ranks are simulated {'threads' if chosen and ns.isolation == 'thread' else 'processes'})")
+        seeded = any(a == "--seed" or a.startswith("--seed=") for a in args)
+        return _run_pytest(["--sim-harness", ns.isolation if chosen else "process",
+                            *(["--sim-seed", str(ns.seed)] if seeded else []),
+                            *_unittest_to_pytest(ns.script, ns.script_args)])
     program = per_rank_main.Program(ns.script, module=ns.module)
     plan = None
     if cli_torchrun.torchrun_style(ns):
@@ -371,6 +381,37 @@ def _check_program(program: per_rank_main.Program) -> int:
         sys.stderr.write("".join(traceback.format_exception_only(e)))
         return 1
     return 0
+
+
+#: a script that is a test file of torch's distributed test harness (its ranks are started by the harness's classes)
+_HARNESS_FILE = re.compile(r"torch\.testing\._internal\.(common_distributed|distributed\.)")
+
+
+def _harness_test_file(script: str) -> bool:
+    """Whether ``script`` is a test file on PyTorch's distributed test harness that runs itself (``run_tests()``)."""
+    try:
+        with open(script, encoding="utf-8", errors="replace") as f:
+            source = f.read()
+    except OSError:
+        return False
+    return "run_tests(" in source and _HARNESS_FILE.search(source) is not None
+
+
+def _unittest_to_pytest(script: str, args: list[str]) -> list[str]:
+    """unittest's command line (``-v``, ``-k PATTERN``, ``-f``, ``Class``, ``Class.test``) as pytest's."""
+    out: list[str] = []
+    chosen: list[str] = []
+    it = iter(args)
+    for a in it:
+        if a in ("-f", "--failfast"):
+            out.append("-x")
+        elif a == "-k":
+            out += ["-k", next(it, "")]
+        elif not a.startswith("-") and re.fullmatch(r"[A-Za-z_][\w.]*", a):
+            chosen.append(script + "::" + a.replace(".", "::"))
+        else:
+            out.append(a)  # (-v, -q and pytest's own options pass as they are)
+    return [*out, *(chosen or [script])]
 
 
 def _run_pytest(args: list[str]) -> int:

@@ -79,6 +79,17 @@ from simulator.world import World, current_rank_state
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
 
 
+#: torch's backends whose group lives in one process (its test harness's: a FakeStore group, MultiThreadedTestCase's)
+_ONE_PROCESS_BACKENDS = ("fake", "threaded")
+
+
+def _alone(a: tuple, k: dict) -> bool:
+    """An ``init_process_group(*a, **k)`` that meets no other process: a one-process backend, or a world of one."""
+    backend = k.get("backend", a[0] if a else None)
+    world_size = k.get("world_size", a[3] if len(a) > 3 else -1)
+    return str(backend).lower() in _ONE_PROCESS_BACKENDS or world_size == 1
+
+
 class LaunchStyleError(SimError):
     """The script starts ranks in a way the current run cannot simulate (the message says how to run it)."""
 
@@ -450,11 +461,13 @@ class _Patches:
         orig_tp_init = tpd_api.init_process_group
 
         def init_process_group(*a: Any, **k: Any) -> Any:
-            patches.refuse_init_in_launcher("torch.distributed.init_process_group")
+            if not _alone(a, k):
+                patches.refuse_init_in_launcher("torch.distributed.init_process_group")
             return orig_init(*a, **k)
 
         def tp_init_process_group(*a: Any, **k: Any) -> Any:
-            patches.refuse_init_in_launcher("tensorplay.distributed.init_process_group")
+            if not _alone(a, k):
+                patches.refuse_init_in_launcher("tensorplay.distributed.init_process_group")
             return orig_tp_init(*a, **k)
 
         for owner in (c10d, tdist):

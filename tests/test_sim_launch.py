@@ -336,6 +336,28 @@ def test_launch_api_refuses_a_launcher_that_joins_a_group_itself():
         launch(launcher)
 
 
+def _fake_group_then_spawn(seen):
+    import torch.distributed as tdist
+    import torch.multiprocessing as mp
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # a group that lives in this one process (torch's test harness: LocalTensor, FakeStore tests) meets no peer, so
+    # the launcher may make one, as `python script.py` does; a world of one likewise
+    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    seen.append(tdist.get_world_size())
+    tdist.destroy_process_group()
+    tdist.init_process_group(backend="gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    seen.append(tdist.get_world_size())
+    tdist.destroy_process_group()
+    mp.spawn(_ring, args=(2, seen), nprocs=2)
+
+
+def test_launch_api_lets_the_launcher_make_a_group_of_its_own_process():
+    seen: list = []
+    worlds = launch(_fake_group_then_spawn, args=(seen,))
+    assert seen[:2] == [4, 1] and [w.world_size for w in worlds] == [2]
+
+
 # ---- the bounds of a launched world -------------------------------------------------------------------------
 STUCK_SPAWN = textwrap.dedent("""
     import os, time
