@@ -291,15 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.script is None:  # (argparse would name the optional script_args as required too)
         parser.error("the following argument is required: " + ("module (the module to run, as python -m module)"
                      if ns.module else "script (the Python script to run)"))
-    if not ns.module and not cli_torchrun.torchrun_style(ns) and _harness_test_file(ns.script):
-        chosen = "--isolation" in args or any(a.startswith("--isolation=") for a in args)
-        _err(f"{ns.script} is a test file of PyTorch's distributed test harness, run by its own run_tests(): its "
-             f"tests run as with `python -m simulator pytest {ns.script}` (pytest collects the same tests; each "
-             f"test's ranks are simulated {'threads' if chosen and ns.isolation == 'thread' else 'processes'})")
-        seeded = any(a == "--seed" or a.startswith("--seed=") for a in args)
-        return _run_pytest(["--sim-harness", ns.isolation if chosen else "process",
-                            *(["--sim-seed", str(ns.seed)] if seeded else []),
-                            *_unittest_to_pytest(ns.script, ns.script_args)])
+    if not ns.module and ns.devices == "cpu" and not cli_torchrun.torchrun_style(ns) \
+            and _harness_test_file(ns.script):
+        return _run_harness_file(ns, args)
     program = per_rank_main.Program(ns.script, module=ns.module)
     plan = None
     if cli_torchrun.torchrun_style(ns):
@@ -395,6 +389,25 @@ def _harness_test_file(script: str) -> bool:
     except OSError:
         return False
     return "run_tests(" in source and _HARNESS_FILE.search(source) is not None
+
+
+def _run_harness_file(ns: argparse.Namespace, args: list[str]) -> int:
+    """A test file on torch's harness that runs itself: its tests as ``python -m simulator pytest FILE`` runs them
+    (rank processes unless ``--isolation thread``), with the options given here as the plugins' own."""
+    def given(option: str) -> bool:
+        before = args[:len(args) - len(ns.script_args)]
+        return any(a == option or a.startswith(option + "=") for a in before)
+
+    threads = given("--isolation") and ns.isolation == "thread"
+    _err(f"{ns.script} is a test file of PyTorch's distributed test harness, run by its own run_tests(): its tests "
+         f"run as with `python -m simulator pytest {ns.script}` (pytest collects the same tests; each test's ranks "
+         f"are simulated {'threads' if threads else 'processes'})")
+    options = ["--sim-harness", "thread" if threads else "process"]
+    for option, dest in (("--seed", "seed"), ("--mode", "mode"), ("--timeout", "timeout"),
+                         ("--stall-timeout", "stall_timeout")):
+        if given(option):
+            options += [f"--sim-{option[2:]}", str(getattr(ns, dest))]
+    return _run_pytest([*options, *_unittest_to_pytest(ns.script, ns.script_args)])
 
 
 def _unittest_to_pytest(script: str, args: list[str]) -> list[str]:

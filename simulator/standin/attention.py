@@ -11,8 +11,8 @@ math fallback; so the stand-in registers the choice for ``AutogradPrivateUse1``:
 
 * flash when the inputs are fp16/bf16, there is no mask, no dropout and the head size is at most 256
   and a multiple of 8 (and ``torch.backends.cuda.flash_sdp_enabled()``), grouped-query inputs too;
-* memory-efficient when the head size is a multiple of 8 (4 for float32), the heads are not grouped and the mask does not require grad
-  (and ``mem_efficient_sdp_enabled()``), with dropout too (flash takes dropout on a GPU as well; here the
+* memory-efficient when the head size is a multiple of 8 (4 for float32), the heads are not grouped and the mask
+  does not require grad (and ``mem_efficient_sdp_enabled()``), with dropout too (flash takes dropout on a GPU as well; here the
   memory-efficient operator takes it, whose DTensor rule is the same, also when flash is the only kernel enabled);
 * the math composite otherwise (dropout draws from the device's generator there).
 

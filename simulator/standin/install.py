@@ -58,8 +58,7 @@ from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_err
                                        cuda_library_table, tunable_enable)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
-from simulator.standin import ops
-from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, factory
+from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, cuda_kernel_factories, factory
 from simulator.standin.tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
 __all__ = ["INSTALLATION", "active", "configured", "PATCHED_PUBLIC"]
@@ -140,7 +139,7 @@ def _register_once() -> None:
         op = _overload(name)
         for key in ("CUDA", "PrivateUse1"):
             lib.impl(op, _factory_kernel(op), key)
-    for op in ops.cuda_kernel_factories(CUDA_BUILD):
+    for op in cuda_kernel_factories(CUDA_BUILD):
         lib.impl(op, _factory_kernel(op), "CUDA")
     # FSDP1 records its freed flat parameter's stream with torch dispatch disabled (_no_dispatch_record_stream):
     # the call reaches the device key, not the stand-in's __torch_dispatch__; stand-in memory is never reused early
