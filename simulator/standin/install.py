@@ -58,6 +58,7 @@ from simulator.standin.refuse import (CUDA_ONLY, CudartStub, NvtxStub, check_err
                                        cuda_library_table, tunable_enable)
 from simulator.standin.serialization import (cpu_tagger, deserialize_cuda, patched_load, patched_save,
                                              registry_entry, storage_to)
+from simulator.standin.versions import CUDA_BUILD, STANDIN_CUDA_VERSION, STANDIN_CUDNN_VERSION, STANDIN_NCCL_VERSION
 from simulator.standin.ops import COMPOSITE_FACTORIES, copy_from, cuda_kernel_factories, factory
 from simulator.standin.tensor import CUDA_DEVICES, PU_DEVICES, StandInTensor
 
@@ -377,17 +378,6 @@ _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_
            "utilization", "memory_usage", "temperature", "power_draw", "clock_rate")
 
 
-#: whether this torch is a CUDA build (on a machine without a GPU, or the stand-in would not start): the versions
-#: below are then the build's own, which it answers with or without a GPU
-CUDA_BUILD = torch.version.cuda is not None
-#: what ``torch.cuda.nccl.version()`` answers on stand-ins (a release of NCCL's 2.x line; nothing depends on it)
-STANDIN_NCCL_VERSION = torch.cuda.nccl.version() if CUDA_BUILD else (2, 27, 5)
-#: what ``torch.version.cuda`` answers on stand-ins: a CUDA build names its toolkit there, and programs (and DDP's
-#: ``bf16_compress_hook`` check) read "a CUDA build" from it; a 12.x release, as torch's GPU wheels are built with
-STANDIN_CUDA_VERSION = torch.version.cuda if CUDA_BUILD else "12.8"
-#: what ``torch.backends.cudnn.version()`` answers on stand-ins (a cuDNN 9 release, as GPU wheels bundle; nothing
-#: depends on it: no operator takes a cuDNN path, see :func:`_cudnn_acceptable`)
-STANDIN_CUDNN_VERSION = (torch.backends.cudnn.version() if CUDA_BUILD else None) or 91002
 
 
 def _cudnn_acceptable(tensor: Any) -> bool:
