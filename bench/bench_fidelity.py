@@ -1,11 +1,11 @@
 """How close the simulator's virtual time comes to real gloo runs (issue 15), measured side by side.
 
-``python bench/bench_fidelity.py [--profile P] [--quick] [--json OUT]``
+``python bench/bench_fidelity.py [--profile P] [--quick] [--worlds 2,4,8] [--json OUT]``
 
 1. **profile**: ``--profile`` loads one, else the bench calibrates (``python -m simulator calibrate``'s code:
-   W = 2, 4, every class, 1e3..1e7 bytes) and writes it next to ``--json`` (or to a temp file).
+   W = 2, 4 (``--worlds``), every class, 1e3..1e7 bytes) and writes it next to ``--json`` (or to a temp file).
 2. **collectives**: a *separate* measurement run (fresh gloo processes on loopback, same method: median over
-   repeats of the slowest rank's per-call time in a barrier-aligned loop) at W = 2, 4 and 1e3..1e7 bytes, vs
+   repeats of the slowest rank's per-call time in a barrier-aligned loop) at the same W and 1e3..1e7 bytes, vs
    the simulator's prediction for the same call: a simulated world issues it with the profile and
    ``compute_scale=0``, and the event's ``vend - vstart`` is the prediction.  Error in %, and the share of
    points within the targets (+-15 % from 64 KiB, +-30 % below).
@@ -13,7 +13,8 @@
    tensor-parallel MLP with ``parallelize_module``) that times its own steps; each configuration runs under
    ``torchrun`` (gloo, loopback, ``OMP_NUM_THREADS=1``) for the measured step time (median of steps 3..N,
    slowest rank), and under ``python -m simulator --cost PROFILE --summary`` for the predicted one (the
-   summary's step time: median gap between optimizer steps, slowest rank).  ``compute_scale`` is
+   summary's step time: median gap between optimizer steps, slowest rank); the configurations are DDP at two
+   model sizes and every W, and DDP, FSDP2 and TP at each W.  ``compute_scale`` is
    ``max(1, W / cores)``: W processes on fewer cores share them, so each rank's compute takes that much
    longer in wall time than its CPU time.  Then: is the predicted ranking of the configurations the
    measured one?
@@ -101,15 +102,17 @@ print(f"STEP {rank} {statistics.median(times[2:]):.6g}", flush=True)
 dist.destroy_process_group()
 '''
 
-#: (label, world size, script arguments); groups whose ranking is compared
-CONFIGS = {
-    "DDP: size and W": [("ddp h512 W=2", 2, ["--mode", "ddp", "--hidden", "512"]),
-                        ("ddp h512 W=4", 4, ["--mode", "ddp", "--hidden", "512"]),
-                        ("ddp h1024 W=2", 2, ["--mode", "ddp", "--hidden", "1024"])],
-    "strategy at W=2": [("ddp h1024 W=2", 2, ["--mode", "ddp", "--hidden", "1024"]),
-                        ("fsdp2 h1024 W=2", 2, ["--mode", "fsdp2", "--hidden", "1024"]),
-                        ("tp h1024 W=2", 2, ["--mode", "tp", "--hidden", "1024"])],
-}
+def training_configs(worlds: list[int]) -> dict[str, list[tuple[str, int, list[str]]]]:
+    """(label, world size, script arguments) by group; each group's two rankings (measured, predicted) are compared:
+    DDP by model size and world size, and the three strategies (DDP, FSDP2, TP) at each world size."""
+    def cfg(mode: str, hidden: int, w: int) -> tuple[str, int, list[str]]:
+        return (f"{mode} h{hidden} W={w}", w, ["--mode", mode, "--hidden", str(hidden)])
+    groups = {"DDP: size and W": [cfg("ddp", 512, w) for w in worlds] + [cfg("ddp", 1024, worlds[0])]}
+    for w in worlds:
+        groups[f"strategy at W={w}"] = [cfg(mode, 1024, w) for mode in ("ddp", "fsdp2", "tp")]
+    return groups
+
+
 QUICK_CONFIGS = {"quick": [("ddp h512 W=2", 2, ["--mode", "ddp", "--hidden", "512"]),
                            ("ddp h1024 W=2", 2, ["--mode", "ddp", "--hidden", "1024"])]}
 
@@ -248,6 +251,8 @@ def main() -> int:
     ap.add_argument("--profile", help="a profile to validate (default: calibrate one first)")
     ap.add_argument("--quick", action="store_true", help="W=2 only, 3 sizes, 2 training configurations")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--worlds", default="2,4", help="world sizes to calibrate and validate at (comma-separated; "
+                    "2,4,8 as issue 23 asks: W=8 puts 8 gloo processes on this machine's cores)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--skip-collectives", action="store_true")
     ap.add_argument("--json", help="write every figure here (and the calibrated profile next to it)")
@@ -255,7 +260,7 @@ def main() -> int:
     t0 = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"bench_fidelity: {os.cpu_count()} cores, load average {load:.1f}, torch {torch.__version__}", flush=True)
-    worlds = [2] if ns.quick else [2, 4]
+    worlds = [2] if ns.quick else sorted({int(w) for w in ns.worlds.split(",")})
     if ns.profile:
         profile = ns.profile
         model = CostModel.load(profile)
@@ -284,7 +289,7 @@ def main() -> int:
     training = None
     if not ns.skip_training:
         print("3. training steps: torchrun vs simulator", flush=True)
-        training = bench_training(profile, QUICK_CONFIGS if ns.quick else CONFIGS)
+        training = bench_training(profile, QUICK_CONFIGS if ns.quick else training_configs(worlds))
     total = time.perf_counter() - t0
     print(f"bench_fidelity: {total:.0f} s", flush=True)
     if ns.json:

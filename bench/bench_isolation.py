@@ -135,10 +135,11 @@ def _gloo_small(calls: int) -> float:
 # 2. start-up
 # ---------------------------------------------------------------------------
 _TORCHRUN_BODY = """
-import time, torch, torch.distributed as d
+import sys, time, torch, torch.distributed as d
 d.init_process_group("gloo")
 d.barrier()
-print("READY", time.time(), flush=True)
+# one write per line: under PYTHONUNBUFFERED, print's pieces from ranks sharing torchrun's stdout interleave
+sys.stdout.write(f"READY {time.time()!r}\\n"); sys.stdout.flush()
 d.destroy_process_group()
 """
 
