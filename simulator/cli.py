@@ -382,13 +382,14 @@ _HARNESS_FILE = re.compile(r"torch\.testing\._internal\.(common_distributed|dist
 
 
 def _harness_test_file(script: str) -> bool:
-    """Whether ``script`` is a test file on PyTorch's distributed test harness that runs itself (``run_tests()``)."""
+    """Whether ``script`` is a test file on PyTorch's distributed test harness that runs itself (torch's
+    ``run_tests()`` or unittest's ``unittest.main()``, which read the same command line)."""
     try:
         with open(script, encoding="utf-8", errors="replace") as f:
             source = f.read()
     except OSError:
         return False
-    return "run_tests(" in source and _HARNESS_FILE.search(source) is not None
+    return ("run_tests(" in source or "unittest.main(" in source) and _HARNESS_FILE.search(source) is not None
 
 
 def _run_harness_file(ns: argparse.Namespace, args: list[str]) -> int:
@@ -399,7 +400,7 @@ def _run_harness_file(ns: argparse.Namespace, args: list[str]) -> int:
         return any(a == option or a.startswith(option + "=") for a in before)
 
     threads = given("--isolation") and ns.isolation == "thread"
-    _err(f"{ns.script} is a test file of PyTorch's distributed test harness, run by its own run_tests(): its tests "
+    _err(f"{ns.script} is a test file of PyTorch's distributed test harness that runs itself: its tests "
          f"run as with `python -m simulator pytest {ns.script}` (pytest collects the same tests; each test's ranks "
          f"are simulated {'threads' if threads else 'processes'})")
     options = ["--sim-harness", "thread" if threads else "process"]

@@ -877,23 +877,29 @@ def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) ->
 @pytest.mark.gloo
 def test_a_test_file_run_by_its_own_main_runs_its_tests_as_the_switch_does(tmp_path: Path) -> None:
     """``python -m simulator FILE`` on a test file that runs itself (torch's ``run_tests()``, as PyTorch runs its test
-    files): its tests run on simulated ranks as ``python -m simulator pytest FILE`` runs them, with gloo's verdicts
-    (MultiProcContinuousTest's workers, a one-process "fake" group in the test process, a failing rank)."""
+    files, or unittest's ``unittest.main()``): its tests run on simulated ranks as ``python -m simulator pytest FILE``
+    runs them, with gloo's verdicts (MultiProcContinuousTest's workers, a one-process "fake" group in the test
+    process, a failing rank)."""
     gloo = _run_case(tmp_path, "case_launcher.py", sim=None)
-    shutil.copy(CASES / "case_launcher.py", tmp_path / "case_launcher.py")
-    junit = tmp_path / "junit.xml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TENSORPLAY_SIM_HARNESS", None)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "simulator", "case_launcher.py", "-v", f"--junitxml={junit}",
-                           "-p", "no:cacheprovider"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=SIM_TIMEOUT_S)
-    got = Outcome(proc, junit, time.perf_counter() - start)
     assert gloo.verdicts == {"test_fake_group": "passed", "test_2_all_reduce": "passed",
                              "test_3_fails_on_rank_1": "failed"}, gloo.output[-4000:]
-    assert got.verdicts == gloo.verdicts, got.output[-6000:]
-    assert "is a test file of PyTorch's distributed test harness" in got.output and proc.returncode == 1
-    assert "MultiProcessTestCase ranks are simulated processes" in got.output  # (the switch's, rank processes)
+    source = (CASES / "case_launcher.py").read_text()
+    assert "    run_tests()\n" in source
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    for name, text in (("case_launcher.py", source),
+                       ("case_unittest_main.py", source.replace("    run_tests()\n", "    import unittest\n"
+                                                                                  "    unittest.main()\n"))):
+        (tmp_path / name).write_text(text)
+        junit = tmp_path / f"{name}.xml"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "simulator", name, "-v", f"--junitxml={junit}",
+                               "-p", "no:cacheprovider"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=SIM_TIMEOUT_S)
+        got = Outcome(proc, junit, time.perf_counter() - start)
+        assert got.verdicts == gloo.verdicts, (name, got.output[-6000:])
+        assert "is a test file of PyTorch's distributed test harness" in got.output and proc.returncode == 1, name
+        assert "MultiProcessTestCase ranks are simulated processes" in got.output, name  # (the switch's, processes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
