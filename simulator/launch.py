@@ -69,11 +69,11 @@ from simulator.core.progress import DEFAULT_STALL_TIMEOUT, PYTHON, BoundNames
 from simulator.core.tracebacks import format_rank_traceback
 from simulator.isolation import launched
 from simulator.isolation.launched import exit_status as _exit_status
-# the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank
 from simulator.launch_seeds import SeedWatch
+# (the processes it starts: which become ranks, their arguments' copies, the Popen standing in for a rank)
 from simulator.launch_processes import (SimProcessContext, _copy_for_rank, _fake_pid_base, _Held, _is_user_process,
                                         _launcher_timeout, _no_trigger, _print_failure, _SimPopen, _sim_popen,
-                                        _start_method)
+                                        _start_method, continuous_worker_refusal)
 from simulator.world import World, current_rank_state
 
 __all__ = ["launch", "LaunchStyleError", "patched", "format_rank_traceback"]  # (the last from core.tracebacks)
@@ -341,8 +341,7 @@ def _start_processes(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: i
 
 def _spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
            daemon: bool = False, start_method: str = "spawn") -> SimProcessContext | None:
-    # torch.multiprocessing.spawn always uses the spawn start method (it only warns about another)
-    return _start_processes(fn, args, nprocs, join, daemon, start_method="spawn")
+    return _start_processes(fn, args, nprocs, join, daemon, start_method="spawn")  # (torch's spawn: always spawn)
 
 
 # ---------------------------------------------------------------------------
@@ -356,8 +355,7 @@ class _Patches:
     """The launch APIs while a launcher (``launcher`` set) or a torchrun-style run (``launcher=None``) runs."""
 
     def __init__(self, launcher: _Launcher | None, hint: str) -> None:
-        self.launcher = launcher
-        self.hint = hint  # how to run this script the other way (for LaunchStyleError)
+        self.launcher, self.hint = launcher, hint  # (hint: how to run this script the other way, for refusals)
         self.saved: list[tuple[Any, str, Any]] = []
 
     # -- the refusals ------------------------------------------------------------
@@ -405,6 +403,8 @@ class _Patches:
             patches.refuse_in_rank(f"multiprocessing {type(proc).__name__}.start()")
             if patches.launcher is None:
                 return orig_start(proc)
+            if (refusal := continuous_worker_refusal(proc)) is not None:
+                raise LaunchStyleError(refusal)
             proc._check_closed()  # type: ignore[attr-defined]
             if proc._popen is not None:  # type: ignore[attr-defined]
                 raise AssertionError("cannot start a process twice")  # multiprocessing's own message

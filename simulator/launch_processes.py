@@ -57,6 +57,25 @@ def _entry_function(proc: mp_process.BaseProcess) -> Any:
     return fn
 
 
+def continuous_worker_refusal(proc: mp_process.BaseProcess) -> str | None:
+    """The refusal for a process that runs a worker of torch's ``MultiProcContinuousTest`` started by a launcher run
+    (the test file driven by other means than its own main), else None: its workers loop on a task queue that only
+    torch's harness feeds as pytest or the file's own ``run_tests()`` runs it, and thread ranks would share the
+    class's ``rank``."""
+    owner = _bound_owner(proc)
+    if owner is None or not any(c.__name__ == "MultiProcContinuousTest" and
+                                c.__module__ == "torch.testing._internal.common_distributed" for c in owner.__mro__):
+        return None
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "FILE"
+    return format_message(
+        "simulator.launch", f"the launcher started the workers of {owner.__name__}, a MultiProcContinuousTest of "
+        f"torch's test harness: a launcher run cannot simulate them (they wait for tests the harness hands them)",
+        values={"class": owner.__qualname__},
+        fix=f"run its tests on simulated ranks with python -m simulator pytest {script}, or end the file with "
+            f"torch's run_tests() (or unittest.main()) under if __name__ == '__main__' and run python -m simulator "
+            f"{script}")
+
+
 def _bound_owner(proc: mp_process.BaseProcess) -> type | None:
     """The class of the object the process's target is bound to (``Cls._run``, ``obj.method``: ``Cls``), or None."""
     fn: Any = getattr(proc, "_target", None) if type(proc).run is mp_process.BaseProcess.run else None

@@ -902,6 +902,26 @@ def test_a_test_file_run_by_its_own_main_runs_its_tests_as_the_switch_does(tmp_p
         assert "MultiProcessTestCase ranks are simulated processes" in got.output, name  # (the switch's, processes)
 
 
+def test_a_launcher_driving_continuous_test_workers_is_refused_with_the_command_that_runs_them(tmp_path: Path) -> None:
+    """A script that drives a ``MultiProcContinuousTest`` class by other means than its own main (unittest's runner
+    called directly) under ``python -m simulator``: its workers wait for tests only torch's harness hands them, so the
+    launcher refuses them at once, naming the command that runs them, where it waited for ever (and thread ranks
+    shared the class's ``rank``)."""
+    source = (CASES / "case_launcher.py").read_text().replace(
+        "    run_tests()\n", "    import unittest\n"
+        "    unittest.TextTestRunner().run(unittest.defaultTestLoader.loadTestsFromTestCase(Workers))\n")
+    (tmp_path / "drive.py").write_text(source)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    for isolation in ("thread", "process"):
+        proc = subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, "drive.py"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+        out = proc.stdout + proc.stderr
+        assert "the launcher started the workers of Workers, a MultiProcContinuousTest" in out, (isolation, out[-4000:])
+        assert f"python -m simulator pytest {tmp_path / 'drive.py'}" in out, (isolation, out[-4000:])
+        assert "FAILED (errors=2)" in out, (isolation, out[-4000:])  # (each test's error names it: no hang)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the differential runner (python -m simulator.harness_diff)
 # ---------------------------------------------------------------------------------------------------------------
