@@ -62,9 +62,9 @@ def continuous_worker_refusal(proc: mp_process.BaseProcess) -> str | None:
     (the test file driven by other means than its own main), else None: its workers loop on a task queue that only
     torch's harness feeds as pytest or the file's own ``run_tests()`` runs it, and thread ranks would share the
     class's ``rank``."""
-    owner = _bound_owner(proc)
-    if owner is None or not any(c.__name__ == "MultiProcContinuousTest" and
-                                c.__module__ == "torch.testing._internal.common_distributed" for c in owner.__mro__):
+    harness = sys.modules.get("torch.testing._internal.common_distributed")  # (imported by such a file already)
+    base, owner = getattr(harness, "MultiProcContinuousTest", None), _bound_owner(proc)
+    if base is None or owner is None or not issubclass(owner, base):
         return None
     script = getattr(sys.modules.get("__main__"), "__file__", None) or "FILE"
     return format_message(

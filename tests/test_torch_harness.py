@@ -160,6 +160,14 @@ def _want(table: dict[str, object], backend: str) -> dict[str, str]:
     return {t: v[backend] if isinstance(v, dict) else v for t, v in table.items()}  # type: ignore[index]
 
 
+def _cli_env() -> dict[str, str]:
+    """The environment of a ``python -m simulator`` command a test runs: this checkout importable, and no
+    ``TENSORPLAY_SIM_HARNESS`` of the outer run (the command's own options choose)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    return env
+
+
 def _distributed_test_env(tmp_path: Path, name: str) -> dict[str, str]:
     """What torch's test_distributed_spawn.py needs in the environment: the backend, world size and a TEMP_DIR
     with a barrier folder (distributed_test reads them at import)."""
@@ -858,8 +866,7 @@ def test_the_command_line_runs_the_harness_on_simulated_ranks(tmp_path: Path) ->
     """``python -m simulator pytest FILE`` is the same switch as ``-p simulator.torch_harness --sim-harness process``."""
     shutil.copy(CASES / "case_multiprocess.py", tmp_path / "case_multiprocess.py")
     junit = tmp_path / "junit.xml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    env = _cli_env()
     # a passing and a failing test of the file: the whole file on rank processes is the plugin's test above
     chosen = ("test_all_reduce", "test_fails_on_rank_one", "test_getpid_is_per_rank")
     start = time.perf_counter()
@@ -885,8 +892,7 @@ def test_a_test_file_run_by_its_own_main_runs_its_tests_as_the_switch_does(tmp_p
                              "test_3_fails_on_rank_1": "failed"}, gloo.output[-4000:]
     source = (CASES / "case_launcher.py").read_text()
     assert "    run_tests()\n" in source
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    env = _cli_env()
     for name, text in (("case_launcher.py", source),
                        ("case_unittest_main.py", source.replace("    run_tests()\n", "    import unittest\n"
                                                                                   "    unittest.main()\n"))):
@@ -911,8 +917,7 @@ def test_a_launcher_driving_continuous_test_workers_is_refused_with_the_command_
         "    run_tests()\n", "    import unittest\n"
         "    unittest.TextTestRunner().run(unittest.defaultTestLoader.loadTestsFromTestCase(Workers))\n")
     (tmp_path / "drive.py").write_text(source)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TENSORPLAY_SIM_HARNESS", None)
+    env = _cli_env()
     for isolation in ("thread", "process"):
         proc = subprocess.run([sys.executable, "-m", "simulator", "--isolation", isolation, "drive.py"], cwd=tmp_path,
                               env=env, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)

@@ -378,8 +378,6 @@ _DEVICE = ("is_available", "device_count", "current_device", "set_device", "get_
            "utilization", "memory_usage", "temperature", "power_draw", "clock_rate")
 
 
-
-
 def _cudnn_acceptable(tensor: Any) -> bool:
     """``torch.backends.cudnn.is_acceptable``: never, on stand-ins. Their kernels are the CPU's, so torch must take
     its paths without cuDNN (an LSTM keeps its weights unflattened: ``_cudnn_rnn_flatten_weight`` has no CPU
