@@ -100,14 +100,17 @@ RPC = {"test_rpc_sync_and_pid": "passed", "test_nested_callbacks_and_errors": "p
        "test_rref_context_is_torchs": "passed"}
 # torch's LocalTensor tests: no process started, all ranks in the test's process ("fake" group): run as torch runs them
 LOCAL_TENSOR = {"test_shard_to_replicate": "passed"}
+# a file that runs itself (run_tests()): MultiProcContinuousTest workers, a one-process "fake" group, a failing rank
+LAUNCHER = {"test_fake_group": "passed", "test_2_all_reduce": "passed", "test_3_fails_on_rank_1": "failed"}
 CASE_TABLES = {"case_multiprocess.py": MULTIPROCESS, "case_dtensor.py": DTENSOR,
                "case_distributed_test.py": DISTRIBUTED_TEST, "case_device_type.py": DEVICE_TYPE,
                "case_c10d_gloo.py": C10D_GLOO, "case_c10d_common.py": C10D_COMMON, "case_continuous.py": CONTINUOUS,
-               "case_rpc.py": RPC, "case_local_tensor.py": LOCAL_TENSOR}
+               "case_rpc.py": RPC, "case_local_tensor.py": LOCAL_TENSOR, "case_launcher.py": LAUNCHER}
 #: cases whose run on gloo processes takes most of a minute or more (a process start-up per rank and test): their
 #: table is checked against gloo in the slow tier; the default run checks the cheap ones (and every case simulated)
 SLOW_ON_GLOO = ("case_distributed_test.py", "case_c10d_gloo.py", "case_c10d_common.py", "case_rpc.py",
-                "case_multiprocess.py", "case_continuous.py", "case_device_type.py")
+                "case_multiprocess.py", "case_continuous.py", "case_device_type.py", "case_dtensor.py",
+                "case_launcher.py")
 
 #: runs on rank processes that another default test covers: in the slow tier, the thread side by default (the c10d and
 #: device-type cases: MultiProcessTestCase on rank processes is case_multiprocess.py's and case_distributed_test.py's;
@@ -373,7 +376,8 @@ import torch""", """
 """)
 
 
-@pytest.mark.parametrize("isolation", ["off", *ISOLATIONS])
+# (on gloo processes, "off", in the slow tier: four tests of real process starts cost most of a minute or more)
+@pytest.mark.parametrize("isolation", [pytest.param("off", marks=[pytest.mark.slow, pytest.mark.gloo]), *ISOLATIONS])
 def test_ranks_start_as_started_processes_do_without_pytests_filters_handlers_or_the_last_tests_settings(
         tmp_path: Path, isolation: str) -> None:
     """A started process has a new interpreter's warning filters and root logger, and torch's defaults: pytest's
@@ -696,7 +700,7 @@ def test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts(tmp_path: Pa
     assert real.verdicts == _want(CASE_TABLES[case], "gloo"), real.output[-8000:]
     pids = {int(p) for p in _PIDS.findall(real.output)}
     # (MultiProcContinuousTest logs its workers' pids at debug level only; LocalTensor tests start no process)
-    if case not in ("case_continuous.py", "case_local_tensor.py"):
+    if case not in ("case_continuous.py", "case_local_tensor.py", "case_launcher.py"):
         assert pids and max(pids) <= _pid_max(), pids  # real processes, this time
     # (the same table's simulated verdicts: the tests of each case above; the speed-ups:
     # bench/bench_harness.py)
@@ -770,8 +774,9 @@ def test_a_rank_waiting_on_a_store_key_lets_the_rank_that_sets_it_run_in_coop_mo
                                                                                     isolation: str) -> None:
     for seed in range(2):  # either rank may run first
         path = str(tmp_path / f"store-{seed}")
+        # (one hash seed: the schedule seeds share one set of rank interpreters)
         assert simulator.run(_wait_on_a_store_key, 2, args=(path,), seed=seed, timeout=60,
-                             isolation=isolation) == ["set", "yes"]
+                             isolation=isolation, hash_seed=0) == ["set", "yes"]
 
 
 def _meet_on_a_tcp_store(port: int) -> object:
@@ -793,7 +798,7 @@ def _meet_on_a_tcp_store(port: int) -> object:
 def test_ranks_meeting_on_a_tcp_store_of_their_own_both_run_in_coop_mode(isolation: str) -> None:
     for seed in range(2):  # either rank may construct its store first
         got = simulator.run(_meet_on_a_tcp_store, 2, args=(free_port(),), seed=seed, timeout=60,
-                            isolation=isolation)
+                            isolation=isolation, hash_seed=0)
         assert got == [("v1", True), ("v0", True)], got
 
 
@@ -887,9 +892,7 @@ def test_a_test_file_run_by_its_own_main_runs_its_tests_as_the_switch_does(tmp_p
     files, or unittest's ``unittest.main()``): its tests run on simulated ranks as ``python -m simulator pytest FILE``
     runs them, with gloo's verdicts (MultiProcContinuousTest's workers, a one-process "fake" group in the test
     process, a failing rank)."""
-    gloo = _run_case(tmp_path, "case_launcher.py", sim=None)
-    assert gloo.verdicts == {"test_fake_group": "passed", "test_2_all_reduce": "passed",
-                             "test_3_fails_on_rank_1": "failed"}, gloo.output[-4000:]
+    # (the table's verdicts are gloo's: test_the_same_suite_on_gloo_processes_gives_the_tables_verdicts, slow tier)
     source = (CASES / "case_launcher.py").read_text()
     assert "    run_tests()\n" in source
     env = _cli_env()
@@ -903,7 +906,7 @@ def test_a_test_file_run_by_its_own_main_runs_its_tests_as_the_switch_does(tmp_p
                                "-p", "no:cacheprovider"], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=SIM_TIMEOUT_S)
         got = Outcome(proc, junit, time.perf_counter() - start)
-        assert got.verdicts == gloo.verdicts, (name, got.output[-6000:])
+        assert got.verdicts == LAUNCHER, (name, got.output[-6000:])
         assert "is a test file of PyTorch's distributed test harness" in got.output and proc.returncode == 1, name
         assert "MultiProcessTestCase ranks are simulated processes" in got.output, name  # (the switch's, processes)
 
