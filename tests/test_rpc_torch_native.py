@@ -311,6 +311,29 @@ def batch_reference(world_size: int, steps: int = 3) -> list:
     return out
 
 
+def sharded_tensor_program(rank: int, world_size: int, init_method: str) -> dict:
+    """torch's ShardedTensor over RPC, as its own tests use it: placements named by worker, ``init_rrefs=True`` (each
+    rank holds RRefs to the others' shards, registered through ``rpc.api._all_gather``), and what torch's code reads
+    of the current agent."""
+    import torch.distributed as tdist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    _init(rank, world_size, init_method)
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    spec = ChunkShardingSpec(dim=0, placements=[f"worker{r}/cpu" for r in range(world_size)])
+    st = sharded_tensor.empty(spec, 2 * world_size, 3, init_rrefs=True)
+    st.local_tensor().copy_(torch.arange(6.0).view(2, 3) + 10 * rank)
+    gathered = rpc.api._all_gather(rank * 7)  # (also: every rank filled its shard before anyone reads one)
+    remote = {r: [ref.to_here().tensor for ref in refs] for r, refs in sorted(st.remote_shards().items())}
+    agent = rpc.api._get_current_rpc_agent()
+    infos = (sorted((w.name, w.id) for w in agent.get_worker_infos()), agent.get_worker_info().name,
+             rpc._is_current_rpc_agent_set())
+    rpc.shutdown()
+    return {"gathered": gathered, "remote": remote, "infos": infos}
+
+
 def local_reference(steps: int = 3) -> list:
     net = Net(7)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -474,6 +497,17 @@ def test_parameter_server_tutorial_shape_matches_a_local_model():
     assert not torch.equal(sim[0][0], sim[-1][0])  # the optimizer did move the parameters
 
 
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_torchs_sharded_tensor_with_rrefs_and_worker_names_on_simulated_ranks(isolation):
+    out = on_sim(sharded_tensor_program, 3, isolation=isolation)
+    for rank, got in enumerate(out):
+        assert got["gathered"] == {f"worker{r}": 7 * r for r in range(3)}
+        assert sorted(got["remote"]) == [r for r in range(3) if r != rank]
+        for r, shards in got["remote"].items():
+            assert len(shards) == 1 and torch.equal(shards[0], torch.arange(6.0).view(2, 3) + 10 * r)
+        assert got["infos"] == ([("worker0", 0), ("worker1", 1), ("worker2", 2)], f"worker{rank}", True)
+
+
 def test_torch_remote_module_runs_on_the_simulator():
     from torch.distributed.nn import RemoteModule
 
@@ -511,16 +545,18 @@ def test_uninitialised_and_unroutable_parts_fail_at_once():
             rpc_sync("worker1", torch.add, args=(1, 2))
         except RuntimeError as e:
             first = str(e)
-        rpc.init_rpc(f"worker{tpd.get_rank()}", rank=tpd.get_rank(), world_size=1)
         try:
-            rpc.api._get_current_rpc_agent()
+            rpc.api._get_current_rpc_agent()  # (torch's own answer before init_rpc)
         except RuntimeError as e:
             second = str(e)
+        rpc.init_rpc(f"worker{tpd.get_rank()}", rank=tpd.get_rank(), world_size=1)
+        agent = rpc._get_current_rpc_agent()  # (the package's copy, which torch's sharded tensors call)
+        third = agent.get_worker_info().name, [w.name for w in agent.get_worker_infos()]
         rpc.shutdown()
-        return first, second
+        return first, second, third
 
-    first, second = simulator.run(main, 1)[0]
-    assert "init_rpc" in first and "agent" in second.lower()
+    first, second, third = simulator.run(main, 1)[0]
+    assert "init_rpc" in first and "agent is not set" in second and third == ("worker0", ["worker0"])
 
 
 def test_torch_rpc_outside_a_world_is_untouched():
@@ -749,3 +785,10 @@ def test_batch_server_same_on_simulator_and_tensorpipe(rank_pool):
         for x, y in zip(a, b):
             for p, q in zip(x, y):
                 assert torch.allclose(p, q, atol=1e-6), (p, q)
+
+
+@pytest.mark.gloo
+@pytest.mark.xdist_group("gloo-W3")
+def test_sharded_tensor_with_rrefs_same_on_simulator_and_tensorpipe(rank_pool):
+    real = on_real(rank_pool(3), sharded_tensor_program, 3)
+    _assert_same(on_sim(sharded_tensor_program, 3), real)

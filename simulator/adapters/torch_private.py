@@ -154,7 +154,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     _P("torch.distributed.rpc.api._require_initialized", "adapters.torch_rpc", "reads",
        "rpc_sync & co. are its wrappers: what each wraps (its closure cell) is routed on simulated ranks"),
     _P("torch.distributed.rpc.api._is_current_rpc_agent_set", "adapters.torch_rpc", "patches",
-       "the wrappers' 'is an agent set?' check answers for the simulated worker"),
+       "the wrappers' 'is an agent set?' check answers for the simulated worker (the package's copy too, which "
+       "torch's sharded tensors ask)"),
+    _P("torch.distributed.rpc.api._get_current_rpc_agent", "adapters.torch_rpc", "patches",
+       "torch's sharded tensors read the worker infos of the current agent (the package's copy too)"),
+    _P("torch.distributed.rpc.api._all_gather", "adapters.torch_rpc", "patches",
+       "ShardedTensor(init_rrefs=True) gathers its ids over RPC; torch's version keeps its state in module tables "
+       "that rank threads would share"),
     _P("torch.distributed.rpc._init_rpc_backend", "adapters.torch_rpc, isolation.rpc_process", "patches",
        "init_rpc, imported by name before the world started, reaches the simulated agent through it; in a coop "
        "rank process torch's own agent starts outside the schedule"),

@@ -36,9 +36,9 @@ exception as its ``__cause__``.  (tensorplay's own API keeps the type.)
 What cannot be routed fails at once, never hangs: torch's C++ functions
 imported by name *before* the world started
 (``from torch.distributed.autograd import backward``) raise torch's "Could not
-find autograd context"; ``rpc.api._get_current_rpc_agent()`` raises "Current
-RPC agent is not set"; TorchScript RPC (``@torch.jit.script`` functions) is not
-supported.  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
+find autograd context"; TorchScript RPC (``@torch.jit.script`` functions) is not
+supported.  ``rpc._get_current_rpc_agent()`` answers the worker infos only, and
+``rpc.api._all_gather`` is the simulator's (what torch's sharded tensors use).  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
 simulator's RRefs (use their methods instead).
 
 Like :mod:`simulator.adapters.torch_native`, this module touches private torch names (the wrappers'
@@ -64,6 +64,7 @@ from tensorplay.distributed.rpc import RRef as TpRRef
 from tensorplay.distributed.rpc import api
 from tensorplay.distributed.rpc import transport as rpc_transport
 from tensorplay.distributed.rpc import futures as tp_futures
+from tensorplay.distributed.rpc.functions import async_execution
 
 from simulator.adapters.after_import import when_imported
 from simulator.adapters.torch_private import check_torch_version
@@ -77,6 +78,7 @@ __all__ = ["enabled", "register_sim_agent", "wait_pending"]
 _WRAPPED = ("rpc_sync", "rpc_async", "remote", "shutdown", "get_worker_info")
 
 _undo: list[Callable[[], None]] = []
+_saved_get_agent = tapi._get_current_rpc_agent  # torch's (C++), before this module routes it
 _contexts = threading.local()  # open torch-style autograd contexts of this thread: {context id: ours}
 #: the agent class of the simulator's transport (:class:`simulator.rpc.agent.SimAgent`), registered by that module
 #: when it loads: the adapters may not import the rpc wing, and no simulated agent exists before it loads
@@ -254,6 +256,54 @@ def _as_torch_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_as_torch_errors
 def _get_worker_info(worker_name: Any = None) -> Any:
     return api.get_worker_info(worker_name)
+
+
+class _AgentView:
+    """``rpc._get_current_rpc_agent()`` on a simulated worker: what torch's own code reads of its agent (the worker
+    infos: ShardedTensor's placements by worker name and its ``init_rrefs``)."""
+
+    def get_worker_info(self, worker_name: Any = None) -> Any:
+        return _get_worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[Any]:
+        return api._all_worker_infos()
+
+
+def _get_current_rpc_agent() -> Any:
+    if _sim_agent() is None:  # (no simulated worker yet: torch's own answer, "Current RPC agent is not set")
+        return _saved_get_agent()
+    return _AgentView()
+
+
+_gathers_lock = threading.Lock()
+
+
+@async_execution
+def _gather_at_leader(key: tuple, name: str, obj: Any, count: int) -> Any:
+    """Runs on the leader worker: one worker's object for gather ``key``; answers every caller once all ``count``
+    arrived.  The state is the leader agent's own (thread ranks share this module)."""
+    agent = rpc_transport.current()
+    with _gathers_lock:
+        pending = agent.__dict__.setdefault("_torch_gathers", {})
+        fut, got = pending.setdefault(key, (torch.futures.Future(), {}))
+        got[name] = obj
+        if len(got) == count:
+            del pending[key]
+            fut.set_result(dict(got))
+    return fut
+
+
+@_as_torch_errors
+def _all_gather(obj: Any, worker_names: Any = None, timeout: Any = trpc.constants.UNSET_RPC_TIMEOUT) -> Any:
+    """torch's ``rpc.api._all_gather`` (``{worker name: obj}`` of every worker named) on simulated workers: the
+    objects meet at the leader (the least name), as in torch, in state of the leader's own instead of torch's
+    module-level tables, which rank threads would share."""
+    names = tuple(sorted(worker_names or [w.name for w in api._all_worker_infos()]))
+    me = rpc_transport.current()
+    seqs = me.__dict__.setdefault("_torch_gather_seq", {})
+    seq = seqs[names] = seqs.get(names, -1) + 1  # (every worker calls in the same order, as torch requires)
+    return api.rpc_sync(names[0], _gather_at_leader, args=((names, seq), me.name, obj, len(names)),
+                        timeout=_timeout(timeout))
 
 
 _OURS: dict[str, Callable[..., Any]] = {
@@ -484,8 +534,10 @@ def _install() -> None:
     for name in _WRAPPED:
         _swap_wrapped(name)
     real_set = tapi._is_current_rpc_agent_set
-    _set(tapi, "_is_current_rpc_agent_set",
-         lambda: (_sim_agent() is not None) if _on_sim() else real_set())
+    for module in (tapi, trpc):  # (the package holds a copy of its own, which torch's sharded tensors ask)
+        _set(module, "_is_current_rpc_agent_set", lambda: (_sim_agent() is not None) if _on_sim() else real_set())
+        _set(module, "_get_current_rpc_agent", _dispatch(_saved_get_agent, _get_current_rpc_agent))
+    _set(tapi, "_all_gather", _dispatch(tapi._all_gather, _all_gather))
     # init_rpc, as a module attribute and through what a copy imported by name calls
     _set(trpc, "init_rpc", _dispatch(trpc.init_rpc, _init_rpc))
     _set(trpc, "_init_rpc_backend", _dispatch(trpc._init_rpc_backend, _init_rpc_backend))
