@@ -47,9 +47,9 @@ from typing import Any, Iterator, NamedTuple
 
 import pytest
 
-from simulator.torch_harness_state import (NEEDS_A_PROCESS, classes_put_back, no_pytest_log_handlers,
-                                           one_profiler_per_process, own_class_state, patches_are_per_process,
-                                           test_process_registries, torch_settings_put_back)
+from simulator.torch_harness_state import (NEEDS_A_PROCESS, classes_put_back, module_globals_put_back,
+                                           no_pytest_log_handlers, one_profiler_per_process, own_class_state,
+                                           patches_are_per_process, test_process_registries, torch_settings_put_back)
 
 ENV = "TENSORPLAY_SIM_HARNESS"
 _CHOICES = ("off", "thread", "process")
@@ -287,10 +287,17 @@ class _Harness:
                 lines.append(f"A rank ended with an exception that torch's harness does not catch (a process "
                              f"would print it and exit with code 1):\n{text}")
         text = report.longreprtext
-        for signs, why in _SHARED_PROCESS_SIGNS:
-            if isolation == "thread" and any(sign in text for sign in signs):
-                lines.append(f"This failure is a known effect of thread ranks sharing one process: {why}. Fix: run "
-                             f"it with --sim-harness process (simulated ranks with a process each)")
+        known = [why for signs, why in _SHARED_PROCESS_SIGNS if any(sign in text for sign in signs)]
+        for why in known if isolation == "thread" else ():
+            lines.append(f"This failure is a known effect of thread ranks sharing one process: {why}. Fix: run "
+                         f"it with --sim-harness process (simulated ranks with a process each)")
+        if isolation == "thread" and not known:
+            # (what the plugin cannot see: a change a later rank undid, a C++ global, another library's singleton)
+            lines.append("Thread ranks share this process: its module globals, torch's global settings and other "
+                         "libraries' singletons. A test whose ranks each change one (a helper that shuffles a "
+                         "module-level list in place, seeded) sees the other ranks' changes here and its own in a "
+                         f"process. If the failure may be such a change: python -m pytest '{item.nodeid}' "
+                         "--sim-harness process")
         return "\n".join(lines)
 
 
@@ -415,6 +422,7 @@ def _simulated(item: pytest.Item, settings: Settings, replay: str, isolation: st
     try:
         per_process = ((own_class_state(), one_profiler_per_process(item), patches_are_per_process(item),
                         test_process_registries(), no_pytest_log_handlers(), classes_put_back(item),
+                        module_globals_put_back(item),
                         torch_settings_put_back())
                        if isolation == "thread" else ())
         with patched(launcher, hint=f"python -m pytest '{item.nodeid}' --sim-harness off"), \

@@ -12,6 +12,7 @@ test runs with the switch on.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import unittest
@@ -21,7 +22,8 @@ import pytest
 
 from simulator.core._actor import current_rank_state  # (light: no torch)
 
-__all__ = ["NEEDS_A_PROCESS", "PATCH_WHY", "PROFILER_WHY", "classes_put_back", "no_pytest_log_handlers",
+__all__ = ["GLOBALS_WHY", "NEEDS_A_PROCESS", "PATCH_WHY", "PROFILER_WHY", "classes_put_back",
+           "module_globals_put_back", "no_pytest_log_handlers",
            "one_profiler_per_process", "own_class_state", "patches_are_per_process", "test_process_registries",
            "torch_settings_put_back"]
 
@@ -215,8 +217,7 @@ def classes_put_back(item: pytest.Item) -> Iterator[None]:
     helpers (``UnitModule.get_extra_state = ...``, PyTorch's ``checkpoint/test_state_dict.py``) changed it for
     every later test of the session; each test's rank processes start from the classes as imported. When the test
     ends, those classes are as they were before it."""
-    modules = [getattr(item, "module", None)] + [m for n, m in list(sys.modules.items())
-                                                   if n.startswith("torch.testing._internal.")]
+    modules = [getattr(item, "module", None)] + _torch_test_helpers()
     # (not the test classes: the harness keeps its own state on them, a continuous test's worker pool included)
     classes = [c for m in modules if m is not None for c in vars(m).values()
                if isinstance(c, type) and c.__module__ == getattr(m, "__name__", None)
@@ -229,6 +230,74 @@ def classes_put_back(item: pytest.Item) -> Iterator[None]:
             now = dict(vars(c))
             for name in now.keys() | was.keys():
                 _put_back(c, name, was.get(name, _MISSING), now.get(name, _MISSING))
+
+
+def _torch_test_helpers() -> list[Any]:
+    return [m for n, m in list(sys.modules.items()) if n.startswith("torch.testing._internal.")]
+
+
+def _test_dir_modules(item: pytest.Item) -> list[Any]:
+    """The test's module and the modules imported from its folder (helpers a test file imports by name; not the
+    simulator's own, should the test live beside them)."""
+    module = getattr(item, "module", None)
+    folder = os.path.dirname(getattr(module, "__file__", None) or "")
+    if not folder:
+        return [module] if module is not None else []
+    return [m for n, m in list(sys.modules.items())
+            if m is module or (os.path.dirname(getattr(m, "__file__", None) or "") == folder
+                               and not n.startswith(("simulator", "tensorplay")))]
+
+
+#: why a test whose ranks changed a module's globals, then failed on thread ranks, runs on rank processes
+GLOBALS_WHY = ("a module's globals are one per process, and the test's ranks changed some ({names}): each thread rank "
+               "saw the others' changes, where each process changes its own")
+_CONTAINERS = (list, dict, set)
+
+
+def _same(was: Any, now: Any) -> bool:
+    """Whether a container holds what it held (by identity: its elements' ``==`` may be a tensor's)."""
+    try:
+        if isinstance(was, dict):
+            return was.keys() == now.keys() and all(now[k] is v for k, v in was.items())
+        if isinstance(was, set):
+            return len(was) == len(now) and all(x in now for x in was)
+        return len(was) == len(now) and all(a is b for a, b in zip(was, now))
+    except Exception:  # noqa: BLE001  (an element whose comparison fails: taken as changed)
+        return False
+
+
+@contextlib.contextmanager
+def module_globals_put_back(item: pytest.Item) -> Iterator[None]:
+    """A test's thread ranks that change a module's globals (rebind one, or change a list, dict or set in place:
+    torch's ``_chunk_sharding_specs_list_for_test`` shuffles ``_test_st_common.PLACEMENTS``, seeded, on each rank)
+    change them for every rank and for the tests after it; each rank process starts from the modules as imported
+    and changes its own.  When the test ends, the test's modules (its own and those of its folder: rebound names
+    and containers) and torch's test helpers (containers) hold what they held before it, in the same objects; if
+    the test failed on thread ranks after such a change, it runs again on rank processes (``GLOBALS_WHY``)."""
+    own = _test_dir_modules(item)
+    spaces = [(m, dict(vars(m))) for m in own]
+    containers = [(m, k, v, type(v)(v)) for m in own + _torch_test_helpers() for k, v in list(vars(m).items())
+                  if type(v) in _CONTAINERS and not k.startswith("__")]
+    try:
+        yield
+    finally:
+        changed = []
+        for m, was in spaces:
+            now = vars(m)
+            for name in [n for n in now.keys() | was.keys() if not n.startswith("__")]:
+                if now.get(name, _MISSING) is not was.get(name, _MISSING):
+                    changed.append(f"{m.__name__}.{name}")
+                    _put_back(m, name, was.get(name, _MISSING), now.get(name, _MISSING))
+        for m, name, obj, was in containers:
+            if not _same(was, obj):
+                changed.append(f"{m.__name__}.{name}")
+                if isinstance(obj, list):
+                    obj[:] = was
+                else:
+                    obj.clear()
+                    obj.update(was)
+        if changed:
+            item.stash.setdefault(NEEDS_A_PROCESS, GLOBALS_WHY.format(names=", ".join(sorted(set(changed))[:5])))
 
 
 #: an attribute that was not there

@@ -404,6 +404,50 @@ def test_a_simulated_timeout_shows_the_simulators_report_in_the_tests_failure(tm
     assert rc == 1 and "1 failed" in out, out[-4000:]
     assert "The simulator's report (SimTimeoutError)" in out, out[-4000:]
     assert "timeout" in out.split("The simulator's report (SimTimeoutError)", 1)[1][:2000], out[-4000:]
+    # (thread ranks: where the failure may be one of ranks sharing the process, the report names the other switch)
+    assert ("Thread ranks share this process" in out) == (isolation == "thread"), out[-4000:]
+
+
+_MODULE_GLOBALS_CASE = _two_rank_case("""
+import random
+
+import torch.distributed as dist
+from torch.testing._internal.distributed._shard.sharded_tensor import _test_st_common
+
+ORDER = [0, 1, 2, 3]""", """
+    def _agree(self, value):
+        dist.init_process_group("gloo", rank=self.rank, world_size=2, init_method=f"file://{self.file_name}")
+        got = [None, None]
+        dist.all_gather_object(got, value)
+        dist.destroy_process_group()
+        self.assertEqual(got[0], got[1])
+
+    def test_a_each_rank_shuffles_a_list_of_its_module(self):
+        random.Random(0).shuffle(ORDER)
+        self._agree(list(ORDER))
+
+    def test_b_a_torch_helper_shuffles_its_modules_list_on_each_rank(self):
+        spec = _test_st_common._chunk_sharding_specs_list_for_test([0], seed=0)[0]
+        self._agree([str(p) for p in spec.placements])
+
+    def test_c_the_lists_are_as_imported(self):
+        self.assertEqual(ORDER, [0, 1, 2, 3])
+        self.assertEqual(_test_st_common.PLACEMENTS, [f"rank:{r}/cuda:{r}" for r in range(4)])
+""")
+
+
+@pytest.mark.parametrize("isolation", [pytest.param("off", marks=[pytest.mark.slow, pytest.mark.gloo]), *ISOLATIONS])
+def test_module_globals_a_tests_ranks_change_are_each_ranks_own_and_end_with_the_test(tmp_path: Path,
+                                                                                      isolation: str) -> None:
+    """Each rank process changes its own module globals (a list torch's sharded-tensor helper shuffles in place,
+    seeded); thread ranks each see the others' changes: such a test that fails on thread ranks runs again on rank
+    processes, and the globals are as imported when the test ends (the next test's ranks start from them)."""
+    rc, out = _pytest_written(tmp_path / isolation, _MODULE_GLOBALS_CASE, isolation)
+    assert rc == 0 and "3 passed" in out, out[-4000:]
+    if isolation == "thread":  # (the run names the tests that moved, and the globals their ranks changed)
+        for name in ("(test_case.ORDER)", "(torch.testing._internal.distributed._shard.sharded_tensor._test_st_common"
+                     ".PLACEMENTS)"):
+            assert f"the test's ranks changed some {name}" in out, (name, out[-4000:])
 
 
 _BASE_EXCEPTION_CASE = _two_rank_case("""
