@@ -944,8 +944,8 @@ def test_torch_tensor_of_stand_ins_in_a_list_gives_the_cpu_values(two_gpus, make
 def _premul_sums(backend: str) -> dict:
     tdist.init_process_group(backend)
     r = tdist.get_rank()
-    dev = "cuda" if backend == "nccl" else "cpu"
-    if backend == "nccl":
+    dev = "cuda" if "nccl" in backend else "cpu"  # ("cpu:gloo,cuda:nccl": the CUDA side is NCCL's)
+    if dev == "cuda":
         torch.cuda.set_device(r)
     base = torch.arange(4.0, device=dev) + 10 * r  # distinct per rank
     out = {}
@@ -964,14 +964,57 @@ def _premul_sums(backend: str) -> dict:
 def test_nccl_premul_sum_scales_each_input_then_sums_and_gloo_refuses_it():
     """``ReduceOp.PREMUL_SUM(f)`` (FSDP2's gradient divide factor on NCCL): every rank's input times ``f``, summed; a
     rank that is not reduce's root keeps its input; gloo refuses the op with its own words."""
-    got = simulator.run(_premul_sums, 2, args=("nccl",), devices="cuda", timeout=TIMEOUT)
     inputs = [torch.arange(4.0) + 10 * r for r in range(2)]
-    for r, out in enumerate(got):
-        assert torch.equal(out["all_reduce"], 0.5 * inputs[0] + 0.5 * inputs[1])
-        assert torch.equal(out["reduce_scatter_tensor"], (0.25 * inputs[0] + 0.25 * inputs[1])[2 * r:2 * r + 2])
-        assert torch.equal(out["reduce"], 2.0 * inputs[0] + 2.0 * inputs[1] if r == 0 else inputs[r])
+    # (the CUDA tensors of a "cpu:gloo,cuda:nccl" group go to NCCL too: torchtitan's and FSDP2's mixed groups)
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        got = simulator.run(_premul_sums, 2, args=(backend,), devices="cuda", timeout=TIMEOUT)
+        for r, out in enumerate(got):
+            assert torch.equal(out["all_reduce"], 0.5 * inputs[0] + 0.5 * inputs[1])
+            assert torch.equal(out["reduce_scatter_tensor"], (0.25 * inputs[0] + 0.25 * inputs[1])[2 * r:2 * r + 2])
+            assert torch.equal(out["reduce"], 2.0 * inputs[0] + 2.0 * inputs[1] if r == 0 else inputs[r])
     with pytest.raises(RuntimeError, match="Cannot use ReduceOp.PREMUL_SUM with Gloo"):
         simulator.run(_premul_sums, 2, args=("gloo",), timeout=TIMEOUT)
+
+
+# -- NCCL's rules: its reduce ops, its dtypes; what a GPU refuses ---------------------------------------------
+def _nccl_rules() -> dict:
+    tdist.init_process_group("nccl")
+    r = tdist.get_rank()
+    torch.cuda.set_device(r)
+    out: dict = {"backend": tdist.group.WORLD._get_backend(torch.device("cuda")).name()}
+    for op in ("BAND", "BOR", "BXOR"):  # (ProcessGroupNCCL has no bitwise reductions; gloo has)
+        with pytest.raises(ValueError) as e:
+            tdist.all_reduce(torch.ones(2, dtype=torch.int32, device="cuda"), op=getattr(tdist.ReduceOp, op))
+        out[op] = str(e.value)
+    gloo = tdist.new_group(backend="gloo")
+    t = torch.tensor([r + 1, 3])
+    tdist.all_reduce(t, op=tdist.ReduceOp.BAND, group=gloo)
+    out["gloo_band"] = t.tolist()
+    for dt in (torch.int16, torch.uint16, torch.uint32, torch.uint64):  # (not in NCCL's dtype table)
+        with pytest.raises(TypeError) as e:
+            tdist.all_gather_into_tensor(torch.zeros(4, dtype=dt, device="cuda"), torch.zeros(2, dtype=dt, device="cuda"))
+        out[str(dt)] = str(e.value)
+    for op in ("SUM", "AVG"):  # float8 reduces on NCCL (the CPU has no float8 arithmetic)
+        x = (torch.tensor([1.0, 2.0]) * (r + 1)).to(torch.float8_e4m3fn).cuda()
+        tdist.all_reduce(x, op=getattr(tdist.ReduceOp, op))
+        out[f"fp8_{op}"] = x.float().tolist()
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):  # (a state loaded onto the GPU)
+        torch.cuda.set_rng_state(torch.cuda.get_rng_state().cuda())
+    with pytest.raises(standin.StandInError, match="no IPC handle"):
+        torch.cuda.Event.from_ipc_handle(r, b"")
+    return out
+
+
+def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicating():
+    for r, out in enumerate(simulator.run(_nccl_rules, 2, devices="cuda", timeout=TIMEOUT)):
+        assert out["backend"] == "nccl"
+        for op in ("BAND", "BOR", "BXOR"):
+            assert f"Cannot use ReduceOp.{op} with NCCL" in out[op] and f"rank {r}" in out[op], out[op]
+        assert out["gloo_band"] == [1 & 2, 3]
+        for dt, name in ((torch.int16, "Short"), (torch.uint16, "UInt16"), (torch.uint32, "UInt32"),
+                         (torch.uint64, "UInt64")):
+            assert f"not supported for NCCL process group: {name}" in out[str(dt)], out[str(dt)]
+        assert out["fp8_SUM"] == [3.0, 6.0] and out["fp8_AVG"] == [1.5, 3.0]
 
 
 # -- memory a rank dropped is freed when it drops it --------------------------------------------------------

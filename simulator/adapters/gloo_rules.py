@@ -52,14 +52,15 @@ def reduce_op(opts: Any = None, op: Any = None) -> Any:
     return getattr(x, "op", x)  # torch's ReduceOp wraps a RedOpType; tensorplay understands the latter
 
 
-def premul_factor(opts: Any, op: Any, named: str) -> Any:
+def premul_factor(opts: Any, op: Any, nccl: bool) -> Any:
     """The factor of a call whose op (:func:`reduce_op`) is ``PREMUL_SUM`` (``ReduceOp.PREMUL_SUM(factor)``,
-    ``_make_nccl_premul_sum``).
+    ``_make_nccl_premul_sum``); ``nccl``: whether the call's tensors go to NCCL (an "nccl" group, or the CUDA side
+    of "cpu:gloo,cuda:nccl").
 
     NCCL multiplies each rank's input by the factor, then sums (FSDP2's ``set_gradient_divide_factor`` reduces
     its gradients so); ProcessGroupGloo refuses it with its own words.  The caller sums ``factor * input``.
     """
-    if named != "nccl":
+    if not nccl:
         raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
     x = op if op is not None else opts
     return getattr(x, "reduceOp", x).factor

@@ -26,6 +26,9 @@ from simulator.core.state import rank_device
 
 __all__ = ["LanesMixin", "backends_by_device", "device_types_for"]
 
+#: the reductions NCCL does not have (gloo has them, on integers)
+_BITWISE = frozenset({tdist.ReduceOp.RedOpType.BAND, tdist.ReduceOp.RedOpType.BOR, tdist.ReduceOp.RedOpType.BXOR})
+
 
 def device_types_for(named: str) -> list[torch.device]:
     """The devices torch would register for backend ``named`` (gloo: cuda and cpu), plus the rank's own."""
@@ -68,6 +71,18 @@ class LanesMixin:
     def _speaks_nccl(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow NCCL's rules: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
         return self._nccl_for(t.device.type)
+
+    def _reduction(self, call: str, rop: Any, tensors: list[torch.Tensor]) -> Any:
+        """``rop``, checked as the backend of ``tensors`` checks it as the call starts: NCCL has no bitwise
+        reductions (ProcessGroupNCCL raises ValueError; gloo takes them on integers)."""
+        if rop in _BITWISE and tensors and self._speaks_nccl(tensors[0]):
+            name = rop.name
+            raise ValueError(format_message(
+                f"torch.distributed.ProcessGroupNCCL.{call}", f"Cannot use ReduceOp.{name} with NCCL",
+                group=self._g.ranks, rank=self._g.rank(), values={"op": f"ReduceOp.{name}"},
+                fix="reduce the integers on a gloo group (new_group(backend='gloo'), or CPU tensors of "
+                    "'cpu:gloo,cuda:nccl'), or all_gather them and fold with torch.bitwise_and/or/xor"))
+        return rop
 
     def _nccl_for(self, device_type: str) -> bool:
         named: str = self._named  # type: ignore[attr-defined]

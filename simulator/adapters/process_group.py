@@ -64,7 +64,8 @@ class _SimBackendView:
         self.device = device
 
     def name(self) -> str:
-        return self._pg.getBackendName()
+        # (a real group's backend for the device names itself, "nccl" or "gloo"; torch's C++ side reads getBackendName)
+        return self._pg._by_device.get(self.device.type) or self._pg.name()
 
     options = property(lambda self: self._pg.options)  # (the group's, as a group's one backend holds them)
 
@@ -200,10 +201,10 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
 
     def allreduce(self, tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         tensors = tensor_list(tensors)
-        rop = reduce_op(opts, op)
+        rop = self._reduction("allreduce", reduce_op(opts, op), tensors)
         if rop == _PREMUL:  # NCCL's premultiplied sum: the inputs (overwritten by the result) scaled, summed
             for t in tensors:
-                t.mul_(premul_factor(opts, op, self._named))
+                t.mul_(premul_factor(opts, op, self._speaks_nccl(t)))
             rop = _SUM
         op = rop
         if len(tensors) == 1 and tensors[0].layout == torch.strided:  # torch's front door: nothing left to check
@@ -241,7 +242,8 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-        return SimWork([tpd.all_reduce(flat, op=reduce_op(opts), group=self._lane(flat), async_op=True)], tensors,
+        return SimWork([tpd.all_reduce(flat, op=self._reduction("allreduce_coalesced", reduce_op(opts), tensors),
+                                       group=self._lane(flat), async_op=True)], tensors,
                        after=copy_back, refuse=_autograd_refusal("all_reduce_coalesced", self._g.rank(), tensors))
 
     def broadcast(self, tensors: Any, opts: Any = None, root: int | None = None) -> SimWork:
@@ -267,12 +269,13 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         rules.root_tensor(opts.rootTensor if opts is not None else 0, len(tensors))
         rules.single(tensors, "tensor list")
         rules.dense(tensors)
-        if reduce_op(opts, op) == _PREMUL:  # a scaled copy is summed: a rank that is not the root keeps its input
+        rop = self._reduction("reduce", reduce_op(opts, op), tensors)
+        if rop == _PREMUL:  # a scaled copy is summed: a rank that is not the root keeps its input
             t = tensors[0]
-            scaled = t * premul_factor(opts, op, self._named)
+            scaled = t * premul_factor(opts, op, self._speaks_nccl(t))
             w = tpd.reduce(scaled, group=self._lane(t), group_dst=root_rank, async_op=True)
             return SimWork([w], tensors, after=(lambda: t.copy_(scaled)) if self._g.rank() == root_rank else None)
-        return SimWork([tpd.reduce(tensors[0], op=reduce_op(opts, op), group=self._lane(tensors[0]),
+        return SimWork([tpd.reduce(tensors[0], op=rop, group=self._lane(tensors[0]),
                                    group_dst=root_rank, async_op=True)], tensors)
 
     def barrier(self, opts: Any = None) -> SimWork:
@@ -341,14 +344,12 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         works = [tpd.all_gather([outs[0][r * n + i] for r in range(w)], t, group=self._lane(t), async_op=True)
                  for i, t in enumerate(ins)]
         flat = [t for o in outs for t in o]
-        after = None
-        if len(outs) > 1:
-            def after() -> None:
-                for o in outs[1:]:
-                    for dst, src in zip(o, outs[0]):
-                        dst.copy_(src)
+        def copy_rest() -> None:  # (the other outputs' copies of outs[0])
+            for o in outs[1:]:
+                for dst, src in zip(o, outs[0]):
+                    dst.copy_(src)
         # gloo's future holds the output list (a list of lists when there are several)
-        return SimWork(works, outs[0] if len(outs) == 1 else outs, after=after,
+        return SimWork(works, outs[0] if len(outs) == 1 else outs, after=copy_rest if len(outs) > 1 else None,
                        refuse=_autograd_refusal("all_gather", self._g.rank(), flat))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
@@ -439,9 +440,9 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None, op: Any = None) -> SimWork:
         if isinstance(output_tensors, torch.Tensor):  # the overload reduce_scatter(tensor, input_list, op)
             output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
-        rop = reduce_op(opts, op)
+        rop = self._reduction("reduce_scatter", reduce_op(opts, op), output_tensors)
         if rop == _PREMUL:  # NCCL's premultiplied sum: scaled copies of the inputs, summed
-            factor = premul_factor(opts, op, self._named)
+            factor = premul_factor(opts, op, self._speaks_nccl(output_tensors[0]))
             input_tensors = [[t * factor for t in ins] for ins in input_tensors]
             rop = _SUM
         op = rop
@@ -454,9 +455,9 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         laid = self._layout("reduce_scatter_tensor", input, output, "input")
-        rop = reduce_op(opts)
+        rop = self._reduction("reduce_scatter_tensor", reduce_op(opts), [output])
         if rop == _PREMUL:  # NCCL's premultiplied sum (FSDP2's gradient divide factor): a scaled copy, summed
-            laid, rop = laid * premul_factor(opts, None, self._named), _SUM
+            laid, rop = laid * premul_factor(opts, None, self._speaks_nccl(output)), _SUM
         return SimWork([tpd.reduce_scatter_tensor(output, laid, op=rop, group=self._lane(output), async_op=True)],
                        [output], refuse=_autograd_refusal("reduce_scatter_tensor", self._g.rank(), [output]))
 
@@ -464,9 +465,9 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> SimWork:
-        rop = reduce_op(opts)
+        rop = self._reduction("reduce_scatter_tensor_coalesced", reduce_op(opts), outputs)
         if rop == _PREMUL:
-            factor = premul_factor(opts, None, self._named)
+            factor = premul_factor(opts, None, self._speaks_nccl(outputs[0]))
             inputs, rop = [i * factor for i in inputs], _SUM
         return SimWork([tpd.reduce_scatter_tensor(o, i, op=rop, group=self._lane(o), async_op=True)
                         for o, i in zip(outputs, inputs)], outputs)

@@ -297,6 +297,8 @@ def _backend_errors(method: Any) -> Any:
             _nccl_devices(args)
         elif name not in _ANY_DTYPE:
             _gloo_dtypes(self, name, args)
+        if "nccl" in self._named:
+            _nccl_dtypes(self, name, args)
         seq = self.__dict__.get("_tp_seq", 0)
         checks = self.__dict__.get("_tp_wrapper")
         if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
@@ -410,6 +412,31 @@ def _gloo_dtypes(group: Any, name: str, args: tuple) -> None:
                 group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
                 fix="cast to a dtype gloo takes (float32, float64, float16, bfloat16, int8, uint8, int32, int64, "
                     "bool) and back, or move the bytes with send/recv, which take any dtype"))
+
+
+#: the dtypes ProcessGroupNCCL maps to NCCL's own (its ``ncclDataType`` table; bool and the float8 types NCCL has no
+#: reduction for travel as bytes); a complex tensor is sent as its real pairs by torch's front door
+_NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.float32, torch.float64, torch.int32, torch.int64,
+                          torch.float16, torch.bool, torch.bfloat16, torch.complex64, torch.complex128} |
+                         {getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz",
+                                                      "float8_e5m2fnuz") if hasattr(torch, n)})
+#: ATen's names of the dtypes NCCL refuses, as its error prints them
+_SCALAR_NAMES = {torch.int16: "Short", torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
+                 torch.complex32: "ComplexHalf"}
+
+
+def _nccl_dtypes(group: Any, name: str, args: tuple) -> None:
+    """NCCL's dtype rule (send and recv too: NCCL moves typed elements), before anything is communicated, for the
+    tensors that go to NCCL."""
+    for a in _tensors_in(args):
+        if a.dtype not in _NCCL_DTYPES and group._speaks_nccl(a):
+            kind = _SCALAR_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
+            raise TypeError(format_message(
+                f"torch.distributed.ProcessGroupNCCL.{name}",
+                f"Input tensor data type is not supported for NCCL process group: {kind}",
+                group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
+                fix="cast to a dtype NCCL takes (float32, float64, float16, bfloat16, float8, int8, uint8, int32, "
+                    "int64, bool) and back, e.g. t.to(torch.int32)"))
 
 
 #: how many times gloo's collectives count a write of each output in its autograd version counter (measured on

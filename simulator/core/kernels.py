@@ -33,8 +33,16 @@ _BINARY = {
 _BINARY_BOOL = {ReduceOp.SUM: torch.logical_or, ReduceOp.AVG: torch.logical_or, ReduceOp.PRODUCT: torch.logical_and}
 
 
+#: dtypes without CPU arithmetic (NCCL reduces float8): each step is computed in float32 and rounded back
+_WIDENED = frozenset(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                     if hasattr(torch, n))
+
+
 def _combine(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
     """``out = a op b`` in one pass (``out`` may be ``a`` or ``b``)."""
+    if a.dtype in _WIDENED:
+        out.copy_(_BINARY[op](a.float(), b.float()))
+        return
     table = _BINARY_BOOL if a.dtype == torch.bool and op in _BINARY_BOOL else _BINARY
     table[op](a, b, out=out)
 
@@ -46,7 +54,10 @@ def _fold(acc: torch.Tensor, t: torch.Tensor, op: ReduceOp) -> None:
 
 def _finish(acc: torch.Tensor, op: ReduceOp, n: int) -> None:
     if op is ReduceOp.AVG:
-        acc.div_(n)
+        if acc.dtype in _WIDENED:
+            acc.copy_(acc.float() / n)
+        else:
+            acc.div_(n)
 
 
 def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

@@ -90,6 +90,11 @@ def get_state(idx: int) -> torch.Tensor:
 
 def set_state(idx: int, new_state: torch.Tensor, call: str) -> None:
     """Restore a state from :func:`get_state` (CUDA's 16 bytes)."""
+    if isinstance(new_state, torch.Tensor) and (new_state.device.type != "cpu" or new_state.layout != torch.strided):
+        # torch's own check (a state saved with torch.cuda.get_rng_state() and loaded with map_location="cuda:i"
+        # lands on the GPU: a GPU refuses it so)
+        raise TypeError(f"RNG state must be a torch.ByteTensor ({call}: new_state is on {new_state.device}). Fix: "
+                        "pass it on the CPU (new_state.cpu(), or torch.load(..., map_location='cpu') for the state)")
     if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8 or new_state.numel() != 16:
         got = new_state if not isinstance(new_state, torch.Tensor) else \
             f"tensor(dtype={new_state.dtype}, numel={new_state.numel()})"

@@ -164,6 +164,13 @@ class Event:
         raise StandInError(format_message("torch.cuda.Event.ipc_handle", "stand-in events have no IPC handle",
                                           fix="share data between ranks with collectives"))
 
+    @classmethod
+    def from_ipc_handle(cls, device: Any, handle: Any) -> "Event":
+        """Refused, as :meth:`ipc_handle` is: no stand-in event has a handle to open."""
+        raise StandInError(format_message("torch.cuda.Event.from_ipc_handle", "stand-in events have no IPC handle",
+                                          values={"device": str(device)},
+                                          fix="share data between ranks with collectives"))
+
     @property
     def device(self) -> torch.device | None:
         """The device of the stream it was last recorded on (None before)."""
