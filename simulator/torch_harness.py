@@ -303,7 +303,8 @@ class _Harness:
 
 #: why any failure of free-running thread ranks is taken as one of ranks sharing a process
 _FREE_RUNNING = ("free-running thread ranks (--sim-mode threads) share torch's random generator, so a rank's "
-                 "seeded draws are interleaved with the other ranks'")
+                 "seeded draws are interleaved with the other ranks', and, as every thread rank, the process's "
+                 "module globals and settings: a failure there may be either")
 
 
 def _thread_only_failure(item: pytest.Item, mode: str = "coop") -> str | None:

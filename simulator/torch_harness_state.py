@@ -12,6 +12,7 @@ test runs with the switch on.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sys
 import threading
@@ -243,9 +244,14 @@ def _test_dir_modules(item: pytest.Item) -> list[Any]:
     folder = os.path.dirname(getattr(module, "__file__", None) or "")
     if not folder:
         return [module] if module is not None else []
+    prefix = folder + os.sep
     return [m for n, m in list(sys.modules.items())
-            if m is module or (os.path.dirname(getattr(m, "__file__", None) or "") == folder
+            if m is module or (_in_folder(getattr(m, "__file__", None), prefix)
                                and not n.startswith(("simulator", "tensorplay")))]
+
+
+def _in_folder(path: Any, prefix: str) -> bool:
+    return isinstance(path, str) and path.startswith(prefix) and os.sep not in path[len(prefix):]
 
 
 #: why a test whose ranks changed a module's globals, then failed on thread ranks, runs on rank processes
@@ -258,10 +264,10 @@ def _same(was: Any, now: Any) -> bool:
     """Whether a container holds what it held (by identity: its elements' ``==`` may be a tensor's)."""
     try:
         if isinstance(was, dict):
-            return was.keys() == now.keys() and all(now[k] is v for k, v in was.items())
+            return was.keys() == now.keys() and all(map(operator.is_, was.values(), map(now.__getitem__, was)))
         if isinstance(was, set):
-            return len(was) == len(now) and all(x in now for x in was)
-        return len(was) == len(now) and all(a is b for a, b in zip(was, now))
+            return len(was) == len(now) and all(map(now.__contains__, was))
+        return len(was) == len(now) and all(map(operator.is_, was, now))
     except Exception:  # noqa: BLE001  (an element whose comparison fails: taken as changed)
         return False
 
