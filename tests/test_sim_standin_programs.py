@@ -994,6 +994,22 @@ def _nccl_rules() -> dict:
         with pytest.raises(TypeError) as e:
             tdist.all_gather_into_tensor(torch.zeros(4, dtype=dt, device="cuda"), torch.zeros(2, dtype=dt, device="cuda"))
         out[str(dt)] = str(e.value)
+    refusals = {  # (what ProcessGroupNCCL raises as each call starts)
+        "bool_avg": lambda: tdist.all_reduce(torch.ones(2, dtype=torch.bool, device="cuda"), op=tdist.ReduceOp.AVG),
+        "premul_int": lambda: tdist.all_reduce(torch.ones(2, dtype=torch.int64, device="cuda"),
+                                               op=tdist._make_nccl_premul_sum(2.0)),
+        "fnuz_sum": lambda: tdist.all_reduce(torch.ones(2).to(torch.float8_e4m3fnuz).cuda()),
+        "view": lambda: tdist.all_reduce(torch.ones(3, 4, device="cuda").t()),
+        "gather_into_view": lambda: tdist.all_gather_into_tensor(torch.ones(2, 4, device="cuda").t(),
+                                                                 torch.ones(4, device="cuda")),
+    }
+    for key, call in refusals.items():
+        with pytest.raises(Exception) as e:
+            call()
+        out[key] = f"{type(e.value).__name__}: {e.value}"
+    cl = torch.ones(2, 3, 4, 4, device="cuda").to(memory_format=torch.channels_last)  # (dense: taken)
+    tdist.all_reduce(cl)
+    out["channels_last"] = cl.sum().item()
     for op in ("SUM", "AVG"):  # float8 reduces on NCCL (the CPU has no float8 arithmetic)
         x = (torch.tensor([1.0, 2.0]) * (r + 1)).to(torch.float8_e4m3fn).cuda()
         tdist.all_reduce(x, op=getattr(tdist.ReduceOp, op))
@@ -1015,6 +1031,32 @@ def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicat
                          (torch.uint64, "UInt64")):
             assert f"not supported for NCCL process group: {name}" in out[str(dt)], out[str(dt)]
         assert out["fp8_SUM"] == [3.0, 6.0] and out["fp8_AVG"] == [1.5, 3.0]
+        assert out["bool_avg"].startswith("TypeError") and "Cannot use ReduceOp.AVG with boolean inputs" in out["bool_avg"]
+        assert out["premul_int"].startswith("TypeError") and "PreMulSum Data type must be half" in out["premul_int"]
+        assert "Float8 dtypes are not currently supported for NCCL reductions" in out["fnuz_sum"]
+        for key in ("view", "gather_into_view"):
+            assert out[key].startswith("ValueError") and "Tensors must be contiguous" in out[key], out[key]
+        assert out["channels_last"] == 2 * 96
+
+
+def _bound_to_a_device() -> str:
+    import tensorplay.distributed as tpd
+
+    r = tpd.get_rank()  # (the simulated world exists before the program joins it)
+    tdist.init_process_group("nccl", device_id=torch.device("cuda", r))
+    tdist.all_reduce(torch.ones(1, device=f"cuda:{r}"))  # (the bound device: taken)
+    try:
+        tdist.all_reduce(torch.ones(1, device=f"cuda:{1 - r}"))
+    except tdist.DistBackendError as e:
+        return str(e)
+    return "taken"
+
+
+def test_a_group_bound_to_a_device_refuses_another_devices_tensors_as_nccl_does():
+    got = simulator.run(_bound_to_a_device, 2, devices="cuda", timeout=TIMEOUT)
+    for r, text in enumerate(got):
+        assert "Attempt to perform collective on tensor not on device passed to init_process_group" in text, text
+        assert f"device='cuda:{1 - r}'" in text and f"device_id='cuda:{r}'" in text, text
 
 
 # -- memory a rank dropped is freed when it drops it --------------------------------------------------------

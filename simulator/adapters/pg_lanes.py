@@ -28,6 +28,11 @@ __all__ = ["LanesMixin", "backends_by_device", "device_types_for"]
 
 #: the reductions NCCL does not have (gloo has them, on integers)
 _BITWISE = frozenset({tdist.ReduceOp.RedOpType.BAND, tdist.ReduceOp.RedOpType.BOR, tdist.ReduceOp.RedOpType.BXOR})
+_AVG, _PREMUL = tdist.ReduceOp.RedOpType.AVG, tdist.ReduceOp.RedOpType.PREMUL_SUM
+#: what NCCL's premultiplied sum takes (its unpackPreMulSum)
+_PREMUL_DTYPES = frozenset({torch.float16, torch.float32, torch.bfloat16, torch.float64})
+#: float8 types NCCL moves as bytes (gathers, broadcasts) but does not reduce
+_BYTES_FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def device_types_for(named: str) -> list[torch.device]:
@@ -73,16 +78,30 @@ class LanesMixin:
         return self._nccl_for(t.device.type)
 
     def _reduction(self, call: str, rop: Any, tensors: list[torch.Tensor]) -> Any:
-        """``rop``, checked as the backend of ``tensors`` checks it as the call starts: NCCL has no bitwise
-        reductions (ProcessGroupNCCL raises ValueError; gloo takes them on integers)."""
-        if rop in _BITWISE and tensors and self._speaks_nccl(tensors[0]):
-            name = rop.name
-            raise ValueError(format_message(
-                f"torch.distributed.ProcessGroupNCCL.{call}", f"Cannot use ReduceOp.{name} with NCCL",
-                group=self._g.ranks, rank=self._g.rank(), values={"op": f"ReduceOp.{name}"},
-                fix="reduce the integers on a gloo group (new_group(backend='gloo'), or CPU tensors of "
-                    "'cpu:gloo,cuda:nccl'), or all_gather them and fold with torch.bitwise_and/or/xor"))
-        return rop
+        """``rop``, checked as ProcessGroupNCCL checks it as the call starts, for tensors that go to NCCL (gloo's
+        own rules are tensorplay's): no bitwise reductions; no AVG of booleans; PREMUL_SUM of floating dtypes only;
+        no reductions of the float8 types NCCL moves as bytes."""
+        if not tensors or not self._speaks_nccl(tensors[0]):
+            return rop
+        dtype, name = tensors[0].dtype, getattr(rop, "name", str(rop))
+        if rop in _BITWISE:
+            why, kind, fix = f"Cannot use ReduceOp.{name} with NCCL", ValueError, (
+                "reduce the integers on a gloo group (new_group(backend='gloo'), or CPU tensors of "
+                "'cpu:gloo,cuda:nccl'), or all_gather them and fold with torch.bitwise_and/or/xor")
+        elif rop == _AVG and dtype == torch.bool:
+            why, kind, fix = "Cannot use ReduceOp.AVG with boolean inputs", TypeError, (
+                "reduce with SUM (a logical or on NCCL) or MIN, or cast to a floating dtype first")
+        elif rop == _PREMUL and dtype not in _PREMUL_DTYPES:
+            why, kind, fix = "PreMulSum Data type must be half, float, bfloat16 or double", TypeError, (
+                "cast to a floating dtype first, or reduce with SUM and scale the result")
+        elif dtype in _BYTES_FLOAT8:
+            why, kind, fix = "Float8 dtypes are not currently supported for NCCL reductions", RuntimeError, (
+                "reduce in float8_e4m3fn/float8_e5m2 or a wider dtype, or gather the bytes (all_gather)")
+        else:
+            return rop
+        raise kind(format_message(f"torch.distributed.ProcessGroupNCCL.{call}", why, group=self._g.ranks,
+                                  rank=self._g.rank(), values={"op": f"ReduceOp.{name}", "dtype": str(dtype)},
+                                  fix=fix))
 
     def _nccl_for(self, device_type: str) -> bool:
         named: str = self._named  # type: ignore[attr-defined]

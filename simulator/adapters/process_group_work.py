@@ -294,11 +294,12 @@ def _backend_errors(method: Any) -> Any:
         # the pybind overloads' per-call bound (pg.allreduce(t, timeout=...), pg.barrier(timeout=...))
         timeout = kwargs.pop("timeout", None)
         if self._named == "nccl":
-            _nccl_devices(args)
+            _nccl_devices(self, name, args)
         elif name not in _ANY_DTYPE:
             _gloo_dtypes(self, name, args)
         if "nccl" in self._named:
             _nccl_dtypes(self, name, args)
+            _nccl_contiguous(self, name, args)
         seq = self.__dict__.get("_tp_seq", 0)
         checks = self.__dict__.get("_tp_wrapper")
         if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
@@ -370,17 +371,27 @@ def _through_comm_modes(name: str, run: Any) -> Any:
     return modes[-1].__torch_dispatch__(_C10dOp(packet, run), (), ())
 
 
-def _nccl_devices(args: tuple) -> None:
-    """NCCL's rule on CUDA stand-ins (``devices="cuda"``): a group the program made with "nccl" takes CUDA tensors
+def _nccl_devices(group: Any, name: str, args: tuple) -> None:
+    """NCCL's rules on CUDA stand-ins (``devices="cuda"``): a group the program made with "nccl" takes CUDA tensors
     only, and refuses a CPU tensor with torch's own error (a program that says "nccl" on plain CPU ranks keeps
-    running on the simulated world, as before)."""
+    running on the simulated world, as before); a group bound to a device (``init_process_group(device_id=)``)
+    takes that device's tensors only."""
     standin = _loaded.get("simulator.standin")
     if standin is None or not standin.is_active():
         return
+    bound = getattr(group, "bound_device_id", None)
     for a in _tensors_in(args):
         dev = standin.device_of(a)
         if dev.type != "cuda":
             raise RuntimeError(f"No backend type associated with device type {dev.type}")
+        if bound is not None and bound.type == "cuda" and bound.index is not None and dev.index != bound.index:
+            raise also_a(DistBackendError(format_message(
+                f"torch.distributed.ProcessGroupNCCL.{name}", "Attempt to perform collective on tensor not on "
+                "device passed to init_process_group", group=group._g.ranks, rank=group._g.rank(),
+                values={"device": str(dev), "device_id": str(bound)},
+                fix="move the tensor to the device the group was bound to (t.to(device_id)), or bind the group to "
+                    "the rank's own device: init_process_group(device_id=torch.device('cuda', local_rank))")),
+                tdist.DistBackendError)
 
 
 def _tensors_in(args: tuple) -> Any:
@@ -437,6 +448,30 @@ def _nccl_dtypes(group: Any, name: str, args: tuple) -> None:
                 group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
                 fix="cast to a dtype NCCL takes (float32, float64, float16, bfloat16, float8, int8, uint8, int32, "
                     "int64, bool) and back, e.g. t.to(torch.int32)"))
+
+
+#: the arguments (by position) each call of ProcessGroupNCCL requires contiguous, in their suggested memory format
+#: (its check_gpu_single_tensor); point-to-point and all-to-all only warn, list outputs and coalesced calls are copied
+_NCCL_CONTIGUOUS = {"allreduce": (0,), "broadcast": (0,), "reduce": (0,), "allgather": (1,),
+                    "all_gather_single": (0, 1), "reduce_scatter": (0,), "reduce_scatter_single": (0,), "gather": (1,),
+                    "scatter": (0,)}
+
+
+def _dense_in_some_format(t: torch.Tensor) -> bool:
+    """``t.is_contiguous(t.suggest_memory_format())``: contiguous, or channels-last (2-D or 3-D)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or \
+        (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def _nccl_contiguous(group: Any, name: str, args: tuple) -> None:
+    for at in _NCCL_CONTIGUOUS.get(name, ()):
+        for a in _tensors_in(args[at:at + 1]):
+            if group._speaks_nccl(a) and not _dense_in_some_format(a):
+                raise ValueError(format_message(
+                    f"torch.distributed.ProcessGroupNCCL.{name}", "Tensors must be contiguous",
+                    group=group._g.ranks, rank=group._g.rank(),
+                    values={"shape": list(a.shape), "stride": list(a.stride())},
+                    fix="pass t.contiguous() (and copy the result back into the view where the call writes it)"))
 
 
 #: how many times gloo's collectives count a write of each output in its autograd version counter (measured on
