@@ -1002,6 +1002,7 @@ def _nccl_rules() -> dict:
         "view": lambda: tdist.all_reduce(torch.ones(3, 4, device="cuda").t()),
         "gather_into_view": lambda: tdist.all_gather_into_tensor(torch.ones(2, 4, device="cuda").t(),
                                                                  torch.ones(4, device="cuda")),
+        "barrier_past_the_last_gpu": lambda: tdist.barrier(device_ids=[7]),
     }
     for key, call in refusals.items():
         with pytest.raises(Exception) as e:
@@ -1037,6 +1038,7 @@ def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicat
         for key in ("view", "gather_into_view"):
             assert out[key].startswith("ValueError") and "Tensors must be contiguous" in out[key], out[key]
         assert out["channels_last"] == 2 * 96
+        assert "invalid device ordinal" in out["barrier_past_the_last_gpu"], out["barrier_past_the_last_gpu"]
 
 
 def _bound_to_a_device() -> str:
@@ -1045,18 +1047,24 @@ def _bound_to_a_device() -> str:
     r = tpd.get_rank()  # (the simulated world exists before the program joins it)
     tdist.init_process_group("nccl", device_id=torch.device("cuda", r))
     tdist.all_reduce(torch.ones(1, device=f"cuda:{r}"))  # (the bound device: taken)
-    try:
-        tdist.all_reduce(torch.ones(1, device=f"cuda:{1 - r}"))
-    except tdist.DistBackendError as e:
-        return str(e)
-    return "taken"
+    tdist.barrier()
+    texts = []
+    for call in (lambda: tdist.all_reduce(torch.ones(1, device=f"cuda:{1 - r}")),
+                 lambda: tdist.barrier(device_ids=[1 - r])):  # (NCCL's barrier reduces a tensor on that device)
+        try:
+            call()
+            texts.append("taken")
+        except tdist.DistBackendError as e:
+            texts.append(str(e))
+    return texts
 
 
 def test_a_group_bound_to_a_device_refuses_another_devices_tensors_as_nccl_does():
     got = simulator.run(_bound_to_a_device, 2, devices="cuda", timeout=TIMEOUT)
-    for r, text in enumerate(got):
-        assert "Attempt to perform collective on tensor not on device passed to init_process_group" in text, text
-        assert f"device='cuda:{1 - r}'" in text and f"device_id='cuda:{r}'" in text, text
+    for r, texts in enumerate(got):
+        for text in texts:
+            assert "Attempt to perform collective on tensor not on device passed to init_process_group" in text, text
+            assert f"device='cuda:{1 - r}'" in text and f"device_id='cuda:{r}'" in text, text
 
 
 # -- memory a rank dropped is freed when it drops it --------------------------------------------------------

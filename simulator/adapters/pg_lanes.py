@@ -20,7 +20,7 @@ import torch.distributed.distributed_c10d as c10d
 from tensorplay.distributed import state as dist_state
 from tensorplay.distributed.errors import format_message
 
-from simulator.adapters.process_group_work import SimWork, coalescing
+from simulator.adapters.process_group_work import SimWork, _nccl_devices, coalescing
 
 from simulator.core.state import rank_device
 
@@ -102,6 +102,14 @@ class LanesMixin:
         raise kind(format_message(f"torch.distributed.ProcessGroupNCCL.{call}", why, group=self._g.ranks,
                                   rank=self._g.rank(), values={"op": f"ReduceOp.{name}", "dtype": str(dtype)},
                                   fix=fix))
+
+    def _barrier_device(self, opts: Any) -> Any:
+        """The device of a barrier (``device_ids[0]``, else the bound or current one). NCCL's barrier all-reduces one
+        element made on it: a device past the node's last, or not the group's bound one, fails as there."""
+        device = getattr(opts, "device", None)
+        if self._named == "nccl" and getattr(device, "type", None) in ("cuda", "privateuseone"):  # type: ignore
+            _nccl_devices(self, "barrier", (torch.zeros(1, device=device),))
+        return device
 
     def _nccl_for(self, device_type: str) -> bool:
         named: str = self._named  # type: ignore[attr-defined]

@@ -279,7 +279,7 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
                                    group_dst=root_rank, async_op=True)], tensors)
 
     def barrier(self, opts: Any = None) -> SimWork:
-        return SimWork([tpd.barrier(group=self._lane(getattr(opts, "device", None)), async_op=True)], [])
+        return SimWork([tpd.barrier(group=self._lane(self._barrier_device(opts)), async_op=True)], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier, as ProcessGroupGloo runs it: every other rank sends to the group's rank 0 and
