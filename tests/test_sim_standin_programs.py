@@ -1008,6 +1008,10 @@ def _nccl_rules() -> dict:
         with pytest.raises(Exception) as e:
             call()
         out[key] = f"{type(e.value).__name__}: {e.value}"
+    mine, got = torch.full((2,), r + 5.0, device="cuda"), torch.empty(2, device="cuda")  # (NCCL sends to itself)
+    for w in tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, got, r), tdist.P2POp(tdist.isend, mine, r)]):
+        w.wait()
+    out["to_self"] = got.tolist()
     cl = torch.ones(2, 3, 4, 4, device="cuda").to(memory_format=torch.channels_last)  # (dense: taken)
     tdist.all_reduce(cl)
     out["channels_last"] = cl.sum().item()
@@ -1038,6 +1042,7 @@ def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicat
         for key in ("view", "gather_into_view"):
             assert out[key].startswith("ValueError") and "Tensors must be contiguous" in out[key], out[key]
         assert out["channels_last"] == 2 * 96
+        assert out["to_self"] == [r + 5.0, r + 5.0]
         assert "invalid device ordinal" in out["barrier_past_the_last_gpu"], out["barrier_past_the_last_gpu"]
 
 

@@ -18,7 +18,7 @@ import torch.distributed as tdist
 import torch.distributed.distributed_c10d as c10d
 
 from tensorplay.distributed import state as dist_state
-from tensorplay.distributed.errors import format_message
+from tensorplay.distributed.errors import DistBackendError, format_message
 
 from simulator.adapters.process_group_work import SimWork, _nccl_devices, coalescing
 
@@ -110,6 +110,36 @@ class LanesMixin:
         if self._named == "nccl" and getattr(device, "type", None) in ("cuda", "privateuseone"):  # type: ignore
             _nccl_devices(self, "barrier", (torch.zeros(1, device=device),))
         return device
+
+    # -- NCCL's point-to-point with oneself (torch's isend/irecv allow it; gloo has no pair to itself) ---------------
+    def _to_self(self, tensors: list[torch.Tensor]) -> SimWork:
+        """A send to this rank: its values as of the call, for the receive that takes them (in posting order)."""
+        self.__dict__.setdefault("_tp_to_self", []).extend(t.detach().clone() for t in tensors)
+        return SimWork([], tensors)
+
+    def _from_self(self, tensors: list[torch.Tensor]) -> SimWork:
+        """A receive from this rank: filled, when waited for, from its sends to itself (a batch posts both first)."""
+        me = self._g.rank()
+
+        def take() -> None:
+            box = self.__dict__.get("_tp_to_self") or []
+            if len(box) < len(tensors):
+                raise DistBackendError(format_message(
+                    "torch.distributed.irecv", "a receive from this rank has no send to it: NCCL would wait for ever",
+                    group=list(self._g.ranks), rank=me, values={"src": me},
+                    fix="post the matching isend(tensor, dst=<this rank>) before waiting (batch_isend_irecv posts "
+                        "both)"))
+            with torch.no_grad():
+                for t in tensors:
+                    sent = box.pop(0)
+                    if sent.numel() != t.numel():
+                        raise DistBackendError(format_message(
+                            "torch.distributed.irecv", "a receive from this rank is not the size of its send",
+                            group=list(self._g.ranks), rank=me, values={"sent": sent.numel(), "received": t.numel()},
+                            fix="receive into a tensor of the sent tensor's size"))
+                    t.copy_(sent.view(t.shape))
+
+        return SimWork([], tensors, after=take, source=lambda: me)
 
     def _nccl_for(self, device_type: str) -> bool:
         named: str = self._named  # type: ignore[attr-defined]
