@@ -159,6 +159,9 @@ CASES: list[Case] = [
        DVE, ValueError, "input_split_sizes=[-1"),
     _c("all_to_all_single-indivisible", lambda c: dist.all_to_all_single(c.t(2 * c.W + 1), c.t(2 * c.W + 1)), DVE,
        ValueError, "input.shape[0]={2*W+1}", "group_size={W}", min_world=2),
+    _c("all_to_all_single-no-splits-output-of-another-size",
+       lambda c: dist.all_to_all_single(c.t(3 * c.W), c.t(2 * c.W)), DVE, ValueError,
+       "each tensor's first dimension is split evenly", "output.shape=({3*W},)", "input.shape=({2*W},)"),
     # -- dtype not allowed for the op ------------------------------------------------------------
     _c("all_reduce-AVG-int64", lambda c: dist.all_reduce(c.t(dtype=torch.int64), op=ReduceOp.AVG), DTE, TypeError,
        "op=ReduceOp.AVG", "dtype=torch.int64"),
@@ -278,7 +281,8 @@ def _checker_cases(world: int) -> list[tuple[int, str]]:
 
 def _fill(template: str, world: int, rank: int, backend: str) -> str:
     return template.format(r=rank, o=1 - rank, W=world, G=list(range(world)), B=backend, **{
-        "W+1": world + 1, "W-1": world - 1, "W+3": world + 3, "2*W": 2 * world, "2*W+1": 2 * world + 1})
+        "W+1": world + 1, "W-1": world - 1, "W+3": world + 3, "2*W": 2 * world, "2*W+1": 2 * world + 1,
+        "3*W": 3 * world})
 
 
 #: the name ``get_backend()`` reports on each backend (and that messages name)

@@ -473,9 +473,14 @@ def check_single_splits(c: CallContext, output: torch.Tensor, input: torch.Tenso
                       **{"output.shape": tuple(output.shape), "input.shape": tuple(input.shape)})
     me = c.pg.rank()
     if ins[me] != outs[me]:
-        raise c.error(DistValueError, "the rows a rank sends to itself must equal the rows it receives from itself",
-                      "make output_split_sizes[rank] == input_split_sizes[rank]",
-                      **{f"input_split_sizes[{me}]": ins[me], f"output_split_sizes[{me}]": outs[me]})
+        given = input_split_sizes is not None or output_split_sizes is not None
+        raise c.error(DistValueError, "the rows a rank sends to itself must equal the rows it receives from itself"
+                      + ("" if given else " (with no split sizes given, each tensor's first dimension is split "
+                         "evenly over the group)"),
+                      "make output_split_sizes[rank] == input_split_sizes[rank]" if given else
+                      "allocate output with input's shape, or pass the split sizes",
+                      **{f"input_split_sizes[{me}]": ins[me], f"output_split_sizes[{me}]": outs[me],
+                         "input.shape": tuple(input.shape), "output.shape": tuple(output.shape)})
     return outs, ins
 
 
