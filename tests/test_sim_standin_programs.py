@@ -1012,6 +1012,14 @@ def _nccl_rules() -> dict:
     for w in tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, got, r), tdist.P2POp(tdist.isend, mine, r)]):
         w.wait()
     out["to_self"] = got.tolist()
+    x = torch.arange(12.0, device="cuda").view(3, 4) + 100 * r  # (NCCL moves a view's storage from its first element)
+    with pytest.warns(UserWarning, match="non-contiguous tensor in P2P"):
+        if r == 0:
+            tdist.send(x[:, :2], dst=1)
+        else:
+            got = torch.zeros(3, 4, device="cuda")
+            tdist.recv(got[:, 1:3], src=0)
+            out["p2p_view"] = got.tolist()
     cl = torch.ones(2, 3, 4, 4, device="cuda").to(memory_format=torch.channels_last)  # (dense: taken)
     tdist.all_reduce(cl)
     out["channels_last"] = cl.sum().item()
@@ -1043,6 +1051,8 @@ def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicat
             assert out[key].startswith("ValueError") and "Tensors must be contiguous" in out[key], out[key]
         assert out["channels_last"] == 2 * 96
         assert out["to_self"] == [r + 5.0, r + 5.0]
+        if r == 1:  # rank 0's storage from element 0, six of them, into rank 1's storage from its view's first element
+            assert out["p2p_view"] == [[0, 0, 1, 2], [3, 4, 5, 0], [0, 0, 0, 0]], out["p2p_view"]
         assert "invalid device ordinal" in out["barrier_past_the_last_gpu"], out["barrier_past_the_last_gpu"]
 
 

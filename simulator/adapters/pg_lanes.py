@@ -11,6 +11,8 @@ its members when the group is made, for its CPU tensors.
 from __future__ import annotations
 
 import sys
+import threading
+import warnings
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ from simulator.adapters.process_group_work import SimWork, _nccl_devices, coales
 from simulator.core.state import rank_device
 
 __all__ = ["LanesMixin", "backends_by_device", "device_types_for"]
+
+_warned = threading.local()  # (a rank's once-only warnings: each rank thread, each rank process has its own)
 
 #: the reductions NCCL does not have (gloo has them, on integers)
 _BITWISE = frozenset({tdist.ReduceOp.RedOpType.BAND, tdist.ReduceOp.RedOpType.BOR, tdist.ReduceOp.RedOpType.BXOR})
@@ -110,6 +114,18 @@ class LanesMixin:
         if self._named == "nccl" and getattr(device, "type", None) in ("cuda", "privateuseone"):  # type: ignore
             _nccl_devices(self, "barrier", (torch.zeros(1, device=device),))
         return device
+
+    def _p2p_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """What a point-to-point call moves of ``t``: NCCL moves ``numel`` elements of the storage from the tensor's
+        first one, whatever its strides (warning once, as ProcessGroupNCCL does); gloo the tensor's own elements."""
+        if not self._speaks_nccl(t) or t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(
+                memory_format=torch.channels_last)):
+            return t
+        if not getattr(_warned, "p2p", False):
+            _warned.p2p = True
+            warnings.warn("Detected non-contiguous tensor in P2P operations. It is user responsibility to guarantee "
+                          "that source and destination tensors have the same contiguity format.", stacklevel=4)
+        return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
     # -- NCCL's point-to-point with oneself (torch's isend/irecv allow it; gloo has no pair to itself) ---------------
     def _to_self(self, tensors: list[torch.Tensor]) -> SimWork:

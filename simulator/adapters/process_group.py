@@ -509,14 +509,15 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         tag = 0 if self._speaks_nccl(tensors[0]) else tag
         if dst == self._g.rank() and self._speaks_nccl(tensors[0]):  # (torch's isend/irecv to self, on NCCL)
             return self._to_self(tensors)
-        return SimWork([tpd.isend(t, group=self._lane(t), group_dst=dst, tag=tag) for t in tensors], tensors)
+        return SimWork([tpd.isend(self._p2p_buffer(t), group=self._lane(t), group_dst=dst, tag=tag) for t in tensors],
+                       tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
         self._check_tag("recv", tag, tensors[0])
         tag = 0 if self._speaks_nccl(tensors[0]) else tag
         if src == self._g.rank() and self._speaks_nccl(tensors[0]):
             return self._from_self(tensors)
-        works = [tpd.irecv(t, group=self._lane(t), group_src=src, tag=tag) for t in tensors]
+        works = [tpd.irecv(self._p2p_buffer(t), group=self._lane(t), group_src=src, tag=tag) for t in tensors]
         return SimWork(works, tensors, source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> SimWork:
