@@ -16,6 +16,7 @@ import operator
 import os
 import sys
 import threading
+import types
 import unittest
 from typing import Any, Iterator
 
@@ -234,20 +235,24 @@ def classes_put_back(item: pytest.Item) -> Iterator[None]:
 
 
 def _torch_test_helpers() -> list[Any]:
-    return [m for n, m in list(sys.modules.items()) if n.startswith("torch.testing._internal.")]
+    # (an entry may be None: an import blocked on purpose)
+    return [m for n, m in list(sys.modules.items())
+            if n.startswith("torch.testing._internal.") and isinstance(m, types.ModuleType)]
 
 
 def _test_dir_modules(item: pytest.Item) -> list[Any]:
-    """The test's module and the modules imported from its folder (helpers a test file imports by name; not the
-    simulator's own, should the test live beside them)."""
+    """The test's module and the modules imported from its folder (helpers a test file imports by name; not pytest's
+    plugins there, conftest.py, whose hooks run in the parent; not the simulator's own, should the test live
+    beside them)."""
     module = getattr(item, "module", None)
     folder = os.path.dirname(getattr(module, "__file__", None) or "")
     if not folder:
         return [module] if module is not None else []
     prefix = folder + os.sep
+    plugins = item.config.pluginmanager
     return [m for n, m in list(sys.modules.items())
-            if m is module or (_in_folder(getattr(m, "__file__", None), prefix)
-                               and not n.startswith(("simulator", "tensorplay")))]
+            if m is module or (isinstance(m, types.ModuleType) and _in_folder(getattr(m, "__file__", None), prefix)
+                               and not n.startswith(("simulator", "tensorplay")) and not plugins.is_registered(m))]
 
 
 def _in_folder(path: Any, prefix: str) -> bool:
@@ -284,19 +289,28 @@ def module_globals_put_back(item: pytest.Item) -> Iterator[None]:
     spaces = [(m, dict(vars(m))) for m in own]
     containers = [(m, k, v, type(v)(v)) for m in own + _torch_test_helpers() for k, v in list(vars(m).items())
                   if type(v) in _CONTAINERS and not k.startswith("__")]
+    imported = set(sys.modules)
     try:
         yield
     finally:
+        # a module of the test's folder first imported during the test may have registered itself in them (a plugin
+        # adding a handler to its folder's registry): its import will not run again, so what it changed stays (torch's
+        # test helpers imported lazily, common_device_type and common_cuda, change none of the others)
+        watched = {id(m) for m in _test_dir_modules(item)}
+        restore = not any(id(sys.modules[n]) in watched for n in set(sys.modules) - imported)
         changed = []
         for m, was in spaces:
             now = vars(m)
             for name in [n for n in now.keys() | was.keys() if not n.startswith("__")]:
                 if now.get(name, _MISSING) is not was.get(name, _MISSING):
                     changed.append(f"{m.__name__}.{name}")
-                    _put_back(m, name, was.get(name, _MISSING), now.get(name, _MISSING))
+                    if restore:
+                        _put_back(m, name, was.get(name, _MISSING), now.get(name, _MISSING))
         for m, name, obj, was in containers:
             if not _same(was, obj):
                 changed.append(f"{m.__name__}.{name}")
+                if not restore:
+                    continue
                 if isinstance(obj, list):
                     obj[:] = was
                 else:

@@ -1012,6 +1012,9 @@ def _nccl_rules() -> dict:
     for w in tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, got, r), tdist.P2POp(tdist.isend, mine, r)]):
         w.wait()
     out["to_self"] = got.tolist()
+    rs_out = torch.empty(4, device="cuda")  # (NCCL's list reduce_scatter reads each input's elements, any shape)
+    tdist.reduce_scatter(rs_out, [torch.full((2, 2), 1.0 + i, device="cuda") for i in range(2)])
+    out["rs_shapes"] = rs_out.tolist()
     x = torch.arange(12.0, device="cuda").view(3, 4) + 100 * r  # (NCCL moves a view's storage from its first element)
     with pytest.warns(UserWarning, match="non-contiguous tensor in P2P"):
         if r == 0:
@@ -1051,6 +1054,7 @@ def test_nccl_refuses_bitwise_ops_and_dtypes_outside_its_table_before_communicat
             assert out[key].startswith("ValueError") and "Tensors must be contiguous" in out[key], out[key]
         assert out["channels_last"] == 2 * 96
         assert out["to_self"] == [r + 5.0, r + 5.0]
+        assert out["rs_shapes"] == [2.0 * (1 + r)] * 4
         if r == 1:  # rank 0's storage from element 0, six of them, into rank 1's storage from its view's first element
             assert out["p2p_view"] == [[0, 0, 1, 2], [3, 4, 5, 0], [0, 0, 0, 0]], out["p2p_view"]
         assert "invalid device ordinal" in out["barrier_past_the_last_gpu"], out["barrier_past_the_last_gpu"]

@@ -450,6 +450,48 @@ def test_module_globals_a_tests_ranks_change_are_each_ranks_own_and_end_with_the
             assert f"the test's ranks changed some {name}" in out, (name, out[-4000:])
 
 
+_REGISTERING_CASE = _two_rank_case("""
+import registry""", """
+    def test_a_a_rank_imports_a_plugin_that_registers_itself(self):
+        import plugin  # noqa: F401  (lazily, on the rank: its import adds to the folder's registry)
+        self.assertIn("x", registry.HANDLERS)
+
+    def test_b_its_registration_stands(self):
+        import plugin  # noqa: F401  (imported already: no second registration)
+        self.assertIn("x", registry.HANDLERS)
+""")
+_CONFTEST_RECORDING = """import sys
+
+import pytest
+
+sys.modules["torch.testing._internal.blocked_on_purpose"] = None  # (an import blocked the standard way)
+CALLED = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    CALLED.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"conftest saw {len(CALLED)} calls")
+"""
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_what_is_not_a_tests_ranks_own_stays_as_a_process_leaves_it(tmp_path: Path, isolation: str) -> None:
+    """Putting module globals back leaves alone what a process keeps too: a registration made by a module a rank
+    imported first (its import does not run again), the state of the folder's conftest.py (its hooks run in pytest's
+    process), and a blocked import (None) among torch's test helpers in sys.modules."""
+    work = tmp_path / isolation
+    work.mkdir()
+    (work / "registry.py").write_text("HANDLERS = {}\n")
+    (work / "plugin.py").write_text("import registry\n\nregistry.HANDLERS['x'] = 1\n")
+    (work / "conftest.py").write_text(_CONFTEST_RECORDING)
+    rc, out = _pytest_written(work, _REGISTERING_CASE, isolation)
+    assert rc == 0 and "2 passed" in out and "conftest saw 2 calls" in out, out[-4000:]
+
+
 _BASE_EXCEPTION_CASE = _two_rank_case("""
 import torch.distributed as dist
 

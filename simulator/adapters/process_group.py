@@ -446,6 +446,9 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
             input_tensors = [[t * factor for t in ins] for ins in input_tensors]
             rop = _SUM
         op = rop
+        if self._speaks_nccl(output_tensors[0]):  # (NCCL reads each input's elements, whatever its shape)
+            input_tensors = [[t.reshape(o.shape) if t.numel() == o.numel() else t for t in ins]
+                             for o, ins in zip(output_tensors, input_tensors)]
         if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
             sized = [list(ins) for ins in input_tensors]
             return SimWork([], reduce_scatter_sized(self._lane(output_tensors[0]), list(output_tensors), sized, op,
