@@ -7,6 +7,9 @@ tensors (NCCL's) are matched each in their own order, never against each other. 
 relies on it: the saver's thread gathers CPU tensors while the training loop all-reduces CUDA ones. A simulated
 group matches the operations of one communicator in one sequence, so such a group holds a second one, made by
 its members when the group is made, for its CPU tensors.
+
+Each call's tensors then follow their backend's rules; those that differ between NCCL and gloo live here too:
+NCCL's reduce ops and dtypes, its flat buffers, its point-to-point with oneself and over non-contiguous tensors.
 """
 from __future__ import annotations
 
@@ -126,6 +129,40 @@ class LanesMixin:
             warnings.warn("Detected non-contiguous tensor in P2P operations. It is user responsibility to guarantee "
                           "that source and destination tensors have the same contiguity format.", stacklevel=4)
         return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+    def _layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> torch.Tensor:
+        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0).  NCCL sees flat buffers:
+        any contiguous ``flat`` of ``W`` times ``part``'s elements (SyncBatchNorm gathers into a ``(1, W * n)``
+        tensor), handed on as a view in the concatenated layout."""
+        w = self._g.size()
+        rows = part.shape[0] if part.dim() else 1
+        want = (w * rows, *part.shape[1:])
+        if self._speaks_nccl(part):
+            if tuple(flat.shape) == want or tuple(flat.shape) == (w, *part.shape) or not flat.is_contiguous():
+                return flat
+            if flat.numel() != w * part.numel():
+                raise DistBackendError(format_message(
+                    f"torch.distributed.{name}", f"{what} tensor size must be equal to world_size times "
+                    f"{'input' if what == 'output' else 'output'} tensor size (ProcessGroupNCCL)", group=self._g.ranks,
+                    rank=self._g.rank(),
+                    values={f"{what}.numel()": flat.numel(), "world_size": w, "part.numel()": part.numel()},
+                    fix=f"allocate the {what} with {w * part.numel()} elements, e.g. shape {want}"))
+            return flat.view(want)
+        if tuple(flat.shape) != want:
+            raise DistBackendError(format_message(
+                f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
+                f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
+                group=self._g.ranks, rank=self._g.rank(),
+                values={f"{what}.shape": tuple(flat.shape), "expected": want},
+                fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
+        return flat
+
+    def _nccl_shaped(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """A list reduce_scatter's inputs as NCCL reads them: each input's elements, in its output's shape (gloo
+        compares the shapes)."""
+        if not self._speaks_nccl(outputs[0]):
+            return inputs
+        return [[t.reshape(o.shape) if t.numel() == o.numel() else t for t in ins] for o, ins in zip(outputs, inputs)]
 
     # -- NCCL's point-to-point with oneself (torch's isend/irecv allow it; gloo has no pair to itself) ---------------
     def _to_self(self, tensors: list[torch.Tensor]) -> SimWork:

@@ -375,33 +375,6 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
         flat = [t for outs in output_lists for t in outs]
         return SimWork(works, flat, refuse=_autograd_refusal("all_gather_coalesced", self._g.rank(), flat))
 
-    def _layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> torch.Tensor:
-        """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0).  NCCL sees flat buffers:
-        any contiguous ``flat`` of ``W`` times ``part``'s elements (SyncBatchNorm gathers into a ``(1, W * n)``
-        tensor), handed on as a view in the concatenated layout."""
-        w = self._g.size()
-        rows = part.shape[0] if part.dim() else 1
-        want = (w * rows, *part.shape[1:])
-        if self._speaks_nccl(part):
-            if tuple(flat.shape) == want or tuple(flat.shape) == (w, *part.shape) or not flat.is_contiguous():
-                return flat
-            if flat.numel() != w * part.numel():
-                raise DistBackendError(format_message(
-                    f"torch.distributed.{name}", f"{what} tensor size must be equal to world_size times "
-                    f"{'input' if what == 'output' else 'output'} tensor size (ProcessGroupNCCL)", group=self._g.ranks,
-                    rank=self._g.rank(),
-                    values={f"{what}.numel()": flat.numel(), "world_size": w, "part.numel()": part.numel()},
-                    fix=f"allocate the {what} with {w * part.numel()} elements, e.g. shape {want}"))
-            return flat.view(want)
-        if tuple(flat.shape) != want:
-            raise DistBackendError(format_message(
-                f"torch.distributed.{name}", f"invalid tensor size: {self._named} takes the {what} as the "
-                f"concatenation of the {w} ranks' parts along dim 0 (ProcessGroupGloo refuses any other layout)",
-                group=self._g.ranks, rank=self._g.rank(),
-                values={f"{what}.shape": tuple(flat.shape), "expected": want},
-                fix=f"allocate the {what} with shape {want} (e.g. torch.cat of the parts), or use the list form"))
-        return flat
-
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SimWork:
         laid = self._layout("all_gather_into_tensor", output, input, "output")
         return SimWork([tpd.all_gather_into_tensor(laid, input, group=self._lane(input), async_op=True)], [output],
@@ -446,9 +419,7 @@ class SimProcessGroup(SplitMixin, LanesMixin, tdist.ProcessGroup):
             input_tensors = [[t * factor for t in ins] for ins in input_tensors]
             rop = _SUM
         op = rop
-        if self._speaks_nccl(output_tensors[0]):  # (NCCL reads each input's elements, whatever its shape)
-            input_tensors = [[t.reshape(o.shape) if t.numel() == o.numel() else t for t in ins]
-                             for o, ins in zip(output_tensors, input_tensors)]
+        input_tensors = self._nccl_shaped(output_tensors, input_tensors)
         if any(t.shape != o.shape for o, ins in zip(output_tensors, input_tensors) for t in ins):
             sized = [list(ins) for ins in input_tensors]
             return SimWork([], reduce_scatter_sized(self._lane(output_tensors[0]), list(output_tensors), sized, op,
