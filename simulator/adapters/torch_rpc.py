@@ -266,7 +266,7 @@ class _AgentView:
         return _get_worker_info(worker_name)
 
     def get_worker_infos(self) -> list[Any]:
-        return api._all_worker_infos()
+        return rpc_transport.current().worker_infos()
 
 
 def _get_current_rpc_agent() -> Any:
@@ -298,7 +298,7 @@ def _all_gather(obj: Any, worker_names: Any = None, timeout: Any = trpc.constant
     """torch's ``rpc.api._all_gather`` (``{worker name: obj}`` of every worker named) on simulated workers: the
     objects meet at the leader (the least name), as in torch, in state of the leader's own instead of torch's
     module-level tables, which rank threads would share."""
-    names = tuple(sorted(worker_names or [w.name for w in api._all_worker_infos()]))
+    names = tuple(sorted(worker_names or [w.name for w in rpc_transport.current().worker_infos()]))
     me = rpc_transport.current()
     seqs = me.__dict__.setdefault("_torch_gather_seq", {})
     seq = seqs[names] = seqs.get(names, -1) + 1  # (every worker calls in the same order, as torch requires)
