@@ -128,7 +128,7 @@ class LanesMixin:
             _warned.p2p = True
             warnings.warn("Detected non-contiguous tensor in P2P operations. It is user responsibility to guarantee "
                           "that source and destination tensors have the same contiguity format.", stacklevel=4)
-        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+        return t.detach().as_strided((t.numel(),), (1,), t.storage_offset())  # (a view of its storage, no graph)
 
     def _layout(self, name: str, flat: torch.Tensor, part: torch.Tensor, what: str) -> torch.Tensor:
         """gloo takes only the concatenated layout (``flat`` = ``W`` parts along dim 0).  NCCL sees flat buffers:
