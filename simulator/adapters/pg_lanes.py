@@ -82,7 +82,9 @@ class LanesMixin:
 
     def _speaks_nccl(self, t: torch.Tensor) -> bool:
         """Whether calls on ``t`` follow NCCL's rules: an "nccl" group, or the CUDA side of "cpu:gloo,cuda:nccl"."""
-        return self._nccl_for(t.device.type)
+        named: str = self._named  # type: ignore[attr-defined]
+        # (on every group call: a tensor's device, a Python property on stand-ins, is read for mixed groups only)
+        return named == "nccl" or (":" in named and self._nccl_for(t.device.type))
 
     def _reduction(self, call: str, rop: Any, tensors: list[torch.Tensor]) -> Any:
         """``rop``, checked as ProcessGroupNCCL checks it as the call starts, for tensors that go to NCCL (gloo's

@@ -298,8 +298,7 @@ def _backend_errors(method: Any) -> Any:
         elif name not in _ANY_DTYPE:
             _gloo_dtypes(self, name, args)
         if "nccl" in self._named:
-            _nccl_dtypes(self, name, args)
-            _nccl_contiguous(self, name, args)
+            _nccl_tensors(self, name, args)
         seq = self.__dict__.get("_tp_seq", 0)
         checks = self.__dict__.get("_tp_wrapper")
         if checks is not None:  # torch's ProcessGroupWrapper (adapters.pg_wrapper): before the call, on every rank
@@ -436,20 +435,6 @@ _SCALAR_NAMES = {torch.int16: "Short", torch.uint16: "UInt16", torch.uint32: "UI
                  torch.complex32: "ComplexHalf"}
 
 
-def _nccl_dtypes(group: Any, name: str, args: tuple) -> None:
-    """NCCL's dtype rule (send and recv too: NCCL moves typed elements), before anything is communicated, for the
-    tensors that go to NCCL."""
-    for a in _tensors_in(args):
-        if a.dtype not in _NCCL_DTYPES and group._speaks_nccl(a):
-            kind = _SCALAR_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
-            raise TypeError(format_message(
-                f"torch.distributed.ProcessGroupNCCL.{name}",
-                f"Input tensor data type is not supported for NCCL process group: {kind}",
-                group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
-                fix="cast to a dtype NCCL takes (float32, float64, float16, bfloat16, float8, int8, uint8, int32, "
-                    "int64, bool) and back, e.g. t.to(torch.int32)"))
-
-
 #: the arguments (by position) each call of ProcessGroupNCCL requires contiguous, in their suggested memory format
 #: (its check_gpu_single_tensor); point-to-point and all-to-all only warn, list outputs and coalesced calls are copied
 _NCCL_CONTIGUOUS = {"allreduce": (0,), "broadcast": (0,), "reduce": (0,), "allgather": (1,),
@@ -463,10 +448,23 @@ def _dense_in_some_format(t: torch.Tensor) -> bool:
         (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
 
 
-def _nccl_contiguous(group: Any, name: str, args: tuple) -> None:
-    for at in _NCCL_CONTIGUOUS.get(name, ()):
-        for a in _tensors_in(args[at:at + 1]):
-            if group._speaks_nccl(a) and not _dense_in_some_format(a):
+def _nccl_tensors(group: Any, name: str, args: tuple) -> None:
+    """NCCL's rules for the tensors of a call that go to NCCL, before anything is communicated (one pass): its dtype
+    table (send and recv too: NCCL moves typed elements), and contiguity where the call requires it."""
+    dense_at = _NCCL_CONTIGUOUS.get(name, ())
+    for at, arg in enumerate(args):
+        for a in _tensors_in((arg,)):
+            if not group._speaks_nccl(a):
+                continue
+            if a.dtype not in _NCCL_DTYPES:
+                kind = _SCALAR_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
+                raise TypeError(format_message(
+                    f"torch.distributed.ProcessGroupNCCL.{name}",
+                    f"Input tensor data type is not supported for NCCL process group: {kind}",
+                    group=group._g.ranks, rank=group._g.rank(), values={"dtype": str(a.dtype)},
+                    fix="cast to a dtype NCCL takes (float32, float64, float16, bfloat16, float8, int8, uint8, "
+                        "int32, int64, bool) and back, e.g. t.to(torch.int32)"))
+            if at in dense_at and not _dense_in_some_format(a):
                 raise ValueError(format_message(
                     f"torch.distributed.ProcessGroupNCCL.{name}", "Tensors must be contiguous",
                     group=group._g.ranks, rank=group._g.rank(),

@@ -38,8 +38,9 @@ imported by name *before* the world started
 (``from torch.distributed.autograd import backward``) raise torch's "Could not
 find autograd context"; TorchScript RPC (``@torch.jit.script`` functions) is not
 supported.  ``rpc._get_current_rpc_agent()`` answers the worker infos only, and
-``rpc.api._all_gather`` is the simulator's (what torch's sharded tensors use).  ``isinstance(x, torch.distributed.rpc.RRef)`` is false for the
-simulator's RRefs (use their methods instead).
+``rpc.api._all_gather`` is the simulator's (what torch's sharded tensors use).
+``isinstance(x, torch.distributed.rpc.RRef)`` is false for the simulator's
+RRefs (use their methods instead).
 
 Like :mod:`simulator.adapters.torch_native`, this module touches private torch names (the wrappers'
 closures, ``_init_rpc_backend``, ``_new_context``..., each listed in :mod:`simulator.adapters.torch_private`); it checks
@@ -298,8 +299,8 @@ def _all_gather(obj: Any, worker_names: Any = None, timeout: Any = trpc.constant
     """torch's ``rpc.api._all_gather`` (``{worker name: obj}`` of every worker named) on simulated workers: the
     objects meet at the leader (the least name), as in torch, in state of the leader's own instead of torch's
     module-level tables, which rank threads would share."""
-    names = tuple(sorted(worker_names or [w.name for w in rpc_transport.current().worker_infos()]))
     me = rpc_transport.current()
+    names = tuple(sorted(worker_names or [w.name for w in me.worker_infos()]))
     seqs = me.__dict__.setdefault("_torch_gather_seq", {})
     seq = seqs[names] = seqs.get(names, -1) + 1  # (every worker calls in the same order, as torch requires)
     return api.rpc_sync(names[0], _gather_at_leader, args=((names, seq), me.name, obj, len(names)),
